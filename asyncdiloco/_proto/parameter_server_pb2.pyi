@@ -1,0 +1,256 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
+    PUSH_KIND_PSEUDO_GRADIENT: _ClassVar[PushKind]
+    PUSH_KIND_INITIAL_PARAMETERS: _ClassVar[PushKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+PUSH_KIND_UNSPECIFIED: PushKind
+PUSH_KIND_PSEUDO_GRADIENT: PushKind
+PUSH_KIND_INITIAL_PARAMETERS: PushKind
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("tensors", "total_bytes", "manifest_hash")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    manifest_hash: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode")
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    local_steps: int
+    chunk_bytes: int
+    lease_s: float
+    max_staleness: int
+    mode: str
+    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("manifest", "worker_name", "steps_per_s")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    worker_name: str
+    steps_per_s: float
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., worker_name: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    run_config: RunConfig
+    manifest: Manifest
+    version: int
+    initialize: bool
+    def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("version", "total_bytes", "num_chunks", "crc32", "run_config")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    total_bytes: int
+    num_chunks: int
+    crc32: int
+    run_config: RunConfig
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ...) -> None: ...
+
+class PayloadChunk(_message.Message):
+    __slots__ = ("index", "offset", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: PayloadChunk
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    push_id: int
+    base_version: int
+    num_local_steps: int
+    num_tokens: int
+    total_bytes: int
+    num_chunks: int
+    crc32: int
+    kind: PushKind
+    compute_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class PushMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: PayloadChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    duplicate: bool
+    version: int
+    staleness: int
+    staleness_weight: float
+    local_steps: int
+    def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("version", "lease_remaining_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    lease_remaining_s: float
+    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "worker_name", "applied_pushes", "rejected_pushes", "tokens", "local_steps", "last_seen_s", "alive")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    worker_name: str
+    applied_pushes: int
+    rejected_pushes: int
+    tokens: int
+    local_steps: int
+    last_seen_s: float
+    alive: bool
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    OUTER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    applied_pushes: int
+    rejected_pushes: int
+    duplicate_pushes: int
+    staleness_histogram: _containers.RepeatedScalarFieldContainer[int]
+    bytes_pushed: int
+    bytes_pulled: int
+    tokens: int
+    uptime_s: float
+    initialized: bool
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    run_config: RunConfig
+    outer_optimizer: str
+    staleness_weighting: str
+    manifest: Manifest
+    pulls: int
+    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ...) -> None: ...

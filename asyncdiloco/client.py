@@ -1,0 +1,178 @@
+"""Typed gRPC client for the parameter server: deadlines, streaming, errors mapped back.
+
+Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB of
+payload for Push and Pull). A ``grpc.RpcError`` is re-raised as the library exception
+for its status code (errors.py), with the server's message. Retrying is the caller's
+policy (the Worker retries with backoff).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import torch
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
+from asyncdiloco.ps.server import grpc_channel_options
+from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """Result of a pull: the global parameters at ``version`` as a uint8 payload."""
+
+    version: int
+    payload: torch.Tensor
+    run_config: pb.RunConfig
+
+
+class ParameterServerClient:
+    """One channel to the parameter server at ``address`` ("HOST:PORT").
+
+    Args:
+        address: "HOST:PORT".
+        rpc_timeout_s: deadline for small calls, seconds.
+        timeout_s_per_mib: extra deadline per MiB of payload for Push/Pull, seconds.
+        chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        timeout_s_per_mib: float = 1.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.timeout_s_per_mib = timeout_s_per_mib
+        self.chunk_bytes = chunk_bytes
+        # Channel limits follow the largest chunk the library allows, so a server with
+        # any valid chunk_bytes can be talked to before its RunConfig is known.
+        self._channel = grpc.insecure_channel(address, options=grpc_channel_options(64 * _MIB))
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ParameterServerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _payload_timeout(self, num_bytes: int) -> float:
+        return self.rpc_timeout_s + self.timeout_s_per_mib * num_bytes / _MIB
+
+    # ---------------------------------------------------------------- calls
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> pb.JoinReply:
+        """Register; raises ManifestMismatchError, ServerUnavailableError, ..."""
+        try:
+            reply = self._stub.Join(
+                pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
+                timeout=self.rpc_timeout_s,
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
+        return reply
+
+    def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
+        """Stream the newest global parameters into ``buffer`` (or a new uint8 tensor).
+
+        Raises:
+            NotInitializedError: no initial parameters yet. InvalidPayloadError: the
+            stream was malformed or corrupted. ServerUnavailableError: connection lost.
+        """
+        total = manifest.total_bytes
+        try:
+            stream = self._stub.Pull(pb.PullRequest(worker_id=worker_id), timeout=self._payload_timeout(total))
+            first = next(stream, None)
+            if first is None or first.WhichOneof("body") != "header":
+                raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
+            header = first.header
+            if header.total_bytes != total:
+                raise InvalidPayloadError(
+                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes"
+                )
+            chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
+            assembler = PayloadAssembler(
+                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32, chunk_bytes=chunk_bytes,
+                buffer=buffer,
+            )
+            for msg in stream:
+                if msg.WhichOneof("body") != "chunk":
+                    raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
+                assembler.add(msg.chunk)
+            payload = assembler.finish()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return Pulled(header.version, payload, header.run_config)
+
+    def push(
+        self,
+        payload: torch.Tensor,
+        *,
+        worker_id: int,
+        push_id: int,
+        base_version: int,
+        num_local_steps: int = 0,
+        num_tokens: int = 0,
+        compute_s: float = 0.0,
+        kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+    ) -> pb.PushReply:
+        """Stream one payload (pseudo-gradient or initial parameters).
+
+        Args:
+            payload: 1-D uint8 CPU tensor in the manifest's layout.
+        Raises:
+            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
+            ServerUnavailableError (outcome unknown: retry with the same push_id).
+        """
+        total = payload.numel()
+        header = pb.PushHeader(
+            worker_id=worker_id,
+            push_id=push_id,
+            base_version=base_version,
+            num_local_steps=num_local_steps,
+            num_tokens=num_tokens,
+            total_bytes=total,
+            num_chunks=num_chunks_for(total, self.chunk_bytes),
+            crc32=crc32_of(payload),
+            kind=kind,
+            compute_s=compute_s,
+        )
+
+        def messages():
+            yield pb.PushMessage(header=header)
+            for chunk in iter_chunks(payload, self.chunk_bytes):
+                yield pb.PushMessage(chunk=chunk)
+
+        try:
+            return self._stub.Push(messages(), timeout=self._payload_timeout(total))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def heartbeat(self, worker_id: int) -> pb.HeartbeatReply:
+        try:
+            return self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def leave(self, worker_id: int) -> None:
+        try:
+            self._stub.Leave(pb.LeaveRequest(worker_id=worker_id), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def status(self) -> pb.StatusReply:
+        try:
+            return self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None

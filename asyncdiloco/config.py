@@ -1,0 +1,133 @@
+"""Frozen, keyword-only configuration dataclasses, validated in ``__post_init__``.
+
+Each field carries its unit in its name or doc. A bad value raises ``ConfigError``
+naming the field, the value, the allowed range and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+STALENESS_WEIGHTINGS = ("constant", "inverse", "polynomial", "hinge")
+
+
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}={value!r} is invalid: {rule}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer optimizer and staleness weighting the server applies.
+
+    Defaults follow DiLoCo (Douillard et al. 2023, arXiv 2311.08105, Sec. 3): Nesterov
+    momentum with η = 0.7, μ = 0.9.
+    """
+
+    #: "nesterov" (SGD with Nesterov momentum) or "sgd" (heavy-ball momentum; with
+    #: lr=1, momentum=0 the server adopts each worker's parameters: LocalSGD averaging).
+    optimizer: str = "nesterov"
+    #: η, the outer learning rate (dimensionless; scales the pseudo-gradient).
+    lr: float = 0.7
+    #: μ, the outer momentum coefficient in [0, 1).
+    momentum: float = 0.9
+    #: s(τ): "constant" 1; "inverse" 1/(1+τ); "polynomial" (1+τ)^-a;
+    #: "hinge" 1 if τ ≤ b else 1/(a(τ−b)+1)  (Xie et al. 2019, arXiv 1903.03934, Sec. 5.2).
+    staleness: str = "constant"
+    #: a, the exponent (polynomial) or slope (hinge).
+    staleness_a: float = 0.5
+    #: b, the hinge's grace in versions.
+    staleness_b: int = 4
+    #: Pushes with staleness τ above this many versions are refused (FAILED_PRECONDITION).
+    max_staleness: int = 1000
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
+        _require(math.isfinite(self.lr) and self.lr > 0, "outer lr", self.lr, "must be a finite number > 0 (DiLoCo uses 0.7)")
+        _require(0 <= self.momentum < 1, "outer momentum", self.momentum, "must lie in [0, 1) (DiLoCo uses 0.9)")
+        _require(
+            self.staleness in STALENESS_WEIGHTINGS, "staleness", self.staleness, f"choose one of {STALENESS_WEIGHTINGS}"
+        )
+        _require(math.isfinite(self.staleness_a) and self.staleness_a >= 0, "staleness_a", self.staleness_a, "must be >= 0")
+        _require(self.staleness_b >= 0, "staleness_b", self.staleness_b, "must be >= 0 versions")
+        _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0 versions")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The parameter server process: address, run config it dictates, limits."""
+
+    #: Interface to bind. 127.0.0.1 by default; "0.0.0.0" (all interfaces) is an explicit choice.
+    host: str = "127.0.0.1"
+    #: TCP port; 0 picks a free one (read it from ``ParameterServer.port``).
+    port: int = 29500
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    #: H, inner steps each worker runs between two pushes (dictated to workers on Join).
+    local_steps: int = 50
+    #: Largest payload chunk in bytes, both directions (gRPC messages stay far below its limits).
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: Largest model payload accepted, in bytes.
+    max_payload_bytes: int = 16 * 1024**3
+    #: Seconds without any RPC from a worker before its lease expires.
+    lease_s: float = 60.0
+    #: Threads serving RPCs; each in-flight push or pull holds one.
+    max_concurrent_rpcs: int = 64
+    #: Staleness histogram buckets; the last bucket counts every larger τ.
+    histogram_buckets: int = 32
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
+        _require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")
+        _require(
+            1024 <= self.chunk_bytes <= 64 * 1024**2,
+            "chunk_bytes",
+            self.chunk_bytes,
+            "must be in [1 KiB, 64 MiB]; 4 MiB is the measured sweet spot",
+        )
+        _require(self.max_payload_bytes >= 1, "max_payload_bytes", self.max_payload_bytes, "must be >= 1 byte")
+        _require(self.lease_s > 0, "lease_s", self.lease_s, "must be > 0 seconds")
+        _require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
+        _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """How a worker talks to the server (the run config itself comes from the server)."""
+
+    #: "HOST:PORT" of the parameter server.
+    server: str = "127.0.0.1:29500"
+    #: Name shown in the server's status and reports.
+    worker_name: str = ""
+    #: Deadline for small RPCs (join, heartbeat, status), seconds.
+    rpc_timeout_s: float = 10.0
+    #: Extra deadline per MiB of payload for push and pull, seconds (≥ 1 MiB/s assumed).
+    timeout_s_per_mib: float = 1.0
+    #: Give up joining after this many seconds of retries (then ServerUnavailableError).
+    join_timeout_s: float = 30.0
+    #: First retry delay after a failed sync, seconds; doubles up to ``max_backoff_s``.
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    #: Heartbeat period in seconds; None = a third of the server's lease.
+    heartbeat_s: float | None = None
+    #: Push the steps taken since the last sync when the worker closes.
+    push_on_close: bool = True
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.server.rpartition(":")
+        _require(bool(sep) and bool(host) and port.isdigit(), "server", self.server, "give HOST:PORT, e.g. 127.0.0.1:29500")
+        for name in ("rpc_timeout_s", "timeout_s_per_mib", "initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            _require(value > 0, name, value, "must be > 0 seconds")
+        _require(self.join_timeout_s >= 0, "join_timeout_s", self.join_timeout_s, "must be >= 0 seconds")
+        _require(
+            self.max_backoff_s >= self.initial_backoff_s,
+            "max_backoff_s",
+            self.max_backoff_s,
+            f"must be >= initial_backoff_s={self.initial_backoff_s}",
+        )
+        _require(self.heartbeat_s is None or self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "must be > 0 or None")

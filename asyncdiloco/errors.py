@@ -1,0 +1,96 @@
+"""Every exception the library raises on purpose.
+
+Each message names the offending value, the limit it broke and the fix. On the wire each
+error maps to one gRPC status code (``grpc_code``); the servicer turns the exception into
+that status with the same message, and the client turns the status back into the
+exception, so library users and remote workers see the same words.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class AsyncDiLoCoError(Exception):
+    """Base class. ``grpc_code`` is the status a servicer answers with."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class ConfigError(AsyncDiLoCoError, ValueError):
+    """A configuration value is out of range (raised by the config dataclasses)."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class InvalidPayloadError(AsyncDiLoCoError, ValueError):
+    """A payload is malformed: chunk sequence, sizes, checksum, dtype, non-finite values."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class PayloadTooLargeError(AsyncDiLoCoError, ValueError):
+    """A payload or chunk is larger than the configured limit."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ManifestMismatchError(AsyncDiLoCoError):
+    """The worker's model differs from the server's (names, shapes or dtypes)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StalePushError(AsyncDiLoCoError):
+    """A pseudo-gradient's staleness exceeds ``max_staleness``, or its base version is
+    from the future."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotInitializedError(AsyncDiLoCoError):
+    """The server holds no global parameters yet (the first worker has not pushed them)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnknownWorkerError(AsyncDiLoCoError):
+    """The worker id is unknown to the server, or its lease expired; rejoin."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):
+    """The server could not be reached (after the configured retries)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidPayloadError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PayloadTooLargeError,
+    grpc.StatusCode.NOT_FOUND: UnknownWorkerError,
+    grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ServerUnavailableError,
+    grpc.StatusCode.CANCELLED: ServerUnavailableError,
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
+    """Map a ``grpc.RpcError`` back to the library exception with the server's message.
+
+    FAILED_PRECONDITION is told apart by the message prefix the servicer writes
+    (``"manifest mismatch"``, ``"not initialized"`` or a staleness refusal).
+    """
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        if details.startswith("manifest mismatch"):
+            return ManifestMismatchError(details)
+        return StalePushError(details)
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith("not initialized"):
+        return NotInitializedError(details)
+    cls = _BY_CODE.get(code, AsyncDiLoCoError)
+    if cls is ServerUnavailableError:
+        return cls(f"{code.name}: {details}")
+    return cls(details) if cls is not AsyncDiLoCoError else cls(f"{code.name}: {details}")

@@ -1,0 +1,100 @@
+"""The parameter server as a running gRPC server (in this process).
+
+``ParameterServer(config).start()`` binds ``config.host:config.port`` (port 0 picks a
+free port; read ``.port``), serves until ``stop()``. The CLI's ``asyncdiloco server``
+wraps this with signal handling.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+
+from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.config import ServerConfig
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps.service import ParameterServerService
+from asyncdiloco.ps.state import ParameterServerState
+
+log = logging.getLogger(__name__)
+
+#: Room for the non-payload fields of a chunk message, in bytes.
+_MESSAGE_OVERHEAD_BYTES = 64 * 1024
+
+
+def grpc_channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options shared by the server and clients: message limits just above one
+    chunk, keepalive pings that survive long pushes, and no SO_REUSEPORT (so a port in
+    use is an error instead of two servers sharing it)."""
+    limit = chunk_bytes + _MESSAGE_OVERHEAD_BYTES
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class ParameterServer:
+    """A gRPC parameter server around a ``ParameterServerState``.
+
+    Args:
+        config: address, outer optimizer, H, limits.
+    Raises:
+        ConfigError (from ``start``): the address cannot be bound (port in use, bad host).
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.state = ParameterServerState(config)
+        self._server: grpc.Server | None = None
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        """"HOST:PORT" workers connect to (valid after ``start``)."""
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> "ParameterServer":
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.config.max_concurrent_rpcs, thread_name_prefix="ps-rpc"),
+            options=grpc_channel_options(self.config.chunk_bytes),
+        )
+        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(self.state), server)
+        target = f"{self.config.host}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:  # grpcio raises when it cannot bind
+            port = 0
+            log.debug("bind failed: %s", exc)
+        if port == 0:
+            server.stop(None)
+            raise ConfigError(
+                f"cannot listen on {target}: the port is already in use or the host is not an address of "
+                f"this machine; choose another --port (or --port 0 for a free one) or fix --host"
+            )
+        server.start()
+        self._server, self.port = server, port
+        log.info("parameter server listening on %s", self.address)
+        return self
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server = None
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the server stops (or ``timeout_s`` passes). True if stopped."""
+        return self._server.wait_for_termination(timeout_s) if self._server else True
+
+    def __enter__(self) -> "ParameterServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,400 @@
+"""The parameter server's state and logic, free of any network code.
+
+Owns the fp32 global parameters θ, the outer optimizer (and its momentum), the global
+version, the worker table (leases by the server's monotonic clock) and the counters.
+``ParameterServerService`` (service.py) only decodes requests, calls these methods and
+encodes replies, so everything here is testable in-process.
+
+Concurrency: one lock guards θ, momentum, version, workers and counters, and is held
+only for bookkeeping and the in-place outer step. Decoding, CRC checks and the
+finiteness check of a pseudo-gradient happen before the lock is taken. Pulls are served
+from an immutable ``Snapshot`` (a private copy of θ at one version), so a pull never
+blocks an update and never mixes two versions.
+
+Push semantics (Liu et al. 2024, arXiv 2401.09135, Sec. 3; staleness weights in
+outer.py): a pseudo-gradient with base version v arriving at version V has staleness
+τ = V − v; it is refused when τ > max_staleness or v > V, otherwise applied at once and
+the version becomes V + 1. ``(worker_id, push_id)`` makes a retried push idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.config import ServerConfig
+from asyncdiloco.errors import (
+    InvalidPayloadError,
+    NotInitializedError,
+    PayloadTooLargeError,
+    StalePushError,
+    UnknownWorkerError,
+)
+from asyncdiloco.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
+
+log = logging.getLogger(__name__)
+
+#: Outcomes remembered per worker for answering retried pushes.
+_PUSH_MEMORY = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The global parameters at one version, packed for the wire; never mutated.
+
+    Attributes:
+        version: the global version.
+        payload: 1-D uint8 CPU tensor, the manifest's payload layout.
+        crc32: CRC-32 of ``payload``.
+    """
+
+    version: int
+    payload: torch.Tensor
+    crc32: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOutcome:
+    applied: bool
+    duplicate: bool
+    version: int
+    staleness: int
+    staleness_weight: float
+    local_steps: int
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    worker_id: int
+    name: str
+    joined_at: float
+    last_seen: float
+    alive: bool = True
+    applied_pushes: int = 0
+    rejected_pushes: int = 0
+    tokens: int = 0
+    local_steps: int = 0
+    outcomes: "OrderedDict[int, PushOutcome]" = dataclasses.field(default_factory=OrderedDict)
+
+
+class ParameterServerState:
+    """Global model, outer optimizer, version, workers and counters.
+
+    Args:
+        config: the server configuration.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
+        self.manifest: Manifest | None = None
+        self.params: torch.Tensor | None = None  # θ, float32 (N,)
+        self.outer: OuterOptimizer | None = None
+        self.version = 0
+        self._initializer: int | None = None  # worker id told to push initial parameters
+        self._snapshot: Snapshot | None = None
+        self._workers: dict[int, WorkerRecord] = {}
+        self._next_worker_id = 1
+        self.applied_pushes = 0
+        self.rejected_pushes = 0
+        self.duplicate_pushes = 0
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        self.pulls = 0
+        self.tokens = 0
+        self.staleness_histogram = [0] * config.histogram_buckets
+
+    # ------------------------------------------------------------ properties
+    @property
+    def initialized(self) -> bool:
+        return self.params is not None
+
+    def run_config(self) -> pb.RunConfig:
+        return pb.RunConfig(
+            local_steps=self.config.local_steps,
+            chunk_bytes=self.config.chunk_bytes,
+            lease_s=self.config.lease_s,
+            max_staleness=self.config.outer.max_staleness,
+            mode="async",
+        )
+
+    # --------------------------------------------------------------- workers
+    def join(self, manifest: Manifest, worker_name: str = "") -> tuple[int, bool, int]:
+        """Register a worker whose model has ``manifest``.
+
+        Returns:
+            (worker_id, initialize, version): ``initialize`` is True when this worker
+            must push the initial parameters.
+        Raises:
+            ManifestMismatchError: the manifest differs from the server's.
+            PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
+        """
+        if manifest.total_bytes > self.config.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"model of {manifest.total_bytes} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}; "
+                f"start the server with a larger --max-payload-bytes"
+            )
+        with self._lock:
+            now = self._clock()
+            self._expire_locked(now)
+            if self.manifest is None:
+                self.manifest = manifest
+            else:
+                manifest.check_same(self.manifest)
+            worker_id = self._next_worker_id
+            self._next_worker_id += 1
+            self._workers[worker_id] = WorkerRecord(worker_id, worker_name or f"worker-{worker_id}", now, now)
+            initialize = False
+            if not self.initialized:
+                holder = self._workers.get(self._initializer) if self._initializer else None
+                if holder is None or not holder.alive:
+                    self._initializer = worker_id
+                    initialize = True
+            log.info("worker %d (%s) joined at version %d%s", worker_id, worker_name, self.version,
+                     " and initializes the global model" if initialize else "")
+            return worker_id, initialize, self.version
+
+    def heartbeat(self, worker_id: int) -> tuple[int, float]:
+        """Renew the lease. Returns (version, seconds until the lease expires)."""
+        with self._lock:
+            self._touch_locked(worker_id)
+            return self.version, self.config.lease_s
+
+    def leave(self, worker_id: int) -> None:
+        with self._lock:
+            rec = self._workers.get(worker_id)
+            if rec is not None:
+                rec.alive = False
+                log.info("worker %d (%s) left", worker_id, rec.name)
+
+    def _expire_locked(self, now: float) -> None:
+        for rec in self._workers.values():
+            if rec.alive and now - rec.last_seen > self.config.lease_s:
+                rec.alive = False
+                log.warning("worker %d (%s): lease expired after %.1f s of silence", rec.worker_id, rec.name,
+                            now - rec.last_seen)
+
+    def _touch_locked(self, worker_id: int) -> WorkerRecord:
+        now = self._clock()
+        self._expire_locked(now)
+        rec = self._workers.get(worker_id)
+        if rec is None:
+            raise UnknownWorkerError(
+                f"worker_id {worker_id} is unknown to this server (ids 1..{self._next_worker_id - 1} were issued); "
+                f"call Join again"
+            )
+        if not rec.alive:
+            raise UnknownWorkerError(
+                f"worker_id {worker_id} is no longer registered (it left, or was silent longer than "
+                f"lease_s={self.config.lease_s:g}); call Join again"
+            )
+        rec.last_seen = now
+        return rec
+
+    # ------------------------------------------------------------------ pull
+    def snapshot(self) -> Snapshot:
+        """The newest global parameters, packed once per version and shared by all pulls.
+
+        Raises:
+            NotInitializedError: no worker has pushed the initial parameters yet.
+        """
+        snap = self._snapshot
+        if snap is not None and snap.version == self.version:
+            return snap
+        with self._snapshot_lock:  # one builder at a time; the others reuse its result
+            with self._lock:
+                snap = self._snapshot
+                if self.params is None:
+                    raise NotInitializedError(
+                        "not initialized: no worker has pushed the initial parameters yet; retry shortly"
+                    )
+                if snap is not None and snap.version == self.version:
+                    return snap
+                version = self.version
+                payload = self.manifest.pack_flat(self.params)  # a private copy of θ
+            snap = Snapshot(version, payload, crc32_of(payload))
+            self._snapshot = snap
+            return snap
+
+    def record_pull(self, worker_id: int, num_bytes: int) -> None:
+        with self._lock:
+            self.pulls += 1
+            self.bytes_pulled += num_bytes
+            rec = self._workers.get(worker_id)
+            if rec is not None and rec.alive:
+                rec.last_seen = self._clock()
+
+    # ------------------------------------------------------------------ push
+    def begin_push(self, header: pb.PushHeader) -> PayloadAssembler | PushOutcome:
+        """Check a push header before its payload arrives.
+
+        Returns:
+            A ``PayloadAssembler`` to feed the chunks to, or the original outcome when
+            this ``(worker_id, push_id)`` was applied before (a retry).
+        Raises:
+            UnknownWorkerError, InvalidPayloadError, PayloadTooLargeError,
+            NotInitializedError: nothing is changed.
+        """
+        with self._lock:
+            rec = self._workers.get(header.worker_id)
+            if rec is not None and header.push_id in rec.outcomes:
+                return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
+            self._touch_locked(header.worker_id)
+            if header.push_id < 1:
+                raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
+            if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
+                if self.initialized:
+                    raise StalePushError(
+                        f"initial parameters from worker {header.worker_id} refused: the server is already "
+                        f"initialized at version {self.version}; pull the global model instead"
+                    )
+                if header.worker_id != self._initializer:
+                    raise StalePushError(
+                        f"initial parameters from worker {header.worker_id} refused: worker {self._initializer} "
+                        f"was chosen to initialize; pull the global model once it is there"
+                    )
+            elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
+                if not self.initialized:
+                    raise NotInitializedError("not initialized: no global parameters yet to apply a pseudo-gradient to")
+            else:
+                raise InvalidPayloadError(
+                    f"push kind {header.kind} is not one of PUSH_KIND_PSEUDO_GRADIENT (1), "
+                    f"PUSH_KIND_INITIAL_PARAMETERS (2)"
+                )
+            for name in ("num_local_steps", "num_tokens"):
+                if getattr(header, name) < 0:
+                    raise InvalidPayloadError(f"{name} is {getattr(header, name)}; it must be >= 0")
+            total = self.manifest.total_bytes
+        if header.total_bytes != total:
+            raise InvalidPayloadError(
+                f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes "
+                f"(see the manifest from Join)"
+            )
+        return PayloadAssembler(
+            total_bytes=header.total_bytes,
+            num_chunks=header.num_chunks,
+            crc32=header.crc32,
+            chunk_bytes=self.config.chunk_bytes,
+            max_bytes=self.config.max_payload_bytes,
+        )
+
+    def apply_push(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        """Apply a complete, CRC-checked payload: the initial parameters, or a
+        pseudo-gradient with the outer optimizer weighted by its staleness.
+
+        Raises:
+            InvalidPayloadError: non-finite values.
+            StalePushError: τ > max_staleness, or a base version from the future.
+            UnknownWorkerError: the worker's lease expired meanwhile.
+            In every case θ, momentum, version and the applied counters are unchanged.
+        """
+        delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
+        if not bool(torch.isfinite(delta).all()):
+            bad = int((~torch.isfinite(delta)).sum())
+            raise InvalidPayloadError(
+                f"payload from worker {header.worker_id} holds {bad} non-finite values (NaN/Inf); "
+                f"the limit is 0: lower the inner learning rate or clip gradients"
+            )
+        with self._lock:
+            rec = self._workers.get(header.worker_id)
+            if rec is not None and header.push_id in rec.outcomes:  # a concurrent retry won the race
+                return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
+            rec = self._touch_locked(header.worker_id)
+            if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
+                if self.initialized:
+                    raise StalePushError(
+                        f"initial parameters from worker {header.worker_id} refused: already initialized"
+                    )
+                self.params = delta.clone()
+                self.outer = OuterOptimizer(self.params, self.config.outer)
+                outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
+                log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
+            else:
+                tau = self.version - header.base_version
+                if tau < 0:
+                    raise StalePushError(
+                        f"base_version {header.base_version} is from the future: the server is at version "
+                        f"{self.version}; pull the global model and push against its version"
+                    )
+                limit = self.config.outer.max_staleness
+                if tau > limit:
+                    raise StalePushError(
+                        f"staleness {tau} (base_version {header.base_version}, server version {self.version}) "
+                        f"exceeds max_staleness={limit}; pull the global model and sync more often "
+                        f"(smaller H) or raise --max-staleness"
+                    )
+                weight = staleness_weight(self.config.outer, tau)
+                self.outer.step(delta, weight)
+                self.version += 1
+                self.applied_pushes += 1
+                self.tokens += header.num_tokens
+                self.bytes_pushed += header.total_bytes
+                self.staleness_histogram[min(tau, len(self.staleness_histogram) - 1)] += 1
+                rec.applied_pushes += 1
+                rec.tokens += header.num_tokens
+                rec.local_steps += header.num_local_steps
+                outcome = PushOutcome(True, False, self.version, tau, weight, self.config.local_steps)
+            rec.outcomes[header.push_id] = outcome
+            while len(rec.outcomes) > _PUSH_MEMORY:
+                rec.outcomes.popitem(last=False)
+            return outcome
+
+    def record_rejected(self, worker_id: int) -> None:
+        with self._lock:
+            self.rejected_pushes += 1
+            rec = self._workers.get(worker_id)
+            if rec is not None:
+                rec.rejected_pushes += 1
+
+    def record_duplicate(self) -> None:
+        with self._lock:
+            self.duplicate_pushes += 1
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> pb.StatusReply:
+        with self._lock:
+            now = self._clock()
+            self._expire_locked(now)
+            opt, stal = describe(self.config.outer)
+            return pb.StatusReply(
+                version=self.version,
+                applied_pushes=self.applied_pushes,
+                rejected_pushes=self.rejected_pushes,
+                duplicate_pushes=self.duplicate_pushes,
+                staleness_histogram=list(self.staleness_histogram),
+                bytes_pushed=self.bytes_pushed,
+                bytes_pulled=self.bytes_pulled,
+                tokens=self.tokens,
+                uptime_s=now - self._started,
+                initialized=self.initialized,
+                workers=[
+                    pb.WorkerStatus(
+                        worker_id=r.worker_id,
+                        worker_name=r.name,
+                        applied_pushes=r.applied_pushes,
+                        rejected_pushes=r.rejected_pushes,
+                        tokens=r.tokens,
+                        local_steps=r.local_steps,
+                        last_seen_s=now - r.last_seen,
+                        alive=r.alive,
+                    )
+                    for r in self._workers.values()
+                ],
+                run_config=self.run_config(),
+                outer_optimizer=opt,
+                staleness_weighting=stal,
+                manifest=self.manifest.to_proto() if self.manifest else None,
+                pulls=self.pulls,
+            )
