@@ -130,6 +130,8 @@ class AsyncDiLoCoWorker:
         self._backoff_s = config.initial_backoff_s
         self._next_attempt = 0.0
         self._needs_rejoin = False
+        self._must_initialize = False
+        self._rejoining = False
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -145,15 +147,18 @@ class AsyncDiLoCoWorker:
                 self._join_once()
                 break
             except (ServerUnavailableError, NotInitializedError) as exc:
-                if time.monotonic() + delay > deadline:
+                # The initial parameters are a push away: poll for them quickly.
+                wait_s = 0.1 if isinstance(exc, NotInitializedError) else delay
+                if time.monotonic() + wait_s > deadline:
                     raise ServerUnavailableError(
                         f"could not join the parameter server at {self.config.server} within "
                         f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `asyncdiloco server` "
                         f"runs there and that host and port are right, or raise --join-timeout"
                     ) from None
-                log.info("join: %s; retrying in %.1f s", exc, delay)
-                time.sleep(delay)
-                delay = min(2 * delay, self.config.max_backoff_s)
+                log.info("join: %s; retrying in %.1f s", exc, wait_s)
+                time.sleep(wait_s)
+                if wait_s == delay:
+                    delay = min(2 * delay, self.config.max_backoff_s)
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
             self._heartbeat.start()
@@ -162,17 +167,21 @@ class AsyncDiLoCoWorker:
         if not self.worker_id:
             reply = self.client.join(self.manifest, self.config.worker_name)
             self.worker_id = reply.worker_id
-            self._next_push_id = 1
+            self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
+            self._must_initialize = reply.initialize
             self.local_steps = reply.run_config.local_steps
             self._lease_s = reply.run_config.lease_s
-            if reply.initialize:
-                self._load_local_into_base()
-                self._send_payload(
-                    self.manifest.pack_flat(self._base, out=self._payload), kind=pb.PUSH_KIND_INITIAL_PARAMETERS
-                )
-                self.version = 0
-                log.info("worker %d initialized the global model", self.worker_id)
-                return
+        if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
+            self._load_local_into_base()
+            self._send_payload(
+                self.manifest.pack_flat(self._base, out=self._payload),
+                pending=_PendingPush(push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
+                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            )
+            self._must_initialize = False
+            self.version = 0
+            log.info("worker %d initialized the global model", self.worker_id)
+            return
         self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
 
     def close(self) -> None:
@@ -235,7 +244,7 @@ class AsyncDiLoCoWorker:
                 return True
             self._push_round()
             self._pull_and_load()
-        except ServerUnavailableError as exc:
+        except (ServerUnavailableError, NotInitializedError) as exc:
             self.stats.sync_failures += 1
             self._next_attempt = time.monotonic() + self._backoff_s
             log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
@@ -295,11 +304,8 @@ class AsyncDiLoCoWorker:
         self.local_steps = reply.local_steps or self.local_steps
 
     def _send_payload(
-        self, payload: torch.Tensor, *, pending: _PendingPush | None = None, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT
+        self, payload: torch.Tensor, *, pending: _PendingPush, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT
     ) -> pb.PushReply:
-        if pending is None:
-            pending = _PendingPush(self._next_push_id, 0, 0, 0, 0.0)
-            self._next_push_id += 1
         reply = self.client.push(
             payload,
             worker_id=self.worker_id,
@@ -340,9 +346,12 @@ class AsyncDiLoCoWorker:
                 pos += n
 
     def _rejoin(self) -> None:
-        self.worker_id = 0
-        self._pending = None
+        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
+            self.worker_id = 0
+            self._pending = None
+            self._rejoining = True
         self._join_once()
+        self._rejoining = False
         self._needs_rejoin = False
         log.info("rejoined as worker %d at version %d", self.worker_id, self.version)
 

@@ -1,0 +1,237 @@
+"""The ``asyncdiloco`` command: ``server``, ``worker`` and ``demo`` subcommands.
+
+Thin: parses flags into the config dataclasses, configures logging, and calls the
+library. Errors from the library are printed as one line and exit with status 2
+(bad configuration) or 1 (could not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from asyncdiloco.config import OUTER_OPTIMIZERS, STALENESS_WEIGHTINGS, OuterConfig, ServerConfig, WorkerConfig
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+
+log = logging.getLogger("asyncdiloco.cli")
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose < 0 else logging.INFO if verbose == 0 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    d, o = ServerConfig(), OuterConfig()
+    p.add_argument("--local-steps", "-H", type=int, default=d.local_steps, help=f"H, inner steps between pushes (default {d.local_steps})")
+    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=o.optimizer, help="outer optimizer (default nesterov)")
+    p.add_argument("--outer-lr", type=float, default=o.lr, help=f"outer learning rate η (default {o.lr})")
+    p.add_argument("--outer-momentum", type=float, default=o.momentum, help=f"outer momentum μ (default {o.momentum})")
+    p.add_argument("--staleness", choices=STALENESS_WEIGHTINGS, default=o.staleness, help="staleness weighting s(τ)")
+    p.add_argument("--staleness-a", type=float, default=o.staleness_a, help="a: polynomial exponent / hinge slope")
+    p.add_argument("--staleness-b", type=int, default=o.staleness_b, help="b: hinge grace, versions")
+    p.add_argument("--max-staleness", type=int, default=o.max_staleness, help="refuse pushes staler than this many versions")
+    p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default 4 MiB)")
+    p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped")
+
+
+def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConfig:
+    outer = OuterConfig(
+        optimizer=args.outer_optimizer,
+        lr=args.outer_lr,
+        momentum=args.outer_momentum,
+        staleness=args.staleness,
+        staleness_a=args.staleness_a,
+        staleness_b=args.staleness_b,
+        max_staleness=args.max_staleness,
+    )
+    return ServerConfig(
+        host=host, port=port, outer=outer, local_steps=args.local_steps, chunk_bytes=args.chunk_bytes, lease_s=args.lease_s
+    )
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    from asyncdiloco.job import JobConfig
+
+    d = JobConfig()
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per inner step (default {d.batch_size})")
+    p.add_argument("--context-len", type=int, default=d.context_len, help=f"characters per sequence (default {d.context_len})")
+    p.add_argument("--n-layer", type=int, default=d.n_layer, help=f"transformer blocks (default {d.n_layer})")
+    p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"model width (default {d.n_embd})")
+    p.add_argument("--n-head", type=int, default=d.n_head, help=f"attention heads (default {d.n_head})")
+    p.add_argument("--inner-lr", type=float, default=d.inner_lr, help=f"AdamW learning rate (default {d.inner_lr})")
+    p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed")
+
+
+def _job_config(args: argparse.Namespace):
+    from asyncdiloco.job import JobConfig
+
+    return JobConfig(
+        batch_size=args.batch_size,
+        context_len=args.context_len,
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        inner_lr=args.inner_lr,
+        seed=args.seed,
+    )
+
+
+# ------------------------------------------------------------------ server
+def cmd_server(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncdiloco.ps import ParameterServer
+
+    torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
+    server = ParameterServer(_server_config(args, args.host, args.port)).start()
+    print(f"asyncdiloco server listening on {server.address}", flush=True)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{server.port}\n")
+        os.replace(tmp, args.port_file)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    st = server.state.status()
+    server.stop(grace_s=2.0)
+    print(
+        f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
+        f"{st.rejected_pushes} refused, {st.pulls} pulls",
+        flush=True,
+    )
+    return 0
+
+
+# ------------------------------------------------------------------ worker
+def cmd_worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncdiloco.job import run_worker
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed * 1000 + args.worker_index)
+    wcfg = WorkerConfig(
+        server=args.server,
+        worker_name=args.name or f"worker-{args.worker_index}@{os.uname().nodename}",
+        join_timeout_s=args.join_timeout,
+    )
+    if args.max_steps is None and args.max_seconds is None:
+        raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
+    stats = run_worker(
+        worker_config=wcfg,
+        job=_job_config(args),
+        worker_index=args.worker_index,
+        slowdown=args.slowdown,
+        max_steps=args.max_steps,
+        max_seconds=args.max_seconds,
+    )
+    summary = dataclasses.asdict(stats)
+    summary.update(worker_index=args.worker_index, slowdown=args.slowdown, name=wcfg.worker_name)
+    if args.stats_file:
+        with open(args.stats_file, "w") as f:
+            json.dump(summary, f)
+    print(
+        f"{wcfg.worker_name}: {stats.inner_steps} inner steps, {stats.pushes_applied} pushes applied, "
+        f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs",
+        flush=True,
+    )
+    return 0
+
+
+# -------------------------------------------------------------------- demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    from asyncdiloco.demo import DemoConfig, run_demo
+
+    slowdowns = [float(s) for s in args.slowdowns.split(",")] if args.slowdowns else None
+    cfg = DemoConfig(
+        num_workers=args.workers,
+        max_seconds=args.max_seconds,
+        out_dir=args.out,
+        slowdowns=tuple(slowdowns) if slowdowns else None,
+        server_args=_server_flags(args),
+        job=_job_config(args),
+        eval_every_s=args.eval_every,
+    )
+    report = run_demo(cfg, progress=not args.no_progress)
+    return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
+
+
+def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    return (
+        "--local-steps", str(args.local_steps),
+        "--outer-optimizer", args.outer_optimizer,
+        "--outer-lr", str(args.outer_lr),
+        "--outer-momentum", str(args.outer_momentum),
+        "--staleness", args.staleness,
+        "--staleness-a", str(args.staleness_a),
+        "--staleness-b", str(args.staleness_b),
+        "--max-staleness", str(args.max_staleness),
+        "--chunk-bytes", str(args.chunk_bytes),
+        "--lease-s", str(args.lease_s),
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncdiloco", description="Asynchronous DiLoCo parameter server and workers.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ps = sub.add_parser("server", help="run the parameter server")
+    ps.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 = all)")
+    ps.add_argument("--port", type=int, default=29500, help="TCP port (default 29500; 0 = pick a free one)")
+    ps.add_argument("--port-file", help="write the bound port to this file once listening")
+    _add_server_args(ps)
+    ps.set_defaults(func=cmd_server)
+
+    pw = sub.add_parser("worker", help="run one worker training the default model on the default data")
+    pw.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
+    pw.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order")
+    pw.add_argument("--name", default="", help="name in the server's status (default worker-I@host)")
+    pw.add_argument("--slowdown", type=float, default=1.0, help="run F times slower, to emulate a weaker machine")
+    pw.add_argument("--max-steps", type=int, help="stop after N inner steps")
+    pw.add_argument("--max-seconds", type=float, help="stop after S seconds of training")
+    pw.add_argument("--join-timeout", type=float, default=30.0, help="seconds to keep trying to join (default 30)")
+    pw.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    pw.add_argument("--stats-file", help="write the worker's final counters as JSON here")
+    _add_job_args(pw)
+    pw.set_defaults(func=cmd_worker)
+
+    pd = sub.add_parser("demo", help="server + N workers of different speeds on loopback, with a report")
+    pd.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
+    pd.add_argument("--max-seconds", type=float, default=120.0, help="training time per worker (default 120)")
+    pd.add_argument("--out", default="demo-out", help="folder for report.json, loss_curve.png and logs")
+    pd.add_argument("--slowdowns", default="", help="comma-separated speed factors per worker (default 1,1.5,2,3,...)")
+    pd.add_argument("--eval-every", type=float, default=5.0, help="seconds between held-out evaluations")
+    pd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_server_args(pd)
+    _add_job_args(pd)
+    pd.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(-1 if args.quiet else args.verbose)
+    try:
+        code = args.func(args)
+    except ConfigError as exc:
+        print(f"asyncdiloco {args.command}: error: {exc}", file=sys.stderr)
+        code = 2
+    except AsyncDiLoCoError as exc:
+        print(f"asyncdiloco {args.command}: error: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

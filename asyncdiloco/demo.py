@@ -1,0 +1,309 @@
+"""The main job: a parameter server and N workers of different speeds, on loopback.
+
+``run_demo`` starts ``asyncdiloco server --port 0`` and N ``asyncdiloco worker``
+processes (worker i runs ``slowdowns[i]`` times slower), evaluates the global model on
+held-out text while they train, shows progress, and writes ``report.json`` and
+``loss_curve.png`` to the output folder. Every child process is reaped on exit, also on
+errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+
+from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.dataset import CharCorpus
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.job import JobConfig
+from asyncdiloco.models import evaluate
+from asyncdiloco.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOWDOWNS = (1.0, 1.5, 2.0, 3.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """What the demo runs."""
+
+    #: Worker processes.
+    num_workers: int = 4
+    #: Seconds each worker trains.
+    max_seconds: float = 120.0
+    #: Folder for report.json, loss_curve.png and the processes' logs.
+    out_dir: str = "demo-out"
+    #: Speed factor per worker (≥ 1; 2 = twice as slow); None cycles 1, 1.5, 2, 3.
+    slowdowns: tuple[float, ...] | None = None
+    #: Extra flags for ``asyncdiloco server`` (outer optimizer, H, ...).
+    server_args: tuple[str, ...] = ()
+    job: JobConfig = dataclasses.field(default_factory=JobConfig)
+    #: Seconds between held-out evaluations of the global model.
+    eval_every_s: float = 5.0
+    #: Seconds to wait for the server to listen.
+    startup_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_workers <= 64:
+            raise ConfigError(f"workers={self.num_workers} is invalid: use 1..64 on one machine")
+        if not self.max_seconds > 0:
+            raise ConfigError(f"max_seconds={self.max_seconds} is invalid: must be > 0")
+        if self.slowdowns is not None and len(self.slowdowns) != self.num_workers:
+            raise ConfigError(
+                f"{len(self.slowdowns)} slowdowns given for {self.num_workers} workers; give one per worker"
+            )
+        if self.slowdowns is not None and any(not f >= 1 for f in self.slowdowns):
+            raise ConfigError(f"slowdowns={self.slowdowns} are invalid: each must be >= 1")
+
+    def speed_factors(self) -> tuple[float, ...]:
+        if self.slowdowns is not None:
+            return self.slowdowns
+        return tuple(DEFAULT_SLOWDOWNS[i % len(DEFAULT_SLOWDOWNS)] for i in range(self.num_workers))
+
+
+def _job_flags(job: JobConfig) -> list[str]:
+    return [
+        "--batch-size", str(job.batch_size), "--context-len", str(job.context_len),
+        "--n-layer", str(job.n_layer), "--n-embd", str(job.n_embd), "--n-head", str(job.n_head),
+        "--inner-lr", str(job.inner_lr), "--seed", str(job.seed),
+    ]  # fmt: skip
+
+
+class _Evaluator:
+    """Pulls the global model as an observer and measures held-out loss (nats/char)."""
+
+    def __init__(self, address: str, job: JobConfig) -> None:
+        corpus = CharCorpus.default()
+        self.model = job.build(corpus)
+        self.batches = job.eval_set(corpus)
+        self.manifest = Manifest.from_module(self.model)
+        self.client = ParameterServerClient(address)
+        self.initial_loss = evaluate(self.model, self.batches)  # the seed's model = the server's version 0
+
+    def evaluate_global(self) -> tuple[int, float]:
+        pulled = self.client.pull(self.manifest)
+        with torch.no_grad():
+            for p, t in zip(self.model.parameters(), self.manifest.unpack(pulled.payload)):
+                p.copy_(t)
+        return pulled.version, evaluate(self.model, self.batches)
+
+
+def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _reap(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: float, log_path: pathlib.Path) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise AsyncDiLoCoError(f"the server exited with status {proc.returncode}; see {log_path}")
+        time.sleep(0.05)
+    raise AsyncDiLoCoError(f"the server did not listen within {timeout_s:g} s; see {log_path}")
+
+
+def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+    """Run the demo; returns the report (also written to ``out_dir/report.json``).
+
+    Raises:
+        AsyncDiLoCoError: the server did not start.
+    """
+    torch.set_num_threads(1)
+    out = pathlib.Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    port_file = out / "server.port"
+    port_file.unlink(missing_ok=True)
+    python = [sys.executable, "-m", "asyncdiloco"]
+    speeds = cfg.speed_factors()
+    procs: list[subprocess.Popen] = []
+    started = time.monotonic()
+    try:
+        server = _spawn(
+            [*python, "server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *cfg.server_args],
+            out / "server.log",
+        )
+        procs.append(server)
+        address = f"127.0.0.1:{_wait_for_port(server, port_file, cfg.startup_timeout_s, out / 'server.log')}"
+        workers = []
+        for i, f in enumerate(speeds):
+            cmd = [
+                *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(f),
+                "--max-seconds", str(cfg.max_seconds), "--stats-file", str(out / f"worker-{i}.json"),
+                "--name", f"worker-{i}(x{f:g})", *_job_flags(cfg.job),
+            ]  # fmt: skip
+            workers.append(_spawn(cmd, out / f"worker-{i}.log"))
+        procs.extend(workers)
+        evaluator = _Evaluator(address, cfg.job)
+        curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
+        curve += _watch(cfg, evaluator, workers, started, progress)
+        status = evaluator.client.status()
+        version, final_loss = evaluator.evaluate_global()
+        curve.append(
+            {"wall_s": time.monotonic() - started, "version": version, "tokens": status.tokens, "eval_loss": final_loss}
+        )
+        wall_s = time.monotonic() - started
+        exit_codes = [w.wait() for w in workers]
+        evaluator.client.close()
+    finally:
+        _reap(procs)
+    report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, speeds, exit_codes, address)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size)
+    _print_summary(report, out)
+    return report
+
+
+def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], started: float, progress: bool) -> list[dict]:
+    """Poll status every second, evaluate every ``eval_every_s``, until workers exit."""
+    from tqdm import tqdm
+
+    curve: list[dict] = []
+    last_eval = time.monotonic()
+    loss = ev.initial_loss
+    deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
+    bar = tqdm(total=round(cfg.max_seconds), unit="s", disable=not progress, dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s {postfix}")  # fmt: skip
+    try:
+        while any(w.poll() is None for w in workers):
+            if time.monotonic() > deadline:
+                log.warning("workers still running %.0f s past their budget; stopping them", cfg.max_seconds + 120)
+                break
+            time.sleep(1.0)
+            try:
+                st = ev.client.status()
+                if st.initialized and time.monotonic() - last_eval >= cfg.eval_every_s:
+                    version, loss = ev.evaluate_global()
+                    last_eval = time.monotonic()
+                    curve.append({"wall_s": last_eval - started, "version": version, "tokens": st.tokens, "eval_loss": loss})
+            except AsyncDiLoCoError as exc:
+                log.info("status/eval skipped: %s", exc)
+                continue
+            hist = list(st.staleness_histogram)
+            mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
+            bar.n = min(bar.total, time.monotonic() - started)
+            bar.set_postfix_str(
+                f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f} | "
+                f"eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}"
+            )
+    finally:
+        bar.close()
+    return curve
+
+
+def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, exit_codes, address) -> dict:
+    hist = list(status.staleness_histogram)
+    while len(hist) > 1 and hist[-1] == 0:
+        hist.pop()
+    by_name = {w.worker_name: w for w in status.workers}
+    per_worker = []
+    for i, f in enumerate(speeds):
+        stats_path = out / f"worker-{i}.json"
+        stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+        name = stats.get("name", f"worker-{i}(x{f:g})")
+        server_view = by_name.get(name)
+        per_worker.append(
+            {
+                "index": i,
+                "name": name,
+                "speed_factor": f,
+                "exit_code": exit_codes[i],
+                "pushes": server_view.applied_pushes if server_view else stats.get("pushes_applied", 0),
+                "tokens": stats.get("tokens", 0),
+                "inner_steps": stats.get("inner_steps", 0),
+                "pushes_refused": stats.get("pushes_refused", 0),
+                "sync_failures": stats.get("sync_failures", 0),
+                "comm_s": round(stats.get("comm_s", 0.0), 3),
+                "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])) if stats.get("staleness") else None,
+            }
+        )
+    return {
+        "mode": "async",
+        "server": address,
+        "initial_eval_loss": initial_loss,
+        "final_eval_loss": final_loss,
+        "eval_loss_unit": "nats/char on the held-out split",
+        "ln_vocab": math.log(CharCorpus.default().vocab_size),
+        "version": status.version,
+        "applied_pushes": status.applied_pushes,
+        "rejected_pushes": status.rejected_pushes,
+        "duplicate_pushes": status.duplicate_pushes,
+        "staleness_histogram": hist,
+        "bytes_pushed": status.bytes_pushed,
+        "bytes_pulled": status.bytes_pulled,
+        "pulls": status.pulls,
+        "wall_s": wall_s,
+        "tokens": sum(w["tokens"] for w in per_worker),
+        "tokens_applied": status.tokens,
+        "outer_optimizer": status.outer_optimizer,
+        "staleness_weighting": status.staleness_weighting,
+        "local_steps": status.run_config.local_steps,
+        "num_parameters": sum(math.prod(t.shape) for t in status.manifest.tensors),
+        "job": dataclasses.asdict(cfg.job),
+        "max_seconds_per_worker": cfg.max_seconds,
+        "workers": per_worker,
+        "eval_curve": curve,
+    }
+
+
+def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((ax1, "wall_s", "wall time (s)"), (ax2, "tokens", "tokens applied (characters)")):
+        ax.plot([c[key] for c in curve], [c["eval_loss"] for c in curve], marker="o", ms=3)
+        ax.axhline(math.log(vocab_size), ls="--", c="gray", lw=0.8, label=f"ln(vocab) = {math.log(vocab_size):.2f}")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out loss (nats/char)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("asyncdiloco demo: global model, asynchronous DiLoCo")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _print_summary(report: dict, out: pathlib.Path) -> None:
+    hist = report["staleness_histogram"]
+    stale = sum(hist[1:])
+    print(
+        f"\nasyncdiloco demo: {len(report['workers'])} workers, {report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
+        f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
+        f"  version {report['version']}: {report['applied_pushes']} pushes applied, {report['rejected_pushes']} refused, "
+        f"{stale} applied with staleness > 0 (histogram {hist})\n"
+        f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"
+        + "".join(
+            f"  {w['name']}: {w['inner_steps']} steps, {w['pushes']} pushes, {w['tokens']:,} tokens\n"
+            for w in report["workers"]
+        )
+        + f"  report: {out / 'report.json'}, plot: {out / 'loss_curve.png'}",
+        flush=True,
+    )

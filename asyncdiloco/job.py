@@ -1,0 +1,129 @@
+"""The embedded default job: a char-level transformer on Tiny Shakespeare.
+
+``run_worker`` is what ``asyncdiloco worker`` runs: a plain PyTorch training loop
+(AdamW inner optimizer, as in DiLoCo) wrapped by ``AsyncDiLoCoWorker``. Every worker
+builds the model from the same seed, so whichever worker initializes the server starts
+it from the same parameters; each worker draws its own batch order (by worker index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from asyncdiloco.config import WorkerConfig
+from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.models import CharTransformer, CharTransformerConfig, build_model, lm_loss
+from asyncdiloco.worker import AsyncDiLoCoWorker, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """Model, data and inner optimizer of the default job (identical on every worker)."""
+
+    #: Sequences per inner step.
+    batch_size: int = 32
+    #: Characters per sequence (the model's context).
+    context_len: int = 64
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    #: AdamW learning rate of the inner optimizer.
+    inner_lr: float = 3e-3
+    #: AdamW weight decay.
+    weight_decay: float = 0.01
+    #: Seed of the model initialization and of the data order.
+    seed: int = 0
+    #: Held-out evaluation: number of fixed validation batches of ``batch_size``.
+    eval_batches: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "context_len", "n_layer", "n_embd", "n_head", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if not self.inner_lr > 0:
+            raise ConfigError(f"inner_lr={self.inner_lr} is invalid: must be > 0 (3e-3 is a good start)")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.context_len
+
+    def model_config(self, vocab_size: int) -> CharTransformerConfig:
+        return CharTransformerConfig(
+            vocab_size=vocab_size,
+            context_len=self.context_len,
+            n_layer=self.n_layer,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+        )
+
+    def build(self, corpus: CharCorpus) -> CharTransformer:
+        """The job's model, initialized from ``seed`` (bit-identical on every worker)."""
+        return build_model(self.model_config(corpus.vocab_size), seed=self.seed)
+
+    def eval_set(self, corpus: CharCorpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return eval_batches(corpus, self.batch_size, self.context_len, self.eval_batches)
+
+
+def run_worker(
+    *,
+    worker_config: WorkerConfig,
+    job: JobConfig,
+    worker_index: int = 0,
+    slowdown: float = 1.0,
+    max_steps: int | None = None,
+    max_seconds: float | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> WorkerStats:
+    """Train the default job as one asynchronous DiLoCo worker until a bound is hit.
+
+    Args:
+        worker_config: server address and client settings.
+        job: model, data and inner optimizer settings.
+        worker_index: selects this worker's batch order.
+        slowdown: F ≥ 1; after each inner step the worker sleeps (F − 1) × the step's
+            compute time, so it runs F times slower (emulates a weaker machine).
+        max_steps: stop after this many inner steps (None: no bound).
+        max_seconds: stop after this many seconds of training (None: no bound).
+        on_step: called after every inner step with (step, loss in nats/char).
+    Returns:
+        The worker's counters.
+    Raises:
+        ConfigError: slowdown < 1 or no bound given.
+        ServerUnavailableError / ManifestMismatchError: joining failed.
+    """
+    if not slowdown >= 1.0:
+        raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
+    if max_steps is None and max_seconds is None:
+        raise ConfigError("give max_steps or max_seconds, or the worker would train forever")
+    corpus = CharCorpus.default()
+    model = job.build(corpus)
+    inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
+    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
+    worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    with worker:
+        started = time.monotonic()
+        step = 0
+        while (max_steps is None or step < max_steps) and (
+            max_seconds is None or time.monotonic() - started < max_seconds
+        ):
+            t0, comm0 = time.monotonic(), worker.stats.comm_s
+            x, y = next(batches)  # (B, T) int64 each
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            inner.step()  # every H-th step also pushes and pulls
+            inner.zero_grad(set_to_none=True)
+            step += 1
+            if slowdown > 1.0:
+                compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
+                time.sleep((slowdown - 1.0) * max(compute_s, 0.0))
+            if on_step is not None:
+                on_step(step, float(loss))
+    return worker.stats

@@ -1,0 +1,111 @@
+"""Outer optimizers and staleness weights against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from asyncdiloco.config import OuterConfig
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.outer import OuterOptimizer, staleness_weight
+
+
+def test_nesterov_two_steps_by_hand():
+    # η = 0.5, μ = 0.9, θ0 = [1, 2], Δ1 = [0.1, -0.2], Δ2 = [0.3, 0.0]
+    theta = torch.tensor([1.0, 2.0])
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="nesterov", lr=0.5, momentum=0.9))
+    opt.step(torch.tensor([0.1, -0.2]))
+    # m1 = Δ1 = [0.1, -0.2]; θ1 = θ0 − 0.5·(Δ1 + 0.9·m1) = θ0 − 0.5·1.9·Δ1
+    torch.testing.assert_close(theta, torch.tensor([1.0 - 0.095, 2.0 + 0.19]))
+    opt.step(torch.tensor([0.3, 0.0]))
+    # m2 = 0.9·m1 + Δ2 = [0.39, -0.18]; θ2 = θ1 − 0.5·(Δ2 + 0.9·m2)
+    m2 = torch.tensor([0.39, -0.18])
+    torch.testing.assert_close(opt.momentum_buffer, m2)
+    expected = torch.tensor([0.905, 2.19]) - 0.5 * (torch.tensor([0.3, 0.0]) + 0.9 * m2)
+    torch.testing.assert_close(theta, expected)
+
+
+def test_nesterov_matches_torch_sgd_nesterov():
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(100, generator=gen)
+    ref = torch.nn.Parameter(theta.clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    for _ in range(5):
+        delta = torch.randn(100, generator=gen)
+        opt.step(delta)
+        ref.grad = delta.clone()
+        ref_opt.step()
+    torch.testing.assert_close(theta, ref.detach())
+
+
+def test_heavy_ball_sgd_by_hand():
+    theta = torch.tensor([0.0])
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="sgd", lr=0.1, momentum=0.5))
+    opt.step(torch.tensor([1.0]))  # m = 1, θ = −0.1
+    opt.step(torch.tensor([1.0]))  # m = 1.5, θ = −0.25
+    torch.testing.assert_close(theta, torch.tensor([-0.25]))
+
+
+def test_sgd_lr1_mom0_adopts_worker_parameters():
+    # With η = 1, μ = 0 and Δ = θ_base − θ_worker the global model becomes θ_worker:
+    # a flipped sign would give 2·θ_base − θ_worker instead.
+    base = torch.tensor([1.0, -2.0, 3.5])
+    worker = torch.tensor([0.5, -1.0, 4.0])
+    theta = base.clone()
+    OuterOptimizer(theta, OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)).step(base - worker)
+    assert torch.equal(theta, worker)
+
+
+def test_staleness_weight_scales_the_step():
+    theta = torch.zeros(2)
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    opt.step(torch.tensor([1.0, 2.0]), weight=0.25)
+    torch.testing.assert_close(theta, torch.tensor([-0.25, -0.5]))
+
+
+@pytest.mark.parametrize(
+    ("kind", "a", "b", "tau", "expected"),
+    [
+        ("constant", 0.5, 4, 7, 1.0),
+        ("inverse", 0.5, 4, 0, 1.0),
+        ("inverse", 0.5, 4, 3, 0.25),
+        ("polynomial", 0.5, 4, 3, 0.5),  # (1+3)^-0.5
+        ("polynomial", 2.0, 4, 1, 0.25),  # (1+1)^-2
+        ("hinge", 0.5, 4, 4, 1.0),  # τ ≤ b
+        ("hinge", 0.5, 4, 6, 0.5),  # 1/(0.5·(6−4)+1)
+        ("hinge", 2.0, 1, 3, 0.2),  # 1/(2·2+1)
+    ],
+)
+def test_staleness_weights(kind, a, b, tau, expected):
+    cfg = OuterConfig(staleness=kind, staleness_a=a, staleness_b=b)
+    assert math.isclose(staleness_weight(cfg, tau), expected, rel_tol=1e-12)
+
+
+def test_negative_staleness_is_an_error():
+    with pytest.raises(ValueError, match="staleness is -1"):
+        staleness_weight(OuterConfig(), -1)
+
+
+def test_wrong_delta_shape_changes_nothing():
+    theta = torch.tensor([1.0, 2.0])
+    opt = OuterOptimizer(theta, OuterConfig())
+    with pytest.raises(ValueError, match="expected float32"):
+        opt.step(torch.zeros(3))
+    assert torch.equal(theta, torch.tensor([1.0, 2.0]))
+    assert torch.equal(opt.momentum_buffer, torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"optimizer": "adam"}, "outer optimizer='adam'"),
+        ({"lr": 0.0}, "outer lr=0.0"),
+        ({"momentum": 1.0}, "outer momentum=1.0"),
+        ({"staleness": "exp"}, "staleness='exp'"),
+        ({"max_staleness": -1}, "max_staleness=-1"),
+    ],
+)
+def test_outer_config_errors_name_the_value(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        OuterConfig(**kwargs)

@@ -1,0 +1,322 @@
+"""The parameter server over real gRPC on 127.0.0.1, with in-process workers and raw stubs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.config import OuterConfig, ServerConfig, WorkerConfig
+from asyncdiloco.errors import ConfigError, ManifestMismatchError, ServerUnavailableError
+from asyncdiloco.ps import ParameterServer
+from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.worker import AsyncDiLoCoWorker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(**kw) -> ParameterServer:
+        kw.setdefault("port", 0)
+        srv = ParameterServer(ServerConfig(**kw)).start()
+        servers.append(srv)
+        return srv
+
+    yield make
+    for s in servers:
+        s.stop(None)
+
+
+def fingerprint(srv: ParameterServer) -> tuple:
+    """Everything a refused push must leave bit-identical."""
+    st = srv.state
+    mom = st.outer.momentum_buffer if st.outer is not None else None
+    return (
+        None if st.params is None else st.params.clone(),
+        None if mom is None else mom.clone(),
+        st.version,
+        st.applied_pushes,
+        st.tokens,
+        st.bytes_pushed,
+        tuple(st.staleness_histogram),
+    )
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def regression_task(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    def batch():
+        x = torch.randn(16, 4, generator=gen)
+        return x, x @ w_true.T
+    return batch
+
+
+def make_model(seed=0, width=4):
+    torch.manual_seed(seed)
+    return nn.Linear(width, 1)
+
+
+def init_server(srv, model):
+    """Join as the first worker and push ``model``'s parameters as the initial ones."""
+    client = ParameterServerClient(srv.address)
+    manifest = Manifest.from_module(model)
+    reply = client.join(manifest, "init")
+    assert reply.initialize
+    payload = manifest.pack([p for p in model.parameters()])
+    client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    return client, manifest, reply.worker_id
+
+
+# --------------------------------------------------------------------- training
+def test_two_in_process_workers_train_the_global_model(make_server):
+    srv = make_server(local_steps=5, outer=OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0))
+    errors = []
+
+    def run(seed):
+        try:
+            model = make_model(seed=0)  # same init on both; whichever joins first initializes
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            batch = regression_task(seed)
+            with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address), tokens_per_step=16):
+                for _ in range(60):
+                    x, y = batch()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    st = srv.state.status()
+    assert st.version == st.applied_pushes == 24  # 2 workers × 60 steps / H=5
+    assert st.tokens == 2 * 60 * 16
+    assert sum(st.staleness_histogram) == st.applied_pushes
+    w = srv.state.params[:4]
+    init_error = (make_model(0).weight.detach().reshape(-1) - torch.tensor([1.0, -2.0, 0.5, 3.0])).norm()
+    assert (w - torch.tensor([1.0, -2.0, 0.5, 3.0])).norm() < 0.2 * init_error
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def test_sgd_lr1_mom0_global_becomes_the_workers_parameters(make_server):
+    srv = make_server(local_steps=3, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    captured = {}
+    # Registered before the worker's own hook, so it sees θ_local just before each sync.
+    opt.register_step_post_hook(lambda *_: captured.__setitem__("theta", flat(model)))
+    batch = regression_task(0)
+    with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address)) as worker:
+        initial = srv.state.params.clone()
+        for _ in range(3):
+            x, y = batch()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert srv.state.version == 1 and worker.version == 1
+        assert not torch.equal(srv.state.params, initial)
+        torch.testing.assert_close(srv.state.params, captured["theta"], rtol=0, atol=1e-6)
+        assert torch.equal(flat(model), srv.state.params)  # the worker now holds the global model
+
+
+# --------------------------------------------------------------------- refusals
+def test_manifest_mismatch_refused_and_model_unchanged(make_server):
+    srv = make_server()
+    client, manifest, wid = init_server(srv, make_model())
+    before = fingerprint(srv)
+    other = Manifest.from_module(nn.Linear(5, 1))
+    with pytest.raises(ManifestMismatchError, match=r"parameter #0 'weight': shape is \(1, 5\) on the worker but \(1, 4\)"):
+        client.join(other, "bad")
+    assert_same(before, fingerprint(srv))
+    # the grpc status code is FAILED_PRECONDITION
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Join(pb.JoinRequest(manifest=other.to_proto()), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert_same(before, fingerprint(srv))
+
+
+def raw_push(srv, header: pb.PushHeader, chunks):
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    msgs = [pb.PushMessage(header=header)] + [pb.PushMessage(chunk=c) for c in chunks]
+    return stub.Push(iter(msgs), timeout=10)
+
+
+def good_push(srv, manifest, wid, payload, **over):
+    cb = srv.config.chunk_bytes
+    fields = dict(
+        worker_id=wid, push_id=2, base_version=srv.state.version, num_local_steps=1, num_tokens=1,
+        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), cb), crc32=crc32_of(payload),
+        kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+    )
+    fields.update(over)
+    return pb.PushHeader(**fields), list(iter_chunks(payload, cb))
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "needle"),
+    [
+        ("nan", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
+        ("inf", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
+        ("future", grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
+        ("stale", grpc.StatusCode.FAILED_PRECONDITION, "exceeds max_staleness=0"),
+        ("unknown_worker", grpc.StatusCode.NOT_FOUND, "worker_id 99 is unknown"),
+        ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "total_bytes is 4"),
+        ("out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "out of order"),
+        ("missing_chunk", grpc.StatusCode.INVALID_ARGUMENT, "stream ended after"),
+        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "CRC-32"),
+        ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "must carry a PushHeader"),
+    ],
+)
+def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, needle):
+    srv = make_server(chunk_bytes=1024, outer=OuterConfig(max_staleness=0))
+    big = nn.Linear(600, 1)  # 2,404 bytes: three chunks of 1 KiB
+    client, manifest, wid = init_server(srv, big)
+    delta = [torch.full_like(p, 0.01) for p in big.parameters()]
+    client.push(manifest.pack(delta), worker_id=wid, push_id=2, base_version=0)  # version 1, momentum ≠ 0
+    before = fingerprint(srv)
+    payload = manifest.pack(delta)
+    header, chunks = good_push(srv, manifest, wid, payload, push_id=3)
+    if case in ("nan", "inf"):
+        bad = [d.clone() for d in delta]
+        bad[0][0, 7] = float("nan") if case == "nan" else float("inf")
+        header, chunks = good_push(srv, manifest, wid, manifest.pack(bad), push_id=3)
+    elif case == "future":
+        header.base_version = 5
+    elif case == "stale":
+        header.base_version = 0
+    elif case == "unknown_worker":
+        header.worker_id = 99
+    elif case == "wrong_size":
+        header.total_bytes = 4
+    elif case == "out_of_order":
+        chunks = [chunks[1], chunks[0], chunks[2]]
+    elif case == "missing_chunk":
+        chunks = chunks[:-1]
+    elif case == "bad_crc":
+        header.crc32 ^= 1
+    with pytest.raises(grpc.RpcError) as info:
+        if case == "no_header":
+            stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+            stub.Push(iter([pb.PushMessage(chunk=c) for c in chunks]), timeout=10)
+        else:
+            raw_push(srv, header, chunks)
+    assert info.value.code() == code
+    assert needle in info.value.details()
+    assert_same(before, fingerprint(srv))
+    # and a good push still goes through afterwards
+    header, chunks = good_push(srv, manifest, wid, payload, push_id=4)
+    assert raw_push(srv, header, chunks).applied
+
+
+def test_retried_push_is_applied_once(make_server):
+    srv = make_server()
+    client, manifest, wid = init_server(srv, make_model())
+    payload = manifest.pack([torch.full((1, 4), 0.1), torch.full((1,), 0.1)])
+    first = client.push(payload, worker_id=wid, push_id=7, base_version=0)
+    after_first = fingerprint(srv)
+    again = client.push(payload, worker_id=wid, push_id=7, base_version=0)
+    assert first.applied and not first.duplicate
+    assert again.applied and again.duplicate and again.version == first.version
+    assert_same(after_first, fingerprint(srv))
+    assert srv.state.status().duplicate_pushes == 1
+
+
+# --------------------------------------------------------------------- big models
+def test_model_over_64_mib_pushes_and_pulls_in_chunks(make_server):
+    srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    big = nn.ParameterList([nn.Parameter(torch.randn(4096, 2048)), nn.Parameter(torch.randn(3))])  # 32 MiB...
+    big.append(nn.Parameter(torch.randn(1024, 4096 + 128)))  # ...+ 16.5 MiB
+    big.append(nn.Parameter(torch.randn(5000, 1000)))  # ...+ 19 MiB: 68 MiB in all
+    manifest = Manifest.from_module(big)
+    assert manifest.total_bytes > 64 * 1024 * 1024
+    client, manifest, wid = init_server(srv, big)
+    pulled = client.pull(manifest, wid)
+    for p, t in zip(big.parameters(), manifest.unpack(pulled.payload)):
+        assert torch.equal(p.detach(), t)
+    delta = [torch.full_like(p, 0.5) for p in big.parameters()]
+    reply = client.push(manifest.pack(delta), worker_id=wid, push_id=2, base_version=0)
+    assert reply.applied and reply.version == 1
+    pulled = client.pull(manifest, wid)
+    for p, t in zip(big.parameters(), manifest.unpack(pulled.payload)):
+        assert torch.equal(p.detach() - 0.5, t)
+    assert srv.state.status().bytes_pulled == 2 * manifest.total_bytes
+
+
+# --------------------------------------------------------------------- faults
+def test_join_fails_with_a_clear_message_when_no_server():
+    with ParameterServer(ServerConfig(port=0)) as srv:
+        address = srv.address  # a port that was free a moment ago
+    model = make_model()
+    worker = AsyncDiLoCoWorker(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        WorkerConfig(server=address, join_timeout_s=0.5, initial_backoff_s=0.1, rpc_timeout_s=1.0),
+    )
+    with pytest.raises(ServerUnavailableError, match=f"could not join the parameter server at {address}"):
+        worker.join()
+    worker.close()
+
+
+def test_port_in_use_is_a_clear_error(make_server):
+    srv = make_server()
+    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{srv.port}: the port is already in use"):
+        ParameterServer(ServerConfig(port=srv.port)).start()
+
+
+def test_worker_trains_on_through_an_outage_and_rejoins_a_fresh_server(make_server):
+    srv = make_server(local_steps=2)
+    port = srv.port
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batch = regression_task(0)
+    cfg = WorkerConfig(server=srv.address, initial_backoff_s=0.01, max_backoff_s=0.02, rpc_timeout_s=1.0)
+    worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=16)
+    worker.join()
+
+    def steps(n):
+        for _ in range(n):
+            x, y = batch()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    steps(4)
+    assert worker.stats.pushes_applied == 2
+    srv.stop(None)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps(6)  # syncs fail; training goes on locally
+    assert worker.stats.sync_failures >= 1
+    assert worker.stats.inner_steps == 10
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    fresh = make_server(port=port, local_steps=2)  # a restarted server without state
+    deadline = time.monotonic() + 20
+    while fresh.state.version == 0 and time.monotonic() < deadline:
+        steps(2)
+    # the worker was unknown to the fresh server, rejoined, initialized it, and pushes again
+    assert fresh.state.initialized and fresh.state.version >= 1
+    worker.close()
