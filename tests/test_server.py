@@ -320,3 +320,78 @@ def test_worker_trains_on_through_an_outage_and_rejoins_a_fresh_server(make_serv
     # the worker was unknown to the fresh server, rejoined, initialized it, and pushes again
     assert fresh.state.initialized and fresh.state.version >= 1
     worker.close()
+
+
+def test_pulls_never_mix_two_versions_under_concurrent_pushes(make_server):
+    # sgd, η = 1, μ = 0 and Δ = −1 everywhere: θ = θ0 + version, so a pulled payload whose
+    # elements are not all θ0 + header version was torn between two updates.
+    srv = make_server(chunk_bytes=4096, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    model = nn.ParameterList([nn.Parameter(torch.zeros(50_000))])  # 200 KB: 49 chunks per pull
+    client, manifest, wid = init_server(srv, model)
+    minus_one = manifest.pack([torch.full((50_000,), -1.0)])
+    stop = threading.Event()
+    seen, errors = [], []
+
+    def pusher(worker_id, first_id):
+        c = ParameterServerClient(srv.address, chunk_bytes=srv.config.chunk_bytes)
+        for k in range(40):
+            c.push(minus_one, worker_id=worker_id, push_id=first_id + k, base_version=srv.state.version)
+        c.close()
+
+    def puller():
+        c = ParameterServerClient(srv.address)
+        try:
+            while not stop.is_set():
+                pulled = c.pull(manifest)
+                (theta,) = manifest.unpack(pulled.payload)
+                if not torch.all(theta == float(pulled.version)):
+                    errors.append(pulled.version)
+                seen.append(pulled.version)
+        finally:
+            c.close()
+
+    other = client.join(manifest, "second").worker_id
+    pullers = [threading.Thread(target=puller) for _ in range(2)]
+    pushers = [threading.Thread(target=pusher, args=(w, 2)) for w in (wid, other)]
+    for t in pullers + pushers:
+        t.start()
+    for t in pushers:
+        t.join(timeout=60)
+    stop.set()
+    for t in pullers:
+        t.join(timeout=60)
+    assert not errors, f"torn pulls at versions {errors[:5]}"
+    assert srv.state.version == 80 and len(seen) > 0
+    assert torch.all(srv.state.params == 80.0)
+
+
+def test_heartbeats_keep_an_idle_worker_registered(make_server):
+    srv = make_server(lease_s=0.5, local_steps=1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, heartbeat_s=0.1)) as worker:
+        first_id = worker.worker_id
+        time.sleep(1.5)  # three leases without a push: only heartbeats
+        x, y = regression_task(0)()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert worker.worker_id == first_id and worker.stats.pushes_applied == 1
+        assert [w.alive for w in srv.state.status().workers] == [True]
+
+
+def test_a_silent_worker_expires_and_rejoins(make_server):
+    srv = make_server(lease_s=0.3, local_steps=1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, heartbeat_s=30)) as worker:
+        first_id = worker.worker_id
+        time.sleep(0.6)  # no heartbeat within the lease: expired
+        x, y = regression_task(0)()
+        for _ in range(3):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()  # 1st sync: NOT_FOUND; 2nd: rejoin and pull; 3rd: push as the new id
+            opt.zero_grad()
+        assert worker.worker_id != first_id
+        assert worker.stats.pushes_applied == 1
+        status = {w.worker_id: w.alive for w in srv.state.status().workers}
+        assert status == {first_id: False, worker.worker_id: True}
