@@ -71,6 +71,10 @@ class DemoConfig:
         return tuple(DEFAULT_SLOWDOWNS[i % len(DEFAULT_SLOWDOWNS)] for i in range(self.num_workers))
 
 
+def _worker_name(index: int, speed_factor: float) -> str:
+    return f"worker-{index}(x{speed_factor:g})"
+
+
 def _job_flags(job: JobConfig) -> list[str]:
     return [
         "--batch-size", str(job.batch_size), "--context-len", str(job.context_len),
@@ -155,7 +159,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             cmd = [
                 *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(f),
                 "--max-seconds", str(cfg.max_seconds), "--stats-file", str(out / f"worker-{i}.json"),
-                "--name", f"worker-{i}(x{f:g})", *_job_flags(cfg.job),
+                "--name", _worker_name(i, f), *_job_flags(cfg.job),
             ]  # fmt: skip
             workers.append(_spawn(cmd, out / f"worker-{i}.log"))
         procs.extend(workers)
@@ -220,21 +224,25 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
     hist = list(status.staleness_histogram)
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
-    by_name = {w.worker_name: w for w in status.workers}
+    server_view: dict[str, dict[str, int]] = {}  # by name, summed over rejoins
+    for w in status.workers:
+        agg = server_view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0})
+        agg["pushes"] += w.applied_pushes
+        agg["tokens"] += w.tokens
     per_worker = []
     for i, f in enumerate(speeds):
         stats_path = out / f"worker-{i}.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-        name = stats.get("name", f"worker-{i}(x{f:g})")
-        server_view = by_name.get(name)
+        name = _worker_name(i, f)
+        seen = server_view.get(name, {"pushes": 0, "tokens": 0})
         per_worker.append(
             {
                 "index": i,
                 "name": name,
                 "speed_factor": f,
                 "exit_code": exit_codes[i],
-                "pushes": server_view.applied_pushes if server_view else stats.get("pushes_applied", 0),
-                "tokens": stats.get("tokens", 0),
+                "pushes": seen["pushes"],
+                "tokens": stats.get("tokens", seen["tokens"]),  # a crashed worker wrote no stats file
                 "inner_steps": stats.get("inner_steps", 0),
                 "pushes_refused": stats.get("pushes_refused", 0),
                 "sync_failures": stats.get("sync_failures", 0),

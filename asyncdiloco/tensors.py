@@ -263,8 +263,10 @@ def _write_typed(raw: torch.Tensor, src: torch.Tensor, dtype: torch.dtype, non_b
         return
     try:
         raw.view(dtype).copy_(src, non_blocking=non_blocking)
-    except RuntimeError:  # misaligned slice: cast on the CPU, then copy the bytes
-        raw.copy_(src.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8))
+    except RuntimeError:  # misaligned slice: cast into a dense CPU buffer, then copy the bytes
+        dense = torch.empty(src.numel(), dtype=dtype)
+        dense.copy_(src)
+        raw.copy_(dense.view(torch.uint8))
 
 
 # --------------------------------------------------------------------- chunking
