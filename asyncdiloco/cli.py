@@ -125,7 +125,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from asyncdiloco.job import run_worker
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed * 1000 + args.worker_index)
     wcfg = WorkerConfig(
         server=args.server,
         worker_name=args.name or f"worker-{args.worker_index}@{os.uname().nodename}",

@@ -70,16 +70,20 @@ class ParameterServerClient:
     def _payload_timeout(self, num_bytes: int) -> float:
         return self.rpc_timeout_s + self.timeout_s_per_mib * num_bytes / _MIB
 
+    def _call(self, method, request, timeout_s: float | None = None):
+        """Invoke an RPC with a deadline; a failure becomes the library's exception."""
+        try:
+            return method(request, timeout=self.rpc_timeout_s if timeout_s is None else timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
     # ---------------------------------------------------------------- calls
     def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> pb.JoinReply:
         """Register; raises ManifestMismatchError, ServerUnavailableError, ..."""
-        try:
-            reply = self._stub.Join(
-                pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
-                timeout=self.rpc_timeout_s,
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        reply = self._call(
+            self._stub.Join,
+            pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
+        )
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
         return reply
 
@@ -154,25 +158,13 @@ class ParameterServerClient:
             for chunk in iter_chunks(payload, self.chunk_bytes):
                 yield pb.PushMessage(chunk=chunk)
 
-        try:
-            return self._stub.Push(messages(), timeout=self._payload_timeout(total))
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._call(self._stub.Push, messages(), self._payload_timeout(total))
 
     def heartbeat(self, worker_id: int) -> pb.HeartbeatReply:
-        try:
-            return self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=worker_id), timeout=self.rpc_timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id))
 
     def leave(self, worker_id: int) -> None:
-        try:
-            self._stub.Leave(pb.LeaveRequest(worker_id=worker_id), timeout=self.rpc_timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))
 
     def status(self) -> pb.StatusReply:
-        try:
-            return self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        return self._call(self._stub.Status, pb.StatusRequest())

@@ -192,7 +192,7 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
     loss = ev.initial_loss
     deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
     bar = tqdm(total=round(cfg.max_seconds), unit="s", disable=not progress, dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s {postfix}")  # fmt: skip
+               bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}")  # fmt: skip
     try:
         while any(w.poll() is None for w in workers):
             if time.monotonic() > deadline:
