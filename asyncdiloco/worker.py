@@ -113,7 +113,7 @@ class AsyncDiLoCoWorker:
         self._base = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_base, (N,) fp32
         self._scratch = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_local, then Δ
         self._payload = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self._pull_buffer = torch.empty(self.manifest.total_bytes, dtype=torch.uint8)
+        self._pull_buffer = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
         self.client = ParameterServerClient(
             config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib
         )
