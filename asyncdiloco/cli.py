@@ -171,6 +171,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
 
 
+# ------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    import pathlib
+    import subprocess
+
+    benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    script = benchmarks / "perf_suite.py"
+    if not script.exists():
+        raise ConfigError(
+            f"suite={args.suite!r} needs the repository's benchmarks/ folder, not found at {benchmarks}; "
+            f"run it from a clone of the repository (pip install -e .)"
+        )
+    cmd = [sys.executable, str(script), "--out", args.out, "--sizes", args.sizes]
+    return subprocess.run(cmd, check=False).returncode
+
+
 def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return (
         "--local-steps", str(args.local_steps),
@@ -223,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(pd)
     _add_job_args(pd)
     pd.set_defaults(func=cmd_demo, **DEMO_SERVER_DEFAULTS)
+    pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
+    pb_.add_argument("--suite", choices=["perf"], default="perf", help="perf: transport and server micro-benchmarks")
+    pb_.add_argument("--out", default="perf-out", help="output folder (default perf-out)")
+    pb_.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    pb_.set_defaults(func=cmd_bench)
     return parser
 
 

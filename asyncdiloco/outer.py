@@ -16,12 +16,13 @@ Staleness weights (τ = versions applied since the worker's base version):
 ``polynomial`` (1+τ)^−a and ``hinge`` 1 if τ ≤ b else 1/(a(τ−b)+1)
 (FedAsync, Xie et al. 2019, arXiv 1903.03934, Sec. 5.2).
 
-All updates are in place and allocate nothing per step.
+All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.sgd import sgd as _torch_sgd
 
 from asyncdiloco.config import OuterConfig
 
@@ -82,10 +83,15 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, delta: torch.Tensor, weight: float = 1.0) -> None:
-        """θ ← update(θ, s·Δ) as in the module docstring.
+        """θ ← update(θ, s·Δ) as in the module docstring, in one fused pass.
+
+        The update is ``torch.optim.SGD``'s fused kernel (``torch.optim.sgd.sgd`` with
+        ``fused=True``) run on the flat θ, Δ and m, so it reads and writes each
+        vector once.
 
         Args:
-            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device.
+            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device. It is the caller's
+                scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ).
             weight: s(τ), the staleness weight.
         Raises:
             ValueError: ``delta`` has another shape or dtype (nothing is changed).
@@ -95,13 +101,17 @@ class OuterOptimizer:
                 f"pseudo-gradient has dtype {delta.dtype} shape {tuple(delta.shape)}; "
                 f"expected float32 {tuple(self.params.shape)}"
             )
-        lr, mu = self.config.lr, self.config.momentum
-        m = self.momentum_buffer
-        if m is None:  # μ = 0: both kinds reduce to θ ← θ − η·s·Δ
-            self.params.sub_(delta, alpha=lr * weight)
-            return
-        m.mul_(mu).add_(delta, alpha=weight)  # m ← μ·m + s·Δ
-        if self.config.optimizer == "nesterov":
-            self.params.sub_(delta, alpha=lr * weight).sub_(m, alpha=lr * mu)  # θ ← θ − η(sΔ + μm)
-        else:
-            self.params.sub_(m, alpha=lr)  # θ ← θ − η·m
+        if weight != 1.0:
+            delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
+        _torch_sgd(
+            [self.params],
+            [delta],
+            [self.momentum_buffer],
+            fused=self.params.device.type in ("cpu", "cuda"),
+            weight_decay=0.0,
+            momentum=self.config.momentum,
+            lr=self.config.lr,
+            dampening=0.0,
+            nesterov=self.config.optimizer == "nesterov" and self.config.momentum > 0,
+            maximize=False,
+        )

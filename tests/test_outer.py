@@ -109,3 +109,17 @@ def test_wrong_delta_shape_changes_nothing():
 def test_outer_config_errors_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         OuterConfig(**kwargs)
+
+
+def test_weighted_nesterov_step_equals_torch_sgd_on_the_weighted_delta():
+    gen = torch.Generator().manual_seed(1)
+    theta = torch.randn(50, generator=gen)
+    ref = torch.nn.Parameter(theta.clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    for weight in (1.0, 0.5, 0.25):
+        delta = torch.randn(50, generator=gen)
+        ref.grad = weight * delta
+        ref_opt.step()
+        opt.step(delta, weight)
+    torch.testing.assert_close(theta, ref.detach())
