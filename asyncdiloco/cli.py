@@ -37,6 +37,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness-a", type=float, default=o.staleness_a, help="a: polynomial exponent / hinge slope (default %(default)s)")
     p.add_argument("--staleness-b", type=int, default=o.staleness_b, help="b: hinge grace, versions (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=o.max_staleness, help="refuse pushes staler than this many versions (default %(default)s)")
+    p.add_argument("--dn-buffer", type=int, default=o.dn_buffer, help="delayed_nesterov: N arrivals per momentum update (0 = number of workers)")
+    p.add_argument("--dn-c", type=float, default=o.dn_c, help="delayed_nesterov: c in [0, 1/N] (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default %(default)s)")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
 
@@ -57,6 +59,8 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         staleness_a=args.staleness_a,
         staleness_b=args.staleness_b,
         max_staleness=args.max_staleness,
+        dn_buffer=args.dn_buffer,
+        dn_c=args.dn_c,
     )
     return ServerConfig(
         host=host, port=port, outer=outer, local_steps=args.local_steps, chunk_bytes=args.chunk_bytes, lease_s=args.lease_s
@@ -197,6 +201,8 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--staleness-a", str(args.staleness_a),
         "--staleness-b", str(args.staleness_b),
         "--max-staleness", str(args.max_staleness),
+        "--dn-buffer", str(args.dn_buffer),
+        "--dn-c", str(args.dn_c),
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
     )  # fmt: skip

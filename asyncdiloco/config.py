@@ -12,7 +12,7 @@ import math
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
 STALENESS_WEIGHTINGS = ("constant", "inverse", "polynomial", "hinge")
 
 
@@ -29,8 +29,9 @@ class OuterConfig:
     momentum with η = 0.7, μ = 0.9.
     """
 
-    #: "nesterov" (SGD with Nesterov momentum) or "sgd" (heavy-ball momentum; with
-    #: lr=1, momentum=0 the server adopts each worker's parameters: LocalSGD averaging).
+    #: "nesterov" (SGD with Nesterov momentum), "sgd" (heavy-ball momentum; with lr=1,
+    #: momentum=0 the server adopts each worker's parameters: LocalSGD averaging), or
+    #: "delayed_nesterov" (momentum updated once per N arrivals; Liu et al. 2024, Alg. 3).
     optimizer: str = "nesterov"
     #: η, the outer learning rate (dimensionless; scales the pseudo-gradient).
     lr: float = 0.7
@@ -45,6 +46,11 @@ class OuterConfig:
     staleness_b: int = 4
     #: Pushes with staleness τ above this many versions are refused (FAILED_PRECONDITION).
     max_staleness: int = 1000
+    #: delayed_nesterov: N, arrivals per momentum update (Liu et al. 2024, Alg. 3);
+    #: 0 = the number of live workers at each arrival.
+    dn_buffer: int = 0
+    #: delayed_nesterov: c ∈ [0, 1/N], the share of momentum applied between updates.
+    dn_c: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
@@ -56,6 +62,13 @@ class OuterConfig:
         _require(math.isfinite(self.staleness_a) and self.staleness_a >= 0, "staleness_a", self.staleness_a, "must be >= 0")
         _require(self.staleness_b >= 0, "staleness_b", self.staleness_b, "must be >= 0 versions")
         _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0 versions")
+        _require(self.dn_buffer >= 0, "dn_buffer", self.dn_buffer, "must be >= 1 arrivals, or 0 for the number of workers")
+        _require(
+            0 <= self.dn_c <= (1 / self.dn_buffer if self.dn_buffer else 1),
+            "dn_c",
+            self.dn_c,
+            f"must lie in [0, 1/N] with N = dn_buffer = {self.dn_buffer or 'workers'} (0 is Liu et al.'s default)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

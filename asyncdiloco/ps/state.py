@@ -37,7 +37,7 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
 log = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ class ParameterServerState:
                         f"initial parameters from worker {header.worker_id} refused: already initialized"
                     )
                 self.params = delta.clone()
-                self.outer = OuterOptimizer(self.params, self.config.outer)
+                self.outer = make_outer_optimizer(self.params, self.config.outer)
                 outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
                 log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
             else:
@@ -336,7 +336,8 @@ class ParameterServerState:
                         f"(smaller H) or raise --max-staleness"
                     )
                 weight = staleness_weight(self.config.outer, tau)
-                self.outer.step(delta, weight)
+                live = sum(r.alive for r in self._workers.values())
+                self.outer.step(delta, weight, num_workers=live)
                 self.version += 1
                 self.applied_pushes += 1
                 self.tokens += header.num_tokens
