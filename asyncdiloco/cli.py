@@ -41,6 +41,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dn-c", type=float, default=o.dn_c, help="delayed_nesterov: c in [0, 1/N] (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default %(default)s)")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
+    p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
+    p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
 
 
 #: The demo's outer settings. DiLoCo's synchronous defaults (η=0.7, μ=0.9, constant
@@ -63,7 +65,14 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         dn_c=args.dn_c,
     )
     return ServerConfig(
-        host=host, port=port, outer=outer, local_steps=args.local_steps, chunk_bytes=args.chunk_bytes, lease_s=args.lease_s
+        host=host,
+        port=port,
+        outer=outer,
+        local_steps=args.local_steps,
+        chunk_bytes=args.chunk_bytes,
+        lease_s=args.lease_s,
+        dylu=args.dylu,
+        grace_s=args.grace_s,
     )
 
 
@@ -205,6 +214,8 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--dn-c", str(args.dn_c),
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
+        "--grace-s", str(args.grace_s),
+        *(("--dylu",) if args.dylu else ()),
     )  # fmt: skip
 
 

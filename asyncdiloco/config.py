@@ -92,6 +92,12 @@ class ServerConfig:
     max_concurrent_rpcs: int = 64
     #: Staleness histogram buckets; the last bucket counts every larger τ.
     histogram_buckets: int = 32
+    #: Dynamic Local Updates (Liu et al. 2024, Eq. 6): tell each worker H_w = ⌊v_w/max v · H⌋
+    #: from its measured inner-step rate v_w.
+    dylu: bool = False
+    #: Grace window (Liu et al. 2024, Alg. 2), seconds: push replies are held until no push
+    #: arrived for this long, so workers whose pushes landed together pull the same model. 0 = off.
+    grace_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
@@ -106,6 +112,7 @@ class ServerConfig:
         _require(self.lease_s > 0, "lease_s", self.lease_s, "must be > 0 seconds")
         _require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
+        _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

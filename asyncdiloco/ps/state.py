@@ -38,6 +38,7 @@ from asyncdiloco.errors import (
     UnknownWorkerError,
 )
 from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
+from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
 log = logging.getLogger(__name__)
@@ -115,20 +116,34 @@ class ParameterServerState:
         self.pulls = 0
         self.tokens = 0
         self.staleness_histogram = [0] * config.histogram_buckets
+        self._rates = StepRateMeter()
+        self.grace = GraceWindow(config.grace_s, clock)
 
     # ------------------------------------------------------------ properties
     @property
     def initialized(self) -> bool:
         return self.params is not None
 
-    def run_config(self) -> pb.RunConfig:
+    def run_config(self, worker_id: int = 0) -> pb.RunConfig:
+        """The run config for ``worker_id`` (its H_w under DyLU; H for observers)."""
+        with self._lock:
+            return self._run_config_locked(worker_id)
+
+    def _run_config_locked(self, worker_id: int) -> pb.RunConfig:
         return pb.RunConfig(
-            local_steps=self.config.local_steps,
+            local_steps=self._local_steps_locked(worker_id),
             chunk_bytes=self.config.chunk_bytes,
             lease_s=self.config.lease_s,
             max_staleness=self.config.outer.max_staleness,
             mode="async",
         )
+
+    def _local_steps_locked(self, worker_id: int) -> int:
+        """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates."""
+        if not self.config.dylu:
+            return self.config.local_steps
+        rates = {w: v for w, v in self._rates.rates.items() if w in self._workers and self._workers[w].alive}
+        return dylu_local_steps(rates, self.config.local_steps).get(worker_id, self.config.local_steps)
 
     # --------------------------------------------------------------- workers
     def join(self, manifest: Manifest, worker_name: str = "") -> tuple[int, bool, int]:
@@ -156,6 +171,7 @@ class ParameterServerState:
             worker_id = self._next_worker_id
             self._next_worker_id += 1
             self._workers[worker_id] = WorkerRecord(worker_id, worker_name or f"worker-{worker_id}", now, now)
+            self._rates.start(worker_id, now)
             initialize = False
             if not self.initialized:
                 holder = self._workers.get(self._initializer) if self._initializer else None
@@ -346,11 +362,13 @@ class ParameterServerState:
                 rec.applied_pushes += 1
                 rec.tokens += header.num_tokens
                 rec.local_steps += header.num_local_steps
-                outcome = PushOutcome(True, False, self.version, tau, weight, self.config.local_steps)
+                self._rates.record(header.worker_id, header.num_local_steps, self._clock())
+                outcome = PushOutcome(True, False, self.version, tau, weight, self._local_steps_locked(header.worker_id))
             rec.outcomes[header.push_id] = outcome
             while len(rec.outcomes) > _PUSH_MEMORY:
                 rec.outcomes.popitem(last=False)
-            return outcome
+        self.grace.arrive()
+        return outcome
 
     def record_rejected(self, worker_id: int) -> None:
         with self._lock:
@@ -390,10 +408,12 @@ class ParameterServerState:
                         local_steps=r.local_steps,
                         last_seen_s=now - r.last_seen,
                         alive=r.alive,
+                        local_steps_per_round=self._local_steps_locked(r.worker_id),
+                        steps_per_s=self._rates.rates.get(r.worker_id, 0.0),
                     )
                     for r in self._workers.values()
                 ],
-                run_config=self.run_config(),
+                run_config=self._run_config_locked(0),
                 outer_optimizer=opt,
                 staleness_weighting=stal,
                 manifest=self.manifest.to_proto() if self.manifest else None,
