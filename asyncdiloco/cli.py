@@ -189,6 +189,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import pathlib
     import subprocess
 
+    if args.suite in ("quick", "full"):
+        from asyncdiloco.suite import SUITES, run_suite
+
+        out = args.out or f"bench-{args.suite}"
+        run_suite(SUITES[args.suite], out, progress=not args.no_progress)
+        print((pathlib.Path(out) / "report.md").read_text(), flush=True)
+        return 0
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
     script = benchmarks / "perf_suite.py"
     if not script.exists():
@@ -196,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"suite={args.suite!r} needs the repository's benchmarks/ folder, not found at {benchmarks}; "
             f"run it from a clone of the repository (pip install -e .)"
         )
-    cmd = [sys.executable, str(script), "--out", args.out, "--sizes", args.sizes]
+    cmd = [sys.executable, str(script), "--out", args.out or "perf-out", "--sizes", args.sizes]
     return subprocess.run(cmd, check=False).returncode
 
 
@@ -257,9 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(pd)
     pd.set_defaults(func=cmd_demo, **DEMO_SERVER_DEFAULTS)
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
-    pb_.add_argument("--suite", choices=["perf"], default="perf", help="perf: transport and server micro-benchmarks")
-    pb_.add_argument("--out", default="perf-out", help="output folder (default perf-out)")
-    pb_.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
+                     help="quick/full: sync vs async methods on speed profiles; perf: transport and server micro-benchmarks")
+    pb_.add_argument("--clock", choices=["virtual"], default="virtual",
+                     help="virtual: deterministic one-process simulator (same server code, virtual time)")
+    pb_.add_argument("--out", default="", help="output folder (default bench-quick / bench-full / perf-out)")
+    pb_.add_argument("--sizes", default="4,64,256", help="perf: model sizes in MiB (default 4,64,256)")
+    pb_.add_argument("--no-progress", action="store_true", help="no progress bar")
     pb_.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,73 @@
+"""The virtual-clock simulator: determinism, and the identities that tie it to the server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job import JobConfig
+from asyncdiloco.sim import SimConfig, simulate
+from asyncdiloco.suite import SuiteConfig, run_suite
+
+TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8, eval_batches=2)
+
+
+def losses(result):
+    return [p["eval_loss"] for p in result.curve]
+
+
+def test_a_run_is_deterministic():
+    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(0.58, 0.75, 1.51), total_steps=60, local_steps=5,
+                    job=TINY, eval_every_steps=20)
+    a, b = simulate(cfg), simulate(cfg)
+    assert losses(a) == losses(b)
+    assert [p["time_s"] for p in a.curve] == [p["time_s"] for p in b.curve]
+    assert a.staleness_histogram == b.staleness_histogram
+
+
+def test_async_dn_with_grace_on_equal_speeds_is_sync_diloco():
+    # Liu et al. 2024: with c = 0 and a grace window, N simultaneous arrivals under Delayed
+    # Nesterov are one synchronous Nesterov step on their mean, and every worker restarts
+    # from the same model — so the async server code reproduces sync DiLoCo.
+    kw = dict(speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=60, local_steps=5, job=TINY, eval_every_steps=15)
+    sync = simulate(SimConfig(method="sync_diloco", **kw))
+    dn = simulate(SimConfig(method="async_dn", grace_s=1e-6, **kw))
+    assert losses(dn) == pytest.approx(losses(sync), abs=1e-4)
+    no_grace = simulate(SimConfig(method="async_dn", grace_s=0.0, **kw))
+    assert losses(no_grace) != pytest.approx(losses(sync), abs=1e-4)
+
+
+def test_uneven_speeds_make_async_faster_and_stale():
+    kw = dict(speeds_s_per_step=(1.0, 4.0), total_steps=40, local_steps=5, job=TINY, eval_every_steps=40)
+    sync = simulate(SimConfig(method="sync_diloco", **kw))
+    asyn = simulate(SimConfig(method="async_nesterov", **kw))
+    assert asyn.wall_s < sync.wall_s  # nobody waits for the slow worker
+    assert sync.utilisation < 0.7 < asyn.utilisation
+    assert sum(asyn.staleness_histogram[1:]) > 0
+
+
+def test_dylu_gives_the_slow_worker_fewer_local_steps():
+    kw = dict(speeds_s_per_step=(1.0, 4.0), total_steps=80, local_steps=8, job=TINY, eval_every_steps=80)
+    plain = simulate(SimConfig(method="async_dn", **kw))
+    dylu = simulate(SimConfig(method="async_dn_dylu", **kw))
+    assert dylu.updates > plain.updates  # the slow worker pushes every 2 steps instead of 8
+
+
+def test_bad_method_is_refused():
+    with pytest.raises(ConfigError, match="method='async_adam'"):
+        SimConfig(method="async_adam", speeds_s_per_step=(1.0,), total_steps=10)
+
+
+def test_suite_writes_runs_report_and_plots(tmp_path):
+    cfg = SuiteConfig(profiles=("uneven",), methods=("sync_localsgd", "sync_diloco", "async_nesterov", "async_dn_dylu"),
+                      seeds=(0, 1), total_steps=40, local_steps=5, eval_every_steps=20, job=TINY)
+    records = run_suite(cfg, str(tmp_path), progress=False)
+    assert len(records) == 8
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all("target_loss" in json.loads(x) for x in lines)
+    report = (tmp_path / "report.md").read_text()
+    assert "| async_dn_dylu |" in report and "(a) [uneven]" in report and "(c) [uneven]" in report
+    for name in ("loss_vs_tokens.png", "loss_vs_time.png", "utilisation.png", "staleness.png"):
+        assert (tmp_path / name).stat().st_size > 1000
