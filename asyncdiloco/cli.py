@@ -41,6 +41,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dn-c", type=float, default=o.dn_c, help="delayed_nesterov: c in [0, 1/N] (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default %(default)s)")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
+    p.add_argument("--max-payload-bytes", type=int, default=d.max_payload_bytes, help="largest model accepted, bytes (default %(default)s)")
+    p.add_argument("--max-abs-value", type=float, default=d.max_abs_value, help="refuse pushed values larger in magnitude (default %(default)g)")
     p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
 
@@ -73,6 +75,8 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         lease_s=args.lease_s,
         dylu=args.dylu,
         grace_s=args.grace_s,
+        max_payload_bytes=args.max_payload_bytes,
+        max_abs_value=args.max_abs_value,
     )
 
 
@@ -86,7 +90,7 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-embd", type=int, default=d.n_embd, help=f"model width (default {d.n_embd})")
     p.add_argument("--n-head", type=int, default=d.n_head, help=f"attention heads (default {d.n_head})")
     p.add_argument("--inner-lr", type=float, default=d.inner_lr, help=f"AdamW learning rate (default {d.inner_lr})")
-    p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed")
+    p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed (default %(default)s)")
 
 
 def _job_config(args: argparse.Namespace):
@@ -137,6 +141,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from asyncdiloco.job import run_worker
 
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
     torch.set_num_threads(args.threads)
     wcfg = WorkerConfig(
         server=args.server,
@@ -170,7 +176,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from asyncdiloco.demo import DemoConfig, run_demo
 
-    slowdowns = [float(s) for s in args.slowdowns.split(",")] if args.slowdowns else None
+    try:
+        slowdowns = [float(s) for s in args.slowdowns.split(",")] if args.slowdowns else None
+    except ValueError:
+        raise ConfigError(f"--slowdowns {args.slowdowns!r} is invalid: give numbers >= 1 separated by commas, e.g. 1,2,4") from None
+    _server_config(args, "127.0.0.1", 0)  # a bad server flag is refused here, naming the value
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
     cfg = DemoConfig(
         num_workers=args.workers,
         max_seconds=args.max_seconds,
@@ -182,6 +193,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     report = run_demo(cfg, progress=not args.no_progress)
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
+
+
+def _raise_keyboard_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 # ------------------------------------------------------------------- bench
@@ -222,6 +237,8 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
         "--grace-s", str(args.grace_s),
+        "--max-payload-bytes", str(args.max_payload_bytes),
+        "--max-abs-value", str(args.max_abs_value),
         *(("--dylu",) if args.dylu else ()),
     )  # fmt: skip
 
@@ -240,11 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(ps)
     ps.set_defaults(func=cmd_server)
 
-    pw = sub.add_parser("worker", help="run one worker training the default model on the default data")
+    pw = sub.add_parser(
+        "worker",
+        help="run one worker training the default model on the default data",
+        description="One asynchronous DiLoCo worker. H and the outer optimizer are the server's (set them on "
+        "`asyncdiloco server`); the flags here choose the worker's model, data order, speed and run length.",
+    )
     pw.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
-    pw.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order")
+    pw.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order (default %(default)s)")
     pw.add_argument("--name", default="", help="name in the server's status (default worker-I@host)")
-    pw.add_argument("--slowdown", type=float, default=1.0, help="run F times slower, to emulate a weaker machine")
+    pw.add_argument("--slowdown", type=float, default=1.0, help="run F times slower, to emulate a weaker machine (default %(default)s)")
     pw.add_argument("--max-steps", type=int, help="stop after N inner steps")
     pw.add_argument("--max-seconds", type=float, help="stop after S seconds of training")
     pw.add_argument("--join-timeout", type=float, default=30.0, help="seconds to keep trying to join (default 30)")
@@ -256,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd = sub.add_parser("demo", help="server + N workers of different speeds on loopback, with a report")
     pd.add_argument("--workers", type=int, default=4, help="number of worker processes (default 4)")
     pd.add_argument("--max-seconds", type=float, default=120.0, help="training time per worker (default 120)")
-    pd.add_argument("--out", default="demo-out", help="folder for report.json, loss_curve.png and logs")
-    pd.add_argument("--slowdowns", default="", help="comma-separated speed factors per worker (default 1,1.5,2,3,...)")
-    pd.add_argument("--eval-every", type=float, default=5.0, help="seconds between held-out evaluations")
+    pd.add_argument("--out", default="demo-out", help="folder for report.json, loss_curve.png and logs (default %(default)s)")
+    pd.add_argument("--slowdowns", default="", help="comma-separated speed factors, one per worker (default: cycles 1,1.5,2,3)")
+    pd.add_argument("--eval-every", type=float, default=5.0, help="seconds between held-out evaluations (default %(default)s)")
     pd.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_server_args(pd)
     _add_job_args(pd)

@@ -88,6 +88,8 @@ class ServerConfig:
     max_payload_bytes: int = 16 * 1024**3
     #: Seconds without any RPC from a worker before its lease expires.
     lease_s: float = 60.0
+    #: Largest magnitude a pushed value may have; larger ones would overflow θ (refused).
+    max_abs_value: float = 1e9
     #: Threads serving RPCs; each in-flight push or pull holds one.
     max_concurrent_rpcs: int = 64
     #: Staleness histogram buckets; the last bucket counts every larger τ.
@@ -109,7 +111,10 @@ class ServerConfig:
             "must be in [1 KiB, 64 MiB]; 4 MiB is the measured sweet spot",
         )
         _require(self.max_payload_bytes >= 1, "max_payload_bytes", self.max_payload_bytes, "must be >= 1 byte")
-        _require(self.lease_s > 0, "lease_s", self.lease_s, "must be > 0 seconds")
+        _require(
+            0 < self.max_abs_value < 1e30, "max_abs_value", self.max_abs_value, "must be in (0, 1e30) (fp32 overflows at 3.4e38)"
+        )  # fmt: skip
+        _require(0 < self.lease_s <= 86400, "lease_s", self.lease_s, "must be in (0, 86400] seconds")
         _require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
         _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
@@ -139,10 +144,15 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         host, sep, port = self.server.rpartition(":")
-        _require(bool(sep) and bool(host) and port.isdigit(), "server", self.server, "give HOST:PORT, e.g. 127.0.0.1:29500")
+        _require(
+            bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+            "server",
+            self.server,
+            "give HOST:PORT with a port in [1, 65535], e.g. 127.0.0.1:29500",
+        )
         for name in ("rpc_timeout_s", "timeout_s_per_mib", "initial_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
-            _require(value > 0, name, value, "must be > 0 seconds")
+            _require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")
         _require(self.join_timeout_s >= 0, "join_timeout_s", self.join_timeout_s, "must be >= 0 seconds")
         _require(
             self.max_backoff_s >= self.initial_backoff_s,
@@ -150,4 +160,7 @@ class WorkerConfig:
             self.max_backoff_s,
             f"must be >= initial_backoff_s={self.initial_backoff_s}",
         )
-        _require(self.heartbeat_s is None or self.heartbeat_s > 0, "heartbeat_s", self.heartbeat_s, "must be > 0 or None")
+        _require(
+            self.heartbeat_s is None or 0 < self.heartbeat_s <= 3600, "heartbeat_s", self.heartbeat_s,
+            "must be in (0, 3600] seconds, or None for a third of the server's lease",
+        )  # fmt: skip

@@ -43,7 +43,7 @@ class DemoConfig:
     max_seconds: float = 120.0
     #: Folder for report.json, loss_curve.png and the processes' logs.
     out_dir: str = "demo-out"
-    #: Speed factor per worker (≥ 1; 2 = twice as slow); None cycles 1, 1.5, 2, 3.
+    #: Speed factor per worker (≥ 1; 2 = twice as slow); None cycles 1, 1.5, 2, 3, 1, 1.5, ...
     slowdowns: tuple[float, ...] | None = None
     #: Extra flags for ``asyncdiloco server`` (outer optimizer, H, ...).
     server_args: tuple[str, ...] = ()
@@ -121,6 +121,17 @@ def _reap(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
             p.wait()
 
 
+def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """The exit code of a worker; one still running gets ``grace_s`` to finish its final
+    push, then SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _reap([proc])
+    return proc.returncode
+
+
 def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: float, log_path: pathlib.Path) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -166,13 +177,17 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         evaluator = _Evaluator(address, cfg.job)
         curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
         curve += _watch(cfg, evaluator, workers, started, progress)
+        exit_codes = [_stop(w) for w in workers]  # overdue workers (hung, stopped) are terminated
         status = evaluator.client.status()
+        if not status.initialized:
+            raise AsyncDiLoCoError(
+                f"no worker initialized the global model (exit codes {exit_codes}); see {out}/worker-*.log"
+            )
         version, final_loss = evaluator.evaluate_global()
         curve.append(
             {"wall_s": time.monotonic() - started, "version": version, "tokens": status.tokens, "eval_loss": final_loss}
         )
         wall_s = time.monotonic() - started
-        exit_codes = [w.wait() for w in workers]
         evaluator.client.close()
     finally:
         _reap(procs)
@@ -190,13 +205,17 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
     curve: list[dict] = []
     last_eval = time.monotonic()
     loss = ev.initial_loss
+    training_since: float | None = None  # when the global model was first there
     deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
     bar = tqdm(total=round(cfg.max_seconds), unit="s", disable=not progress, dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}")  # fmt: skip
     try:
         while any(w.poll() is None for w in workers):
             if time.monotonic() > deadline:
-                log.warning("workers still running %.0f s past their budget; stopping them", cfg.max_seconds + 120)
+                log.warning(
+                    "workers still running %.0f s after the demo started (budget %g s of training + 120 s); "
+                    "stopping them", time.monotonic() - started, cfg.max_seconds,
+                )  # fmt: skip
                 break
             time.sleep(1.0)
             try:
@@ -210,7 +229,9 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
                 continue
             hist = list(st.staleness_histogram)
             mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
-            bar.n = min(bar.total, time.monotonic() - started)
+            if st.initialized and training_since is None:
+                training_since = time.monotonic()
+            bar.n = min(bar.total, time.monotonic() - training_since) if training_since else 0
             bar.set_postfix_str(
                 f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f} | "
                 f"eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}"
@@ -303,7 +324,8 @@ def _print_summary(report: dict, out: pathlib.Path) -> None:
     hist = report["staleness_histogram"]
     stale = sum(hist[1:])
     print(
-        f"\nasyncdiloco demo: {len(report['workers'])} workers, {report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
+        f"\nasyncdiloco demo: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
+        f"{report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
         f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
         f"  version {report['version']}: {report['applied_pushes']} pushes applied, {report['rejected_pushes']} refused, "
         f"{stale} applied with staleness > 0 (histogram {hist})\n"

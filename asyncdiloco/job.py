@@ -81,6 +81,7 @@ def run_worker(
     max_steps: int | None = None,
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    log_every: int = 100,
 ) -> WorkerStats:
     """Train the default job as one asynchronous DiLoCo worker until a bound is hit.
 
@@ -93,6 +94,7 @@ def run_worker(
         max_steps: stop after this many inner steps (None: no bound).
         max_seconds: stop after this many seconds of training (None: no bound).
         on_step: called after every inner step with (step, loss in nats/char).
+        log_every: log the training loss every this many inner steps (INFO).
     Returns:
         The worker's counters.
     Raises:
@@ -103,6 +105,10 @@ def run_worker(
         raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
     if max_steps is None and max_seconds is None:
         raise ConfigError("give max_steps or max_seconds, or the worker would train forever")
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError(f"max_steps={max_steps} is invalid: give 1 or more inner steps")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
     corpus = CharCorpus.default()
     model = job.build(corpus)
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
@@ -121,6 +127,11 @@ def run_worker(
             inner.step()  # every H-th step also pushes and pulls
             inner.zero_grad(set_to_none=True)
             step += 1
+            if step % log_every == 0:
+                log.info(
+                    "step %d: train loss %.3f nats/char, global version %d, %d pushes applied (mean staleness %.1f)",
+                    step, float(loss), worker.version, worker.stats.pushes_applied, worker.stats.mean_staleness,
+                )  # fmt: skip
             if slowdown > 1.0:
                 compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
                 time.sleep((slowdown - 1.0) * max(compute_s, 0.0))

@@ -242,7 +242,7 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     clock = _VirtualClock()
     state = ParameterServerState(
         ServerConfig(port=0, local_steps=cfg.local_steps, outer=cfg.outer(), dylu=cfg.method == "async_dn_dylu",
-                     lease_s=1e9, histogram_buckets=64),
+                     lease_s=86400, histogram_buckets=64),
         clock=clock,
     )  # fmt: skip
     manifest = Manifest.from_module(replicas[0].model)

@@ -66,7 +66,12 @@ class WorkerStats:
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     comm_s: float = 0.0
-    staleness: list[int] = dataclasses.field(default_factory=list)
+    #: τ of every applied push, in order.
+    staleness: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def mean_staleness(self) -> float:
+        return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
 
 
 @dataclasses.dataclass
@@ -140,16 +145,19 @@ class AsyncDiLoCoWorker:
     def join(self) -> None:
         """Register with the server, then initialize the global model (first worker of
         a fresh server) or load it into ``model``. Retries until ``join_timeout_s``."""
-        deadline = time.monotonic() + self.config.join_timeout_s
+        started = time.monotonic()
         delay = self.config.initial_backoff_s
         while True:
             try:
                 self._join_once()
                 break
             except (ServerUnavailableError, NotInitializedError) as exc:
-                # The initial parameters are a push away: poll for them quickly.
-                wait_s = 0.1 if isinstance(exc, NotInitializedError) else delay
-                if time.monotonic() + wait_s > deadline:
+                # The initial parameters are a push away: poll for them quickly. Waiting for
+                # them may take a lease longer (until a dead initializer's lease lapses).
+                waiting = isinstance(exc, NotInitializedError)
+                wait_s = 0.1 if waiting else delay
+                limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
+                if time.monotonic() + wait_s > started + limit:
                     raise ServerUnavailableError(
                         f"could not join the parameter server at {self.config.server} within "
                         f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `asyncdiloco server` "
@@ -180,9 +188,18 @@ class AsyncDiLoCoWorker:
             )
             self._must_initialize = False
             self.version = 0
+            self._steps_since_sync = 0  # the steps so far are in the initial parameters
+            self._tokens_since_sync = 0
+            self._round_started = time.monotonic()
             log.info("worker %d initialized the global model", self.worker_id)
             return
-        self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+        try:
+            self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+        except NotInitializedError:
+            if self.client.heartbeat(self.worker_id).initialize:  # the chosen initializer is gone
+                self._must_initialize = True
+                log.info("worker %d takes over initializing the global model", self.worker_id)
+            raise
 
     def close(self) -> None:
         """Push the steps since the last sync (if ``push_on_close``), leave, release."""

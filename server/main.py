@@ -9,5 +9,9 @@ import sys
 
 from asyncdiloco.cli import main
 
+#: Flags of the ``asyncdiloco`` command itself, which must come before the subcommand.
+GLOBAL_FLAGS = {"-q", "--quiet", "-v", "-vv", "--verbose"}
+
 if __name__ == "__main__":
-    main(["server", *sys.argv[1:]])
+    argv = sys.argv[1:]
+    main([*(a for a in argv if a in GLOBAL_FLAGS), "server", *(a for a in argv if a not in GLOBAL_FLAGS)])

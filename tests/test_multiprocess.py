@@ -101,3 +101,20 @@ def test_server_prints_the_chosen_port_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["demo", "--slowdowns", "a,b"], "--slowdowns 'a,b' is invalid"),
+        (["demo", "--local-steps", "0"], "local_steps=0 is invalid"),
+        (["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--threads", "0"], "--threads 0 is invalid"),
+        (["worker", "--server", "127.0.0.1:99999", "--max-steps", "1"], "server='127.0.0.1:99999' is invalid"),
+        (["server", "--lease-s", "inf"], "lease_s=inf is invalid"),
+        (["worker", "--server", "127.0.0.1:1", "--max-steps", "-5"], "max_steps=-5 is invalid"),
+    ],
+)
+def test_bad_cli_values_get_one_line_errors(argv, needle):
+    proc = subprocess.run([*CLI, "-q", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr

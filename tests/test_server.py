@@ -182,6 +182,7 @@ def good_push(srv, manifest, wid, payload, **over):
     ("case", "code", "needle"),
     [
         ("nan", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
+        ("huge", grpc.StatusCode.INVALID_ARGUMENT, "over max_abs_value=1e+09"),
         ("inf", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
         ("future", grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
         ("stale", grpc.StatusCode.FAILED_PRECONDITION, "exceeds max_staleness=0"),
@@ -202,9 +203,9 @@ def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, nee
     before = fingerprint(srv)
     payload = manifest.pack(delta)
     header, chunks = good_push(srv, manifest, wid, payload, push_id=3)
-    if case in ("nan", "inf"):
+    if case in ("nan", "inf", "huge"):
         bad = [d.clone() for d in delta]
-        bad[0][0, 7] = float("nan") if case == "nan" else float("inf")
+        bad[0][0, 7] = {"nan": float("nan"), "inf": float("inf"), "huge": 3e38}[case]
         header, chunks = good_push(srv, manifest, wid, manifest.pack(bad), push_id=3)
     elif case == "future":
         header.base_version = 5
@@ -395,3 +396,28 @@ def test_a_silent_worker_expires_and_rejoins(make_server):
         assert worker.stats.pushes_applied == 1
         status = {w.worker_id: w.alive for w in srv.state.status().workers}
         assert status == {first_id: False, worker.worker_id: True}
+
+
+def test_a_waiting_worker_takes_over_when_the_initializer_dies(make_server):
+    srv = make_server(lease_s=0.5)
+    model = make_model()
+    ghost = ParameterServerClient(srv.address)
+    assert ghost.join(Manifest.from_module(model), "ghost").initialize  # chosen, then never pushes
+    worker = AsyncDiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               WorkerConfig(server=srv.address, join_timeout_s=10))
+    worker.join()  # polls; once the ghost's lease lapses, the heartbeat hands it the job
+    assert srv.state.initialized
+    assert torch.equal(srv.state.params, flat(model))
+    worker.close()
+    ghost.close()
+
+
+def test_an_abandoned_uninitialized_server_accepts_another_model(make_server):
+    srv = make_server()
+    client = ParameterServerClient(srv.address)
+    first = client.join(Manifest.from_module(nn.Linear(8, 4)), "wrong model")
+    client.leave(first.worker_id)  # nobody holds the provisional manifest any more
+    right = Manifest.from_module(make_model())
+    reply = client.join(right, "right model")
+    assert reply.initialize and Manifest.from_proto(reply.manifest) == right
+    client.close()

@@ -178,12 +178,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "lease_remaining_s")
+    __slots__ = ("version", "lease_remaining_s", "initialize")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZE_FIELD_NUMBER: _ClassVar[int]
     version: int
     lease_remaining_s: float
-    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ...) -> None: ...
+    initialize: bool
+    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

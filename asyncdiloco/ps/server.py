@@ -38,6 +38,10 @@ def grpc_channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A client reconnects within seconds of a restarted server (gRPC's default backoff grows to 2 min).
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 

@@ -106,10 +106,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
-            version, remaining = self.state.heartbeat(request.worker_id)
+            version, remaining, initialize = self.state.heartbeat(request.worker_id)
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
-        return pb.HeartbeatReply(version=version, lease_remaining_s=remaining)
+        return pb.HeartbeatReply(version=version, lease_remaining_s=remaining, initialize=initialize)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.state.leave(request.worker_id)

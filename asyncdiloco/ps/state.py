@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -164,29 +165,37 @@ class ParameterServerState:
         with self._lock:
             now = self._clock()
             self._expire_locked(now)
-            if self.manifest is None:
-                self.manifest = manifest
+            if self.manifest is None or (not self.initialized and not any(r.alive for r in self._workers.values())):
+                self.manifest = manifest  # provisional until the initial parameters arrive
             else:
                 manifest.check_same(self.manifest)
             worker_id = self._next_worker_id
             self._next_worker_id += 1
             self._workers[worker_id] = WorkerRecord(worker_id, worker_name or f"worker-{worker_id}", now, now)
             self._rates.start(worker_id, now)
-            initialize = False
-            if not self.initialized:
-                holder = self._workers.get(self._initializer) if self._initializer else None
-                if holder is None or not holder.alive:
-                    self._initializer = worker_id
-                    initialize = True
-            log.info("worker %d (%s) joined at version %d%s", worker_id, worker_name, self.version,
-                     " and initializes the global model" if initialize else "")
+            initialize = self._claim_initializer_locked(worker_id)
+            log.info("worker %d (%s) joined at version %d%s", worker_id, self._workers[worker_id].name, self.version,
+                     " and initializes the global model" if initialize else "")  # fmt: skip
             return worker_id, initialize, self.version
 
-    def heartbeat(self, worker_id: int) -> tuple[int, float]:
-        """Renew the lease. Returns (version, seconds until the lease expires)."""
+    def _claim_initializer_locked(self, worker_id: int) -> bool:
+        """While no parameters exist: make ``worker_id`` the initializer if the chosen one
+        is gone (left, or its lease lapsed). True when ``worker_id`` must initialize."""
+        if self.initialized:
+            return False
+        holder = self._workers.get(self._initializer) if self._initializer else None
+        if holder is None or not holder.alive:
+            if self._initializer is not None:
+                log.warning("initializer %s is gone; worker %d initializes instead", self._initializer, worker_id)
+            self._initializer = worker_id
+        return self._initializer == worker_id
+
+    def heartbeat(self, worker_id: int) -> tuple[int, float, bool]:
+        """Renew the lease. Returns (version, seconds until the lease expires, whether
+        this worker must now push the initial parameters)."""
         with self._lock:
             self._touch_locked(worker_id)
-            return self.version, self.config.lease_s
+            return self.version, self.config.lease_s, self._claim_initializer_locked(worker_id)
 
     def leave(self, worker_id: int) -> None:
         with self._lock:
@@ -207,10 +216,8 @@ class ParameterServerState:
         self._expire_locked(now)
         rec = self._workers.get(worker_id)
         if rec is None:
-            raise UnknownWorkerError(
-                f"worker_id {worker_id} is unknown to this server (ids 1..{self._next_worker_id - 1} were issued); "
-                f"call Join again"
-            )
+            issued = f"ids 1..{self._next_worker_id - 1} were issued" if self._next_worker_id > 1 else "no ids issued yet"
+            raise UnknownWorkerError(f"worker_id {worker_id} is unknown to this server ({issued}); call Join again")
         if not rec.alive:
             raise UnknownWorkerError(
                 f"worker_id {worker_id} is no longer registered (it left, or was silent longer than "
@@ -317,11 +324,18 @@ class ParameterServerState:
             In every case θ, momentum, version and the applied counters are unchanged.
         """
         delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
-        if not bool(torch.isfinite(delta).all()):
+        largest = float(torch.linalg.vector_norm(delta, float("inf"))) if delta.numel() else 0.0  # NaN/Inf propagate
+        if not math.isfinite(largest):
             bad = int((~torch.isfinite(delta)).sum())
             raise InvalidPayloadError(
                 f"payload from worker {header.worker_id} holds {bad} non-finite values (NaN/Inf); "
                 f"the limit is 0: lower the inner learning rate or clip gradients"
+            )
+        if largest > self.config.max_abs_value:
+            raise InvalidPayloadError(
+                f"payload from worker {header.worker_id} holds a value of magnitude {largest:.3g}, over "
+                f"max_abs_value={self.config.max_abs_value:g} (it would overflow the global model); the worker "
+                f"diverged: lower its inner learning rate, or raise --max-abs-value for a model on that scale"
             )
         with self._lock:
             rec = self._workers.get(header.worker_id)
