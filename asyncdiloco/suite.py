@@ -252,15 +252,17 @@ def plot(records: list[dict], out: pathlib.Path) -> None:
                               ("time_s", "virtual time (s)", "loss_vs_time.png")):  # fmt: skip
         fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
         for ax, p in zip(axes[0], profiles):
+            lowest = math.inf
             for m in methods:
                 rs = [r for r in records if r["profile"] == p and r["method"] == m]
                 xs = [pt[key] for pt in rs[0]["curve"]]
                 ys = [statistics.mean(r["curve"][i]["eval_loss"] for r in rs if i < len(r["curve"])) for i in range(len(xs))]
                 ax.plot(xs, ys, marker=".", label=m)
+                lowest = min([lowest, *(y for y in ys if math.isfinite(y))])
             ax.set_title(p)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("held-out loss (nats/char)")
-            ax.set_ylim(top=min(5.0, ax.get_ylim()[1]))
+            ax.set_ylim(max(0.0, lowest - 0.2), 5.0)  # diverged runs leave the top of the plot
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
