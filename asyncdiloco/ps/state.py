@@ -15,6 +15,11 @@ Push semantics (Liu et al. 2024, arXiv 2401.09135, Sec. 3; staleness weights in
 outer.py): a pseudo-gradient with base version v arriving at version V has staleness
 τ = V − v; it is refused when τ > max_staleness or v > V, otherwise applied at once and
 the version becomes V + 1. ``(worker_id, push_id)`` makes a retried push idempotent.
+
+Durability (store.py): when a ``journal`` is attached, every Join and every push is
+logged (and fsynced) after all checks pass and before it changes anything in memory or
+is acknowledged; ``state_dict``/``load_state_dict`` and ``replay_join``/``replay_push``
+are what checkpoints and log replay use.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import (
+    CheckpointError,
     InvalidPayloadError,
     NotInitializedError,
     PayloadTooLargeError,
@@ -38,6 +44,7 @@ from asyncdiloco.errors import (
     UnknownWorkerError,
 )
 from asyncdiloco.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
 log = logging.getLogger(__name__)
@@ -115,6 +122,8 @@ class ParameterServerState:
         self.pulls = 0
         self.tokens = 0
         self.staleness_histogram = [0] * config.histogram_buckets
+        #: store.DurableStore (or None): logs each change before it is applied.
+        self.journal = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -149,22 +158,29 @@ class ParameterServerState:
         with self._lock:
             now = self._clock()
             self._expire_locked(now)
-            if self.manifest is None:
-                self.manifest = manifest
-            else:
+            if self.manifest is not None:
                 manifest.check_same(self.manifest)
             worker_id = self._next_worker_id
-            self._next_worker_id += 1
-            self._workers[worker_id] = WorkerRecord(worker_id, worker_name or f"worker-{worker_id}", now, now)
             initialize = False
             if not self.initialized:
                 holder = self._workers.get(self._initializer) if self._initializer else None
-                if holder is None or not holder.alive:
-                    self._initializer = worker_id
-                    initialize = True
+                initialize = holder is None or not holder.alive
+            name = worker_name or f"worker-{worker_id}"
+            if self.journal is not None:  # durable before the worker learns its id
+                self.journal.log_join(worker_id, name, initialize, manifest if self.manifest is None else None)
+            self._register_locked(worker_id, name, initialize, manifest, now)
             log.info("worker %d (%s) joined at version %d%s", worker_id, worker_name, self.version,
                      " and initializes the global model" if initialize else "")
             return worker_id, initialize, self.version
+
+    def _register_locked(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None,
+                         now: float) -> None:
+        if self.manifest is None:
+            self.manifest = manifest
+        self._next_worker_id = max(self._next_worker_id, worker_id + 1)
+        self._workers[worker_id] = WorkerRecord(worker_id, name, now, now)
+        if initialize:
+            self._initializer = worker_id
 
     def heartbeat(self, worker_id: int) -> tuple[int, float]:
         """Renew the lease. Returns (version, seconds until the lease expires)."""
@@ -252,6 +268,11 @@ class ParameterServerState:
             if rec is not None and header.push_id in rec.outcomes:
                 return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
             self._touch_locked(header.worker_id)
+            if header.total_bytes > self.config.max_payload_bytes:
+                raise PayloadTooLargeError(
+                    f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes="
+                    f"{self.config.max_payload_bytes}; send a smaller model or raise the server's limit"
+                )
             if header.push_id < 1:
                 raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
             if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
@@ -317,10 +338,7 @@ class ParameterServerState:
                     raise StalePushError(
                         f"initial parameters from worker {header.worker_id} refused: already initialized"
                     )
-                self.params = delta.clone()
-                self.outer = OuterOptimizer(self.params, self.config.outer)
-                outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
-                log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
+                tau, weight, version_after = 0, 1.0, self.version
             else:
                 tau = self.version - header.base_version
                 if tau < 0:
@@ -336,20 +354,38 @@ class ParameterServerState:
                         f"(smaller H) or raise --max-staleness"
                     )
                 weight = staleness_weight(self.config.outer, tau)
-                self.outer.step(delta, weight)
-                self.version += 1
-                self.applied_pushes += 1
-                self.tokens += header.num_tokens
-                self.bytes_pushed += header.total_bytes
-                self.staleness_histogram[min(tau, len(self.staleness_histogram) - 1)] += 1
-                rec.applied_pushes += 1
-                rec.tokens += header.num_tokens
-                rec.local_steps += header.num_local_steps
-                outcome = PushOutcome(True, False, self.version, tau, weight, self.config.local_steps)
-            rec.outcomes[header.push_id] = outcome
-            while len(rec.outcomes) > _PUSH_MEMORY:
-                rec.outcomes.popitem(last=False)
-            return outcome
+                version_after = self.version + 1
+            if self.journal is not None:  # durable before it is applied and acknowledged
+                self.journal.log_push(header, payload, tau, weight, version_after)
+            outcome = self._commit_push_locked(rec, header, delta, tau, weight)
+        if self.journal is not None:
+            self.journal.maybe_checkpoint()
+        return outcome
+
+    def _commit_push_locked(
+        self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, tau: int, weight: float
+    ) -> PushOutcome:
+        """Apply a checked push (or the initial parameters) and record its outcome."""
+        if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
+            self.params = delta.clone()
+            self.outer = OuterOptimizer(self.params, self.config.outer)
+            outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
+            log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
+        else:
+            self.outer.step(delta, weight)
+            self.version += 1
+            self.applied_pushes += 1
+            self.tokens += header.num_tokens
+            self.bytes_pushed += header.total_bytes
+            self.staleness_histogram[min(tau, len(self.staleness_histogram) - 1)] += 1
+            rec.applied_pushes += 1
+            rec.tokens += header.num_tokens
+            rec.local_steps += header.num_local_steps
+            outcome = PushOutcome(True, False, self.version, tau, weight, self.config.local_steps)
+        rec.outcomes[header.push_id] = outcome
+        while len(rec.outcomes) > _PUSH_MEMORY:
+            rec.outcomes.popitem(last=False)
+        return outcome
 
     def record_rejected(self, worker_id: int) -> None:
         with self._lock:
@@ -398,3 +434,130 @@ class ParameterServerState:
                 manifest=self.manifest.to_proto() if self.manifest else None,
                 pulls=self.pulls,
             )
+
+    # ------------------------------------------------------------ durability
+    def state_dict(self, while_locked: Callable[[], int] | None = None) -> tuple[dict, dict[str, torch.Tensor], int]:
+        """A consistent copy of the durable state, for a checkpoint (store.py).
+
+        Args:
+            while_locked: called under the lock at the moment of the copy (the store
+                starts a new log segment there); its result is returned.
+        Returns:
+            (meta, tensors, result): ``meta`` is JSON-serializable (version, manifest,
+            worker table with the applied push ids and outcomes, counters);
+            ``tensors`` maps ``"param/<name>"`` and ``"momentum/<name>"`` to fp32 CPU
+            tensors of the parameter's shape (keyed by name, never by position).
+        """
+        with self._lock:
+            result = while_locked() if while_locked is not None else 0
+            tensors: dict[str, torch.Tensor] = {}
+            if self.params is not None:
+                mom = self.outer.momentum_buffer
+                pos = 0
+                for spec in self.manifest.tensors:
+                    sl = slice(pos, pos + spec.numel)
+                    tensors[f"param/{spec.name}"] = self.params[sl].clone().view(spec.shape)
+                    if mom is not None:
+                        tensors[f"momentum/{spec.name}"] = mom[sl].clone().view(spec.shape)
+                    pos += spec.numel
+            meta = {
+                "version": self.version,
+                "initialized": self.initialized,
+                "manifest": manifest_to_json(self.manifest) if self.manifest is not None else None,
+                "next_worker_id": self._next_worker_id,
+                "initializer": self._initializer,
+                "counters": {
+                    "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
+                    "duplicate_pushes": self.duplicate_pushes, "bytes_pushed": self.bytes_pushed,
+                    "bytes_pulled": self.bytes_pulled, "pulls": self.pulls, "tokens": self.tokens,
+                },
+                "staleness_histogram": list(self.staleness_histogram),
+                "workers": [
+                    {
+                        "worker_id": r.worker_id, "name": r.name, "alive": r.alive,
+                        "applied_pushes": r.applied_pushes, "rejected_pushes": r.rejected_pushes,
+                        "tokens": r.tokens, "local_steps": r.local_steps,
+                        "outcomes": [[pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
+                                     for pid, o in r.outcomes.items()],
+                    }
+                    for r in self._workers.values()
+                ],
+            }
+        return meta, tensors, result
+
+    def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a fresh state from a checkpoint's ``state_dict``. Workers come back
+        alive with a full lease, so they resume under their old ids.
+
+        Raises:
+            CheckpointError: the tensors do not match the stored manifest, or the
+            momentum does not match the configured outer optimizer.
+        """
+        with self._lock:
+            now = self._clock()
+            self.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
+            if meta["initialized"]:
+                want_momentum = self.config.outer.momentum > 0
+                flat, mom = [], []
+                for spec in self.manifest.tensors:
+                    for key, out in ((f"param/{spec.name}", flat), (f"momentum/{spec.name}", mom)):
+                        if key.startswith("momentum/") and not want_momentum:
+                            continue
+                        t = tensors.get(key)
+                        if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
+                            raise CheckpointError(
+                                f"checkpoint tensor {key!r} is "
+                                f"{'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; the manifest says "
+                                f"float32 {spec.shape}: the checkpoint is inconsistent, restore an older one"
+                            )
+                        out.append(t.reshape(-1))
+                if not want_momentum and any(k.startswith("momentum/") for k in tensors):
+                    raise CheckpointError("checkpoint holds outer momentum but outer momentum is 0; "
+                                          "restart with the checkpoint's --outer-momentum")
+                self.params = torch.cat(flat) if flat else torch.zeros(0)
+                self.outer = OuterOptimizer(self.params, self.config.outer)
+                if want_momentum:
+                    self.outer.momentum_buffer.copy_(torch.cat(mom) if mom else torch.zeros(0))
+            self.version = meta["version"]
+            self._next_worker_id = meta["next_worker_id"]
+            self._initializer = meta["initializer"]
+            for key, value in meta["counters"].items():
+                setattr(self, key, value)
+            hist = meta["staleness_histogram"]
+            self.staleness_histogram = (hist + [0] * len(self.staleness_histogram))[: len(self.staleness_histogram)]
+            self._workers = {}
+            for w in meta["workers"]:
+                rec = WorkerRecord(w["worker_id"], w["name"], now, now, True, w["applied_pushes"],
+                                   w["rejected_pushes"], w["tokens"], w["local_steps"])
+                for pid, applied, version, tau, weight, steps in w["outcomes"]:
+                    rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
+                self._workers[rec.worker_id] = rec
+            self._snapshot = None
+
+    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        """Redo a logged Join (start-up replay)."""
+        with self._lock:
+            now = self._clock()
+            self._register_locked(worker_id, name, initialize, manifest, now)
+
+    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float,
+                    version_after: int) -> None:
+        """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
+
+        Raises:
+            CheckpointError: the log does not follow the state (unknown worker, or the
+            version it produced does not follow).
+        """
+        delta = self.manifest.unpack_flat(payload) if self.manifest is not None else None
+        with self._lock:
+            rec = self._workers.get(header.worker_id)
+            initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
+            expected = self.version if initial else self.version + 1
+            if rec is None or delta is None or expected != version_after or initial == self.initialized:
+                raise CheckpointError(
+                    f"write-ahead log push {header.push_id} of worker {header.worker_id} (version {version_after}) "
+                    f"does not follow the checkpoint (version {self.version}); the log belongs to another run: "
+                    f"restore the folder from a backup"
+                )
+            self._commit_push_locked(rec, header, delta, tau, weight)
+            self._snapshot = None
