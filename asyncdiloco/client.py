@@ -64,7 +64,13 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         # Channel limits follow the largest chunk the library allows, so a server with
         # any valid chunk_bytes can be talked to before its RunConfig is known.
-        options = grpc_channel_options(64 * _MIB)
+        # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
+        # restarted server is found again within seconds.
+        options = grpc_channel_options(64 * _MIB) + [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
         self._metadata = auth_metadata(client_token(security))
         creds = channel_credentials(security)
         if creds is None:
