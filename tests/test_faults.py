@@ -238,3 +238,49 @@ def test_32_concurrent_workers_push_and_pull_without_errors_and_bounded_memory(t
     growth = rss_end - rss_warm
     print(f"server RSS {rss_warm / 2**20:.1f} MiB after warm-up, {rss_end / 2**20:.1f} MiB after 384 more push+pull rounds")
     assert growth < 64 * 2**20, f"server RSS grew by {growth / 2**20:.1f} MiB"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_is_recognised_by_a_restarted_server_and_nothing_is_reinitialised(tmp_path):
+    from torch import nn
+
+    from asyncdiloco import AsyncDiLoCoWorker, WorkerConfig
+    from asyncdiloco.config import DurabilityConfig
+
+    def config(port: int) -> ServerConfig:
+        return ServerConfig(port=port, local_steps=2, outer=OUTER,
+                            durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+
+    srv = ParameterServer(config(0)).start()
+    port = srv.port
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(16, 4)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    cfg = WorkerConfig(server=srv.address, initial_backoff_s=0.01, max_backoff_s=0.05, rpc_timeout_s=2)
+    worker = AsyncDiLoCoWorker(model, opt, cfg)
+    worker.join()
+    steps(6)
+    first_id, version = worker.worker_id, srv.state.version
+    assert version == 3
+    theta = srv.state.params.clone()
+    srv.stop(None)
+    steps(2)  # the sync fails: the server is down; training goes on
+    assert worker.stats.sync_failures >= 1
+    srv = ParameterServer(config(port)).start()  # same folder, same port
+    try:
+        assert srv.state.version == version and torch.equal(srv.state.params, theta)
+        while srv.state.version == version:
+            steps(2)
+        assert worker.worker_id == first_id  # no rejoin, no re-initialisation
+        assert [w.worker_id for w in srv.state.status().workers] == [first_id]
+    finally:
+        worker.close()
+        srv.stop(None)

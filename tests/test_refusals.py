@@ -210,3 +210,25 @@ def test_generated_push_streams_never_crash_and_refusals_change_nothing(data):
         assert_same(before, fingerprint(_state))
     else:
         assert reply.version == before[2] + 1 == _state.version and header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT
+
+
+def test_a_worker_checks_its_own_pseudo_gradient_before_sending(server):
+    from torch import nn
+
+    from asyncdiloco import AsyncDiLoCoWorker, InvalidPayloadError, WorkerConfig
+
+    srv, _, _ = server
+    named = nn.Module()
+    named.w, named.b = nn.Parameter(torch.zeros(600)), nn.Parameter(torch.zeros(1))  # the server's manifest
+    opt = torch.optim.SGD(named.parameters(), lr=1.0)
+    worker = AsyncDiLoCoWorker(named, opt, WorkerConfig(server=srv.address))
+    worker.join()
+    before = fingerprint(srv.state)
+    with torch.no_grad():
+        named.w[3] = float("nan")
+    with pytest.raises(InvalidPayloadError, match="pseudo-gradient holds non-finite values .* lower the inner learning"):
+        worker._steps_since_sync = 1  # as if an inner step had run
+        worker.sync()
+    assert_same(before, fingerprint(srv.state))
+    assert srv.state.rejected_pushes == 0  # it never reached the server
+    worker.close()
