@@ -153,12 +153,12 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
     server = ParameterServer(_server_config(args, args.host, args.port)).start()
-    print(f"asyncdiloco server listening on {server.address}", flush=True)
-    if args.port_file:
+    if args.port_file:  # written before the "listening" line, which tells watchers it is ready
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:
             f.write(f"{server.port}\n")
         os.replace(tmp, args.port_file)
+    print(f"asyncdiloco server listening on {server.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

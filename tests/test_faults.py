@@ -165,7 +165,7 @@ def test_workers_killed_at_random_do_not_stop_the_run(tmp_path):
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
 
-        procs = [spawn(i, 200) for i in range(4)]
+        procs = [spawn(i, 100) for i in range(4)]
         rng = random.Random(1)
         victims = rng.sample(range(4), 2)
         for v in victims:
