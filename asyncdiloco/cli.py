@@ -46,8 +46,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness-a", type=float, default=o.staleness_a, help="a: polynomial exponent / hinge slope (default %(default)s)")
     p.add_argument("--staleness-b", type=int, default=o.staleness_b, help="b: hinge grace, versions (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=o.max_staleness, help="refuse pushes staler than this many versions (default %(default)s)")
+    p.add_argument("--dn-buffer", type=int, default=o.dn_buffer, help="delayed_nesterov: N arrivals per momentum update (0 = number of workers)")
+    p.add_argument("--dn-c", type=float, default=o.dn_c, help="delayed_nesterov: c in [0, 1/N] (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default %(default)s)")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
+    p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
+    p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
 
 
 #: The demo's outer settings. DiLoCo's synchronous defaults (η=0.7, μ=0.9, constant
@@ -66,6 +70,8 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         staleness_a=args.staleness_a,
         staleness_b=args.staleness_b,
         max_staleness=args.max_staleness,
+        dn_buffer=args.dn_buffer,
+        dn_c=args.dn_c,
     )
     durability = security = None
     if getattr(args, "checkpoint_dir", None):
@@ -80,8 +86,16 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
             token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca
         )
     return ServerConfig(
-        host=host, port=port, outer=outer, local_steps=args.local_steps, chunk_bytes=args.chunk_bytes, lease_s=args.lease_s,
-        durability=durability, security=security,
+        host=host,
+        port=port,
+        outer=outer,
+        local_steps=args.local_steps,
+        chunk_bytes=args.chunk_bytes,
+        lease_s=args.lease_s,
+        dylu=args.dylu,
+        grace_s=args.grace_s,
+        durability=durability,
+        security=security,
     )
 
 
@@ -227,6 +241,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
 
 
+# ------------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    import pathlib
+    import subprocess
+
+    benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    script = benchmarks / "perf_suite.py"
+    if not script.exists():
+        raise ConfigError(
+            f"suite={args.suite!r} needs the repository's benchmarks/ folder, not found at {benchmarks}; "
+            f"run it from a clone of the repository (pip install -e .)"
+        )
+    cmd = [sys.executable, str(script), "--out", args.out, "--sizes", args.sizes]
+    return subprocess.run(cmd, check=False).returncode
+
+
 def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return (
         "--local-steps", str(args.local_steps),
@@ -237,8 +267,12 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--staleness-a", str(args.staleness_a),
         "--staleness-b", str(args.staleness_b),
         "--max-staleness", str(args.max_staleness),
+        "--dn-buffer", str(args.dn_buffer),
+        "--dn-c", str(args.dn_c),
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
+        "--grace-s", str(args.grace_s),
+        *(("--dylu",) if args.dylu else ()),
     )  # fmt: skip
 
 
@@ -281,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(pd)
     _add_job_args(pd)
     pd.set_defaults(func=cmd_demo, **DEMO_SERVER_DEFAULTS)
+    pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
+    pb_.add_argument("--suite", choices=["perf"], default="perf", help="perf: transport and server micro-benchmarks")
+    pb_.add_argument("--out", default="perf-out", help="output folder (default perf-out)")
+    pb_.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    pb_.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -13,7 +13,7 @@ import os
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
 STALENESS_WEIGHTINGS = ("constant", "inverse", "polynomial", "hinge")
 
 
@@ -30,8 +30,9 @@ class OuterConfig:
     momentum with η = 0.7, μ = 0.9.
     """
 
-    #: "nesterov" (SGD with Nesterov momentum) or "sgd" (heavy-ball momentum; with
-    #: lr=1, momentum=0 the server adopts each worker's parameters: LocalSGD averaging).
+    #: "nesterov" (SGD with Nesterov momentum), "sgd" (heavy-ball momentum; with lr=1,
+    #: momentum=0 the server adopts each worker's parameters: LocalSGD averaging), or
+    #: "delayed_nesterov" (momentum updated once per N arrivals; Liu et al. 2024, Alg. 3).
     optimizer: str = "nesterov"
     #: η, the outer learning rate (dimensionless; scales the pseudo-gradient).
     lr: float = 0.7
@@ -46,6 +47,11 @@ class OuterConfig:
     staleness_b: int = 4
     #: Pushes with staleness τ above this many versions are refused (FAILED_PRECONDITION).
     max_staleness: int = 1000
+    #: delayed_nesterov: N, arrivals per momentum update (Liu et al. 2024, Alg. 3);
+    #: 0 = the number of live workers at each arrival.
+    dn_buffer: int = 0
+    #: delayed_nesterov: c ∈ [0, 1/N], the share of momentum applied between updates.
+    dn_c: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
@@ -57,6 +63,13 @@ class OuterConfig:
         _require(math.isfinite(self.staleness_a) and self.staleness_a >= 0, "staleness_a", self.staleness_a, "must be >= 0")
         _require(self.staleness_b >= 0, "staleness_b", self.staleness_b, "must be >= 0 versions")
         _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0 versions")
+        _require(self.dn_buffer >= 0, "dn_buffer", self.dn_buffer, "must be >= 1 arrivals, or 0 for the number of workers")
+        _require(
+            0 <= self.dn_c <= (1 / self.dn_buffer if self.dn_buffer else 1),
+            "dn_c",
+            self.dn_c,
+            f"must lie in [0, 1/N] with N = dn_buffer = {self.dn_buffer or 'workers'} (0 is Liu et al.'s default)",
+        )
 
 
 def _require_file(path: str | None, field: str) -> None:
@@ -155,6 +168,12 @@ class ServerConfig:
     max_concurrent_rpcs: int = 64
     #: Staleness histogram buckets; the last bucket counts every larger τ.
     histogram_buckets: int = 32
+    #: Dynamic Local Updates (Liu et al. 2024, Eq. 6): tell each worker H_w = ⌊v_w/max v · H⌋
+    #: from its measured inner-step rate v_w.
+    dylu: bool = False
+    #: Grace window (Liu et al. 2024, Alg. 2), seconds: push replies are held until no push
+    #: arrived for this long, so workers whose pushes landed together pull the same model. 0 = off.
+    grace_s: float = 0.0
     #: Checkpoints and write-ahead log; None keeps the state in memory only.
     durability: DurabilityConfig | None = None
     #: Token and TLS; None serves plaintext without authentication.
@@ -173,6 +192,7 @@ class ServerConfig:
         _require(self.lease_s > 0, "lease_s", self.lease_s, "must be > 0 seconds")
         _require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
+        _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,17 +11,24 @@ pseudo-gradient Δ = θ_base − θ_local as it arrives, scaled by its staleness
   With η = 1, μ = 0 and one worker the global model becomes the worker's parameters
   (LocalSGD averaging).
 
+- ``delayed_nesterov`` (Liu et al. 2024, arXiv 2401.09135, Alg. 3; buffer N, c ∈ [0, 1/N]):
+  on arrival t of g_t = s(τ)·Δ: b ← b + g_t; if (t+1) mod N = 0:
+  m ← μ·m + b/N;  θ ← θ − η·[(1 − cN + c)·μ·m + g_t/N];  b ← 0;
+  otherwise θ ← θ − η·[c·μ·m + g_t/N]. With c = 0, N arrivals equal one synchronous
+  Nesterov step on their mean.
+
 Staleness weights (τ = versions applied since the worker's base version):
 ``constant`` 1; ``inverse`` 1/(1+τ) (Zhang et al. 2016, arXiv 1511.05950);
 ``polynomial`` (1+τ)^−a and ``hinge`` 1 if τ ≤ b else 1/(a(τ−b)+1)
 (FedAsync, Xie et al. 2019, arXiv 1903.03934, Sec. 5.2).
 
-All updates are in place and allocate nothing per step.
+All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.sgd import sgd as _torch_sgd
 
 from asyncdiloco.config import OuterConfig
 
@@ -53,7 +60,8 @@ def staleness_weight(config: OuterConfig, staleness: int) -> float:
 
 def describe(config: OuterConfig) -> tuple[str, str]:
     """Human-readable (outer optimizer, staleness weighting) for status and reports."""
-    opt = f"{config.optimizer}(lr={config.lr:g}, momentum={config.momentum:g})"
+    opt = f"{config.optimizer}(lr={config.lr:g}, momentum={config.momentum:g}"
+    opt += f", N={config.dn_buffer or 'workers'}, c={config.dn_c:g})" if config.optimizer == "delayed_nesterov" else ")"
     stal = {
         "constant": "constant",
         "inverse": "inverse 1/(1+tau)",
@@ -80,28 +88,93 @@ class OuterOptimizer:
         self.config = config
         self.momentum_buffer = torch.zeros_like(params) if config.momentum > 0 else None
 
-    @torch.no_grad()
-    def step(self, delta: torch.Tensor, weight: float = 1.0) -> None:
-        """θ ← update(θ, s·Δ) as in the module docstring.
-
-        Args:
-            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device.
-            weight: s(τ), the staleness weight.
-        Raises:
-            ValueError: ``delta`` has another shape or dtype (nothing is changed).
-        """
+    def _check(self, delta: torch.Tensor) -> None:
         if delta.shape != self.params.shape or delta.dtype != torch.float32:
             raise ValueError(
                 f"pseudo-gradient has dtype {delta.dtype} shape {tuple(delta.shape)}; "
                 f"expected float32 {tuple(self.params.shape)}"
             )
-        lr, mu = self.config.lr, self.config.momentum
-        m = self.momentum_buffer
-        if m is None:  # μ = 0: both kinds reduce to θ ← θ − η·s·Δ
-            self.params.sub_(delta, alpha=lr * weight)
-            return
-        m.mul_(mu).add_(delta, alpha=weight)  # m ← μ·m + s·Δ
-        if self.config.optimizer == "nesterov":
-            self.params.sub_(delta, alpha=lr * weight).sub_(m, alpha=lr * mu)  # θ ← θ − η(sΔ + μm)
-        else:
-            self.params.sub_(m, alpha=lr)  # θ ← θ − η·m
+
+    @torch.no_grad()
+    def step(self, delta: torch.Tensor, weight: float = 1.0, *, num_workers: int = 1) -> None:
+        """θ ← update(θ, s·Δ) as in the module docstring, in one fused pass.
+
+        The update is ``torch.optim.SGD``'s fused kernel (``torch.optim.sgd.sgd`` with
+        ``fused=True``) run on the flat θ, Δ and m, so it reads and writes each
+        vector once.
+
+        Args:
+            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device. It is the caller's
+                scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ).
+            weight: s(τ), the staleness weight.
+            num_workers: live workers (used only by delayed_nesterov with dn_buffer=0).
+        Raises:
+            ValueError: ``delta`` has another shape or dtype (nothing is changed).
+        """
+        self._check(delta)
+        if weight != 1.0:
+            delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
+        _torch_sgd(
+            [self.params],
+            [delta],
+            [self.momentum_buffer],
+            fused=self.params.device.type in ("cpu", "cuda"),
+            weight_decay=0.0,
+            momentum=self.config.momentum,
+            lr=self.config.lr,
+            dampening=0.0,
+            nesterov=self.config.optimizer == "nesterov" and self.config.momentum > 0,
+            maximize=False,
+        )
+
+
+class DelayedNesterov(OuterOptimizer):
+    """Delayed Nesterov (Liu et al. 2024, arXiv 2401.09135, Alg. 3) on flat fp32 vectors.
+
+    The momentum m is updated once every N arrivals from the mean of the buffered
+    pseudo-gradients b; in between, each arrival moves θ by its own g_t/N plus a share c
+    of the momentum step. With c = 0, N arrivals equal exactly one synchronous Nesterov
+    step on their mean.
+
+    Args:
+        params: θ, 1-D float32 (N,), updated in place.
+        config: η (``lr``), μ (``momentum``), N (``dn_buffer``; 0 = ``num_workers`` at
+            each arrival) and c (``dn_c``).
+    Attributes:
+        momentum_buffer: m, float32 (N,). delta_buffer: b, float32 (N,).
+        arrivals: arrivals since the last momentum update.
+    """
+
+    def __init__(self, params: torch.Tensor, config: OuterConfig) -> None:
+        super().__init__(params, config)
+        if self.momentum_buffer is None:
+            self.momentum_buffer = torch.zeros_like(params)
+        self.delta_buffer = torch.zeros_like(params)
+        self.arrivals = 0
+
+    @torch.no_grad()
+    def step(self, delta: torch.Tensor, weight: float = 1.0, *, num_workers: int = 1) -> None:
+        """Apply one arrival g_t = s·Δ (``delta`` is scaled in place when s ≠ 1)."""
+        self._check(delta)
+        if weight != 1.0:
+            delta.mul_(weight)
+        lr, mu, c = self.config.lr, self.config.momentum, self.config.dn_c
+        n = self.config.dn_buffer or max(1, num_workers)
+        m, b = self.momentum_buffer, self.delta_buffer
+        b.add_(delta)  # b ← b + g_t
+        self.arrivals += 1
+        if self.arrivals >= n:  # (t+1) mod N = 0
+            m.mul_(mu).add_(b, alpha=1.0 / n)  # m ← μ·m + b/N
+            self.params.sub_(m, alpha=lr * (1.0 - c * n + c) * mu)
+            b.zero_()
+            self.arrivals = 0
+        elif c > 0:
+            self.params.sub_(m, alpha=lr * c * mu)
+        self.params.sub_(delta, alpha=lr / n)  # the arrival's own g_t/N
+
+
+def make_outer_optimizer(params: torch.Tensor, config: OuterConfig) -> OuterOptimizer:
+    """The outer optimizer ``config.optimizer`` names, over the flat fp32 ``params``."""
+    if config.optimizer == "delayed_nesterov":
+        return DelayedNesterov(params, config)
+    return OuterOptimizer(params, config)

@@ -109,3 +109,67 @@ def test_wrong_delta_shape_changes_nothing():
 def test_outer_config_errors_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         OuterConfig(**kwargs)
+
+
+def test_weighted_nesterov_step_equals_torch_sgd_on_the_weighted_delta():
+    gen = torch.Generator().manual_seed(1)
+    theta = torch.randn(50, generator=gen)
+    ref = torch.nn.Parameter(theta.clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterOptimizer(theta, OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    for weight in (1.0, 0.5, 0.25):
+        delta = torch.randn(50, generator=gen)
+        ref.grad = weight * delta
+        ref_opt.step()
+        opt.step(delta, weight)
+    torch.testing.assert_close(theta, ref.detach())
+
+
+# ------------------------------------------------------------------ Delayed Nesterov
+from asyncdiloco.outer import DelayedNesterov, make_outer_optimizer  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_delayed_nesterov_c0_equals_sync_nesterov_on_the_mean(n):
+    # Liu et al. 2024, Alg. 3: with c = 0, every N arrivals equal one synchronous
+    # Nesterov step on their mean, round after round (momentum carried over).
+    gen = torch.Generator().manual_seed(n)
+    theta = torch.randn(30, generator=gen)
+    ref = torch.nn.Parameter(theta.clone())
+    ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    dn = make_outer_optimizer(theta, OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=n))
+    assert isinstance(dn, DelayedNesterov)
+    for _ in range(3):  # rounds
+        gs = [torch.randn(30, generator=gen) for _ in range(n)]
+        for g in gs:
+            dn.step(g.clone())
+        ref.grad = torch.stack(gs).mean(0)
+        ref_opt.step()
+        torch.testing.assert_close(theta, ref.detach())
+
+
+def test_delayed_nesterov_buffer_follows_the_worker_count_when_zero():
+    theta = torch.zeros(4)
+    dn = make_outer_optimizer(theta, OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5))
+    dn.step(torch.ones(4), num_workers=2)  # θ −= g/2
+    torch.testing.assert_close(theta, torch.full((4,), -0.5))
+    assert dn.arrivals == 1 and torch.equal(dn.momentum_buffer, torch.zeros(4))
+    dn.step(torch.ones(4), num_workers=2)  # m = 1; θ −= 0.5·1 + 1/2
+    torch.testing.assert_close(theta, torch.full((4,), -1.5))
+    assert dn.arrivals == 0 and torch.equal(dn.delta_buffer, torch.zeros(4))
+
+
+def test_delayed_nesterov_with_c_by_hand():
+    # N = 2, c = 0.25, η = 1, μ = 0.5, g = 1 each arrival.
+    theta = torch.zeros(1)
+    dn = DelayedNesterov(theta, OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5, dn_buffer=2, dn_c=0.25))
+    dn.step(torch.ones(1))  # m = 0: θ = −(0 + 1/2) = −0.5
+    dn.step(torch.ones(1))  # m = 1: θ −= (1 − 0.5 + 0.25)·0.5·1 + 0.5 = 0.875
+    torch.testing.assert_close(theta, torch.tensor([-1.375]))
+    dn.step(torch.ones(1))  # between updates: θ −= 0.25·0.5·1 + 0.5 = 0.625
+    torch.testing.assert_close(theta, torch.tensor([-2.0]))
+
+
+def test_dn_c_bound_is_checked():
+    with pytest.raises(ConfigError, match="dn_c=0.6"):
+        OuterConfig(optimizer="delayed_nesterov", dn_buffer=2, dn_c=0.6)

@@ -76,9 +76,11 @@ def run(state, n_pushes=6, first_seed=1):
 
 def fingerprint(state):
     mom = state.outer.momentum_buffer
+    dn = getattr(state.outer, "delta_buffer", None)
     workers = {w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
                for w in state._workers.values()}
-    return (state.params.clone(), None if mom is None else mom.clone(), state.version, state.applied_pushes,
+    return (state.params.clone(), None if mom is None else mom.clone(), None if dn is None else dn.clone(),
+            getattr(state.outer, "arrivals", None), state.version, state.applied_pushes,
             state.tokens, state.bytes_pushed, tuple(state.staleness_histogram), workers, state._next_worker_id)
 
 
@@ -100,16 +102,24 @@ def test_clean_shutdown_and_restart_restore_everything(tmp_path):
     store2.close()
 
 
-def test_crash_replays_the_log_bit_identically(tmp_path):
-    state, store = open_server(tmp_path, every=4)  # a checkpoint mid-run, then log records after it
+@pytest.mark.parametrize("outer", [
+    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse"),
+    OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=0, dn_c=0.1, staleness="polynomial"),
+    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.5, dn_buffer=3),
+], ids=["nesterov", "sgd", "dn_workers", "dn_buffer3"])
+def test_crash_replays_the_log_bit_identically(tmp_path, outer):
+    state, store = open_server(tmp_path, every=4, outer=outer)  # a checkpoint mid-run, then log records after it
     run(state, n_pushes=7)
     before = fingerprint(state)
     crash(store)
-    state2, store2 = open_server(tmp_path, every=4)
+    state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(before, fingerprint(state2))
-    # the server goes on where it stopped: same ids, next version
+    # the server goes on where it stopped: same ids, next version, same outer step
     b = max(state2._workers)
-    assert push(state2, b, 100, rand_tensors(9)).version == before[2] + 1
+    assert push(state2, b, 100, rand_tensors(9)).version == state.version + 1
+    push(state, b, 100, rand_tensors(9))
+    assert torch.equal(state.params, state2.params)
     crash(store2)
 
 
@@ -122,6 +132,7 @@ def test_retried_push_is_a_duplicate_across_a_crash(tmp_path):
     before = fingerprint(state2)
     again = push(state2, b, 50, rand_tensors(5), base_version=0)
     assert again.duplicate and again.version == outcome.version and again.staleness == outcome.staleness
+    assert again.local_steps == outcome.local_steps
     assert_same(before, fingerprint(state2))
     store2.close()
 

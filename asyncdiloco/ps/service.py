@@ -38,7 +38,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             _abort(context, exc)
         return pb.JoinReply(
             worker_id=worker_id,
-            run_config=self.state.run_config(),
+            run_config=self.state.run_config(worker_id),
             manifest=self.state.manifest.to_proto(),
             version=version,
             initialize=initialize,
@@ -57,7 +57,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 total_bytes=total,
                 num_chunks=num_chunks_for(total, chunk_bytes),
                 crc32=snap.crc32,
-                run_config=self.state.run_config(),
+                run_config=self.state.run_config(request.worker_id),
             )
         )
         for chunk in iter_chunks(snap.payload, chunk_bytes):
@@ -98,6 +98,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             raise
         if outcome.duplicate:
             self.state.record_duplicate()
+        else:
+            self.state.grace.wait()  # workers whose pushes landed together pull the same model
         return pb.PushReply(
             applied=outcome.applied,
             duplicate=outcome.duplicate,

@@ -43,7 +43,8 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
+from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
@@ -124,20 +125,34 @@ class ParameterServerState:
         self.staleness_histogram = [0] * config.histogram_buckets
         #: store.DurableStore (or None): logs each change before it is applied.
         self.journal = None
+        self._rates = StepRateMeter()
+        self.grace = GraceWindow(config.grace_s, clock)
 
     # ------------------------------------------------------------ properties
     @property
     def initialized(self) -> bool:
         return self.params is not None
 
-    def run_config(self) -> pb.RunConfig:
+    def run_config(self, worker_id: int = 0) -> pb.RunConfig:
+        """The run config for ``worker_id`` (its H_w under DyLU; H for observers)."""
+        with self._lock:
+            return self._run_config_locked(worker_id)
+
+    def _run_config_locked(self, worker_id: int) -> pb.RunConfig:
         return pb.RunConfig(
-            local_steps=self.config.local_steps,
+            local_steps=self._local_steps_locked(worker_id),
             chunk_bytes=self.config.chunk_bytes,
             lease_s=self.config.lease_s,
             max_staleness=self.config.outer.max_staleness,
             mode="async",
         )
+
+    def _local_steps_locked(self, worker_id: int) -> int:
+        """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates."""
+        if not self.config.dylu:
+            return self.config.local_steps
+        rates = {w: v for w, v in self._rates.rates.items() if w in self._workers and self._workers[w].alive}
+        return dylu_local_steps(rates, self.config.local_steps).get(worker_id, self.config.local_steps)
 
     # --------------------------------------------------------------- workers
     def join(self, manifest: Manifest, worker_name: str = "") -> tuple[int, bool, int]:
@@ -179,6 +194,7 @@ class ParameterServerState:
             self.manifest = manifest
         self._next_worker_id = max(self._next_worker_id, worker_id + 1)
         self._workers[worker_id] = WorkerRecord(worker_id, name, now, now)
+        self._rates.start(worker_id, now)
         if initialize:
             self._initializer = worker_id
 
@@ -355,24 +371,31 @@ class ParameterServerState:
                     )
                 weight = staleness_weight(self.config.outer, tau)
                 version_after = self.version + 1
+            live = sum(r.alive for r in self._workers.values())  # N for delayed_nesterov with dn_buffer=0
             if self.journal is not None:  # durable before it is applied and acknowledged
-                self.journal.log_push(header, payload, tau, weight, version_after)
-            outcome = self._commit_push_locked(rec, header, delta, tau, weight)
+                self.journal.log_push(header, payload, tau, weight, version_after, live)
+            outcome = self._commit_push_locked(rec, header, delta, tau, weight, live)
+            if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
+                self._rates.record(header.worker_id, header.num_local_steps, self._clock())
+                outcome = dataclasses.replace(outcome, local_steps=self._local_steps_locked(header.worker_id))
+                rec.outcomes[header.push_id] = outcome
         if self.journal is not None:
             self.journal.maybe_checkpoint()
+        self.grace.arrive()
         return outcome
 
     def _commit_push_locked(
-        self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, tau: int, weight: float
+        self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, tau: int, weight: float, num_workers: int
     ) -> PushOutcome:
-        """Apply a checked push (or the initial parameters) and record its outcome."""
+        """Apply a checked push (or the initial parameters) and record its outcome.
+        ``delta`` may be scaled in place (the outer step uses it as scratch)."""
         if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
             self.params = delta.clone()
-            self.outer = OuterOptimizer(self.params, self.config.outer)
+            self.outer = make_outer_optimizer(self.params, self.config.outer)
             outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
             log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
         else:
-            self.outer.step(delta, weight)
+            self.outer.step(delta, weight, num_workers=num_workers)
             self.version += 1
             self.applied_pushes += 1
             self.tokens += header.num_tokens
@@ -425,10 +448,12 @@ class ParameterServerState:
                         local_steps=r.local_steps,
                         last_seen_s=now - r.last_seen,
                         alive=r.alive,
+                        local_steps_per_round=self._local_steps_locked(r.worker_id),
+                        steps_per_s=self._rates.rates.get(r.worker_id, 0.0),
                     )
                     for r in self._workers.values()
                 ],
-                run_config=self.run_config(),
+                run_config=self._run_config_locked(0),
                 outer_optimizer=opt,
                 staleness_weighting=stal,
                 manifest=self.manifest.to_proto() if self.manifest else None,
@@ -452,15 +477,14 @@ class ParameterServerState:
             result = while_locked() if while_locked is not None else 0
             tensors: dict[str, torch.Tensor] = {}
             if self.params is not None:
-                mom = self.outer.momentum_buffer
+                vectors = {"param": self.params, **self._outer_buffers()}
                 pos = 0
                 for spec in self.manifest.tensors:
-                    sl = slice(pos, pos + spec.numel)
-                    tensors[f"param/{spec.name}"] = self.params[sl].clone().view(spec.shape)
-                    if mom is not None:
-                        tensors[f"momentum/{spec.name}"] = mom[sl].clone().view(spec.shape)
+                    for kind, vec in vectors.items():
+                        tensors[f"{kind}/{spec.name}"] = vec[pos : pos + spec.numel].clone().view(spec.shape)
                     pos += spec.numel
             meta = {
+                "outer_arrivals": getattr(self.outer, "arrivals", 0),
                 "version": self.version,
                 "initialized": self.initialized,
                 "manifest": manifest_to_json(self.manifest) if self.manifest is not None else None,
@@ -485,6 +509,16 @@ class ParameterServerState:
             }
         return meta, tensors, result
 
+    def _outer_buffers(self) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state vectors: m (``momentum``) and, for Delayed
+        Nesterov, the arrival buffer b (``dn_delta``); flat fp32 (N,) each."""
+        out = {}
+        for kind, attr in (("momentum", "momentum_buffer"), ("dn_delta", "delta_buffer")):
+            vec = getattr(self.outer, attr, None)
+            if vec is not None:
+                out[kind] = vec
+        return out
+
     def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a fresh state from a checkpoint's ``state_dict``. Workers come back
         alive with a full lease, so they resume under their old ids.
@@ -497,27 +531,21 @@ class ParameterServerState:
             now = self._clock()
             self.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
-                want_momentum = self.config.outer.momentum > 0
-                flat, mom = [], []
-                for spec in self.manifest.tensors:
-                    for key, out in ((f"param/{spec.name}", flat), (f"momentum/{spec.name}", mom)):
-                        if key.startswith("momentum/") and not want_momentum:
-                            continue
-                        t = tensors.get(key)
-                        if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
-                            raise CheckpointError(
-                                f"checkpoint tensor {key!r} is "
-                                f"{'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; the manifest says "
-                                f"float32 {spec.shape}: the checkpoint is inconsistent, restore an older one"
-                            )
-                        out.append(t.reshape(-1))
-                if not want_momentum and any(k.startswith("momentum/") for k in tensors):
-                    raise CheckpointError("checkpoint holds outer momentum but outer momentum is 0; "
-                                          "restart with the checkpoint's --outer-momentum")
-                self.params = torch.cat(flat) if flat else torch.zeros(0)
-                self.outer = OuterOptimizer(self.params, self.config.outer)
-                if want_momentum:
-                    self.outer.momentum_buffer.copy_(torch.cat(mom) if mom else torch.zeros(0))
+                flat = self._named_to_flat(tensors, "param")
+                self.params = flat
+                self.outer = make_outer_optimizer(self.params, self.config.outer)
+                buffers = self._outer_buffers()
+                for kind, vec in buffers.items():
+                    vec.copy_(self._named_to_flat(tensors, kind))
+                extra = {k.split("/", 1)[0] for k in tensors} - {"param", *buffers}
+                if extra:
+                    raise CheckpointError(
+                        f"checkpoint holds outer-optimizer state {sorted(extra)} that the configured "
+                        f"{self.config.outer.optimizer} (momentum {self.config.outer.momentum:g}) does not use; "
+                        f"restart with the checkpoint's outer-optimizer settings"
+                    )
+                if hasattr(self.outer, "arrivals"):
+                    self.outer.arrivals = int(meta.get("outer_arrivals", 0))
             self.version = meta["version"]
             self._next_worker_id = meta["next_worker_id"]
             self._initializer = meta["initializer"]
@@ -526,13 +554,30 @@ class ParameterServerState:
             hist = meta["staleness_histogram"]
             self.staleness_histogram = (hist + [0] * len(self.staleness_histogram))[: len(self.staleness_histogram)]
             self._workers = {}
+            self._rates = StepRateMeter()
             for w in meta["workers"]:
                 rec = WorkerRecord(w["worker_id"], w["name"], now, now, True, w["applied_pushes"],
                                    w["rejected_pushes"], w["tokens"], w["local_steps"])
                 for pid, applied, version, tau, weight, steps in w["outcomes"]:
                     rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
                 self._workers[rec.worker_id] = rec
+                self._rates.start(rec.worker_id, now)
             self._snapshot = None
+
+    def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
+        parts = []
+        for spec in self.manifest.tensors:
+            key = f"{kind}/{spec.name}"
+            t = tensors.get(key)
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
+                raise CheckpointError(
+                    f"checkpoint tensor {key!r} is {'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; "
+                    f"the manifest says float32 {spec.shape}: the checkpoint is inconsistent (or was written "
+                    f"with other outer-optimizer settings); restart with its settings or restore an older one"
+                )
+            parts.append(t.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
         """Redo a logged Join (start-up replay)."""
@@ -541,7 +586,7 @@ class ParameterServerState:
             self._register_locked(worker_id, name, initialize, manifest, now)
 
     def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float,
-                    version_after: int) -> None:
+                    version_after: int, num_workers: int) -> None:
         """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
 
         Raises:
@@ -559,5 +604,5 @@ class ParameterServerState:
                     f"does not follow the checkpoint (version {self.version}); the log belongs to another run: "
                     f"restore the folder from a backup"
                 )
-            self._commit_push_locked(rec, header, delta, tau, weight)
+            self._commit_push_locked(rec, header, delta, tau, weight, num_workers)
             self._snapshot = None

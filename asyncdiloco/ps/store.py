@@ -4,15 +4,17 @@ Mechanism (what survives ``kill -9`` at any moment):
 
 1. **Write-ahead log.** Every state change a worker is told about (a Join, an applied
    push) is appended to the current log segment and fsynced *before* it is applied in
-   memory and acknowledged. A push record holds the push header, the staleness τ and
-   weight s(τ) it was applied with, the version it produced, and the raw payload bytes
-   exactly as received, so replaying it runs the same fp32 operations in the same order
-   and reproduces θ and the outer momentum bit for bit. Each record carries a log
+   memory and acknowledged. A push record holds the push header, the staleness τ, the
+   weight s(τ) and the live-worker count it was applied with, the version it produced,
+   and the raw payload bytes exactly as received, so replaying it runs the same fp32
+   operations in the same order and reproduces θ and the outer optimizer's state
+   (momentum; Delayed Nesterov's buffer and arrival count) bit for bit. Each record carries a log
    sequence number (LSN) and a CRC-32; a torn record at the very end of the log (the
    crash hit during its append, so it was never acknowledged) is cut off at start-up,
    a damaged record anywhere else stops start-up.
 2. **Checkpoints** every ``checkpoint_every`` applied pushes, on start-up (after
-   replay) and on shutdown: θ and the momentum keyed by parameter name, saved with
+   replay) and on shutdown: θ and the outer optimizer's vectors keyed by parameter
+   name (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``), saved with
    ``torch.save`` and read back with ``torch.load(weights_only=True)`` (no pickled
    objects), and a JSON sidecar with the version, LSN, manifest, outer-optimizer
    config, worker table, applied push ids with their outcomes, counters, and the
@@ -322,7 +324,7 @@ class DurableStore:
                 kind=m["kind"],
             )
             payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
-            state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"])
+            state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
         else:
             raise CheckpointError(f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup")
 
@@ -390,13 +392,15 @@ class DurableStore:
             meta["manifest"] = manifest_to_json(manifest)
         self._append(JOIN, meta)
 
-    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float, version_after: int) -> None:
-        """Journal a push before it is applied and acknowledged (state lock held)."""
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float, version_after: int,
+                 num_workers: int) -> None:
+        """Journal a push before it is applied and acknowledged (state lock held), with
+        everything its outer step depends on: τ, s(τ) and the live worker count."""
         meta = {
             "worker_id": header.worker_id, "push_id": header.push_id, "base_version": header.base_version,
             "num_local_steps": header.num_local_steps, "num_tokens": header.num_tokens,
             "total_bytes": header.total_bytes, "kind": header.kind, "tau": tau, "weight": weight,
-            "version_after": version_after,
+            "version_after": version_after, "num_workers": num_workers,
         }
         self._append(PUSH, meta, memoryview(payload.numpy()))
         self._pushes_since_checkpoint += 1

@@ -1,0 +1,77 @@
+"""Shared helpers of the micro-benchmarks: JSON lines, medians, a server process, RSS.
+
+Benchmarks measure and print; they assert nothing and are not collected by pytest.
+Every ratio is taken against a baseline measured in the same run, because the machines
+are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+MIB = 1024 * 1024
+
+
+def emit(record: dict, out: "os.PathLike | None" = None) -> None:
+    """Print one JSON line (and append it to ``out`` if given)."""
+    line = json.dumps(record, sort_keys=True)
+    print(line, flush=True)
+    if out is not None:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def parse_sizes(text: str) -> list[int]:
+    """"4,64,256" (MiB) -> byte counts."""
+    return [int(float(s) * MIB) for s in text.split(",") if s]
+
+
+@contextmanager
+def server_process(*flags: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Run ``asyncdiloco server --port 0 FLAGS`` on 127.0.0.1; yields (process, address)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = pathlib.Path(tmp) / "port"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncdiloco", "-q", "server", "--port", "0", "--port-file", str(port_file), *flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
+                time.sleep(0.05)
+            yield proc, f"127.0.0.1:{int(port_file.read_text())}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size (``VmRSS``) or its peak (``VmHWM``) of a process, in bytes."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Reset ``VmHWM`` to the current RSS (Linux: write 5 to /proc/PID/clear_refs)."""
+    pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")

@@ -1,0 +1,171 @@
+"""The parameter server's own costs, each against a baseline in the same run.
+
+- ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
+  ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.2).
+- ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
+  momentum) bytes (target ≤ 2.0). Growth = peak VmHWM during the pushes − RSS of the
+  idle server process before the model arrived.
+- ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
+  (2 processes × 8 threads) (target ≥ 200).
+
+    python benchmarks/bench_server.py [--sizes 4,64,256] [--repeats 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from _harness import MIB, emit, median, parse_sizes, reset_peak_rss, rss_bytes, server_process  # noqa: E402
+
+from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
+from asyncdiloco.client import ParameterServerClient  # noqa: E402
+from asyncdiloco.config import OuterConfig  # noqa: E402
+from asyncdiloco.outer import OuterOptimizer  # noqa: E402
+from asyncdiloco.tensors import Manifest  # noqa: E402
+
+
+def bench_outer_step(n_bytes: int, repeats: int) -> dict:
+    n = n_bytes // 4
+    delta = torch.randn(n)
+    ours = OuterOptimizer(torch.zeros(n), OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = delta.clone()
+    fused = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True, fused=True)
+
+    def timed(fn) -> float:
+        fn()  # warm up (allocates torch's momentum buffer)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return median(ts)
+
+    t_ours = timed(lambda: ours.step(delta, 1.0))
+    t_fused = timed(fused.step)
+    return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused,
+            "ours_gb_s": n_bytes / t_ours / 1e9}  # fmt: skip
+
+
+def _join_and_init(address: str, manifest: Manifest, name: str) -> tuple[ParameterServerClient, int]:
+    client = ParameterServerClient(address, timeout_s_per_mib=4.0)
+    reply = client.join(manifest, name)
+    if reply.initialize:
+        payload = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+        client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    return client, reply.worker_id
+
+
+def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt, count_q) -> None:
+    torch.set_num_threads(1)
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    payload = manifest.pack([torch.full((numel,), 1e-6)])
+    counts = []
+
+    def run(k: int) -> None:
+        client, wid = _join_and_init(address, manifest, f"pusher-{k}")
+        start_evt.wait()
+        deadline = time.monotonic() + seconds
+        n, push_id = 0, 2
+        while time.monotonic() < deadline:
+            reply = client.push(payload, worker_id=wid, push_id=push_id, base_version=client.status().version)
+            push_id += 1
+            n += reply.applied
+        counts.append(n)
+        client.close()
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    count_q.put(sum(counts))
+
+
+def bench_push_rate(numel: int, procs: int, threads: int, seconds: float) -> dict:
+    ctx = mp.get_context("spawn")
+    with server_process("--outer-optimizer", "nesterov") as (_, address):
+        manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+        client, _ = _join_and_init(address, manifest, "init")
+        start_evt, q = ctx.Event(), ctx.Queue()
+        ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+        for p in ps:
+            p.start()
+        time.sleep(5.0)  # let every client join (spawned interpreters import torch)
+        v0 = client.status().version
+        t0 = time.monotonic()
+        start_evt.set()
+        applied = sum(q.get(timeout=seconds + 120) for _ in ps)
+        wall = time.monotonic() - t0
+        v1 = client.status().version
+        for p in ps:
+            p.join(timeout=30)
+        client.close()
+    return {"pushes_applied": applied, "versions": v1 - v0, "wall_s": wall, "pushes_per_s": (v1 - v0) / wall}
+
+
+def bench_peak_rss(n_bytes: int, pushers: int) -> dict:
+    numel = n_bytes // 4
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    with server_process("--outer-optimizer", "nesterov") as (proc, address):
+        time.sleep(1.0)
+        idle = rss_bytes(proc.pid)
+        clients = [_join_and_init(address, manifest, f"w{k}") for k in range(pushers)]
+        payload = manifest.pack([torch.full((numel,), 1e-6)])
+        clients[0][0].push(payload, worker_id=clients[0][1], push_id=2, base_version=0)  # momentum allocated
+        reset_peak_rss(proc.pid)
+        barrier = threading.Barrier(pushers)
+
+        def push(k: int) -> None:
+            client, wid = clients[k]
+            barrier.wait()
+            client.push(payload, worker_id=wid, push_id=3, base_version=1)
+
+        ts = [threading.Thread(target=push, args=(k,)) for k in range(pushers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        peak = rss_bytes(proc.pid, "VmHWM")
+        for c, _ in clients:
+            c.close()
+    state = 2 * n_bytes  # parameters + momentum, fp32
+    return {"idle_rss_mib": idle / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
+            "ratio": (peak - idle) / state}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
+    p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as the server runs
+    sizes = parse_sizes(args.sizes)
+    if args.only in (None, "outer_step"):
+        for n in sizes:
+            r = bench_outer_step(n, args.repeats)
+            emit({"bench": "server", "measure": "outer step / fused torch SGD(nesterov)", "model_mib": n / MIB,
+                  "target": 1.2, **r}, args.out)  # fmt: skip
+    if args.only in (None, "peak_rss"):
+        for n in sizes:
+            r = bench_peak_rss(n, pushers=8)
+            emit({"bench": "server", "measure": "peak RSS growth / (params + momentum), 8 pushers",
+                  "model_mib": n / MIB, "target": 2.0, **r}, args.out)  # fmt: skip
+    if args.only in (None, "push_rate"):
+        r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds)
+        emit({"bench": "server", "measure": "pushes applied per second, 1M params, 16 workers",
+              "model_mib": 4e6 / MIB, "target": 200, **r}, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

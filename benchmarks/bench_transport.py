@@ -1,0 +1,124 @@
+"""Push+pull throughput through the parameter server ÷ raw TCP loopback throughput.
+
+Baseline (same run): two processes on 127.0.0.1, ``sendall(memoryview)`` into
+``recv_into`` a preallocated buffer — the ceiling for moving bytes on this machine.
+Measured: one worker process (this one) pushes a pseudo-gradient of the model's size and
+pulls the new global model from an ``asyncdiloco server`` process; throughput is
+2 × model bytes ÷ (push + pull seconds). Medians of ``--repeats``.
+
+    python benchmarks/bench_transport.py [--sizes 4,64,256] [--repeats 3] [--out FILE]
+
+Target (issue 6): ratio ≥ 0.45 with gRPC alone, 256 MiB model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from _harness import MIB, emit, median, parse_sizes, server_process  # noqa: E402
+
+from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
+from asyncdiloco.client import ParameterServerClient  # noqa: E402
+from asyncdiloco.tensors import Manifest  # noqa: E402
+
+
+def _tcp_sink(port_q: "mp.Queue", n: int, repeats: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    view = memoryview(bytearray(n))
+    for _ in range(repeats):
+        got = 0
+        while got < n:
+            got += conn.recv_into(view[got:], n - got)
+        conn.sendall(b"k")
+    conn.close()
+
+
+def raw_tcp_bytes_per_s(n: int, repeats: int) -> float:
+    """Median one-way loopback throughput for an ``n``-byte message, bytes/s."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    sink = ctx.Process(target=_tcp_sink, args=(q, n, repeats + 1))
+    sink.start()
+    data = memoryview(bytearray(b"\x01" * n))
+    times = []
+    with socket.create_connection(("127.0.0.1", q.get(timeout=60))) as s:
+        for i in range(repeats + 1):  # the first round warms both buffers up
+            t0 = time.perf_counter()
+            s.sendall(data)
+            s.recv(1)
+            if i:
+                times.append(time.perf_counter() - t0)
+    sink.join(timeout=60)
+    return n / median(times)
+
+
+def grpc_push_pull(n: int, repeats: int, address: str, chunk_bytes: int) -> dict:
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n // 4))])
+    manifest = Manifest.from_module(model)
+    client = ParameterServerClient(address, timeout_s_per_mib=2.0, chunk_bytes=chunk_bytes)
+    reply = client.join(manifest, "bench")
+    payload = manifest.pack(list(model.parameters()))
+    if reply.initialize:
+        client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    pull_buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+    push_s, pull_s = [], []
+    version = 0
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        client.push(payload, worker_id=reply.worker_id, push_id=2 + i, base_version=version)
+        t1 = time.perf_counter()
+        version = client.pull(manifest, reply.worker_id, buffer=pull_buffer).version
+        t2 = time.perf_counter()
+        if i:  # the first round allocates the server's buffers
+            push_s.append(t1 - t0)
+            pull_s.append(t2 - t1)
+    client.close()
+    return {"push_s": median(push_s), "pull_s": median(pull_s)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-bytes", type=int, default=4 * MIB)
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    for n in parse_sizes(args.sizes):
+        raw = raw_tcp_bytes_per_s(n, args.repeats)
+        with server_process("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
+                            "--chunk-bytes", str(args.chunk_bytes)) as (_, address):  # fmt: skip
+            g = grpc_push_pull(n, args.repeats, address, args.chunk_bytes)
+        push_pull = 2 * n / (g["push_s"] + g["pull_s"])
+        emit(
+            {
+                "bench": "transport",
+                "measure": "push+pull throughput / raw TCP loopback throughput",
+                "path": "grpc-protobuf-chunks",
+                "model_mib": n / MIB,
+                "chunk_bytes": args.chunk_bytes,
+                "raw_tcp_gb_s": raw / 1e9,
+                "push_gb_s": n / g["push_s"] / 1e9,
+                "pull_gb_s": n / g["pull_s"] / 1e9,
+                "push_pull_gb_s": push_pull / 1e9,
+                "ratio": push_pull / raw,
+                "target": 0.45,
+                "repeats": args.repeats,
+            },
+            args.out,
+        )
+
+
+if __name__ == "__main__":
+    main()
