@@ -35,7 +35,8 @@ class ServerProcess:
     def __init__(self, tmp_path: pathlib.Path, *flags: str) -> None:
         self.flags = list(flags)
         self.port = 0
-        self.log = open(tmp_path / "server.log", "ab")
+        self.log_path = tmp_path / "server.log"
+        self.log = open(self.log_path, "ab")
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -45,7 +46,11 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         line = self.proc.stdout.readline()  # printed once it accepts connections
-        assert "listening on 127.0.0.1:" in line, line
+        if "listening on 127.0.0.1:" not in line:
+            self.proc.wait(timeout=30)
+            self.log.flush()
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"server exited with {self.proc.returncode} instead of listening:\n{tail}")
         self.port = int(line.rsplit(":", 1)[1])
 
     @property
