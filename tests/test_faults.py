@@ -289,3 +289,31 @@ def test_a_worker_is_recognised_by_a_restarted_server_and_nothing_is_reinitialis
     finally:
         worker.close()
         srv.stop(None)
+
+
+@pytest.mark.timeout(90)
+def test_server_refuses_to_start_from_a_corrupt_checkpoint_unless_told_to_fall_back(tmp_path):
+    folder = tmp_path / "ckpt"
+    server = ServerProcess(tmp_path, "--checkpoint-dir", str(folder), "--checkpoint-every", "2", *OUTER_FLAGS)
+    with ParameterServerClient(server.address) as c:
+        wid = c.join(MANIFEST, "w").worker_id
+        c.push(MANIFEST.pack(delta_for(0, 0)), worker_id=wid, push_id=1, base_version=0,
+               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        for k in range(3):
+            c.push(MANIFEST.pack(delta_for(1, k)), worker_id=wid, push_id=k + 2, base_version=k)
+        theta = c.pull(MANIFEST).payload
+    assert "stopped at version 3" in server.stop()
+    newest = sorted(folder.glob("ckpt-*.pt"))[-1]
+    newest.write_bytes(newest.read_bytes()[:-10])  # truncated
+    flags = [*CLI, "server", "--port", "0", "--checkpoint-dir", str(folder), *OUTER_FLAGS]
+    refused = subprocess.run(flags, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1
+    assert f"checkpoint tensors {newest} are missing, truncated or corrupt" in refused.stderr
+    assert "start with --fallback-to-previous" in refused.stderr
+    server.flags += ["--fallback-to-previous"]
+    server.port = 0
+    server.start()
+    with ParameterServerClient(server.address) as c:
+        pulled = c.pull(MANIFEST)
+    assert pulled.version == 3 and torch.equal(pulled.payload, theta)  # previous checkpoint + the log
+    server.stop()
