@@ -260,3 +260,14 @@ def test_a_log_write_failure_applies_nothing(tmp_path, monkeypatch):
     state2, store2 = open_server(tmp_path)  # and the log has no torn record in its middle
     assert state2.version == state.version
     store2.close()
+
+
+def test_a_worker_that_left_before_the_checkpoint_stays_gone(tmp_path):
+    state, store = open_server(tmp_path)
+    a, b = run(state, n_pushes=2)
+    state.leave(b)
+    store.checkpoint()
+    crash(store)
+    state2, store2 = open_server(tmp_path)
+    assert {w.worker_id: w.alive for w in state2._workers.values()} == {a: True, b: False}
+    store2.close()

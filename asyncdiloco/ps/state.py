@@ -520,8 +520,9 @@ class ParameterServerState:
         return out
 
     def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore a fresh state from a checkpoint's ``state_dict``. Workers come back
-        alive with a full lease, so they resume under their old ids.
+        """Restore a fresh state from a checkpoint's ``state_dict``. Workers that were
+        registered come back with a full lease, so they resume under their old ids;
+        those that had left or expired stay gone (they rejoin, as before the restart).
 
         Raises:
             CheckpointError: the tensors do not match the stored manifest, or the
@@ -556,7 +557,7 @@ class ParameterServerState:
             self._workers = {}
             self._rates = StepRateMeter()
             for w in meta["workers"]:
-                rec = WorkerRecord(w["worker_id"], w["name"], now, now, True, w["applied_pushes"],
+                rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"],
                                    w["rejected_pushes"], w["tokens"], w["local_steps"])
                 for pid, applied, version, tau, weight, steps in w["outcomes"]:
                     rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
