@@ -21,7 +21,7 @@ from asyncdiloco.client import ParameterServerClient
 from asyncdiloco.config import ClientSecurityConfig, ServerConfig, ServerSecurityConfig
 from asyncdiloco.errors import ConfigError, ServerUnavailableError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest
 
 pytestmark = pytest.mark.timeout(120)
 
