@@ -16,7 +16,16 @@ import signal
 import sys
 import threading
 
-from asyncdiloco.config import OUTER_OPTIMIZERS, STALENESS_WEIGHTINGS, OuterConfig, ServerConfig, WorkerConfig
+from asyncdiloco.config import (
+    OUTER_OPTIMIZERS,
+    STALENESS_WEIGHTINGS,
+    ClientSecurityConfig,
+    DurabilityConfig,
+    OuterConfig,
+    ServerConfig,
+    ServerSecurityConfig,
+    WorkerConfig,
+)
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 log = logging.getLogger("asyncdiloco.cli")
@@ -66,6 +75,18 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         dn_buffer=args.dn_buffer,
         dn_c=args.dn_c,
     )
+    durability = security = None
+    if getattr(args, "checkpoint_dir", None):
+        durability = DurabilityConfig(
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+            fallback_to_previous=args.fallback_to_previous, fsync=not args.no_fsync,
+        )
+    elif getattr(args, "fallback_to_previous", False):
+        raise ConfigError("--fallback-to-previous needs --checkpoint-dir DIR")
+    if any(getattr(args, n, None) for n in ("token_file", "tls_cert", "tls_key", "tls_client_ca")):
+        security = ServerSecurityConfig(
+            token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca
+        )
     return ServerConfig(
         host=host,
         port=port,
@@ -77,6 +98,41 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         grace_s=args.grace_s,
         max_payload_bytes=args.max_payload_bytes,
         max_abs_value=args.max_abs_value,
+        durability=durability,
+        security=security,
+    )
+
+
+def _add_server_ops_args(p: argparse.ArgumentParser) -> None:
+    """Durability and security flags of ``asyncdiloco server`` (see server/README.md)."""
+    d = DurabilityConfig(checkpoint_dir="unused")
+    p.add_argument("--checkpoint-dir", help="keep checkpoints and a write-ahead log here; resume from them on start")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="applied pushes between checkpoints (default %(default)s)")
+    p.add_argument("--fallback-to-previous", action="store_true",
+                   help="if the newest checkpoint is corrupt, resume from the previous one instead of refusing to start")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="do not fsync the log before acknowledging (survives a killed process, not a power loss)")
+    p.add_argument("--token-file", help="require the token in this file's first line on every call")
+    p.add_argument("--tls-cert", help="PEM certificate chain of the server (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", help="PEM private key of the server")
+    p.add_argument("--tls-client-ca", help="PEM CA that client certificates must chain to (mutual TLS)")
+
+
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", help="send the token in this file's first line (the server's --token-file)")
+    p.add_argument("--tls-ca", help="PEM CA to verify the server's certificate with (connect over TLS)")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a server with --tls-client-ca")
+    p.add_argument("--tls-key", help="PEM private key of the client certificate")
+    p.add_argument("--tls-server-name", help="name expected in the server's certificate, if not the host in --server")
+
+
+def _client_security(args: argparse.Namespace) -> ClientSecurityConfig | None:
+    if not any((args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)):
+        return None
+    return ClientSecurityConfig(
+        token_file=args.token_file, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
     )
 
 
@@ -115,18 +171,18 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
     server = ParameterServer(_server_config(args, args.host, args.port)).start()
-    print(f"asyncdiloco server listening on {server.address}", flush=True)
-    if args.port_file:
+    if args.port_file:  # written before the "listening" line, which tells watchers it is ready
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:
             f.write(f"{server.port}\n")
         os.replace(tmp, args.port_file)
+    print(f"asyncdiloco server listening on {server.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
     st = server.state.status()
-    server.stop(grace_s=2.0)
     print(
         f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
         f"{st.rejected_pushes} refused, {st.pulls} pulls",
@@ -148,6 +204,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         server=args.server,
         worker_name=args.name or f"worker-{args.worker_index}@{os.uname().nodename}",
         join_timeout_s=args.join_timeout,
+        security=_client_security(args),
     )
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
@@ -255,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--port", type=int, default=29500, help="TCP port (default 29500; 0 = pick a free one)")
     ps.add_argument("--port-file", help="write the bound port to this file once listening")
     _add_server_args(ps)
+    _add_server_ops_args(ps)
     ps.set_defaults(func=cmd_server)
 
     pw = sub.add_parser(
@@ -272,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--join-timeout", type=float, default=30.0, help="seconds to keep trying to join (default 30)")
     pw.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     pw.add_argument("--stats-file", help="write the worker's final counters as JSON here")
+    _add_client_security_args(pw)
     _add_job_args(pw)
     pw.set_defaults(func=cmd_worker)
 

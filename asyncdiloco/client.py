@@ -4,6 +4,9 @@ Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB
 payload for Push and Pull). A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
 policy (the Worker retries with backoff).
+
+With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
+channel uses TLS (optionally with a client certificate), see security.py.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.config import ClientSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
+from asyncdiloco.security import auth_metadata, channel_credentials, client_token
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 
 _MIB = 1024 * 1024
@@ -39,6 +44,9 @@ class ParameterServerClient:
         rpc_timeout_s: deadline for small calls, seconds.
         timeout_s_per_mib: extra deadline per MiB of payload for Push/Pull, seconds.
         chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
+        security: token and TLS settings; None = plaintext, no token.
+    Raises:
+        ConfigError: a token or PEM file cannot be read.
     """
 
     def __init__(
@@ -48,6 +56,7 @@ class ParameterServerClient:
         rpc_timeout_s: float = 10.0,
         timeout_s_per_mib: float = 1.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        security: ClientSecurityConfig | None = None,
     ) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
@@ -55,7 +64,21 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         # Channel limits follow the largest chunk the library allows, so a server with
         # any valid chunk_bytes can be talked to before its RunConfig is known.
-        self._channel = grpc.insecure_channel(address, options=grpc_channel_options(64 * _MIB))
+        # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
+        # restarted server is found again within seconds.
+        options = grpc_channel_options(64 * _MIB) + [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._metadata = auth_metadata(client_token(security))
+        creds = channel_credentials(security)
+        if creds is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if security.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", security.tls_server_name))
+            self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
 
     def close(self) -> None:
@@ -73,7 +96,9 @@ class ParameterServerClient:
     def _call(self, method, request, timeout_s: float | None = None):
         """Invoke an RPC with a deadline; a failure becomes the library's exception."""
         try:
-            return method(request, timeout=self.rpc_timeout_s if timeout_s is None else timeout_s)
+            return method(
+                request, timeout=self.rpc_timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
@@ -96,7 +121,9 @@ class ParameterServerClient:
         """
         total = manifest.total_bytes
         try:
-            stream = self._stub.Pull(pb.PullRequest(worker_id=worker_id), timeout=self._payload_timeout(total))
+            stream = self._stub.Pull(
+                pb.PullRequest(worker_id=worker_id), timeout=self._payload_timeout(total), metadata=self._metadata
+            )
             first = next(stream, None)
             if first is None or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
@@ -71,6 +72,81 @@ class OuterConfig:
         )
 
 
+def _require_file(path: str | None, field: str) -> None:
+    _require(path is None or os.path.isfile(path), field, path, "no such file; give the path of an existing file")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DurabilityConfig:
+    """Where and how often the server makes its state durable (ps/store.py).
+
+    Every acknowledged push is appended to a write-ahead log and fsynced before the
+    reply; a checkpoint every ``checkpoint_every`` applied pushes (and on shutdown)
+    lets the log be truncated.
+    """
+
+    #: Folder for checkpoints and the write-ahead log; created if missing.
+    checkpoint_dir: str
+    #: Applied pushes between two checkpoints (the log replayed after a crash is at most this long).
+    checkpoint_every: int = 100
+    #: When the newest checkpoint is corrupt, start from the previous good one (and replay
+    #: the log from there) instead of refusing to start.
+    fallback_to_previous: bool = False
+    #: fsync the log before every acknowledgement. False trades crash safety for speed
+    #: (a power loss may then lose acknowledged pushes; a killed process does not).
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        _require(bool(self.checkpoint_dir), "checkpoint_dir", self.checkpoint_dir, "give a folder path")
+        _require(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "must be >= 1 applied push")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerSecurityConfig:
+    """Shared-token authentication and TLS for the server (security.py)."""
+
+    #: File holding the shared token (first line); every RPC must carry it. None: no token.
+    token_file: str | None = None
+    #: PEM server certificate chain and private key; both or neither (None: plaintext).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: PEM CA bundle that client certificates must chain to; set = mutual TLS (clients
+    #: without a valid certificate are refused during the handshake).
+    tls_client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+            _require_file(getattr(self, name), name)
+        _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
+                 "give both --tls-cert and --tls-key, or neither")
+        _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca", self.tls_client_ca,
+                 "mutual TLS needs the server's own --tls-cert and --tls-key too")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientSecurityConfig:
+    """Token and TLS settings of a worker or other client (security.py)."""
+
+    #: File holding the shared token the server expects (first line). None: send none.
+    token_file: str | None = None
+    #: PEM CA bundle to verify the server's certificate with; set = connect over TLS.
+    tls_ca: str | None = None
+    #: PEM client certificate and key, for a server that requires mutual TLS.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Expected name in the server's certificate when it differs from the host in the
+    #: address (e.g. "localhost" when connecting to an IP); None = the address's host.
+    tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
+            _require_file(getattr(self, name), name)
+        _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
+                 "give both --tls-cert and --tls-key, or neither")
+        _require(self.tls_cert is None or self.tls_ca is not None, "tls_cert", self.tls_cert,
+                 "a client certificate is only sent over TLS: also give --tls-ca")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The parameter server process: address, run config it dictates, limits."""
@@ -100,6 +176,10 @@ class ServerConfig:
     #: Grace window (Liu et al. 2024, Alg. 2), seconds: push replies are held until no push
     #: arrived for this long, so workers whose pushes landed together pull the same model. 0 = off.
     grace_s: float = 0.0
+    #: Checkpoints and write-ahead log; None keeps the state in memory only.
+    durability: DurabilityConfig | None = None
+    #: Token and TLS; None serves plaintext without authentication.
+    security: ServerSecurityConfig | None = None
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
@@ -141,6 +221,8 @@ class WorkerConfig:
     heartbeat_s: float | None = None
     #: Push the steps taken since the last sync when the worker closes.
     push_on_close: bool = True
+    #: Token and TLS; None talks plaintext without a token.
+    security: ClientSecurityConfig | None = None
 
     def __post_init__(self) -> None:
         host, sep, port = self.server.rpartition(":")

@@ -66,6 +66,21 @@ class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class CheckpointError(AsyncDiLoCoError):
+    """A checkpoint or write-ahead log cannot be read, does not match this server's
+    configuration, or cannot be written. At start-up the server refuses to start; on
+    the wire (a push that could not be made durable, so it was not applied) it is
+    UNAVAILABLE, and the worker retries the push later with the same push_id."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class UnauthenticatedError(AsyncDiLoCoError):
+    """The call carried no token, or a token that differs from the server's."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidPayloadError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PayloadTooLargeError,
@@ -73,6 +88,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServerUnavailableError,
     grpc.StatusCode.CANCELLED: ServerUnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 
 

@@ -120,7 +120,8 @@ class AsyncDiLoCoWorker:
         self._payload = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
         self._pull_buffer = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
         self.client = ParameterServerClient(
-            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib
+            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
         )
         self.stats = WorkerStats()
         self.worker_id = 0

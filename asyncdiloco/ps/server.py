@@ -3,6 +3,10 @@
 ``ParameterServer(config).start()`` binds ``config.host:config.port`` (port 0 picks a
 free port; read ``.port``), serves until ``stop()``. The CLI's ``asyncdiloco server``
 wraps this with signal handling.
+
+With ``config.durability`` the state is restored from the checkpoint folder before the
+port is bound (so no client ever sees a half-restored server) and checkpointed on
+``stop()``; with ``config.security`` every call needs the token and the port speaks TLS.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.service import ParameterServerService
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.security import server_credentials, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,13 @@ _MESSAGE_OVERHEAD_BYTES = 64 * 1024
 def grpc_channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
     """gRPC options shared by the server and clients: message limits just above one
     chunk, keepalive pings that survive long pushes, and no SO_REUSEPORT (so a port in
-    use is an error instead of two servers sharing it)."""
+    use is an error instead of two servers sharing it).
+
+    Keepalive: each side pings after 30 s without traffic and drops the connection when
+    a ping is not answered within 20 s, so a dead peer is noticed in under a minute,
+    while a long push or pull (data flowing) or a long idle wait (pings answered) keeps
+    its connection. The server accepts pings every 10 s even without calls, so a
+    client's 30 s pings are never answered with GOAWAY "too_many_pings"."""
     limit = chunk_bytes + _MESSAGE_OVERHEAD_BYTES
     return [
         ("grpc.max_receive_message_length", limit),
@@ -49,14 +61,18 @@ class ParameterServer:
     """A gRPC parameter server around a ``ParameterServerState``.
 
     Args:
-        config: address, outer optimizer, H, limits.
+        config: address, outer optimizer, H, limits, durability, security.
     Raises:
-        ConfigError (from ``start``): the address cannot be bound (port in use, bad host).
+        ConfigError (from ``start``): the address cannot be bound (port in use, bad host),
+            or a token/PEM file cannot be read.
+        CheckpointError (from ``start``): the checkpoint folder is in use, or its newest
+            checkpoint or log is unusable.
     """
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.state = ParameterServerState(config)
+        self.store = DurableStore(config.durability, config) if config.durability is not None else None
         self._server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -66,19 +82,30 @@ class ParameterServer:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> "ParameterServer":
+        security = self.config.security
+        interceptors = server_interceptors(security)
+        creds = server_credentials(security)
+        if self.config.host not in ("127.0.0.1", "localhost", "::1") and not (interceptors and creds):
+            log.warning("listening on %s without %s: anyone who can reach the port can push to the model",
+                        self.config.host, " and ".join(n for n, on in (("a token", interceptors), ("TLS", creds)) if not on))
+        if self.store is not None:
+            self.store.open(self.state)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_concurrent_rpcs, thread_name_prefix="ps-rpc"),
             options=grpc_channel_options(self.config.chunk_bytes),
+            interceptors=interceptors,
         )
         pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(self.state), server)
         target = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(target)
+            port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
         except RuntimeError as exc:  # grpcio raises when it cannot bind
             port = 0
             log.debug("bind failed: %s", exc)
         if port == 0:
             server.stop(None)
+            if self.store is not None:
+                self.store.close(final_checkpoint=False)
             raise ConfigError(
                 f"cannot listen on {target}: the port is already in use or the host is not an address of "
                 f"this machine; choose another --port (or --port 0 for a free one) or fix --host"
@@ -89,9 +116,12 @@ class ParameterServer:
         return self
 
     def stop(self, grace_s: float | None = 1.0) -> None:
+        """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+            if self.store is not None:
+                self.store.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops (or ``timeout_s`` passes). True if stopped."""

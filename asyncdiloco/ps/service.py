@@ -91,6 +91,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             log.warning("push from worker %d refused: %s", worker_id, exc)
             self.state.record_rejected(worker_id)
             _abort(context, exc)
+        except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
+            log.warning("push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied",
+                        worker_id)
+            self.state.record_rejected(worker_id)
+            raise
         if outcome.duplicate:
             self.state.record_duplicate()
         else:

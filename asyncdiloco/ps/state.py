@@ -15,6 +15,11 @@ Push semantics (Liu et al. 2024, arXiv 2401.09135, Sec. 3; staleness weights in
 outer.py): a pseudo-gradient with base version v arriving at version V has staleness
 τ = V − v; it is refused when τ > max_staleness or v > V, otherwise applied at once and
 the version becomes V + 1. ``(worker_id, push_id)`` makes a retried push idempotent.
+
+Durability (store.py): when a ``journal`` is attached, every Join and every push is
+logged (and fsynced) after all checks pass and before it changes anything in memory or
+is acknowledged; ``state_dict``/``load_state_dict`` and ``replay_join``/``replay_push``
+are what checkpoints and log replay use.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import (
+    CheckpointError,
     InvalidPayloadError,
     NotInitializedError,
     PayloadTooLargeError,
@@ -40,6 +46,7 @@ from asyncdiloco.errors import (
 )
 from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
+from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,8 @@ class ParameterServerState:
         self.pulls = 0
         self.tokens = 0
         self.staleness_histogram = [0] * config.histogram_buckets
+        #: store.DurableStore (or None): logs each change before it is applied.
+        self.journal = None
         self._rates = StepRateMeter()
         self.grace = GraceWindow(config.grace_s, clock)
 
@@ -165,18 +174,33 @@ class ParameterServerState:
         with self._lock:
             now = self._clock()
             self._expire_locked(now)
-            if self.manifest is None or (not self.initialized and not any(r.alive for r in self._workers.values())):
-                self.manifest = manifest  # provisional until the initial parameters arrive
-            else:
+            # The manifest is provisional until the initial parameters arrive: if every
+            # worker that brought it is gone, the next join may bring another model.
+            replace = self.manifest is None or (not self.initialized and not any(r.alive for r in self._workers.values()))
+            if not replace:
                 manifest.check_same(self.manifest)
             worker_id = self._next_worker_id
-            self._next_worker_id += 1
-            self._workers[worker_id] = WorkerRecord(worker_id, worker_name or f"worker-{worker_id}", now, now)
-            self._rates.start(worker_id, now)
-            initialize = self._claim_initializer_locked(worker_id)
-            log.info("worker %d (%s) joined at version %d%s", worker_id, self._workers[worker_id].name, self.version,
+            initialize = False
+            if not self.initialized:
+                holder = self._workers.get(self._initializer) if self._initializer else None
+                initialize = holder is None or not holder.alive
+            name = worker_name or f"worker-{worker_id}"
+            if self.journal is not None:  # durable before the worker learns its id
+                self.journal.log_join(worker_id, name, initialize, manifest if replace else None)
+            self._register_locked(worker_id, name, initialize, manifest if replace else None, now)
+            log.info("worker %d (%s) joined at version %d%s", worker_id, name, self.version,
                      " and initializes the global model" if initialize else "")  # fmt: skip
             return worker_id, initialize, self.version
+
+    def _register_locked(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None,
+                         now: float) -> None:
+        if manifest is not None:
+            self.manifest = manifest
+        self._next_worker_id = max(self._next_worker_id, worker_id + 1)
+        self._workers[worker_id] = WorkerRecord(worker_id, name, now, now)
+        self._rates.start(worker_id, now)
+        if initialize:
+            self._initializer = worker_id
 
     def _claim_initializer_locked(self, worker_id: int) -> bool:
         """While no parameters exist: make ``worker_id`` the initializer if the chosen one
@@ -275,6 +299,11 @@ class ParameterServerState:
             if rec is not None and header.push_id in rec.outcomes:
                 return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
             self._touch_locked(header.worker_id)
+            if header.total_bytes > self.config.max_payload_bytes:
+                raise PayloadTooLargeError(
+                    f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes="
+                    f"{self.config.max_payload_bytes}; send a smaller model or raise the server's limit"
+                )
             if header.push_id < 1:
                 raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
             if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
@@ -347,10 +376,7 @@ class ParameterServerState:
                     raise StalePushError(
                         f"initial parameters from worker {header.worker_id} refused: already initialized"
                     )
-                self.params = delta.clone()
-                self.outer = make_outer_optimizer(self.params, self.config.outer)
-                outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
-                log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
+                tau, weight, version_after = 0, 1.0, self.version
             else:
                 tau = self.version - header.base_version
                 if tau < 0:
@@ -366,22 +392,44 @@ class ParameterServerState:
                         f"(smaller H) or raise --max-staleness"
                     )
                 weight = staleness_weight(self.config.outer, tau)
-                live = sum(r.alive for r in self._workers.values())
-                self.outer.step(delta, weight, num_workers=live)
-                self.version += 1
-                self.applied_pushes += 1
-                self.tokens += header.num_tokens
-                self.bytes_pushed += header.total_bytes
-                self.staleness_histogram[min(tau, len(self.staleness_histogram) - 1)] += 1
-                rec.applied_pushes += 1
-                rec.tokens += header.num_tokens
-                rec.local_steps += header.num_local_steps
+                version_after = self.version + 1
+            live = sum(r.alive for r in self._workers.values())  # N for delayed_nesterov with dn_buffer=0
+            if self.journal is not None:  # durable before it is applied and acknowledged
+                self.journal.log_push(header, payload, tau, weight, version_after, live)
+            outcome = self._commit_push_locked(rec, header, delta, tau, weight, live)
+            if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
                 self._rates.record(header.worker_id, header.num_local_steps, self._clock())
-                outcome = PushOutcome(True, False, self.version, tau, weight, self._local_steps_locked(header.worker_id))
-            rec.outcomes[header.push_id] = outcome
-            while len(rec.outcomes) > _PUSH_MEMORY:
-                rec.outcomes.popitem(last=False)
+                outcome = dataclasses.replace(outcome, local_steps=self._local_steps_locked(header.worker_id))
+                rec.outcomes[header.push_id] = outcome
+        if self.journal is not None:
+            self.journal.maybe_checkpoint()
         self.grace.arrive()
+        return outcome
+
+    def _commit_push_locked(
+        self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, tau: int, weight: float, num_workers: int
+    ) -> PushOutcome:
+        """Apply a checked push (or the initial parameters) and record its outcome.
+        ``delta`` may be scaled in place (the outer step uses it as scratch)."""
+        if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
+            self.params = delta.clone()
+            self.outer = make_outer_optimizer(self.params, self.config.outer)
+            outcome = PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
+            log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
+        else:
+            self.outer.step(delta, weight, num_workers=num_workers)
+            self.version += 1
+            self.applied_pushes += 1
+            self.tokens += header.num_tokens
+            self.bytes_pushed += header.total_bytes
+            self.staleness_histogram[min(tau, len(self.staleness_histogram) - 1)] += 1
+            rec.applied_pushes += 1
+            rec.tokens += header.num_tokens
+            rec.local_steps += header.num_local_steps
+            outcome = PushOutcome(True, False, self.version, tau, weight, self.config.local_steps)
+        rec.outcomes[header.push_id] = outcome
+        while len(rec.outcomes) > _PUSH_MEMORY:
+            rec.outcomes.popitem(last=False)
         return outcome
 
     def record_rejected(self, worker_id: int) -> None:
@@ -433,3 +481,151 @@ class ParameterServerState:
                 manifest=self.manifest.to_proto() if self.manifest else None,
                 pulls=self.pulls,
             )
+
+    # ------------------------------------------------------------ durability
+    def state_dict(self, while_locked: Callable[[], int] | None = None) -> tuple[dict, dict[str, torch.Tensor], int]:
+        """A consistent copy of the durable state, for a checkpoint (store.py).
+
+        Args:
+            while_locked: called under the lock at the moment of the copy (the store
+                starts a new log segment there); its result is returned.
+        Returns:
+            (meta, tensors, result): ``meta`` is JSON-serializable (version, manifest,
+            worker table with the applied push ids and outcomes, counters);
+            ``tensors`` maps ``"param/<name>"`` and ``"momentum/<name>"`` to fp32 CPU
+            tensors of the parameter's shape (keyed by name, never by position).
+        """
+        with self._lock:
+            result = while_locked() if while_locked is not None else 0
+            tensors: dict[str, torch.Tensor] = {}
+            if self.params is not None:
+                vectors = {"param": self.params, **self._outer_buffers()}
+                pos = 0
+                for spec in self.manifest.tensors:
+                    for kind, vec in vectors.items():
+                        tensors[f"{kind}/{spec.name}"] = vec[pos : pos + spec.numel].clone().view(spec.shape)
+                    pos += spec.numel
+            meta = {
+                "outer_arrivals": getattr(self.outer, "arrivals", 0),
+                "version": self.version,
+                "initialized": self.initialized,
+                "manifest": manifest_to_json(self.manifest) if self.manifest is not None else None,
+                "next_worker_id": self._next_worker_id,
+                "initializer": self._initializer,
+                "counters": {
+                    "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
+                    "duplicate_pushes": self.duplicate_pushes, "bytes_pushed": self.bytes_pushed,
+                    "bytes_pulled": self.bytes_pulled, "pulls": self.pulls, "tokens": self.tokens,
+                },
+                "staleness_histogram": list(self.staleness_histogram),
+                "workers": [
+                    {
+                        "worker_id": r.worker_id, "name": r.name, "alive": r.alive,
+                        "applied_pushes": r.applied_pushes, "rejected_pushes": r.rejected_pushes,
+                        "tokens": r.tokens, "local_steps": r.local_steps,
+                        "outcomes": [[pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
+                                     for pid, o in r.outcomes.items()],
+                    }
+                    for r in self._workers.values()
+                ],
+            }
+        return meta, tensors, result
+
+    def _outer_buffers(self) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state vectors: m (``momentum``) and, for Delayed
+        Nesterov, the arrival buffer b (``dn_delta``); flat fp32 (N,) each."""
+        out = {}
+        for kind, attr in (("momentum", "momentum_buffer"), ("dn_delta", "delta_buffer")):
+            vec = getattr(self.outer, attr, None)
+            if vec is not None:
+                out[kind] = vec
+        return out
+
+    def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a fresh state from a checkpoint's ``state_dict``. Workers that were
+        registered come back with a full lease, so they resume under their old ids;
+        those that had left or expired stay gone (they rejoin, as before the restart).
+
+        Raises:
+            CheckpointError: the tensors do not match the stored manifest, or the
+            momentum does not match the configured outer optimizer.
+        """
+        with self._lock:
+            now = self._clock()
+            self.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
+            if meta["initialized"]:
+                flat = self._named_to_flat(tensors, "param")
+                self.params = flat
+                self.outer = make_outer_optimizer(self.params, self.config.outer)
+                buffers = self._outer_buffers()
+                for kind, vec in buffers.items():
+                    vec.copy_(self._named_to_flat(tensors, kind))
+                extra = {k.split("/", 1)[0] for k in tensors} - {"param", *buffers}
+                if extra:
+                    raise CheckpointError(
+                        f"checkpoint holds outer-optimizer state {sorted(extra)} that the configured "
+                        f"{self.config.outer.optimizer} (momentum {self.config.outer.momentum:g}) does not use; "
+                        f"restart with the checkpoint's outer-optimizer settings"
+                    )
+                if hasattr(self.outer, "arrivals"):
+                    self.outer.arrivals = int(meta.get("outer_arrivals", 0))
+            self.version = meta["version"]
+            self._next_worker_id = meta["next_worker_id"]
+            self._initializer = meta["initializer"]
+            for key, value in meta["counters"].items():
+                setattr(self, key, value)
+            hist = meta["staleness_histogram"]
+            self.staleness_histogram = (hist + [0] * len(self.staleness_histogram))[: len(self.staleness_histogram)]
+            self._workers = {}
+            self._rates = StepRateMeter()
+            for w in meta["workers"]:
+                rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"],
+                                   w["rejected_pushes"], w["tokens"], w["local_steps"])
+                for pid, applied, version, tau, weight, steps in w["outcomes"]:
+                    rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
+                self._workers[rec.worker_id] = rec
+                self._rates.start(rec.worker_id, now)
+            self._snapshot = None
+
+    def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
+        parts = []
+        for spec in self.manifest.tensors:
+            key = f"{kind}/{spec.name}"
+            t = tensors.get(key)
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
+                raise CheckpointError(
+                    f"checkpoint tensor {key!r} is {'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; "
+                    f"the manifest says float32 {spec.shape}: the checkpoint is inconsistent (or was written "
+                    f"with other outer-optimizer settings); restart with its settings or restore an older one"
+                )
+            parts.append(t.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        """Redo a logged Join (start-up replay)."""
+        with self._lock:
+            now = self._clock()
+            self._register_locked(worker_id, name, initialize, manifest, now)
+
+    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float,
+                    version_after: int, num_workers: int) -> None:
+        """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
+
+        Raises:
+            CheckpointError: the log does not follow the state (unknown worker, or the
+            version it produced does not follow).
+        """
+        delta = self.manifest.unpack_flat(payload) if self.manifest is not None else None
+        with self._lock:
+            rec = self._workers.get(header.worker_id)
+            initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
+            expected = self.version if initial else self.version + 1
+            if rec is None or delta is None or expected != version_after or initial == self.initialized:
+                raise CheckpointError(
+                    f"write-ahead log push {header.push_id} of worker {header.worker_id} (version {version_after}) "
+                    f"does not follow the checkpoint (version {self.version}); the log belongs to another run: "
+                    f"restore the folder from a backup"
+                )
+            self._commit_push_locked(rec, header, delta, tau, weight, num_workers)
+            self._snapshot = None

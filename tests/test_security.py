@@ -1,0 +1,229 @@
+"""Shared-token authentication and TLS / mutual TLS, with throwaway certificates."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.config import ClientSecurityConfig, ServerConfig, ServerSecurityConfig
+from asyncdiloco.errors import ConfigError, ServerUnavailableError, UnauthenticatedError
+from asyncdiloco.ps import ParameterServer
+from asyncdiloco.tensors import Manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
+
+
+# ----------------------------------------------------------------- certificates
+def _key():
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject_cn, key, issuer_cn, issuer_key, *, ca: bool, san: bool = False):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_cn)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if san:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path, cert=None, key=None):
+    if cert is not None:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    else:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA with a server and a client certificate, and a rogue CA with its own client certificate."""
+    d = tmp_path_factory.mktemp("pki")
+    out = {}
+    for ca_name in ("ca", "rogue"):
+        ca_key = _key()
+        ca = _cert(f"{ca_name} root", ca_key, f"{ca_name} root", ca_key, ca=True)
+        out[f"{ca_name}_cert"] = _write(d / f"{ca_name}.pem", cert=ca)
+        for leaf in ("server", "client"):
+            k = _key()
+            c = _cert(f"{ca_name} {leaf}", k, f"{ca_name} root", ca_key, ca=False, san=True)
+            out[f"{ca_name}_{leaf}_cert"] = _write(d / f"{ca_name}-{leaf}.pem", cert=c)
+            out[f"{ca_name}_{leaf}_key"] = _write(d / f"{ca_name}-{leaf}.key", key=k)
+    (d / "token").write_text("s3cret-token\n")
+    (d / "token").chmod(0o600)
+    (d / "wrong").write_text("s3cret-tokem\n")
+    out["token"], out["wrong"] = str(d / "token"), str(d / "wrong")
+    return out
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def make(**security) -> ParameterServer:
+        srv = ParameterServer(ServerConfig(port=0, security=ServerSecurityConfig(**security))).start()
+        servers.append(srv)
+        return srv
+
+    yield make
+    for s in servers:
+        s.stop(None)
+
+
+def _every_rpc(client: ParameterServerClient) -> dict:
+    """Call each RPC kind once; returns {name: exception or None}."""
+    payload = MANIFEST.pack([torch.ones(4)])
+    calls = {
+        "Join (unary)": lambda: client.join(MANIFEST, "x"),
+        "Status (unary)": client.status,
+        "Heartbeat (unary)": lambda: client.heartbeat(1),
+        "Pull (server streaming)": lambda: client.pull(MANIFEST, 1),
+        "Push (client streaming)": lambda: client.push(payload, worker_id=1, push_id=1, base_version=0,
+                                                       kind=pb.PUSH_KIND_INITIAL_PARAMETERS),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001
+            out[name] = exc
+    return out
+
+
+# ------------------------------------------------------------------------ token
+@pytest.mark.parametrize("who", ["no token", "wrong token"])
+def test_calls_without_the_right_token_are_refused_every_time(serve, pki, who):
+    srv = serve(token_file=pki["token"])
+    sec = None if who == "no token" else ClientSecurityConfig(token_file=pki["wrong"])
+    with ParameterServerClient(srv.address, security=sec, rpc_timeout_s=5) as c:
+        for _ in range(3):
+            for name, exc in _every_rpc(c).items():
+                assert isinstance(exc, UnauthenticatedError), (name, exc)
+                assert "missing or wrong token" in str(exc) and "--token-file" in str(exc)
+    st = srv.state.status()
+    assert not st.workers and not st.initialized and st.version == 0  # nothing reached the servicer
+    # on the wire it is UNAUTHENTICATED, for a raw stub too
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Status(pb.StatusRequest(), timeout=5, metadata=(("authorization", "Bearer nope"),))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_right_token_is_accepted_for_every_rpc(serve, pki):
+    srv = serve(token_file=pki["token"])
+    with ParameterServerClient(srv.address, security=ClientSecurityConfig(token_file=pki["token"])) as c:
+        wid = c.join(MANIFEST, "ok").worker_id
+        assert c.push(MANIFEST.pack([torch.ones(4)]), worker_id=wid, push_id=1, base_version=0,
+                      kind=pb.PUSH_KIND_INITIAL_PARAMETERS).applied
+        assert torch.equal(MANIFEST.unpack_flat(c.pull(MANIFEST, wid).payload), torch.ones(4))
+        c.heartbeat(wid)
+        assert c.status().initialized
+
+
+def test_empty_token_file_is_a_config_error(tmp_path):
+    (tmp_path / "t").write_text("\n")
+    with pytest.raises(ConfigError, match="holds an empty first line"):
+        ParameterServer(ServerConfig(port=0, security=ServerSecurityConfig(token_file=str(tmp_path / "t")))).start()
+
+
+# -------------------------------------------------------------------------- TLS
+def test_tls_server_accepts_clients_that_trust_its_ca_and_refuses_others(serve, pki):
+    srv = serve(tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"])
+    with ParameterServerClient(srv.address, security=ClientSecurityConfig(tls_ca=pki["ca_cert"])) as c:
+        assert c.status().version == 0
+    with ParameterServerClient(f"localhost:{srv.port}", security=ClientSecurityConfig(tls_ca=pki["ca_cert"])) as c:
+        assert c.status().version == 0  # the DNS name in the certificate works too
+    for sec in (None, ClientSecurityConfig(tls_ca=pki["rogue_cert"])):  # plaintext; a CA that did not sign it
+        with ParameterServerClient(srv.address, security=sec, rpc_timeout_s=2) as c:
+            for _ in range(3):
+                with pytest.raises(ServerUnavailableError):
+                    c.status()
+
+
+def test_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(serve, pki):
+    srv = serve(tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"], tls_client_ca=pki["ca_cert"],
+                token_file=pki["token"])
+    good = ClientSecurityConfig(tls_ca=pki["ca_cert"], tls_cert=pki["ca_client_cert"], tls_key=pki["ca_client_key"],
+                                token_file=pki["token"])
+    with ParameterServerClient(srv.address, security=good) as c:
+        assert c.join(MANIFEST, "mtls").worker_id == 1
+    bad = [
+        ClientSecurityConfig(tls_ca=pki["ca_cert"], token_file=pki["token"]),  # no client certificate
+        ClientSecurityConfig(tls_ca=pki["ca_cert"], tls_cert=pki["rogue_client_cert"], tls_key=pki["rogue_client_key"],
+                             token_file=pki["token"]),  # signed by another CA
+    ]
+    for sec in bad:
+        with ParameterServerClient(srv.address, security=sec, rpc_timeout_s=2) as c:
+            for _ in range(3):
+                with pytest.raises(ServerUnavailableError):
+                    c.join(MANIFEST, "intruder")
+    assert [w.worker_id for w in srv.state.status().workers] == [1]
+
+
+def test_half_configured_tls_is_a_config_error(pki):
+    with pytest.raises(ConfigError, match="give both --tls-cert and --tls-key"):
+        ServerSecurityConfig(tls_cert=pki["ca_server_cert"])
+    with pytest.raises(ConfigError, match="also give --tls-ca"):
+        ClientSecurityConfig(tls_cert=pki["ca_client_cert"], tls_key=pki["ca_client_key"])
+    with pytest.raises(ConfigError, match="no such file"):
+        ClientSecurityConfig(token_file="/nonexistent/token")
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.mark.multiprocess
+@pytest.mark.heavy
+def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp_path):
+    cli = [sys.executable, "-m", "asyncdiloco", "-q"]
+    server = subprocess.Popen(
+        [*cli, "server", "--port", "0", "-H", "2", "--token-file", pki["token"], "--tls-cert", pki["ca_server_cert"],
+         "--tls-key", pki["ca_server_key"], "--checkpoint-dir", str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = server.stdout.readline()
+        address = line.strip().rsplit(" ", 1)[1]
+        job = ["--max-steps", "4", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch-size", "2",
+               "--context-len", "8", "--join-timeout", "20"]
+        ok = subprocess.run([*cli, "worker", "--server", address, "--token-file", pki["token"], "--tls-ca",
+                             pki["ca_cert"], *job], capture_output=True, text=True, timeout=90)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        assert "2 pushes applied" in ok.stdout
+        bad = subprocess.run([*cli, "worker", "--server", address, "--token-file", pki["wrong"], "--tls-ca",
+                              pki["ca_cert"], *job], capture_output=True, text=True, timeout=90)
+        assert bad.returncode == 1
+        assert "missing or wrong token" in bad.stderr
+        server.terminate()
+        out, _ = server.communicate(timeout=30)
+        assert "stopped at version 2" in out
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
