@@ -156,6 +156,7 @@ class SyncDiLoCoWorker:
         self._store = None  # torch.distributed.TCPStore client, reused across rounds
         self._store_addr: tuple[str, int] | None = None
         self._device = None  # gloo device
+        self._fault_fired = False
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -195,6 +196,13 @@ class SyncDiLoCoWorker:
                     f"mode mismatch: the server at {self.config.server} runs mode {reply.run_config.mode!r}; "
                     f"SyncDiLoCoWorker needs `asyncdiloco server --mode sync` (or use AsyncDiLoCoWorker)"
                 )
+            if reply.run_config.join_timeout_s < self.sync_config.allreduce_timeout_s:
+                log.warning(
+                    "the server's join_timeout_s=%g is below this worker's allreduce_timeout_s=%g: after a failed "
+                    "round a quorum may form before every survivor is back, splitting the replicas; start the "
+                    "server with a larger --join-timeout-s", reply.run_config.join_timeout_s,
+                    self.sync_config.allreduce_timeout_s,
+                )  # fmt: skip
             self.worker_id = reply.worker_id
             self._must_initialize = reply.initialize
             self.run_config = reply.run_config
@@ -381,7 +389,8 @@ class SyncDiLoCoWorker:
     def _allreduce(self, q: pb.QuorumReply) -> None:
         """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group."""
         cfg = self.sync_config
-        failing = cfg.fail_at_round is not None and q.round + 1 == cfg.fail_at_round
+        failing = cfg.fail_at_round is not None and q.round + 1 == cfg.fail_at_round and not self._fault_fired
+        self._fault_fired |= failing  # once: the retried round goes through
         if failing and cfg.fail_mode == "raise":
             raise RuntimeError(f"injected fault at round {cfg.fail_at_round}")
         if failing and cfg.fail_mode == "hang":

@@ -150,16 +150,18 @@ def test_a_failure_vote_aborts_at_once_and_late_voters_learn_it(qm):
     assert m.round == 0 and m.rounds_failed == 1 and not m.commits
 
 
-def test_a_missing_vote_aborts_at_the_round_deadline_and_the_silent_member_is_not_waited_for(qm):
+def test_a_missing_vote_aborts_at_the_round_deadline_and_the_next_quorum_waits_join_timeout(qm):
     m = qm()
     for w in (1, 2, 3):
         m.request(w, 0)
     m.vote(1, 1, success=False, reason="peer died")
     m.vote(2, 1, success=False, reason="peer died")
-    # worker 3 died mid-allreduce and never votes; the round is already aborted,
-    # and the next quorum does not wait for it (its lease is still current)
     assert m.decision(1).committed is False
+    # worker 3 died mid-allreduce and never votes; its lease is still current, so the
+    # next quorum waits for it up to join_timeout_s, then forms without it
     m.request(1, 0)
+    assert m.request(2, 0) is None
+    m.clock.now += 5.0
     assert m.request(2, 0).members == (1, 2)
     m.vote(1, 2, success=True, total_weight=2.0)
     m.clock.now += 19.9
@@ -167,6 +169,16 @@ def test_a_missing_vote_aborts_at_the_round_deadline_and_the_silent_member_is_no
     m.clock.now += 0.2
     d = m.decision(2)
     assert not d.committed and "workers [2] did not vote within round_timeout_s=20 s" in d.reason
+
+
+def test_a_member_that_left_is_not_waited_for(qm):
+    m = qm()
+    for w in (1, 2, 3):
+        m.request(w, 0)
+    commit_round(m, [1, 2, 3], 1)
+    m.live.discard(3)  # left cleanly (or its lease lapsed)
+    m.request(1, 1)
+    assert m.request(2, 1).members == (1, 2)
 
 
 def test_all_success_without_the_result_aborts(qm):

@@ -28,8 +28,11 @@ A **round** r → r+1 goes like this:
    ``round_timeout_s`` after formation aborts at that deadline. An aborted round changes
    nothing; members restart from the last committed θ_base.
 
-After a round the "previous members" are those who voted in it, so a member that died
-mid-round is not waited for by the next quorum.
+After a round (committed or aborted) its members are the "previous members" the next
+quorum waits for. A member that died mid-round is therefore waited for up to
+``join_timeout_s`` (less if its lease lapses first or it left cleanly): the survivors
+cannot tell a dead member from one still stuck in its collective timeout, and forming
+without a merely slow member would split the replicas into two quorums.
 
 Locking: one condition variable guards everything here. ``live_workers`` and
 ``on_commit`` are called with it held; they may take the state's lock (order: quorum,
@@ -390,7 +393,7 @@ class QuorumManager:
         self._decisions[rnd.quorum_id] = rnd.decision
         while len(self._decisions) > _DECISION_MEMORY:
             self._decisions.popitem(last=False)
-        self._previous = frozenset(rnd.votes)
+        self._previous = frozenset(rnd.members)
         for w in rnd.members:  # an unclaimed assignment of a decided round is void
             self._assigned.pop(w, None)
         self._cond.notify_all()
