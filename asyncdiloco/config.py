@@ -192,8 +192,8 @@ class SyncWorkerConfig:
     #: when the server address is a loopback one, else torch's default (GLOO_SOCKET_IFNAME
     #: or the host name).
     collective_host: str | None = None
-    #: Fault injection for tests (like torchft's ``fail_at``): in the first allreduce of
-    #: the round that would become round ``fail_at_round`` (1-based), do ``fail_mode``.
+    #: Fault injection for tests (like torchft's ``fail_at``): in this worker's first
+    #: allreduce for round ``fail_at_round`` (1-based) or a later one, do ``fail_mode`` (once).
     fail_at_round: int | None = None
     #: "kill": SIGKILL this process with the allreduce in flight; "hang": stop
     #: responding before the allreduce (sleep); "raise": fail the collective here.

@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.config import WorkerConfig
+from asyncdiloco.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.models import CharTransformer, CharTransformerConfig, build_model, lm_loss
+from asyncdiloco.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
 from asyncdiloco.worker import AsyncDiLoCoWorker, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ def run_worker(
     max_steps: int | None = None,
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
-) -> WorkerStats:
-    """Train the default job as one asynchronous DiLoCo worker until a bound is hit.
+    sync: SyncWorkerConfig | None = None,
+) -> WorkerStats | SyncWorkerStats:
+    """Train the default job as one DiLoCo worker until a bound is hit: asynchronous,
+    or synchronous (``SyncDiLoCoWorker``) when ``sync`` is given.
 
     Args:
         worker_config: server address and client settings.
@@ -93,6 +96,8 @@ def run_worker(
         max_steps: stop after this many inner steps (None: no bound).
         max_seconds: stop after this many seconds of training (None: no bound).
         on_step: called after every inner step with (step, loss in nats/char).
+        sync: run as a sync-mode worker with these settings (the server must run
+            ``--mode sync``); None: asynchronous.
     Returns:
         The worker's counters.
     Raises:
@@ -107,7 +112,10 @@ def run_worker(
     model = job.build(corpus)
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
-    worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    if sync is not None:
+        worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
+    else:
+        worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
     with worker:
         started = time.monotonic()
         step = 0
@@ -118,7 +126,7 @@ def run_worker(
             x, y = next(batches)  # (B, T) int64 each
             loss = lm_loss(model(x), y)
             loss.backward()
-            inner.step()  # every H-th step also pushes and pulls
+            inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
             inner.zero_grad(set_to_none=True)
             step += 1
             if slowdown > 1.0:

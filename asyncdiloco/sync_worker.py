@@ -359,7 +359,7 @@ class SyncDiLoCoWorker:
             if total_weight > 0:
                 self.outer.step(delta)  # the same step on every member and on the server
             self.round = decision.round
-            self.stats.rounds_committed += 1
+            self.stats.rounds_committed += total_weight > 0  # an all-healing round applies nothing
         else:
             self.stats.rounds_failed += 1
             log.warning("worker %d: round of quorum %d aborted (%s); restarting from round %d",
@@ -389,7 +389,7 @@ class SyncDiLoCoWorker:
     def _allreduce(self, q: pb.QuorumReply) -> None:
         """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group."""
         cfg = self.sync_config
-        failing = cfg.fail_at_round is not None and q.round + 1 == cfg.fail_at_round and not self._fault_fired
+        failing = cfg.fail_at_round is not None and q.round + 1 >= cfg.fail_at_round and not self._fault_fired
         self._fault_fired |= failing  # once: the retried round goes through
         if failing and cfg.fail_mode == "raise":
             raise RuntimeError(f"injected fault at round {cfg.fail_at_round}")

@@ -198,7 +198,7 @@ def test_a_round_where_everyone_healed_commits_without_moving_the_round(qm):
     assert m.request(2, -1).heal
     m.vote(1, 1, success=True, total_weight=0.0)
     d = m.vote(2, 1, success=True, total_weight=0.0)
-    assert d.committed and d.round == 0 and m.commits[0].result is None
+    assert d.committed and d.round == 0 and m.commits[0].result is None and m.rounds_committed == 0
 
 
 def test_results_and_votes_from_outsiders_are_refused(qm):

@@ -24,7 +24,8 @@ A **round** r → r+1 goes like this:
 4. **Commit.** Every member votes (``vote``). The round commits when every member voted
    success with the same total weight and (when that weight is > 0) rank 0's result is
    staged; then ``on_commit(Δ̄)`` applies the same outer step the members apply, and the
-   round counter moves. Any failure vote aborts at once; a vote missing at
+   round counter moves (``rounds_committed`` equals it: a round in which every member
+   healed commits with total weight 0, applies nothing and is not counted). Any failure vote aborts at once; a vote missing at
    ``round_timeout_s`` after formation aborts at that deadline. An aborted round changes
    nothing; members restart from the last committed θ_base.
 
@@ -381,9 +382,9 @@ class QuorumManager:
                     steps_by_worker={w: v.num_local_steps for w, v in rnd.votes.items()},
                 )
             )
-            if total > 0:
+            if total > 0:  # else every member healed: nothing to apply, no new round
                 self.round += 1
-            self.rounds_committed += 1
+                self.rounds_committed += 1
             log.info("quorum %d committed: round %d", rnd.quorum_id, self.round)
         else:
             self.rounds_failed += 1
