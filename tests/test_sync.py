@@ -333,3 +333,27 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
         w.close()
     if mode == "hang":
         bad._stop.set()
+
+
+def test_token_weighting_takes_the_token_weighted_mean(make_server):
+    H = 2
+    srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=H, min_workers=2,
+                      weighting="tokens")  # fmt: skip
+    local: dict[int, torch.Tensor] = {}
+    workers = []
+    for i, tokens_per_step in enumerate((10, 30)):
+        model = make_model()
+        opt = inner_opt(model)
+        counter = iter(range(1, 10**6))
+        opt.register_step_post_hook(
+            lambda *_, i=i, m=model, c=counter: local.__setitem__(i, flat(m).clone()) if next(c) % H == 0 else None
+        )
+        w = SyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address), tokens_per_step=tokens_per_step)
+        w.join()
+        workers.append(w)
+    run_threads([lambda i=i: train(workers[i], i, steps=H) for i in range(2)])
+    for w in workers:
+        w.close()
+    expected = (10 * H * local[0] + 30 * H * local[1]) / (40 * H)
+    torch.testing.assert_close(srv.state.params, expected, rtol=1e-6, atol=1e-6)
+    assert srv.state.tokens == 40 * H and srv.state.applied_pushes == 2
