@@ -138,6 +138,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
     server = ParameterServer(_server_config(args, args.host, args.port)).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after
+        signal.signal(sig, lambda *_: stop.set())
     if args.port_file:  # before the line below: whoever reads that line may read this file next
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:
@@ -146,9 +149,6 @@ def cmd_server(args: argparse.Namespace) -> int:
     print(f"asyncdiloco server listening on {server.address}", flush=True)
     if server.config.mode == "sync":
         print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     st = server.state.status()
     server.stop(grace_s=2.0)
@@ -184,6 +184,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             collective_host=args.collective_host,
             fail_at_round=args.fail_at_round,
             fail_mode=args.fail_mode,
+            fail_min_world_size=args.fail_min_world_size,
         )
     stats = run_worker(
         worker_config=wcfg,
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--collective-host", default=None,
                     help="sync: address the gloo device binds (default 127.0.0.1 for a loopback server, else torch's)")
     pw.add_argument("--fail-at-round", type=int, default=None, help="sync, fault injection for tests: fail in this round")
+    pw.add_argument("--fail-min-world-size", type=int, default=1,
+                    help="sync, fault injection: only in a quorum of at least this many members (default 1)")
     pw.add_argument("--fail-mode", choices=FAIL_MODES, default=sw.fail_mode,
                     help="sync, fault injection: kill (SIGKILL mid-allreduce), hang or raise (default %(default)s)")
     _add_job_args(pw)

@@ -185,8 +185,8 @@ class SyncWorkerConfig:
     #: Seconds a process-group build or allreduce may take before the round fails here
     #: (a dead peer fails it at once, a hung one after exactly this long).
     allreduce_timeout_s: float = 10.0
-    #: Seconds to wait for a quorum at one sync point; then training goes on locally and
-    #: the next sync point asks again.
+    #: Seconds to wait for a quorum at one sync point (at least the server's join timeout
+    #: + 1 s); then training goes on locally and the next sync point asks again.
     quorum_timeout_s: float = 60.0
     #: Address this worker's gloo device binds and advertises to its peers. None: 127.0.0.1
     #: when the server address is a loopback one, else torch's default (GLOO_SOCKET_IFNAME
@@ -195,6 +195,8 @@ class SyncWorkerConfig:
     #: Fault injection for tests (like torchft's ``fail_at``): in this worker's first
     #: allreduce for round ``fail_at_round`` (1-based) or a later one, do ``fail_mode`` (once).
     fail_at_round: int | None = None
+    #: Fault injection: only in a round whose quorum has at least this many members.
+    fail_min_world_size: int = 1
     #: "kill": SIGKILL this process with the allreduce in flight; "hang": stop
     #: responding before the allreduce (sleep); "raise": fail the collective here.
     fail_mode: str = "kill"
@@ -206,3 +208,4 @@ class SyncWorkerConfig:
         _require(self.fail_at_round is None or self.fail_at_round >= 1, "fail_at_round", self.fail_at_round,
                  "must be >= 1 or None")  # fmt: skip
         _require(self.fail_mode in FAIL_MODES, "fail_mode", self.fail_mode, f"choose one of {FAIL_MODES}")
+        _require(self.fail_min_world_size >= 1, "fail_min_world_size", self.fail_min_world_size, "must be >= 1")

@@ -297,24 +297,28 @@ class SyncDiLoCoWorker:
         torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, a copy, (N,)
 
         t0 = time.monotonic()
+        # Wait at least the server's join timeout, or a quorum waiting on it could never form.
+        wait_s = max(cfg.quorum_timeout_s, self.run_config.join_timeout_s + 1.0)
         q = self.client.quorum(
-            worker_id=self.worker_id, round=self.round, manifest_hash=self.manifest.manifest_hash,
-            timeout_s=cfg.quorum_timeout_s,
+            worker_id=self.worker_id, round=self.round, manifest_hash=self.manifest.manifest_hash, timeout_s=wait_s,
         )  # fmt: skip
         quorum_wait_s = time.monotonic() - t0
         self.stats.quorum_wait_s += quorum_wait_s
         self.stats.idle_s += quorum_wait_s
         if not q.formed:
             self.stats.rounds_skipped += 1
-            log.warning("no quorum within quorum_timeout_s=%g s; training on locally", cfg.quorum_timeout_s)
+            log.warning("no quorum within %g s; training on locally", wait_s)
             return False
 
         t1 = time.monotonic()
         success, reason = True, ""
         if q.heal:
             log.info("worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round)
-            self._heal()
-            if self.round != q.round:
+            try:
+                self._heal()
+            except AsyncDiLoCoError as exc:  # vote failure rather than leave the others waiting
+                success, reason = False, f"could not pull the committed state to heal: {exc}"
+            if success and self.round != q.round:
                 success, reason = False, f"healed to round {self.round} but the quorum is at round {q.round}"
         weight = 0.0
         if not q.heal and steps > 0:
@@ -341,7 +345,7 @@ class SyncDiLoCoWorker:
             if q.rank == 0:
                 try:
                     self.client.push(
-                        delta.view(torch.uint8), worker_id=self.worker_id, push_id=0x7FFF_0000_0000 + q.quorum_id,
+                        delta.view(torch.uint8), worker_id=self.worker_id, push_id=q.quorum_id,
                         base_version=q.round, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id,
                     )  # fmt: skip
                     self.stats.bytes_pushed += n * 4
@@ -389,7 +393,10 @@ class SyncDiLoCoWorker:
     def _allreduce(self, q: pb.QuorumReply) -> None:
         """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group."""
         cfg = self.sync_config
-        failing = cfg.fail_at_round is not None and q.round + 1 >= cfg.fail_at_round and not self._fault_fired
+        failing = (
+            cfg.fail_at_round is not None and q.round + 1 >= cfg.fail_at_round
+            and q.world_size >= cfg.fail_min_world_size and not self._fault_fired
+        )  # fmt: skip
         self._fault_fired |= failing  # once: the retried round goes through
         if failing and cfg.fail_mode == "raise":
             raise RuntimeError(f"injected fault at round {cfg.fail_at_round}")

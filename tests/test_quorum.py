@@ -251,3 +251,20 @@ def test_blocking_wait_quorum_and_decision_with_threads():
 def test_sync_config_is_validated(kw):
     with pytest.raises(ConfigError):
         SyncConfig(**kw)
+
+
+def test_callers_that_time_out_and_ask_again_do_not_postpone_the_join_timeout():
+    now = [0.0]
+    live = {1, 2, 3}
+    m = QuorumManager(SyncConfig(min_workers=2, join_timeout_s=4.0), live_workers=lambda: set(live),
+                      on_commit=lambda done: None, clock=lambda: now[0])  # fmt: skip
+    for w in (1, 2, 3):
+        m.request(w, 0)
+    m.vote(1, 1, success=False, reason="peer died")
+    m.vote(2, 1, success=False, reason="peer died")  # 3 died; its lease is still current
+    m.request(1, 0)
+    assert m.wait_quorum(2, 0, timeout_s=0.01) is None  # gave up (withdrawn)...
+    now[0] += 3.0
+    assert m.request(2, 0) is None  # ...and asks again: the clock of the round still runs
+    now[0] += 1.0
+    assert m.request(1, 0).members == (1, 2)

@@ -27,7 +27,8 @@ def test_killing_one_of_three_workers_mid_allreduce_fails_the_round_then_two_tra
             "--local-steps", "5", "--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9",
         ),  # fmt: skip
         worker_args=("--allreduce-timeout-s", str(ALLREDUCE_TIMEOUT_S), "--quorum-timeout-s", "3"),
-        per_worker_args=((), (), ("--fail-at-round", "3", "--fail-mode", "kill")),
+        # processes start at different times: die in the first round >= 3 that all three are in
+        per_worker_args=((), (), ("--fail-at-round", "3", "--fail-min-world-size", "3", "--fail-mode", "kill")),
         job=JobConfig(n_embd=32, n_head=4, batch_size=16, context_len=32),
         eval_every_s=4.0,
     )

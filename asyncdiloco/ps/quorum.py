@@ -280,9 +280,9 @@ class QuorumManager:
                     break
                 left = end - time.monotonic()
                 if left <= 0:
+                    # The round's join clock keeps running: resetting it here would let
+                    # callers that time out and ask again postpone the join timeout forever.
                     self._waiting.pop(worker_id, None)
-                    if not self._waiting:
-                        self._first_request_at = None
                     return None
                 self._cond.wait(min(left, self._next_wake_locked()))
                 if worker_id not in self._waiting and worker_id not in self._assigned:

@@ -305,7 +305,9 @@ class ParameterServerState:
         """
         with self._lock:
             rec = self._workers.get(header.worker_id)
-            if rec is not None and header.push_id in rec.outcomes:
+            # Round results are not deduplicated by push_id: a retried upload re-stages
+            # the same Δ̄, and only the vote decides whether it is applied.
+            if rec is not None and header.push_id in rec.outcomes and header.kind != pb.PUSH_KIND_ROUND_RESULT:
                 return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
             self._touch_locked(header.worker_id)
             if header.push_id < 1:
