@@ -19,8 +19,8 @@ which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard
    (this worker's θ_base is from another committed round: it joined late, or missed a
    commit), pull the server's committed θ and outer momentum, and contribute weight 0.
 3. A fresh process group for this quorum over the server's TCPStore, prefix
-   ``q<quorum_id>`` (gloo for CPU tensors; NCCL when the model is on CUDA, which is
-   written but untested: the project has no GPU CI), with a bounded timeout
+   ``q<quorum_id>`` (collectives.py: gloo for CPU tensors; NCCL when the model is on
+   CUDA, which is written but untested: the project has no GPU CI), with a bounded timeout
    (``allreduce_timeout_s``): one allreduce (sum) of ``[w·Δ, w]``, float32 (N+1,), so
    Δ̄ = Σ w_i Δ_i / Σ w_i (w = 1: mean; w = tokens: token-weighted mean).
 4. Rank 0 uploads Δ̄ to the server (``PUSH_KIND_ROUND_RESULT``); every member votes
@@ -42,7 +42,6 @@ next sync point tries again (Δ then spans more steps, still against θ_base).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import signal
@@ -55,6 +54,7 @@ from torch import nn
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.collectives import QuorumCollectives
 from asyncdiloco.config import OuterConfig, SyncWorkerConfig, WorkerConfig
 from asyncdiloco.errors import (
     AsyncDiLoCoError,
@@ -95,10 +95,6 @@ class SyncWorkerStats:
     quorum_wait_s: float = 0.0
     allreduce_s: float = 0.0
     rounds: list[dict] = dataclasses.field(default_factory=list)
-
-
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("localhost", "::1", "[::1]")
 
 
 class SyncDiLoCoWorker:
@@ -153,9 +149,7 @@ class SyncDiLoCoWorker:
         self._tokens_since_sync = 0
         self._backoff_s = config.initial_backoff_s
         self._next_attempt = 0.0
-        self._store = None  # torch.distributed.TCPStore client, reused across rounds
-        self._store_addr: tuple[str, int] | None = None
-        self._device = None  # gloo device
+        self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self._on_cuda)
         self._fault_fired = False
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
         self._stop = threading.Event()
@@ -231,7 +225,7 @@ class SyncDiLoCoWorker:
                 log.info("leave failed: %s", exc)
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
-        self._store = None
+        self._collectives.close()
         self.client.close()
 
     def __enter__(self) -> "SyncDiLoCoWorker":
@@ -391,7 +385,8 @@ class SyncDiLoCoWorker:
                 return reply
 
     def _allreduce(self, q: pb.QuorumReply) -> None:
-        """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group."""
+        """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group, with
+        the fault injection of ``SyncWorkerConfig`` (``fail_at_round``, ``fail_mode``)."""
         cfg = self.sync_config
         failing = (
             cfg.fail_at_round is not None and q.round + 1 >= cfg.fail_at_round
@@ -403,56 +398,16 @@ class SyncDiLoCoWorker:
         if failing and cfg.fail_mode == "hang":
             log.warning("fault injection: hanging in round %d", cfg.fail_at_round)
             threading.Event().wait()  # never returns; the heartbeat thread keeps the lease
-        if q.world_size == 1:
-            return
-        import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=cfg.allreduce_timeout_s)
-        store = dist.PrefixStore(f"q{q.quorum_id}", self._rendezvous_store(q, timeout))
-        if self._on_cuda:  # NCCL for CUDA tensors. Untested: the project has no GPU CI.
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, q.rank, q.world_size, opts)
-            device_buf = self._buf.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-            work = pg.allreduce([device_buf])
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [self._gloo_device()]
-            pg = dist.ProcessGroupGloo(store, q.rank, q.world_size, opts)
-            device_buf = None
-            work = pg.allreduce([self._buf])
-        if failing and cfg.fail_mode == "kill":
-            log.warning("fault injection: SIGKILL with the allreduce of round %d in flight", cfg.fail_at_round)
+        def die() -> None:
+            log.warning("fault injection: SIGKILL with the allreduce of round %d in flight", q.round + 1)
             os.kill(os.getpid(), signal.SIGKILL)
-        work.wait()
-        if device_buf is not None:
-            self._buf.copy_(device_buf)
-            torch.cuda.synchronize()
 
-    def _rendezvous_store(self, q: pb.QuorumReply, timeout: datetime.timedelta):
-        import torch.distributed as dist
-
-        addr = (q.store_host or self._server_host, q.store_port)
-        if self._store is None or self._store_addr != addr:
-            self._store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
-            self._store_addr = addr
-        else:
-            self._store.set_timeout(timeout)
-        return self._store
-
-    def _gloo_device(self):
-        import torch.distributed as dist
-
-        if self._device is None:
-            host = self.sync_config.collective_host
-            if host is None and _is_loopback(self._server_host):
-                host = "127.0.0.1"
-            self._device = (
-                dist.ProcessGroupGloo.create_device(hostname=host) if host
-                else dist.ProcessGroupGloo.create_default_device()
-            )  # fmt: skip
-        return self._device
+        self._collectives.allreduce_sum(
+            self._buf, quorum_id=q.quorum_id, rank=q.rank, world_size=q.world_size, store_host=q.store_host,
+            store_port=q.store_port, timeout_s=cfg.allreduce_timeout_s,
+            in_flight=die if failing and cfg.fail_mode == "kill" else None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------- internals
     def _heal(self) -> None:
