@@ -13,7 +13,7 @@ from torch import nn
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.client import ParameterServerClient
 from asyncdiloco.config import OuterConfig, ServerConfig, SyncConfig, SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import ManifestMismatchError, ModeMismatchError
+from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, RoundRefusedError
 from asyncdiloco.outer import OuterOptimizer
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.sync_worker import SyncDiLoCoWorker
@@ -357,3 +357,45 @@ def test_token_weighting_takes_the_token_weighted_mean(make_server):
     expected = (10 * H * local[0] + 30 * H * local[1]) / (40 * H)
     torch.testing.assert_close(srv.state.params, expected, rtol=1e-6, atol=1e-6)
     assert srv.state.tokens == 40 * H and srv.state.applied_pushes == 2
+
+
+def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server):
+    outer = OuterConfig(optimizer="nesterov", lr=0.5, momentum=0.9)
+    srv = make_server(outer=outer, local_steps=2, min_workers=1)
+    manifest = Manifest.from_module(make_model())
+    first, other = ParameterServerClient(srv.address), ParameterServerClient(srv.address)
+    w1 = first.join(manifest, "w1")
+    assert w1.initialize and w1.run_config.mode == "sync" and w1.run_config.outer_lr == 0.5
+    theta0 = flat(make_model())
+    first.push(manifest.pack_flat(theta0), worker_id=w1.worker_id, push_id=1, base_version=0,
+               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # fmt: skip
+    q = first.quorum(worker_id=w1.worker_id, round=0, manifest_hash=manifest.manifest_hash, timeout_s=5.0)
+    w2 = other.join(manifest, "w2")  # joins while the round is in flight: not a member
+    assert q.formed and list(q.members) == [w1.worker_id] and q.rank == 0 and not q.heal
+    assert q.store_host == "127.0.0.1" and q.store_port == srv.store_port > 0
+
+    delta = torch.linspace(-1, 1, manifest.numel)
+    kw = dict(base_version=0, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id)
+    with pytest.raises(RoundRefusedError, match="round refused: worker .* only its rank 0"):
+        other.push(delta.view(torch.uint8), worker_id=w2.worker_id, push_id=q.quorum_id, **kw)
+    with pytest.raises(InvalidPayloadError, match="non-finite"):
+        first.push(torch.full_like(delta, float("nan")).view(torch.uint8), worker_id=w1.worker_id, push_id=1, **kw)
+    with pytest.raises(RoundRefusedError, match="not a member of quorum"):
+        other.commit(worker_id=w2.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0)
+    assert torch.equal(srv.state.params, theta0)  # nothing applied before the vote
+    first.push(delta.view(torch.uint8), worker_id=w1.worker_id, push_id=q.quorum_id, **kw)
+    reply = first.commit(worker_id=w1.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0,
+                         num_tokens=64, num_local_steps=2, timeout_s=5.0)  # fmt: skip
+    assert reply.decided and reply.committed and reply.round == 1
+
+    expected = theta0.clone()
+    OuterOptimizer(expected, outer).step(delta)
+    assert torch.equal(srv.state.params, expected)
+    pulled = other.pull_sync_state(manifest, w2.worker_id, with_momentum=True)
+    state = pulled.payload.view(torch.float32)
+    assert pulled.version == 1
+    assert torch.equal(state[: manifest.numel], expected) and torch.equal(state[manifest.numel :], delta)
+    st = srv.state.status()
+    assert (st.version, st.rounds_committed, st.rounds_failed, st.tokens, st.applied_pushes) == (1, 1, 0, 64, 1)
+    first.close()
+    other.close()
