@@ -48,7 +48,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         try:
             if request.sync_state:
                 if not self.state.sync_mode:
-                    raise self.state._mode_mismatch("a sync-state pull")
+                    raise self.state.mode_mismatch_error("a sync-state pull")
                 version, payload = self.state.sync_state()
                 crc = crc32_of(payload)
             else:

@@ -166,7 +166,8 @@ class ParameterServerState:
             outer_momentum=outer.momentum,
         )
 
-    def _mode_mismatch(self, what: str) -> ModeMismatchError:
+    def mode_mismatch_error(self, what: str) -> ModeMismatchError:
+        """The refusal for a request of the other mode; ``what`` names the request."""
         other = "async" if self.sync_mode else "sync"
         fix = (
             "use SyncDiLoCoWorker (`asyncdiloco worker --mode sync`)"
@@ -325,12 +326,13 @@ class ParameterServerState:
                     )
             elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
                 if self.sync_mode:
-                    raise self._mode_mismatch(f"the pseudo-gradient push {header.push_id} of worker {header.worker_id}")
+                    what = f"the pseudo-gradient push {header.push_id} of worker {header.worker_id}"
+                    raise self.mode_mismatch_error(what)
                 if not self.initialized:
                     raise NotInitializedError("not initialized: no global parameters yet to apply a pseudo-gradient to")
             elif header.kind == pb.PUSH_KIND_ROUND_RESULT:
                 if not self.sync_mode:
-                    raise self._mode_mismatch(f"the round result of quorum {header.quorum_id}")
+                    raise self.mode_mismatch_error(f"the round result of quorum {header.quorum_id}")
                 if not self.initialized:
                     raise NotInitializedError("not initialized: no global parameters yet to apply a round result to")
             else:
@@ -460,7 +462,7 @@ class ParameterServerState:
         with self._lock:
             self._touch_locked(worker_id)
             if not self.sync_mode:
-                raise self._mode_mismatch(what)
+                raise self.mode_mismatch_error(what)
             if not self.initialized:
                 raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
 
