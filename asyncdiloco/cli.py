@@ -17,13 +17,18 @@ import sys
 import threading
 
 from asyncdiloco.config import (
+    FAIL_MODES,
+    MODES,
     OUTER_OPTIMIZERS,
     STALENESS_WEIGHTINGS,
+    SYNC_WEIGHTINGS,
     ClientSecurityConfig,
     DurabilityConfig,
     OuterConfig,
     ServerConfig,
     ServerSecurityConfig,
+    SyncConfig,
+    SyncWorkerConfig,
     WorkerConfig,
 )
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
@@ -37,7 +42,19 @@ def _setup_logging(verbose: int) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    d, o = ServerConfig(), OuterConfig()
+    d, o, sc = ServerConfig(), OuterConfig(), SyncConfig()
+    p.add_argument("--mode", choices=MODES, default=d.mode,
+                   help="async: apply pushes on arrival; sync: quorum rounds with an allreduce (default %(default)s)")
+    p.add_argument("--min-workers", type=int, default=sc.min_workers, help="sync: workers a quorum needs (default %(default)s)")
+    p.add_argument("--join-timeout-s", type=float, default=sc.join_timeout_s,
+                   help="sync: seconds after a round's first request after which a quorum forms without missing "
+                        "members (default %(default)s)")
+    p.add_argument("--round-timeout-s", type=float, default=sc.round_timeout_s,
+                   help="sync: seconds from a quorum's formation by which every member must vote (default %(default)s)")
+    p.add_argument("--sync-weighting", choices=SYNC_WEIGHTINGS, default=sc.weighting,
+                   help="sync: mean or token-weighted mean of the pseudo-gradients (default %(default)s)")
+    p.add_argument("--store-port", type=int, default=sc.store_port,
+                   help="sync: port of the rendezvous store (default %(default)s = a free one)")
     p.add_argument("--local-steps", "-H", type=int, default=d.local_steps, help="H, inner steps between pushes (default %(default)s)")
     p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=o.optimizer, help="outer optimizer (default %(default)s)")
     p.add_argument("--outer-lr", type=float, default=o.lr, help="outer learning rate η (default %(default)s)")
@@ -60,7 +77,16 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 #: weights) diverge when every push is applied on arrival (measured: held-out loss
 #: 4.19 -> 19.8 nats/char in 40 s with 4 workers, H=50); these are stable and reach
 #: ~1.85 nats/char in the default 120 s. See README "Knobs that matter".
-DEMO_SERVER_DEFAULTS = {"local_steps": 20, "outer_lr": 0.35, "outer_momentum": 0.5, "staleness": "polynomial"}
+DEMO_SERVER_DEFAULTS = {"local_steps": 20}
+#: Per mode, used where the flag is not given. Sync mode averages the N pseudo-gradients
+#: before one outer step, so DiLoCo's own values (Douillard et al. 2023) apply there.
+DEMO_OUTER_DEFAULTS = {
+    "async": {"outer_lr": 0.35, "outer_momentum": 0.5, "staleness": "polynomial", "join_timeout_s": 10.0},
+    "sync": {"outer_lr": 0.7, "outer_momentum": 0.9, "staleness": "constant", "join_timeout_s": 30.0},
+}
+#: A sync round waits for its slowest member; the demo's workers run up to 3x slower
+#: than the fastest, so the join timeout must exceed ~2 H slow steps (measured: with
+#: 10 s the 3x worker was cut out of rounds on 2 cores, its steps discarded).
 
 
 def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConfig:
@@ -87,6 +113,13 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         security = ServerSecurityConfig(
             token_file=args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca
         )
+    sync = SyncConfig(
+        min_workers=args.min_workers,
+        join_timeout_s=args.join_timeout_s,
+        round_timeout_s=args.round_timeout_s,
+        weighting=args.sync_weighting,
+        store_port=args.store_port,
+    )
     return ServerConfig(
         host=host,
         port=port,
@@ -100,6 +133,8 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         max_abs_value=args.max_abs_value,
         durability=durability,
         security=security,
+        mode=args.mode,
+        sync=sync,
     )
 
 
@@ -171,21 +206,24 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
     server = ParameterServer(_server_config(args, args.host, args.port)).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after
+        signal.signal(sig, lambda *_: stop.set())
     if args.port_file:  # written before the "listening" line, which tells watchers it is ready
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:
             f.write(f"{server.port}\n")
         os.replace(tmp, args.port_file)
     print(f"asyncdiloco server listening on {server.address}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    if server.config.mode == "sync":
+        print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
     stop.wait()
     server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
     st = server.state.status()
+    rounds = f", {st.rounds_committed} rounds committed, {st.rounds_failed} aborted" if server.config.mode == "sync" else ""
     print(
         f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
-        f"{st.rejected_pushes} refused, {st.pulls} pulls",
+        f"{st.rejected_pushes} refused, {st.pulls} pulls{rounds}",
         flush=True,
     )
     return 0
@@ -208,6 +246,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
+    sync = None
+    if args.mode == "sync":
+        sync = SyncWorkerConfig(
+            allreduce_timeout_s=args.allreduce_timeout_s,
+            quorum_timeout_s=args.quorum_timeout_s,
+            collective_host=args.collective_host,
+            fail_at_round=args.fail_at_round,
+            fail_mode=args.fail_mode,
+            fail_min_world_size=args.fail_min_world_size,
+        )
     stats = run_worker(
         worker_config=wcfg,
         job=_job_config(args),
@@ -215,12 +263,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         max_steps=args.max_steps,
         max_seconds=args.max_seconds,
+        sync=sync,
     )
     summary = dataclasses.asdict(stats)
     summary.update(worker_index=args.worker_index, slowdown=args.slowdown, name=wcfg.worker_name)
     if args.stats_file:
         with open(args.stats_file, "w") as f:
             json.dump(summary, f)
+    if sync is not None:
+        print(
+            f"{wcfg.worker_name}: {stats.inner_steps} inner steps, {stats.rounds_committed} rounds committed, "
+            f"{stats.rounds_failed} aborted, {stats.heals} heals, idle {stats.idle_s:.1f} s",
+            flush=True,
+        )
+        return 0
     print(
         f"{wcfg.worker_name}: {stats.inner_steps} inner steps, {stats.pushes_applied} pushes applied, "
         f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs",
@@ -237,9 +293,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         slowdowns = [float(s) for s in args.slowdowns.split(",")] if args.slowdowns else None
     except ValueError:
         raise ConfigError(f"--slowdowns {args.slowdowns!r} is invalid: give numbers >= 1 separated by commas, e.g. 1,2,4") from None
+    for name, value in DEMO_OUTER_DEFAULTS[args.mode].items():  # per mode, unless given
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     _server_config(args, "127.0.0.1", 0)  # a bad server flag is refused here, naming the value
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
     cfg = DemoConfig(
+        mode=args.mode,
         num_workers=args.workers,
         max_seconds=args.max_seconds,
         out_dir=args.out,
@@ -297,6 +357,11 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--max-payload-bytes", str(args.max_payload_bytes),
         "--max-abs-value", str(args.max_abs_value),
         *(("--dylu",) if args.dylu else ()),
+        "--mode", args.mode,
+        "--min-workers", str(args.min_workers),
+        "--join-timeout-s", str(args.join_timeout_s),
+        "--round-timeout-s", str(args.round_timeout_s),
+        "--sync-weighting", args.sync_weighting,
     )  # fmt: skip
 
 
@@ -331,6 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     pw.add_argument("--stats-file", help="write the worker's final counters as JSON here")
     _add_client_security_args(pw)
+    sw = SyncWorkerConfig()
+    pw.add_argument("--mode", choices=MODES, default="async", help="must match the server's --mode (default async)")
+    pw.add_argument("--allreduce-timeout-s", type=float, default=sw.allreduce_timeout_s,
+                    help="sync: seconds a process-group build or allreduce may take (default %(default)s)")
+    pw.add_argument("--quorum-timeout-s", type=float, default=sw.quorum_timeout_s,
+                    help="sync: seconds to wait for a quorum before training on locally (default %(default)s)")
+    pw.add_argument("--collective-host", default=None,
+                    help="sync: address the gloo device binds (default 127.0.0.1 for a loopback server, else torch's)")
+    pw.add_argument("--fail-at-round", type=int, default=None, help="sync, fault injection for tests: fail in this round")
+    pw.add_argument("--fail-min-world-size", type=int, default=1,
+                    help="sync, fault injection: only in a quorum of at least this many members (default 1)")
+    pw.add_argument("--fail-mode", choices=FAIL_MODES, default=sw.fail_mode,
+                    help="sync, fault injection: kill (SIGKILL mid-allreduce), hang or raise (default %(default)s)")
     _add_job_args(pw)
     pw.set_defaults(func=cmd_worker)
 
@@ -343,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_server_args(pd)
     _add_job_args(pd)
-    pd.set_defaults(func=cmd_demo, **DEMO_SERVER_DEFAULTS)
+    pd.set_defaults(func=cmd_demo, outer_lr=None, outer_momentum=None, staleness=None, join_timeout_s=None,
+                    **DEMO_SERVER_DEFAULTS)  # fmt: skip
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
     pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
                      help="quick/full: sync vs async methods on speed profiles; perf: transport and server micro-benchmarks")

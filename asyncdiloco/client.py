@@ -112,6 +112,20 @@ class ParameterServerClient:
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
         return reply
 
+    def pull_sync_state(self, manifest: Manifest, worker_id: int, with_momentum: bool) -> Pulled:
+        """Sync mode: stream the server's fp32 master state for healing.
+
+        Returns:
+            ``Pulled`` whose ``version`` is the committed round and whose payload is θ
+            as float32 bytes, then (``with_momentum``) m as float32 bytes: uint8
+            (k · numel · 4,), k = 2 with momentum, else 1.
+        Raises:
+            ModeMismatchError (async server), NotInitializedError, InvalidPayloadError,
+            ServerUnavailableError.
+        """
+        return self._pull(pb.PullRequest(worker_id=worker_id, sync_state=True),
+                          manifest.numel * 4 * (2 if with_momentum else 1), None)  # fmt: skip
+
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
         """Stream the newest global parameters into ``buffer`` (or a new uint8 tensor).
 
@@ -119,11 +133,11 @@ class ParameterServerClient:
             NotInitializedError: no initial parameters yet. InvalidPayloadError: the
             stream was malformed or corrupted. ServerUnavailableError: connection lost.
         """
-        total = manifest.total_bytes
+        return self._pull(pb.PullRequest(worker_id=worker_id), manifest.total_bytes, buffer)
+
+    def _pull(self, request: pb.PullRequest, total: int, buffer: torch.Tensor | None) -> Pulled:
         try:
-            stream = self._stub.Pull(
-                pb.PullRequest(worker_id=worker_id), timeout=self._payload_timeout(total), metadata=self._metadata
-            )
+            stream = self._stub.Pull(request, timeout=self._payload_timeout(total), metadata=self._metadata)
             first = next(stream, None)
             if first is None or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
@@ -157,6 +171,7 @@ class ParameterServerClient:
         num_tokens: int = 0,
         compute_s: float = 0.0,
         kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+        quorum_id: int = 0,
     ) -> pb.PushReply:
         """Stream one payload (pseudo-gradient or initial parameters).
 
@@ -178,6 +193,7 @@ class ParameterServerClient:
             crc32=crc32_of(payload),
             kind=kind,
             compute_s=compute_s,
+            quorum_id=quorum_id,
         )
 
         def messages():
@@ -192,6 +208,30 @@ class ParameterServerClient:
 
     def leave(self, worker_id: int) -> None:
         self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))
+
+    def quorum(self, *, worker_id: int, round: int, manifest_hash: str, timeout_s: float) -> pb.QuorumReply:
+        """Sync mode: ask to join the next round; blocks up to ``timeout_s`` seconds
+        (``formed`` is False when no quorum formed by then)."""
+        return self._call(
+            self._stub.Quorum,
+            pb.QuorumRequest(worker_id=worker_id, round=round, manifest_hash=manifest_hash, timeout_s=timeout_s),
+            timeout_s + self.rpc_timeout_s,
+        )
+
+    def commit(
+        self, *, worker_id: int, quorum_id: int, success: bool, total_weight: float = 0.0, num_tokens: int = 0,
+        num_local_steps: int = 0, reason: str = "", timeout_s: float = 10.0,
+    ) -> pb.CommitReply:  # fmt: skip
+        """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
+        decision (``decided`` is False when it is not there yet)."""
+        return self._call(
+            self._stub.Commit,
+            pb.CommitRequest(
+                worker_id=worker_id, quorum_id=quorum_id, success=success, total_weight=total_weight,
+                num_tokens=num_tokens, num_local_steps=num_local_steps, reason=reason[:1000], timeout_s=timeout_s,
+            ),  # fmt: skip
+            timeout_s + self.rpc_timeout_s,
+        )
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())

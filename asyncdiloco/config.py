@@ -14,6 +14,9 @@ from asyncdiloco.errors import ConfigError
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
+MODES = ("async", "sync")
+SYNC_WEIGHTINGS = ("mean", "tokens")
+FAIL_MODES = ("kill", "hang", "raise")
 STALENESS_WEIGHTINGS = ("constant", "inverse", "polynomial", "hinge")
 
 
@@ -148,6 +151,43 @@ class ClientSecurityConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    """Sync mode on the server: how quorums form and how long a round may take.
+
+    A round's quorum forms once at least ``min_workers`` asked to join it and either
+    every live member of the previous quorum is among them, or every live registered
+    worker is, or ``join_timeout_s`` passed since the round's first request (the role
+    torchft's lighthouse plays; see ps/quorum.py).
+    """
+
+    #: A quorum needs at least this many workers.
+    min_workers: int = 1
+    #: Seconds after a round's first request after which ≥ min_workers form a quorum
+    #: without waiting for missing members of the previous quorum.
+    join_timeout_s: float = 10.0
+    #: Seconds from a quorum's formation by which every member must have voted; later
+    #: the round is aborted. Must cover the workers' allreduce timeout plus rank 0's upload.
+    round_timeout_s: float = 60.0
+    #: "mean": each member's pseudo-gradient weighs 1; "tokens": it weighs its tokens.
+    weighting: str = "mean"
+    #: TCP port of the rendezvous store the server hosts; 0 picks a free one.
+    store_port: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1 worker")
+        _require(
+            math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0,
+            "join_timeout_s", self.join_timeout_s, "must be a finite number of seconds >= 0",
+        )  # fmt: skip
+        _require(
+            math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0,
+            "round_timeout_s", self.round_timeout_s, "must be a finite number of seconds > 0 (default 60)",
+        )  # fmt: skip
+        _require(self.weighting in SYNC_WEIGHTINGS, "sync weighting", self.weighting, f"choose one of {SYNC_WEIGHTINGS}")
+        _require(0 <= self.store_port <= 65535, "store_port", self.store_port, "must be in [0, 65535]; 0 picks a free port")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The parameter server process: address, run config it dictates, limits."""
 
@@ -180,8 +220,19 @@ class ServerConfig:
     durability: DurabilityConfig | None = None
     #: Token and TLS; None serves plaintext without authentication.
     security: ServerSecurityConfig | None = None
+    #: "async" (pushes applied on arrival) or "sync" (quorum rounds, allreduce among workers).
+    mode: str = "async"
+    #: Sync mode settings (ignored in async mode).
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
 
     def __post_init__(self) -> None:
+        _require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
+        _require(
+            self.mode == "async" or self.outer.optimizer in ("nesterov", "sgd"),
+            "outer optimizer",
+            self.outer.optimizer,
+            "sync mode applies one outer step per round on the mean: use nesterov (sync DiLoCo) or sgd (LocalSGD)",
+        )
         _require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
         _require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")
         _require(
@@ -246,3 +297,36 @@ class WorkerConfig:
             self.heartbeat_s is None or 0 < self.heartbeat_s <= 3600, "heartbeat_s", self.heartbeat_s,
             "must be in (0, 3600] seconds, or None for a third of the server's lease",
         )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncWorkerConfig:
+    """Sync mode on the worker: collective timeouts, rendezvous, fault injection."""
+
+    #: Seconds a process-group build or allreduce may take before the round fails here
+    #: (a dead peer fails it at once, a hung one after exactly this long).
+    allreduce_timeout_s: float = 10.0
+    #: Seconds to wait for a quorum at one sync point (at least the server's join timeout
+    #: + 1 s); then training goes on locally and the next sync point asks again.
+    quorum_timeout_s: float = 60.0
+    #: Address this worker's gloo device binds and advertises to its peers. None: 127.0.0.1
+    #: when the server address is a loopback one, else torch's default (GLOO_SOCKET_IFNAME
+    #: or the host name).
+    collective_host: str | None = None
+    #: Fault injection for tests (like torchft's ``fail_at``): in this worker's first
+    #: allreduce for round ``fail_at_round`` (1-based) or a later one, do ``fail_mode`` (once).
+    fail_at_round: int | None = None
+    #: Fault injection: only in a round whose quorum has at least this many members.
+    fail_min_world_size: int = 1
+    #: "kill": SIGKILL this process with the allreduce in flight; "hang": stop
+    #: responding before the allreduce (sleep); "raise": fail the collective here.
+    fail_mode: str = "kill"
+
+    def __post_init__(self) -> None:
+        for name in ("allreduce_timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0, name, value, "must be a finite number of seconds > 0")
+        _require(self.fail_at_round is None or self.fail_at_round >= 1, "fail_at_round", self.fail_at_round,
+                 "must be >= 1 or None")  # fmt: skip
+        _require(self.fail_mode in FAIL_MODES, "fail_mode", self.fail_mode, f"choose one of {FAIL_MODES}")
+        _require(self.fail_min_world_size >= 1, "fail_min_world_size", self.fail_min_world_size, "must be >= 1")

@@ -5,6 +5,12 @@ processes (worker i runs ``slowdowns[i]`` times slower), evaluates the global mo
 held-out text while they train, shows progress, and writes ``report.json`` and
 ``loss_curve.png`` to the output folder. Every child process is reaped on exit, also on
 errors and Ctrl-C.
+
+``mode="sync"`` runs the same job (model, data, H, workers, speeds, time budget)
+through the synchronous quorum mode instead, so the two reports compare directly. The
+report then also carries ``rounds_committed``, ``rounds_failed``, ``round_time_s`` and,
+per worker, ``idle_s`` (time waiting for the quorum, in the allreduce and for the commit;
+in async mode ``idle_s`` is the time blocked in push and pull).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -52,8 +59,16 @@ class DemoConfig:
     eval_every_s: float = 5.0
     #: Seconds to wait for the server to listen.
     startup_timeout_s: float = 60.0
+    #: "async" or "sync" (the server flags must say the same: ``--mode sync``).
+    mode: str = "async"
+    #: Extra flags for every ``asyncdiloco worker`` (e.g. ``--allreduce-timeout-s 5``).
+    worker_args: tuple[str, ...] = ()
+    #: Extra flags per worker index (e.g. fault injection for one of them).
+    per_worker_args: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ConfigError(f"mode={self.mode!r} is invalid: choose async or sync")
         if not 1 <= self.num_workers <= 64:
             raise ConfigError(f"workers={self.num_workers} is invalid: use 1..64 on one machine")
         if not self.max_seconds > 0:
@@ -103,7 +118,8 @@ class _Evaluator:
 
 
 def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # GLOO_SOCKET_IFNAME=lo keeps sync-mode collectives on loopback.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
     with open(log_path, "wb") as logf:
         return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
@@ -170,7 +186,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             cmd = [
                 *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(f),
                 "--max-seconds", str(cfg.max_seconds), "--stats-file", str(out / f"worker-{i}.json"),
-                "--name", _worker_name(i, f), *_job_flags(cfg.job),
+                "--name", _worker_name(i, f), "--mode", cfg.mode, *_job_flags(cfg.job), *cfg.worker_args,
+                *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
             ]  # fmt: skip
             workers.append(_spawn(cmd, out / f"worker-{i}.log"))
         procs.extend(workers)
@@ -193,7 +210,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         _reap(procs)
     report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, speeds, exit_codes, address)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size)
+    _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
     _print_summary(report, out)
     return report
 
@@ -232,10 +249,11 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
             if st.initialized and training_since is None:
                 training_since = time.monotonic()
             bar.n = min(bar.total, time.monotonic() - training_since) if training_since else 0
-            bar.set_postfix_str(
-                f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f} | "
-                f"eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}"
-            )
+            what = (
+                f"round {st.version} | aborted {st.rounds_failed}" if cfg.mode == "sync"
+                else f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f}"
+            )  # fmt: skip
+            bar.set_postfix_str(f"{what} | eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}")
     finally:
         bar.close()
     return curve
@@ -268,11 +286,18 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
                 "pushes_refused": stats.get("pushes_refused", 0),
                 "sync_failures": stats.get("sync_failures", 0),
                 "comm_s": round(stats.get("comm_s", 0.0), 3),
+                "idle_s": round(stats.get("idle_s", stats.get("comm_s", 0.0)), 3),
                 "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])) if stats.get("staleness") else None,
+                "rounds_committed": stats.get("rounds_committed"),
+                "rounds_failed": stats.get("rounds_failed"),
+                "heals": stats.get("heals"),
             }
         )
     return {
-        "mode": "async",
+        "mode": cfg.mode,
+        "rounds_committed": status.rounds_committed if cfg.mode == "sync" else None,
+        "rounds_failed": status.rounds_failed if cfg.mode == "sync" else None,
+        "round_time_s": _round_times(out, len(speeds)) if cfg.mode == "sync" else None,
         "server": address,
         "initial_eval_loss": initial_loss,
         "final_eval_loss": final_loss,
@@ -300,7 +325,28 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
     }
 
 
-def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int) -> None:
+def _round_times(out: pathlib.Path, num_workers: int) -> dict | None:
+    """Medians over the workers' round logs, seconds: wall time between two committed
+    rounds (``round``), waiting for the quorum, collective plus upload, commit wait."""
+    between, quorum, collective, commit = [], [], [], []
+    for i in range(num_workers):
+        path = out / f"worker-{i}.json"
+        if not path.exists():
+            continue
+        rounds = json.loads(path.read_text()).get("rounds", [])
+        ends = [r["end_s"] for r in rounds if r["committed"]]
+        between += [b - a for a, b in zip(ends, ends[1:])]
+        quorum += [r["quorum_wait_s"] for r in rounds]
+        collective += [r["allreduce_s"] for r in rounds]
+        commit += [r["commit_wait_s"] for r in rounds]
+    if not between:
+        return None
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
+    return {"round": med(between), "quorum_wait": med(quorum), "allreduce_and_upload": med(collective),
+            "commit_wait": med(commit), "samples": len(between)}  # fmt: skip
+
+
+def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "async") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,7 +360,8 @@ def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int) -> None:
         ax.set_ylabel("held-out loss (nats/char)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("asyncdiloco demo: global model, asynchronous DiLoCo")
+    title = "synchronous (quorum allreduce)" if mode == "sync" else "asynchronous"
+    fig.suptitle(f"asyncdiloco demo: global model, {title} DiLoCo")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -330,8 +377,13 @@ def _print_summary(report: dict, out: pathlib.Path) -> None:
         f"  version {report['version']}: {report['applied_pushes']} pushes applied, {report['rejected_pushes']} refused, "
         f"{stale} applied with staleness > 0 (histogram {hist})\n"
         f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"
+        + (
+            f"  rounds committed {report['rounds_committed']}, aborted {report['rounds_failed']}; "
+            f"median round times (s) {report['round_time_s']}\n" if report["mode"] == "sync" else ""
+        )
         + "".join(
-            f"  {w['name']}: {w['inner_steps']} steps, {w['pushes']} pushes, {w['tokens']:,} tokens\n"
+            f"  {w['name']}: {w['inner_steps']} steps, {w['pushes']} pushes, {w['tokens']:,} tokens, "
+            f"idle {w['idle_s']:.1f} s\n"
             for w in report["workers"]
         )
         + f"  report: {out / 'report.json'}, plot: {out / 'loss_curve.png'}",

@@ -60,6 +60,20 @@ class UnknownWorkerError(AsyncDiLoCoError):
     grpc_code = grpc.StatusCode.NOT_FOUND
 
 
+class ModeMismatchError(AsyncDiLoCoError):
+    """A request for the other mode: a pseudo-gradient push to a sync-mode server, or a
+    Quorum/Commit to an async-mode server (messages start with ``"mode mismatch"``)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RoundRefusedError(AsyncDiLoCoError):
+    """Sync mode: a Commit vote or round result for a quorum this worker is not a member
+    of, or a round result from a member other than rank 0."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):
     """The server could not be reached (after the configured retries)."""
 
@@ -96,13 +110,18 @@ def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
     """Map a ``grpc.RpcError`` back to the library exception with the server's message.
 
     FAILED_PRECONDITION is told apart by the message prefix the servicer writes
-    (``"manifest mismatch"``, ``"not initialized"`` or a staleness refusal).
+    (``"manifest mismatch"``, ``"mode mismatch"``, ``"round refused"``, ``"not
+    initialized"`` or a staleness refusal).
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         if details.startswith("manifest mismatch"):
             return ManifestMismatchError(details)
+        if details.startswith("mode mismatch"):
+            return ModeMismatchError(details)
+        if details.startswith("round refused"):
+            return RoundRefusedError(details)
         return StalePushError(details)
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith("not initialized"):
         return NotInitializedError(details)

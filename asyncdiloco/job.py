@@ -15,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.config import WorkerConfig
+from asyncdiloco.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.models import CharTransformer, CharTransformerConfig, build_model, lm_loss
+from asyncdiloco.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
 from asyncdiloco.worker import AsyncDiLoCoWorker, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,10 @@ def run_worker(
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
     log_every: int = 100,
-) -> WorkerStats:
-    """Train the default job as one asynchronous DiLoCo worker until a bound is hit.
+    sync: SyncWorkerConfig | None = None,
+) -> WorkerStats | SyncWorkerStats:
+    """Train the default job as one DiLoCo worker until a bound is hit: asynchronous,
+    or synchronous (``SyncDiLoCoWorker``) when ``sync`` is given.
 
     Args:
         worker_config: server address and client settings.
@@ -95,6 +98,8 @@ def run_worker(
         max_seconds: stop after this many seconds of training (None: no bound).
         on_step: called after every inner step with (step, loss in nats/char).
         log_every: log the training loss every this many inner steps (INFO).
+        sync: run as a sync-mode worker with these settings (the server must run
+            ``--mode sync``); None: asynchronous.
     Returns:
         The worker's counters.
     Raises:
@@ -113,7 +118,10 @@ def run_worker(
     model = job.build(corpus)
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
-    worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    if sync is not None:
+        worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
+    else:
+        worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
     with worker:
         started = time.monotonic()
         step = 0
@@ -124,14 +132,16 @@ def run_worker(
             x, y = next(batches)  # (B, T) int64 each
             loss = lm_loss(model(x), y)
             loss.backward()
-            inner.step()  # every H-th step also pushes and pulls
+            inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
             inner.zero_grad(set_to_none=True)
             step += 1
             if step % log_every == 0:
-                log.info(
-                    "step %d: train loss %.3f nats/char, global version %d, %d pushes applied (mean staleness %.1f)",
-                    step, float(loss), worker.version, worker.stats.pushes_applied, worker.stats.mean_staleness,
+                st = worker.stats
+                done = (
+                    f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed" if sync is not None
+                    else f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
                 )  # fmt: skip
+                log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
             if slowdown > 1.0:
                 compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
                 time.sleep((slowdown - 1.0) * max(compute_s, 0.0))

@@ -43,6 +43,7 @@ from asyncdiloco.client import ParameterServerClient
 from asyncdiloco.config import WorkerConfig
 from asyncdiloco.errors import (
     InvalidPayloadError,
+    ModeMismatchError,
     NotInitializedError,
     ServerUnavailableError,
     StalePushError,
@@ -175,6 +176,12 @@ class AsyncDiLoCoWorker:
     def _join_once(self) -> None:
         if not self.worker_id:
             reply = self.client.join(self.manifest, self.config.worker_name)
+            if reply.run_config.mode == "sync":
+                self.client.leave(reply.worker_id)
+                raise ModeMismatchError(
+                    f"mode mismatch: the server at {self.config.server} runs mode 'sync'; use SyncDiLoCoWorker "
+                    f"(`asyncdiloco worker --mode sync`), or start the server with --mode async"
+                )
             self.worker_id = reply.worker_id
             self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
             self._must_initialize = reply.initialize

@@ -19,6 +19,7 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
     PUSH_KIND_PSEUDO_GRADIENT: _ClassVar[PushKind]
     PUSH_KIND_INITIAL_PARAMETERS: _ClassVar[PushKind]
+    PUSH_KIND_ROUND_RESULT: _ClassVar[PushKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -26,6 +27,7 @@ DTYPE_FLOAT16: DType
 PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_PSEUDO_GRADIENT: PushKind
 PUSH_KIND_INITIAL_PARAMETERS: PushKind
+PUSH_KIND_ROUND_RESULT: PushKind
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -48,18 +50,32 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode")
+    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum")
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SYNC_WEIGHTING_FIELD_NUMBER: _ClassVar[int]
+    OUTER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     local_steps: int
     chunk_bytes: int
     lease_s: float
     max_staleness: int
     mode: str
-    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    min_workers: int
+    join_timeout_s: float
+    round_timeout_s: float
+    sync_weighting: str
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("manifest", "worker_name", "steps_per_s")
@@ -86,24 +102,28 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "sync_state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    sync_state: bool
+    def __init__(self, worker_id: _Optional[int] = ..., sync_state: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "total_bytes", "num_chunks", "crc32", "run_config")
+    __slots__ = ("version", "total_bytes", "num_chunks", "crc32", "run_config", "round")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     num_chunks: int
     crc32: int
     run_config: RunConfig
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ...) -> None: ...
+    round: int
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PayloadChunk(_message.Message):
     __slots__ = ("index", "offset", "data")
@@ -124,7 +144,7 @@ class PullMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s")
+    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +155,7 @@ class PushHeader(_message.Message):
     CRC32_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     push_id: int
     base_version: int
@@ -145,7 +166,8 @@ class PushHeader(_message.Message):
     crc32: int
     kind: PushKind
     compute_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    quorum_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -226,7 +248,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls")
+    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +265,8 @@ class StatusReply(_message.Message):
     STALENESS_WEIGHTING_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied_pushes: int
     rejected_pushes: int
@@ -259,4 +283,74 @@ class StatusReply(_message.Message):
     staleness_weighting: str
     manifest: Manifest
     pulls: int
-    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ...) -> None: ...
+    rounds_committed: int
+    rounds_failed: int
+    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ..., rounds_committed: _Optional[int] = ..., rounds_failed: _Optional[int] = ...) -> None: ...
+
+class QuorumRequest(_message.Message):
+    __slots__ = ("worker_id", "round", "manifest_hash", "timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    round: int
+    manifest_hash: str
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., round: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class QuorumReply(_message.Message):
+    __slots__ = ("formed", "quorum_id", "round", "members", "rank", "world_size", "store_host", "store_port", "heal", "round_deadline_s")
+    FORMED_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    HEAL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    formed: bool
+    quorum_id: int
+    round: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    heal: bool
+    round_deadline_s: float
+    def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    quorum_id: int
+    success: bool
+    total_weight: float
+    num_tokens: int
+    num_local_steps: int
+    reason: str
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., success: _Optional[bool] = ..., total_weight: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., reason: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("committed", "round", "reason", "decided")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    round: int
+    reason: str
+    decided: bool
+    def __init__(self, committed: _Optional[bool] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., decided: _Optional[bool] = ...) -> None: ...

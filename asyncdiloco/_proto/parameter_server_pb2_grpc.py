@@ -64,6 +64,16 @@ class ParameterServerStub:
                 request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusRequest.SerializeToString,
                 response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Quorum = channel.unary_unary(
+                '/asyncdiloco.v1.ParameterServer/Quorum',
+                request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumRequest.SerializeToString,
+                response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumReply.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/asyncdiloco.v1.ParameterServer/Commit',
+                request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
+                response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -114,6 +124,23 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quorum(self, request, context):
+        """Sync mode: ask to take part in the next round. Blocks (up to QuorumRequest.timeout_s)
+        until the round's quorum forms; joiners are admitted only at round boundaries.
+        FAILED_PRECONDITION ("mode mismatch") on an async server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Sync mode: vote on a quorum's round. Blocks (up to CommitRequest.timeout_s) until
+        every member voted or the round's deadline passed; the reply says commit or abort.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +173,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusRequest.FromString,
                     response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusReply.SerializeToString,
+            ),
+            'Quorum': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quorum,
+                    request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumRequest.FromString,
+                    response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.FromString,
+                    response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +347,60 @@ class ParameterServer:
             '/asyncdiloco.v1.ParameterServer/Status',
             asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusRequest.SerializeToString,
             asyncdiloco_dot_v1_dot_parameter__server__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quorum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncdiloco.v1.ParameterServer/Quorum',
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumRequest.SerializeToString,
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.QuorumReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncdiloco.v1.ParameterServer/Commit',
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

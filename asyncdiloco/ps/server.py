@@ -7,11 +7,19 @@ wraps this with signal handling.
 With ``config.durability`` the state is restored from the checkpoint folder before the
 port is bound (so no client ever sees a half-restored server) and checkpointed on
 ``stop()``; with ``config.security`` every call needs the token and the port speaks TLS.
+In sync mode this process also hosts the rendezvous store of the workers' process
+groups: one ``torch.distributed.TCPStore`` (``is_master=True``,
+``wait_for_workers=False``) for the server's lifetime; each quorum uses the prefix
+``q<quorum_id>`` in it (PERF-NOTES, "Re-formable gloo groups"). A plain master
+TCPStore listens on every interface, so the server binds the listening socket itself on
+``config.host`` and hands it over (``master_listen_fd``).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import socket
 from concurrent import futures
 
 import grpc
@@ -75,6 +83,7 @@ class ParameterServer:
         self.store = DurableStore(config.durability, config) if config.durability is not None else None
         self._server: grpc.Server | None = None
         self.port: int | None = None
+        self._store = None  # sync mode: torch.distributed.TCPStore (master)
 
     @property
     def address(self) -> str:
@@ -110,10 +119,48 @@ class ParameterServer:
                 f"cannot listen on {target}: the port is already in use or the host is not an address of "
                 f"this machine; choose another --port (or --port 0 for a free one) or fix --host"
             )
+        if self.config.mode == "sync":
+            try:
+                self._start_store()
+            except Exception:
+                server.stop(None)
+                raise
         server.start()
         self._server, self.port = server, port
         log.info("parameter server listening on %s", self.address)
         return self
+
+    def _start_store(self) -> None:
+        import torch.distributed as dist
+
+        host, port = self.config.host, self.config.sync.store_port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(
+                f"cannot host the rendezvous store on {host}:{port} ({exc}); choose another --store-port "
+                f"(0 picks a free one)"
+            ) from None
+        bound = sock.getsockname()[1]
+        # The store takes the descriptor over (and closes it when it is destroyed).
+        self._store = dist.TCPStore(
+            host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        # Workers reach the store at the host they reach the server at when it binds all interfaces.
+        self.state.store_host = "" if host in ("0.0.0.0", "::", "") else host
+        self.state.store_port = bound
+        log.info("rendezvous store listening on %s:%d", host, bound)
+
+    @property
+    def store_port(self) -> int:
+        """Sync mode: the rendezvous store's port (0 in async mode)."""
+        return self.state.store_port
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
@@ -122,6 +169,7 @@ class ParameterServer:
             self._server = None
             if self.store is not None:
                 self.store.close()
+        self._store = None
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops (or ``timeout_s`` passes). True if stopped."""

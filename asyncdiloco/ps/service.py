@@ -14,7 +14,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState, PushOutcome
-from asyncdiloco.tensors import Manifest, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +46,29 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
         try:
-            snap = self.state.snapshot()
+            if request.sync_state:
+                if not self.state.sync_mode:
+                    raise self.state.mode_mismatch_error("a sync-state pull")
+                version, payload = self.state.sync_state()
+                crc = crc32_of(payload)
+            else:
+                snap = self.state.snapshot()
+                version, payload, crc = snap.version, snap.payload, snap.crc32
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         chunk_bytes = self.state.config.chunk_bytes
-        total = snap.payload.numel()
+        total = payload.numel()
         yield pb.PullMessage(
             header=pb.PullHeader(
-                version=snap.version,
+                version=version,
                 total_bytes=total,
                 num_chunks=num_chunks_for(total, chunk_bytes),
-                crc32=snap.crc32,
+                crc32=crc,
                 run_config=self.state.run_config(request.worker_id),
+                round=version if self.state.sync_mode else 0,
             )
         )
-        for chunk in iter_chunks(snap.payload, chunk_bytes):
+        for chunk in iter_chunks(payload, chunk_bytes):
             yield pb.PullMessage(chunk=chunk)
         self.state.record_pull(request.worker_id, total)
 
@@ -122,3 +130,38 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self.state.status()
+
+    def Quorum(self, request: pb.QuorumRequest, context: grpc.ServicerContext) -> pb.QuorumReply:
+        try:
+            got = self.state.request_quorum(request.worker_id, request.round, request.manifest_hash, request.timeout_s)
+        except AsyncDiLoCoError as exc:
+            log.warning("quorum request of worker %d refused: %s", request.worker_id, exc)
+            _abort(context, exc)
+        if got is None:
+            return pb.QuorumReply(formed=False)
+        return pb.QuorumReply(
+            formed=True,
+            quorum_id=got.quorum_id,
+            round=got.round,
+            members=list(got.members),
+            rank=got.rank,
+            world_size=got.world_size,
+            store_host=self.state.store_host,
+            store_port=self.state.store_port,
+            heal=got.heal,
+            round_deadline_s=max(0.0, got.deadline - self.state.clock()),
+        )
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
+        try:
+            decision = self.state.commit(
+                request.worker_id, request.quorum_id, success=request.success, total_weight=request.total_weight,
+                num_tokens=request.num_tokens, num_local_steps=request.num_local_steps, reason=request.reason,
+                timeout_s=request.timeout_s,
+            )  # fmt: skip
+        except AsyncDiLoCoError as exc:
+            log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)
+            _abort(context, exc)
+        if decision is None:
+            return pb.CommitReply(decided=False)
+        return pb.CommitReply(decided=True, committed=decision.committed, round=decision.round, reason=decision.reason)

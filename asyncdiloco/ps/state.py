@@ -20,6 +20,13 @@ Durability (store.py): when a ``journal`` is attached, every Join and every push
 logged (and fsynced) after all checks pass and before it changes anything in memory or
 is acknowledged; ``state_dict``/``load_state_dict`` and ``replay_join``/``replay_push``
 are what checkpoints and log replay use.
+Sync mode (``ServerConfig.mode == "sync"``): pseudo-gradient pushes are refused
+(``ModeMismatchError``); rounds are run by a ``QuorumManager`` (quorum.py). Rank 0 of
+each quorum uploads the reduced pseudo-gradient Δ̄ (``PUSH_KIND_ROUND_RESULT``) before it
+votes; on commit this state applies the same ``OuterOptimizer`` step to θ and m that
+every member applies to its θ_base, and the version becomes the committed-round count.
+So the server always holds the committed global parameters and outer momentum, and a
+joining or healing worker pulls both (``sync_state``) before its first round.
 """
 
 from __future__ import annotations
@@ -39,14 +46,17 @@ from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import (
     CheckpointError,
     InvalidPayloadError,
+    ManifestMismatchError,
+    ModeMismatchError,
     NotInitializedError,
     PayloadTooLargeError,
     StalePushError,
     UnknownWorkerError,
 )
 from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
-from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
+from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
+from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
 
 log = logging.getLogger(__name__)
@@ -128,11 +138,28 @@ class ParameterServerState:
         self.journal = None
         self._rates = StepRateMeter()
         self.grace = GraceWindow(config.grace_s, clock)
+        #: Sync mode: the rounds; ``store_host``/``store_port`` of the rendezvous store
+        #: are set by the process that hosts it (server.py).
+        self.quorum: QuorumManager | None = None
+        self.store_host = ""
+        self.store_port = 0
+        if config.mode == "sync":
+            self.quorum = QuorumManager(
+                config.sync, live_workers=self.live_worker_ids, on_commit=self._apply_round, clock=clock
+            )
 
     # ------------------------------------------------------------ properties
     @property
     def initialized(self) -> bool:
         return self.params is not None
+
+    def clock(self) -> float:
+        """The server's monotonic clock, seconds."""
+        return self._clock()
+
+    @property
+    def sync_mode(self) -> bool:
+        return self.quorum is not None
 
     def run_config(self, worker_id: int = 0) -> pb.RunConfig:
         """The run config for ``worker_id`` (its H_w under DyLU; H for observers)."""
@@ -140,12 +167,32 @@ class ParameterServerState:
             return self._run_config_locked(worker_id)
 
     def _run_config_locked(self, worker_id: int) -> pb.RunConfig:
+        sync, outer = self.config.sync, self.config.outer
         return pb.RunConfig(
             local_steps=self._local_steps_locked(worker_id),
             chunk_bytes=self.config.chunk_bytes,
             lease_s=self.config.lease_s,
-            max_staleness=self.config.outer.max_staleness,
-            mode="async",
+            max_staleness=outer.max_staleness,
+            mode=self.config.mode,
+            min_workers=sync.min_workers,
+            join_timeout_s=sync.join_timeout_s,
+            round_timeout_s=sync.round_timeout_s,
+            sync_weighting=sync.weighting,
+            outer_optimizer=outer.optimizer,
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
+        )
+
+    def mode_mismatch_error(self, what: str) -> ModeMismatchError:
+        """The refusal for a request of the other mode; ``what`` names the request."""
+        other = "async" if self.sync_mode else "sync"
+        fix = (
+            "use SyncDiLoCoWorker (`asyncdiloco worker --mode sync`)"
+            if self.sync_mode
+            else "use AsyncDiLoCoWorker (`asyncdiloco worker --mode async`), or start the server with --mode sync"
+        )
+        return ModeMismatchError(
+            f"mode mismatch: {what} is a {other}-mode request but this server runs mode {self.config.mode!r}; {fix}"
         )
 
     def _local_steps_locked(self, worker_id: int) -> int:
@@ -227,6 +274,15 @@ class ParameterServerState:
             if rec is not None:
                 rec.alive = False
                 log.info("worker %d (%s) left", worker_id, rec.name)
+        if self.quorum is not None:  # outside our lock: the quorum calls live_worker_ids
+            self.quorum.withdraw(worker_id)
+            self.quorum.notify()
+
+    def live_worker_ids(self) -> set[int]:
+        """Ids of the workers whose lease is current."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            return {w for w, r in self._workers.items() if r.alive}
 
     def _expire_locked(self, now: float) -> None:
         for rec in self._workers.values():
@@ -296,7 +352,9 @@ class ParameterServerState:
         """
         with self._lock:
             rec = self._workers.get(header.worker_id)
-            if rec is not None and header.push_id in rec.outcomes:
+            # Round results are not deduplicated by push_id: a retried upload re-stages
+            # the same Δ̄, and only the vote decides whether it is applied.
+            if rec is not None and header.push_id in rec.outcomes and header.kind != pb.PUSH_KIND_ROUND_RESULT:
                 return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
             self._touch_locked(header.worker_id)
             if header.total_bytes > self.config.max_payload_bytes:
@@ -318,17 +376,27 @@ class ParameterServerState:
                         f"was chosen to initialize; pull the global model once it is there"
                     )
             elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
+                if self.sync_mode:
+                    what = f"the pseudo-gradient push {header.push_id} of worker {header.worker_id}"
+                    raise self.mode_mismatch_error(what)
                 if not self.initialized:
                     raise NotInitializedError("not initialized: no global parameters yet to apply a pseudo-gradient to")
+            elif header.kind == pb.PUSH_KIND_ROUND_RESULT:
+                if not self.sync_mode:
+                    raise self.mode_mismatch_error(f"the round result of quorum {header.quorum_id}")
+                if not self.initialized:
+                    raise NotInitializedError("not initialized: no global parameters yet to apply a round result to")
             else:
                 raise InvalidPayloadError(
                     f"push kind {header.kind} is not one of PUSH_KIND_PSEUDO_GRADIENT (1), "
-                    f"PUSH_KIND_INITIAL_PARAMETERS (2)"
+                    f"PUSH_KIND_INITIAL_PARAMETERS (2), PUSH_KIND_ROUND_RESULT (3)"
                 )
             for name in ("num_local_steps", "num_tokens"):
                 if getattr(header, name) < 0:
                     raise InvalidPayloadError(f"{name} is {getattr(header, name)}; it must be >= 0")
             total = self.manifest.total_bytes
+            if header.kind == pb.PUSH_KIND_ROUND_RESULT:
+                total = self.manifest.numel * 4  # float32 Δ̄, whatever the model's dtypes
         if header.total_bytes != total:
             raise InvalidPayloadError(
                 f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes "
@@ -352,6 +420,8 @@ class ParameterServerState:
             UnknownWorkerError: the worker's lease expired meanwhile.
             In every case θ, momentum, version and the applied counters are unchanged.
         """
+        if header.kind == pb.PUSH_KIND_ROUND_RESULT:
+            return self._stage_round_result(header, payload)
         delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
         largest = float(torch.linalg.vector_norm(delta, float("inf"))) if delta.numel() else 0.0  # NaN/Inf propagate
         if not math.isfinite(largest):
@@ -432,6 +502,95 @@ class ParameterServerState:
             rec.outcomes.popitem(last=False)
         return outcome
 
+    # ------------------------------------------------------------ sync rounds
+    def _stage_round_result(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        delta = payload.view(torch.float32)  # (N,) Δ̄, the assembler's own fresh buffer
+        if delta.numel() != self.manifest.numel:
+            raise InvalidPayloadError(f"round result holds {delta.numel()} floats; the model has {self.manifest.numel}")
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidPayloadError(
+                f"round result of quorum {header.quorum_id} holds non-finite values; the limit is 0: "
+                f"a member diverged, lower the inner learning rate"
+            )
+        with self._lock:
+            self._touch_locked(header.worker_id)
+        self.quorum.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
+        with self._lock:
+            self.bytes_pushed += header.total_bytes
+            return PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
+
+    def _apply_round(self, done: CommittedRound) -> None:
+        """Apply a committed round (called by the QuorumManager, its lock held)."""
+        with self._lock:
+            if done.result is not None:
+                self.outer.step(done.result)  # the same step every member applies to θ_base
+                self.version = done.round
+            for worker_id, steps in done.steps_by_worker.items():
+                if steps <= 0:  # a healing member contributed nothing
+                    continue
+                tokens = done.tokens_by_worker.get(worker_id, 0)
+                self.applied_pushes += 1
+                self.staleness_histogram[0] += 1  # synchronous: τ = 0 by construction
+                self.tokens += tokens
+                rec = self._workers.get(worker_id)
+                if rec is not None:
+                    rec.applied_pushes += 1
+                    rec.tokens += tokens
+                    rec.local_steps += steps
+
+    def _check_sync_request(self, worker_id: int, what: str) -> None:
+        with self._lock:
+            self._touch_locked(worker_id)
+            if not self.sync_mode:
+                raise self.mode_mismatch_error(what)
+            if not self.initialized:
+                raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
+
+    def request_quorum(self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float) -> Assignment | None:
+        """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum.
+
+        Raises:
+            ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,
+            ManifestMismatchError (the hash differs from the server's manifest).
+        """
+        self._check_sync_request(worker_id, f"the quorum request of worker {worker_id}")
+        if manifest_hash != self.manifest.manifest_hash:
+            raise ManifestMismatchError(
+                f"manifest mismatch: worker {worker_id} asks for a quorum with manifest_hash {manifest_hash[:16]}..., "
+                f"the server's is {self.manifest.manifest_hash[:16]}...; every member must train the same model"
+            )
+        if not timeout_s > 0:
+            raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
+        return self.quorum.wait_quorum(worker_id, worker_round, timeout_s)
+
+    def commit(
+        self, worker_id: int, quorum_id: int, *, success: bool, total_weight: float, num_tokens: int,
+        num_local_steps: int, reason: str, timeout_s: float,
+    ) -> Decision | None:  # fmt: skip
+        """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision
+        (None: not decided yet; ask again)."""
+        self._check_sync_request(worker_id, f"the commit vote of worker {worker_id}")
+        decision = self.quorum.vote(
+            worker_id, quorum_id, success=success, total_weight=total_weight, num_tokens=num_tokens,
+            num_local_steps=num_local_steps, reason=reason,
+        )  # fmt: skip
+        if decision is None and timeout_s > 0:
+            decision = self.quorum.wait_decision(quorum_id, timeout_s)
+        return decision
+
+    def sync_state(self) -> tuple[int, torch.Tensor]:
+        """Sync mode, for healing: (round, payload) where the payload is θ as float32
+        bytes followed by the outer momentum m as float32 bytes (absent when μ = 0);
+        a private copy, consistent with one committed round."""
+        with self._lock:
+            if self.params is None:
+                raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
+            parts = [self.params]
+            if self.outer.momentum_buffer is not None:
+                parts.append(self.outer.momentum_buffer)
+            payload = torch.cat(parts).view(torch.uint8)  # (k·N·4,) a copy
+            return self.version, payload
+
     def record_rejected(self, worker_id: int) -> None:
         with self._lock:
             self.rejected_pushes += 1
@@ -480,6 +639,8 @@ class ParameterServerState:
                 staleness_weighting=stal,
                 manifest=self.manifest.to_proto() if self.manifest else None,
                 pulls=self.pulls,
+                rounds_committed=self.quorum.rounds_committed if self.quorum else 0,
+                rounds_failed=self.quorum.rounds_failed if self.quorum else 0,
             )
 
     # ------------------------------------------------------------ durability

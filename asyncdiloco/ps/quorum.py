@@ -1,0 +1,400 @@
+"""Sync-mode rounds on the server: quorum formation, commit votes, the round counter.
+
+This is the role torchft's lighthouse plays, for synchronous DiLoCo (Douillard et al.
+2023, arXiv 2311.08105) and LocalSGD. It holds no tensors and opens no sockets: the
+server's state (state.py) applies the committed result, the servicer (service.py) wraps
+the blocking calls in RPCs, and unit tests drive it with a fake clock.
+
+A **round** r → r+1 goes like this:
+
+1. **Quorum.** Live workers ask to join the next round (``request``), each saying which
+   committed round its θ_base reflects. Once at least ``min_workers`` asked, the quorum
+   forms as soon as (a) every live member of the previous quorum asked, or (b) every
+   live registered worker asked, or (c) ``join_timeout_s`` passed since the round's first
+   request. Requests arriving while a round is in flight wait for the next one: joiners
+   enter only at round boundaries. A worker whose lease lapsed (or who left) is not
+   waited for and is dropped from the waiting set. Members are ordered by worker id;
+   rank 0 uploads the round result. A member whose round differs from the server's is
+   told to **heal**: pull the committed state before the collective and contribute
+   weight 0 (its local steps were taken from another base and are discarded).
+2. **Collective** (on the workers, outside the server): a fresh process group over the
+   store prefix ``q<quorum_id>``; allreduce of a copy of the weighted pseudo-gradients.
+3. **Result.** Rank 0 uploads the reduced pseudo-gradient Δ̄ (``stage_result``) before
+   it votes. The server keeps it aside; nothing is applied yet.
+4. **Commit.** Every member votes (``vote``). The round commits when every member voted
+   success with the same total weight and (when that weight is > 0) rank 0's result is
+   staged; then ``on_commit(Δ̄)`` applies the same outer step the members apply, and the
+   round counter moves (``rounds_committed`` equals it: a round in which every member
+   healed commits with total weight 0, applies nothing and is not counted). Any failure vote aborts at once; a vote missing at
+   ``round_timeout_s`` after formation aborts at that deadline. An aborted round changes
+   nothing; members restart from the last committed θ_base.
+
+After a round (committed or aborted) its members are the "previous members" the next
+quorum waits for. A member that died mid-round is therefore waited for up to
+``join_timeout_s`` (less if its lease lapses first or it left cleanly): the survivors
+cannot tell a dead member from one still stuck in its collective timeout, and forming
+without a merely slow member would split the replicas into two quorums.
+
+Locking: one condition variable guards everything here. ``live_workers`` and
+``on_commit`` are called with it held; they may take the state's lock (order: quorum,
+then state), and the state never calls in here while holding its own lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from asyncdiloco.config import SyncConfig
+from asyncdiloco.errors import RoundRefusedError
+
+log = logging.getLogger(__name__)
+
+#: Decisions remembered for late voters.
+_DECISION_MEMORY = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """One member's view of a formed quorum.
+
+    Attributes:
+        quorum_id: ≥ 1, unique for the server's lifetime (rendezvous prefix ``q<id>``).
+        round: committed rounds; every member starts from this round's global state.
+        members: worker ids in rank order.
+        rank: this worker's index in ``members``.
+        heal: this worker's θ_base is from another round: pull the state, weight 0.
+        deadline: clock time by which every member must have voted.
+    """
+
+    quorum_id: int
+    round: int
+    members: tuple[int, ...]
+    rank: int
+    heal: bool
+    deadline: float
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The outcome of a round: ``committed`` or aborted with ``reason``; ``round`` is the
+    committed-round counter after it."""
+
+    quorum_id: int
+    committed: bool
+    round: int
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class _Vote:
+    success: bool
+    total_weight: float
+    num_tokens: int
+    num_local_steps: int
+    reason: str
+
+
+@dataclasses.dataclass
+class _Round:
+    quorum_id: int
+    round: int
+    members: tuple[int, ...]
+    heal: frozenset[int]
+    formed_at: float
+    deadline: float
+    votes: dict[int, _Vote] = dataclasses.field(default_factory=dict)
+    result: torch.Tensor | None = None
+    decision: Decision | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedRound:
+    """What ``on_commit`` receives: the reduced Δ̄ (float32 (N,), or None when every
+    member healed and nothing is applied) and the members' votes for accounting."""
+
+    quorum_id: int
+    round: int
+    result: torch.Tensor | None
+    tokens_by_worker: dict[int, int]
+    steps_by_worker: dict[int, int]
+
+
+class QuorumManager:
+    """Forms quorums, collects votes, counts rounds (see the module docstring).
+
+    Args:
+        config: min_workers, join_timeout_s, round_timeout_s.
+        live_workers: returns the ids of workers whose lease is current.
+        on_commit: applies a committed round (called with this manager's lock held).
+        clock: monotonic seconds (injectable for tests).
+        start_round: committed rounds so far.
+    """
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        *,
+        live_workers: Callable[[], set[int]],
+        on_commit: Callable[[CommittedRound], None],
+        clock: Callable[[], float] = time.monotonic,
+        start_round: int = 0,
+    ) -> None:
+        self.config = config
+        self._live_workers = live_workers
+        self._on_commit = on_commit
+        self._clock = clock
+        self._cond = threading.Condition()
+        self.round = start_round
+        self.rounds_committed = 0
+        self.rounds_failed = 0
+        self._waiting: dict[int, int] = {}  # worker id -> its round
+        self._first_request_at: float | None = None
+        self._previous: frozenset[int] = frozenset()
+        self._active: _Round | None = None
+        self._assigned: dict[int, Assignment] = {}  # handed out, not yet collected
+        self._decisions: OrderedDict[int, Decision] = OrderedDict()
+        self._next_quorum_id = 1
+
+    # --------------------------------------------------------- non-blocking core
+    def request(self, worker_id: int, worker_round: int) -> Assignment | None:
+        """Ask to join the next round; returns the assignment once the quorum formed
+        (call again with the same arguments to poll)."""
+        with self._cond:
+            got = self._assigned.pop(worker_id, None)
+            if got is not None:
+                return got
+            if worker_id not in self._waiting:
+                self._waiting[worker_id] = worker_round
+                if self._first_request_at is None:
+                    self._first_request_at = self._clock()
+            self._waiting[worker_id] = worker_round
+            self._tick_locked()
+            return self._assigned.pop(worker_id, None)
+
+    def withdraw(self, worker_id: int) -> None:
+        """Forget a waiting request (the worker gave up, left or lost its lease)."""
+        with self._cond:
+            self._waiting.pop(worker_id, None)
+            self._assigned.pop(worker_id, None)
+            if not self._waiting:
+                self._first_request_at = None
+            self._tick_locked()
+
+    def tick(self) -> None:
+        """Re-evaluate deadlines and formation (call when time passed or leases changed)."""
+        with self._cond:
+            self._tick_locked()
+
+    def stage_result(self, worker_id: int, quorum_id: int, result: torch.Tensor) -> None:
+        """Keep rank 0's reduced pseudo-gradient for ``quorum_id`` until the vote.
+
+        Raises:
+            RoundRefusedError: not the in-flight quorum, already decided, or not its rank 0.
+        """
+        with self._cond:
+            self._tick_locked()
+            rnd = self._active
+            if rnd is None or rnd.quorum_id != quorum_id or rnd.decision is not None:
+                raise RoundRefusedError(
+                    f"round refused: the result for quorum {quorum_id} arrived but "
+                    f"{self._describe_active()}; it is discarded (the round aborts or already ended)"
+                )
+            if rnd.members[0] != worker_id:
+                raise RoundRefusedError(
+                    f"round refused: worker {worker_id} sent the result of quorum {quorum_id}, but only its "
+                    f"rank 0 (worker {rnd.members[0]}) uploads it"
+                )
+            rnd.result = result
+
+    def vote(
+        self,
+        worker_id: int,
+        quorum_id: int,
+        *,
+        success: bool,
+        total_weight: float = 0.0,
+        num_tokens: int = 0,
+        num_local_steps: int = 0,
+        reason: str = "",
+    ) -> Decision | None:
+        """Record a member's vote; returns the decision if the round is decided.
+
+        Raises:
+            RoundRefusedError: ``worker_id`` is not a member of ``quorum_id``, or the
+                quorum id is unknown.
+        """
+        with self._cond:
+            self._tick_locked()
+            if quorum_id in self._decisions:
+                return self._decisions[quorum_id]
+            rnd = self._active
+            if rnd is None or rnd.quorum_id != quorum_id:
+                raise RoundRefusedError(
+                    f"round refused: quorum {quorum_id} is unknown to this server ({self._describe_active()}); "
+                    f"ask for a new quorum"
+                )
+            if worker_id not in rnd.members:
+                raise RoundRefusedError(
+                    f"round refused: worker {worker_id} is not a member of quorum {quorum_id} "
+                    f"(members {list(rnd.members)})"
+                )
+            rnd.votes.setdefault(worker_id, _Vote(success, float(total_weight), num_tokens, num_local_steps, reason))
+            if not success:
+                self._decide_locked(rnd, False, f"worker {worker_id} failed the round: {reason or 'no reason given'}")
+            elif len(rnd.votes) == len(rnd.members):
+                weights = {v.total_weight for v in rnd.votes.values()}
+                if len(weights) != 1:
+                    self._decide_locked(rnd, False, f"members disagree on the total weight: {sorted(weights)}")
+                elif weights.pop() > 0 and rnd.result is None:
+                    self._decide_locked(rnd, False, f"rank 0 (worker {rnd.members[0]}) voted before uploading the result")
+                else:
+                    self._decide_locked(rnd, True, "")
+            return rnd.decision
+
+    def decision(self, quorum_id: int) -> Decision | None:
+        with self._cond:
+            self._tick_locked()
+            return self._decisions.get(quorum_id)
+
+    # ------------------------------------------------------------ blocking calls
+    def wait_quorum(self, worker_id: int, worker_round: int, timeout_s: float) -> Assignment | None:
+        """``request`` and wait up to ``timeout_s`` real seconds for the quorum; None if
+        it did not form (the request is withdrawn)."""
+        end = time.monotonic() + timeout_s
+        got = self.request(worker_id, worker_round)
+        with self._cond:
+            while got is None:
+                got = self._assigned.pop(worker_id, None)
+                if got is not None:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    # The round's join clock keeps running: resetting it here would let
+                    # callers that time out and ask again postpone the join timeout forever.
+                    self._waiting.pop(worker_id, None)
+                    return None
+                self._cond.wait(min(left, self._next_wake_locked()))
+                if worker_id not in self._waiting and worker_id not in self._assigned:
+                    self._waiting[worker_id] = worker_round  # dropped meanwhile (e.g. lease check): re-ask
+                self._tick_locked()
+        return got
+
+    def wait_decision(self, quorum_id: int, timeout_s: float) -> Decision | None:
+        """Wait up to ``timeout_s`` real seconds for ``quorum_id``'s decision."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._tick_locked()
+                if quorum_id in self._decisions:
+                    return self._decisions[quorum_id]
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, self._next_wake_locked()))
+
+    def notify(self) -> None:
+        """Wake blocked callers to re-evaluate (e.g. after a worker left)."""
+        with self._cond:
+            self._tick_locked()
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- internals
+    def _next_wake_locked(self) -> float:
+        """Real seconds until the next deadline that could change something (≤ 0.5 s,
+        so that lease expiries, judged by the clock, are noticed too)."""
+        now, wake = self._clock(), 0.5
+        if self._active is not None and self._active.decision is None:
+            wake = min(wake, self._active.deadline - now)
+        elif self._first_request_at is not None:
+            wake = min(wake, self._first_request_at + self.config.join_timeout_s - now)
+        return max(wake, 0.01)
+
+    def _describe_active(self) -> str:
+        rnd = self._active
+        if rnd is None:
+            return "no round is in flight"
+        state = "decided" if rnd.decision is not None else "in flight"
+        return f"quorum {rnd.quorum_id} is the current one ({state})"
+
+    def _tick_locked(self) -> None:
+        now = self._clock()
+        rnd = self._active
+        if rnd is not None and rnd.decision is None and now >= rnd.deadline:
+            missing = [w for w in rnd.members if w not in rnd.votes]
+            self._decide_locked(
+                rnd, False,
+                f"workers {missing} did not vote within round_timeout_s={self.config.round_timeout_s:g} s",
+            )  # fmt: skip
+        if self._active is not None and self._active.decision is None:
+            return
+        if not self._waiting:
+            return
+        live = self._live_workers()
+        for w in [w for w in self._waiting if w not in live]:
+            del self._waiting[w]
+        waiting = set(self._waiting)
+        if len(waiting) < self.config.min_workers or not waiting:
+            return
+        previous_live = self._previous & live
+        ready = (
+            (bool(previous_live) and previous_live <= waiting)
+            or live <= waiting
+            or (self._first_request_at is not None and now - self._first_request_at >= self.config.join_timeout_s)
+        )
+        if ready:
+            self._form_locked(now)
+
+    def _form_locked(self, now: float) -> None:
+        members = tuple(sorted(self._waiting))
+        heal = frozenset(w for w in members if self._waiting[w] != self.round)
+        quorum_id = self._next_quorum_id
+        self._next_quorum_id += 1
+        deadline = now + self.config.round_timeout_s
+        self._active = _Round(quorum_id, self.round, members, heal, now, deadline)
+        for rank, w in enumerate(members):
+            self._assigned[w] = Assignment(quorum_id, self.round, members, rank, w in heal, deadline)
+        self._waiting.clear()
+        self._first_request_at = None
+        log.info("quorum %d formed for round %d: members %s%s", quorum_id, self.round + 1, list(members),
+                 f", healing {sorted(heal)}" if heal else "")  # fmt: skip
+        self._cond.notify_all()
+
+    def _decide_locked(self, rnd: _Round, committed: bool, reason: str) -> None:
+        if committed:
+            total = rnd.votes[rnd.members[0]].total_weight
+            self._on_commit(
+                CommittedRound(
+                    quorum_id=rnd.quorum_id,
+                    round=self.round + (1 if total > 0 else 0),
+                    result=rnd.result if total > 0 else None,
+                    tokens_by_worker={w: v.num_tokens for w, v in rnd.votes.items()},
+                    steps_by_worker={w: v.num_local_steps for w, v in rnd.votes.items()},
+                )
+            )
+            if total > 0:  # else every member healed: nothing to apply, no new round
+                self.round += 1
+                self.rounds_committed += 1
+            log.info("quorum %d committed: round %d", rnd.quorum_id, self.round)
+        else:
+            self.rounds_failed += 1
+            log.warning("quorum %d aborted: %s", rnd.quorum_id, reason)
+        rnd.result = None
+        rnd.decision = Decision(rnd.quorum_id, committed, self.round, reason)
+        self._decisions[rnd.quorum_id] = rnd.decision
+        while len(self._decisions) > _DECISION_MEMORY:
+            self._decisions.popitem(last=False)
+        self._previous = frozenset(rnd.members)
+        for w in rnd.members:  # an unclaimed assignment of a decided round is void
+            self._assigned.pop(w, None)
+        self._cond.notify_all()
