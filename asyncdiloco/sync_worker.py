@@ -53,18 +53,16 @@ import torch
 from torch import nn
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.client import ParameterServerClient
+from asyncdiloco._worker_base import WorkerBase
 from asyncdiloco.collectives import QuorumCollectives
 from asyncdiloco.config import OuterConfig, SyncWorkerConfig, WorkerConfig
 from asyncdiloco.errors import (
     AsyncDiLoCoError,
-    ModeMismatchError,
     NotInitializedError,
     ServerUnavailableError,
     UnknownWorkerError,
 )
 from asyncdiloco.outer import OuterOptimizer
-from asyncdiloco.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +95,7 @@ class SyncWorkerStats:
     rounds: list[dict] = dataclasses.field(default_factory=list)
 
 
-class SyncDiLoCoWorker:
+class SyncDiLoCoWorker(WorkerBase):
     """Synchronous DiLoCo / LocalSGD around ``model`` and ``inner_optimizer``.
 
     Args:
@@ -113,6 +111,8 @@ class SyncDiLoCoWorker:
         ServerUnavailableError (from ``join``): no server within ``join_timeout_s``.
     """
 
+    mode = "sync"
+
     def __init__(
         self,
         model: nn.Module,
@@ -122,74 +122,29 @@ class SyncDiLoCoWorker:
         sync: SyncWorkerConfig | None = None,
         tokens_per_step: int = 0,
     ) -> None:
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.config = config
+        super().__init__(model, inner_optimizer, config, tokens_per_step)
         self.sync_config = sync or SyncWorkerConfig()
-        self.tokens_per_step = tokens_per_step
-        self.manifest = Manifest.from_module(model)
-        self._params = [p for _, p in model.named_parameters()]
-        self._on_cuda = any(p.is_cuda for p in self._params)
         n = self._numel = self.manifest.numel
         self._base = torch.zeros(n, dtype=torch.float32, pin_memory=self._on_cuda)  # θ_base, (N,) fp32
         self._buf = torch.zeros(n + 1, dtype=torch.float32, pin_memory=self._on_cuda)  # [w·Δ, w], (N+1,)
-        self.client = ParameterServerClient(
-            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib
-        )
         self._server_host = config.server.rpartition(":")[0].strip("[]")
         self.stats = SyncWorkerStats()
-        self.worker_id = 0
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull
-        self.local_steps = 1
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
-        self._must_initialize = False
-        self._needs_rejoin = False
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
-        self._backoff_s = config.initial_backoff_s
-        self._next_attempt = 0.0
         self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self._on_cuda)
         self._fault_fired = False
-        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
-    def join(self) -> None:
-        """Register with the server, initialize the global model (first worker of a
-        fresh server), then pull the committed state into ``model``. Retries until
-        ``join_timeout_s``."""
-        deadline = time.monotonic() + self.config.join_timeout_s
-        delay = self.config.initial_backoff_s
-        while True:
-            try:
-                self._join_once()
-                break
-            except (ServerUnavailableError, NotInitializedError) as exc:
-                wait_s = 0.1 if isinstance(exc, NotInitializedError) else delay
-                if time.monotonic() + wait_s > deadline:
-                    raise ServerUnavailableError(
-                        f"could not join the parameter server at {self.config.server} within "
-                        f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `asyncdiloco server "
-                        f"--mode sync` runs there and that host and port are right, or raise --join-timeout"
-                    ) from None
-                time.sleep(wait_s)
-                if wait_s == delay:
-                    delay = min(2 * delay, self.config.max_backoff_s)
-        if self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
-            self._heartbeat.start()
+    def _mode_mismatch_message(self, server_mode: str) -> str:
+        return (
+            f"mode mismatch: the server at {self.config.server} runs mode {server_mode!r}; "
+            f"SyncDiLoCoWorker needs `asyncdiloco server --mode sync` (or use AsyncDiLoCoWorker)"
+        )
 
     def _join_once(self) -> None:
         if not self.worker_id:
-            reply = self.client.join(self.manifest, self.config.worker_name)
-            if reply.run_config.mode != "sync":
-                self.client.leave(reply.worker_id)
-                raise ModeMismatchError(
-                    f"mode mismatch: the server at {self.config.server} runs mode {reply.run_config.mode!r}; "
-                    f"SyncDiLoCoWorker needs `asyncdiloco server --mode sync` (or use AsyncDiLoCoWorker)"
-                )
+            reply = self._register()
             if reply.run_config.join_timeout_s < self.sync_config.allreduce_timeout_s:
                 log.warning(
                     "the server's join_timeout_s=%g is below this worker's allreduce_timeout_s=%g: after a failed "
@@ -197,10 +152,7 @@ class SyncDiLoCoWorker:
                     "server with a larger --join-timeout-s", reply.run_config.join_timeout_s,
                     self.sync_config.allreduce_timeout_s,
                 )  # fmt: skip
-            self.worker_id = reply.worker_id
-            self._must_initialize = reply.initialize
             self.run_config = reply.run_config
-            self.local_steps = reply.run_config.local_steps
         if self._must_initialize:  # a retry resends push_id 1: applied at most once
             self._copy_model_into(self._base)
             self.client.push(
@@ -209,7 +161,11 @@ class SyncDiLoCoWorker:
             )  # fmt: skip
             self._must_initialize = False
             log.info("worker %d initialized the global model", self.worker_id)
-        self._heal()  # NotInitializedError until the initial parameters arrive
+        try:
+            self._heal()  # NotInitializedError until the initial parameters arrive
+        except NotInitializedError:
+            self._take_over_initialization_if_told()
+            raise
 
     def close(self) -> None:
         """Leave (so that no quorum waits for this worker) and release resources. Steps
@@ -218,37 +174,10 @@ class SyncDiLoCoWorker:
             return
         self._stop.set()
         self._hook.remove()
-        if self.worker_id and not self._needs_rejoin:
-            try:
-                self.client.leave(self.worker_id)
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                log.info("leave failed: %s", exc)
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        self._close_connection()
         self._collectives.close()
-        self.client.close()
 
-    def __enter__(self) -> "SyncDiLoCoWorker":
-        self.join()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---------------------------------------------------------------- steps
-    def add_tokens(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` more training tokens toward this round."""
-        self._tokens_since_sync += num_tokens
-        self.stats.tokens += num_tokens
-
-    def _after_inner_step(self) -> None:
-        self.stats.inner_steps += 1
-        self._steps_since_sync += 1
-        self._tokens_since_sync += self.tokens_per_step
-        self.stats.tokens += self.tokens_per_step
-        if self._steps_since_sync >= self.local_steps:
-            self.sync()
-
+    # ---------------------------------------------------------------- rounds
     def sync(self) -> bool:
         """Run one round now (normally called by the inner optimizer hook every H steps).
 
@@ -435,35 +364,9 @@ class SyncDiLoCoWorker:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
         return zlib.crc32(memoryview(self._base.numpy()).cast("B")) & 0xFFFFFFFF
 
-    def _copy_model_into(self, dst: torch.Tensor) -> None:
-        """The model's parameters, flattened to fp32, into ``dst`` (N,)."""
-        pos = 0
-        with torch.no_grad():
-            for p in self._params:
-                k = p.numel()
-                dst[pos : pos + k].copy_(p.detach().reshape(-1))
-                pos += k
-
     def _load_base_into_model(self) -> None:
-        pos = 0
-        with torch.no_grad():
-            for p in self._params:
-                k = p.numel()
-                p.copy_(self._base[pos : pos + k].view(p.shape), non_blocking=p.is_cuda)
-                pos += k
-        if self._on_cuda:
-            torch.cuda.synchronize()
-
-    def _heartbeat_loop(self) -> None:
-        period = self.config.heartbeat_s or (self.run_config.lease_s if self.run_config else 60.0) / 3
-        while not self._stop.wait(period):
-            worker_id = self.worker_id
-            if not worker_id or self._needs_rejoin:
-                continue
-            try:
-                self.client.heartbeat(worker_id)
-            except UnknownWorkerError:
-                if worker_id == self.worker_id:
-                    self._needs_rejoin = True
-            except Exception as exc:  # noqa: BLE001 - the next sync reports real trouble
-                log.debug("heartbeat failed: %s", exc)
+        pos, parts = 0, []
+        for p in self._params:
+            parts.append(self._base[pos : pos + p.numel()])
+            pos += p.numel()
+        self._load_into_model(parts)

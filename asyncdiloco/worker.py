@@ -32,24 +32,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 
 import torch
 from torch import nn
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.client import ParameterServerClient
+from asyncdiloco._worker_base import WorkerBase
 from asyncdiloco.config import WorkerConfig
 from asyncdiloco.errors import (
     InvalidPayloadError,
-    ModeMismatchError,
     NotInitializedError,
     ServerUnavailableError,
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,7 @@ class _PendingPush:
     compute_s: float
 
 
-class AsyncDiLoCoWorker:
+class AsyncDiLoCoWorker(WorkerBase):
     """Asynchronous DiLoCo around ``model`` and ``inner_optimizer``.
 
     Args:
@@ -98,7 +95,10 @@ class AsyncDiLoCoWorker:
         ServerUnavailableError (from ``join``): the server could not be reached within
             ``config.join_timeout_s``.
         ManifestMismatchError (from ``join``): the model differs from the server's.
+        ModeMismatchError (from ``join``): the server runs ``--mode sync``.
     """
+
+    mode = "async"
 
     def __init__(
         self,
@@ -108,85 +108,30 @@ class AsyncDiLoCoWorker:
         *,
         tokens_per_step: int = 0,
     ) -> None:
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.config = config
-        self.tokens_per_step = tokens_per_step
-        self.manifest = Manifest.from_module(model)
-        self._params = [p for _, p in model.named_parameters()]
-        on_cuda = any(p.is_cuda for p in self._params)
-        n = self.manifest.numel
+        super().__init__(model, inner_optimizer, config, tokens_per_step)
+        on_cuda, n = self._on_cuda, self.manifest.numel
         self._base = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_base, (N,) fp32
         self._scratch = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_local, then Δ
         self._payload = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
         self._pull_buffer = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self.client = ParameterServerClient(
-            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
-            security=config.security,
-        )
         self.stats = WorkerStats()
-        self.worker_id = 0
         self.version = 0  # the version θ_base was pulled at
-        self.local_steps = 1  # H, set by the server
-        self._lease_s = 60.0
         self._next_push_id = 1
         self._pending: _PendingPush | None = None
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
         self._round_started = time.monotonic()
-        self._backoff_s = config.initial_backoff_s
-        self._next_attempt = 0.0
-        self._needs_rejoin = False
-        self._must_initialize = False
         self._rejoining = False
-        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
-    def join(self) -> None:
-        """Register with the server, then initialize the global model (first worker of
-        a fresh server) or load it into ``model``. Retries until ``join_timeout_s``."""
-        started = time.monotonic()
-        delay = self.config.initial_backoff_s
-        while True:
-            try:
-                self._join_once()
-                break
-            except (ServerUnavailableError, NotInitializedError) as exc:
-                # The initial parameters are a push away: poll for them quickly. Waiting for
-                # them may take a lease longer (until a dead initializer's lease lapses).
-                waiting = isinstance(exc, NotInitializedError)
-                wait_s = 0.1 if waiting else delay
-                limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
-                if time.monotonic() + wait_s > started + limit:
-                    raise ServerUnavailableError(
-                        f"could not join the parameter server at {self.config.server} within "
-                        f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `asyncdiloco server` "
-                        f"runs there and that host and port are right, or raise --join-timeout"
-                    ) from None
-                log.info("join: %s; retrying in %.1f s", exc, wait_s)
-                time.sleep(wait_s)
-                if wait_s == delay:
-                    delay = min(2 * delay, self.config.max_backoff_s)
-        if self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
-            self._heartbeat.start()
+    def _mode_mismatch_message(self, server_mode: str) -> str:
+        return (
+            f"mode mismatch: the server at {self.config.server} runs mode {server_mode!r}; use SyncDiLoCoWorker "
+            f"(`asyncdiloco worker --mode sync`), or start the server with --mode async"
+        )
 
     def _join_once(self) -> None:
         if not self.worker_id:
-            reply = self.client.join(self.manifest, self.config.worker_name)
-            if reply.run_config.mode == "sync":
-                self.client.leave(reply.worker_id)
-                raise ModeMismatchError(
-                    f"mode mismatch: the server at {self.config.server} runs mode 'sync'; use SyncDiLoCoWorker "
-                    f"(`asyncdiloco worker --mode sync`), or start the server with --mode async"
-                )
-            self.worker_id = reply.worker_id
+            self._register()
             self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
-            self._must_initialize = reply.initialize
-            self.local_steps = reply.run_config.local_steps
-            self._lease_s = reply.run_config.lease_s
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             self._load_local_into_base()
             self._send_payload(
@@ -204,9 +149,7 @@ class AsyncDiLoCoWorker:
         try:
             self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
         except NotInitializedError:
-            if self.client.heartbeat(self.worker_id).initialize:  # the chosen initializer is gone
-                self._must_initialize = True
-                log.info("worker %d takes over initializing the global model", self.worker_id)
+            self._take_over_initialization_if_told()
             raise
 
     def close(self) -> None:
@@ -221,35 +164,9 @@ class AsyncDiLoCoWorker:
                     self._push_round()
                 except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                     log.warning("final push failed: %s", exc)
-            try:
-                self.client.leave(self.worker_id)
-            except Exception as exc:  # noqa: BLE001
-                log.info("leave failed: %s", exc)
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
-        self.client.close()
+        self._close_connection()
 
-    def __enter__(self) -> "AsyncDiLoCoWorker":
-        self.join()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---------------------------------------------------------------- steps
-    def add_tokens(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` more training tokens toward the next push."""
-        self._tokens_since_sync += num_tokens
-        self.stats.tokens += num_tokens
-
-    def _after_inner_step(self) -> None:
-        self.stats.inner_steps += 1
-        self._steps_since_sync += 1
-        self._tokens_since_sync += self.tokens_per_step
-        self.stats.tokens += self.tokens_per_step
-        if self._steps_since_sync >= self.local_steps:
-            self.sync()
-
+    # ---------------------------------------------------------------- sync
     def sync(self) -> bool:
         """Push the pseudo-gradient and pull the global model now (normally called by
         the inner optimizer hook every H steps).
@@ -346,12 +263,8 @@ class AsyncDiLoCoWorker:
 
     def _pull_and_load(self) -> None:
         pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._pull_buffer)
-        with torch.no_grad():
-            for p, t in zip(self._params, self.manifest.unpack(pulled.payload)):
-                p.copy_(t, non_blocking=p.is_cuda)
-            self.manifest.unpack_flat(pulled.payload, out=self._base)
-        if any(p.is_cuda for p in self._params):
-            torch.cuda.synchronize()
+        self._load_into_model(self.manifest.unpack(pulled.payload))
+        self.manifest.unpack_flat(pulled.payload, out=self._base)
         self.version = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self._steps_since_sync = 0
@@ -362,13 +275,7 @@ class AsyncDiLoCoWorker:
 
     def _load_local_into_base(self, into: torch.Tensor | None = None) -> None:
         """Copy the model's parameters, flattened to fp32, into ``into`` (default θ_base)."""
-        dst = self._base if into is None else into
-        pos = 0
-        with torch.no_grad():
-            for p in self._params:
-                n = p.numel()
-                dst[pos : pos + n].copy_(p.detach().reshape(-1))
-                pos += n
+        self._copy_model_into(self._base if into is None else into)
 
     def _rejoin(self) -> None:
         if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
@@ -379,17 +286,3 @@ class AsyncDiLoCoWorker:
         self._rejoining = False
         self._needs_rejoin = False
         log.info("rejoined as worker %d at version %d", self.worker_id, self.version)
-
-    def _heartbeat_loop(self) -> None:
-        period = self.config.heartbeat_s or self._lease_s / 3
-        while not self._stop.wait(period):
-            worker_id = self.worker_id
-            if not worker_id or self._needs_rejoin:
-                continue
-            try:
-                self.client.heartbeat(worker_id)
-            except UnknownWorkerError:
-                if worker_id == self.worker_id:
-                    self._needs_rejoin = True
-            except Exception as exc:  # noqa: BLE001 - the next sync reports real trouble
-                log.debug("heartbeat failed: %s", exc)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches, load_text, sample_batch
-from asyncdiloco.models import CharTransformer, CharTransformerConfig, build_model, evaluate, lm_loss
+from asyncdiloco.models import CharTransformerConfig, build_model, evaluate, lm_loss
 
 B, T = 4, 16  # small batches for the shape tests
 

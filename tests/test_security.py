@@ -227,3 +227,25 @@ def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_sync_worker_rounds_through_a_token_protected_server(pki):
+    # Quorum and Commit carry the token like every other call.
+    from asyncdiloco.config import SyncConfig, WorkerConfig
+    from asyncdiloco.sync_worker import SyncDiLoCoWorker
+
+    srv = ParameterServer(ServerConfig(port=0, mode="sync", local_steps=2, sync=SyncConfig(min_workers=1),
+                                       security=ServerSecurityConfig(token_file=pki["token"]))).start()
+    try:
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = WorkerConfig(server=srv.address, security=ClientSecurityConfig(token_file=pki["token"]))
+        with SyncDiLoCoWorker(model, opt, cfg) as worker:
+            for _ in range(4):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            assert worker.stats.rounds_committed == 2
+        assert srv.state.status().rounds_committed == 2
+    finally:
+        srv.stop(None)

@@ -1,0 +1,198 @@
+"""What the asynchronous and the synchronous worker share.
+
+``WorkerBase`` owns the plumbing around the user's model and inner optimizer: the
+post-step hook that counts inner steps and calls ``sync()`` every H of them, joining
+with retries (and taking over initialization from an initializer that vanished), the
+heartbeat thread, copies between the model and flat fp32 vectors, and the context
+manager. ``AsyncDiLoCoWorker`` (worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py)
+add what a sync point does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from torch import nn
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.config import WorkerConfig
+from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
+from asyncdiloco.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerBase:
+    """Base of the workers; see the subclasses for the algorithms.
+
+    Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
+    ``self.stats`` ``inner_steps`` and ``tokens`` counters, and implement ``_join_once``
+    (register, initialize or load the global model) and ``sync``.
+    """
+
+    mode = "async"
+
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, config: WorkerConfig, tokens_per_step: int
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.config = config
+        self.tokens_per_step = tokens_per_step
+        self.manifest = Manifest.from_module(model)
+        self._params = [p for _, p in model.named_parameters()]
+        self._on_cuda = any(p.is_cuda for p in self._params)
+        self.client = ParameterServerClient(
+            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
+        )  # fmt: skip
+        self.worker_id = 0
+        self.local_steps = 1  # H (H_w under DyLU), set by the server
+        self._lease_s = 60.0
+        self._steps_since_sync = 0
+        self._tokens_since_sync = 0
+        self._backoff_s = config.initial_backoff_s
+        self._next_attempt = 0.0
+        self._needs_rejoin = False
+        self._must_initialize = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+
+    # ------------------------------------------------------------ lifecycle
+    def join(self) -> None:
+        """Register with the server, then initialize the global model (first worker of
+        a fresh server) or load it into ``model``. Retries until ``join_timeout_s``
+        (plus one lease while waiting for another worker's initial parameters).
+
+        Raises:
+            ServerUnavailableError: no server, or no initial parameters, in time.
+            ManifestMismatchError / ModeMismatchError: refused by the server.
+        """
+        started = time.monotonic()
+        delay = self.config.initial_backoff_s
+        while True:
+            try:
+                self._join_once()
+                break
+            except (ServerUnavailableError, NotInitializedError) as exc:
+                # The initial parameters are a push away: poll for them quickly. Waiting for
+                # them may take a lease longer (until a dead initializer's lease lapses).
+                waiting = isinstance(exc, NotInitializedError)
+                wait_s = 0.1 if waiting else delay
+                limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
+                if time.monotonic() + wait_s > started + limit:
+                    server = "asyncdiloco server --mode sync" if self.mode == "sync" else "asyncdiloco server"
+                    raise ServerUnavailableError(
+                        f"could not join the parameter server at {self.config.server} within "
+                        f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `{server}` runs "
+                        f"there and that host and port are right, or raise --join-timeout"
+                    ) from None
+                log.info("join: %s; retrying in %.1f s", exc, wait_s)
+                time.sleep(wait_s)
+                if wait_s == delay:
+                    delay = min(2 * delay, self.config.max_backoff_s)
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _join_once(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> bool:
+        raise NotImplementedError
+
+    def _register(self) -> pb.JoinReply:
+        """Join: take the worker id, H and lease the server dictates; refuse a server
+        of the other mode (and leave it again)."""
+        reply = self.client.join(self.manifest, self.config.worker_name)
+        if reply.run_config.mode != self.mode:
+            self.client.leave(reply.worker_id)
+            raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
+        self.worker_id = reply.worker_id
+        self._must_initialize = reply.initialize
+        self.local_steps = reply.run_config.local_steps
+        self._lease_s = reply.run_config.lease_s
+        return reply
+
+    def _mode_mismatch_message(self, server_mode: str) -> str:
+        raise NotImplementedError
+
+    def _take_over_initialization_if_told(self) -> None:
+        """While the global model is missing: ask whether the chosen initializer is gone
+        and this worker must push its parameters instead (the next attempt does)."""
+        if self.client.heartbeat(self.worker_id).initialize:
+            self._must_initialize = True
+            log.info("worker %d takes over initializing the global model", self.worker_id)
+
+    def _close_connection(self) -> None:
+        """Leave (best effort), stop the heartbeat, close the channel."""
+        if self.worker_id and not self._needs_rejoin:
+            try:
+                self.client.leave(self.worker_id)
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.info("leave failed: %s", exc)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        self.client.close()
+
+    def __enter__(self):
+        self.join()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- steps
+    def add_tokens(self, num_tokens: int) -> None:
+        """Count ``num_tokens`` more training tokens toward the next sync."""
+        self._tokens_since_sync += num_tokens
+        self.stats.tokens += num_tokens
+
+    def _after_inner_step(self) -> None:
+        self.stats.inner_steps += 1
+        self._steps_since_sync += 1
+        self._tokens_since_sync += self.tokens_per_step
+        self.stats.tokens += self.tokens_per_step
+        if self._steps_since_sync >= self.local_steps:
+            self.sync()
+
+    # --------------------------------------------------------------- copies
+    def _copy_model_into(self, dst: torch.Tensor) -> None:
+        """The model's parameters, flattened to fp32, into ``dst`` (N,) (CPU)."""
+        pos = 0
+        with torch.no_grad():
+            for p in self._params:
+                k = p.numel()
+                dst[pos : pos + k].copy_(p.detach().reshape(-1))
+                pos += k
+
+    def _load_into_model(self, tensors: list[torch.Tensor]) -> None:
+        """Copy one tensor per parameter (manifest order, CPU) into the model."""
+        with torch.no_grad():
+            for p, t in zip(self._params, tensors):
+                p.copy_(t.view(p.shape), non_blocking=p.is_cuda)
+        if self._on_cuda:
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------ heartbeat
+    def _heartbeat_loop(self) -> None:
+        period = self.config.heartbeat_s or self._lease_s / 3
+        while not self._stop.wait(period):
+            worker_id = self.worker_id
+            if not worker_id or self._needs_rejoin:
+                continue
+            try:
+                self.client.heartbeat(worker_id)
+            except UnknownWorkerError:
+                if worker_id == self.worker_id:
+                    self._needs_rejoin = True
+            except Exception as exc:  # noqa: BLE001 - the next sync reports real trouble
+                log.debug("heartbeat failed: %s", exc)
