@@ -237,6 +237,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM stops training; the worker leaves cleanly
     torch.set_num_threads(args.threads)
     wcfg = WorkerConfig(
         server=args.server,
@@ -322,10 +323,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import subprocess
 
     if args.suite in ("quick", "full"):
-        from asyncdiloco.suite import SUITES, run_suite
+        out = args.out or f"bench-{args.suite}-{args.clock}"
+        if args.clock == "real":
+            from asyncdiloco.suite_real import REAL_SUITES, run_real_suite
 
-        out = args.out or f"bench-{args.suite}"
-        run_suite(SUITES[args.suite], out, progress=not args.no_progress)
+            run_real_suite(REAL_SUITES[args.suite], out, progress=not args.no_progress)
+        else:
+            from asyncdiloco.suite import SUITES, run_suite
+
+            run_suite(SUITES[args.suite], out, progress=not args.no_progress)
         print((pathlib.Path(out) / "report.md").read_text(), flush=True)
         return 0
     benchmarks = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -426,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
     pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
                      help="quick/full: sync vs async methods on speed profiles; perf: transport and server micro-benchmarks")
-    pb_.add_argument("--clock", choices=["virtual"], default="virtual",
-                     help="virtual: deterministic one-process simulator (same server code, virtual time)")
-    pb_.add_argument("--out", default="", help="output folder (default bench-quick / bench-full / perf-out)")
+    pb_.add_argument("--clock", choices=["virtual", "real"], default="virtual",
+                     help="virtual: deterministic one-process simulator (same server code, virtual time); "
+                          "real: server and worker processes on 127.0.0.1")
+    pb_.add_argument("--out", default="", help="output folder (default bench-SUITE-CLOCK, or perf-out)")
     pb_.add_argument("--sizes", default="4,64,256", help="perf: model sizes in MiB (default 4,64,256)")
     pb_.add_argument("--no-progress", action="store_true", help="no progress bar")
     pb_.set_defaults(func=cmd_bench)

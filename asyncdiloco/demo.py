@@ -65,6 +65,9 @@ class DemoConfig:
     worker_args: tuple[str, ...] = ()
     #: Extra flags per worker index (e.g. fault injection for one of them).
     per_worker_args: tuple[tuple[str, ...], ...] = ()
+    #: Stop every worker (SIGTERM) once the server has applied this many tokens, for
+    #: comparisons at equal tokens; None: each worker trains ``max_seconds``.
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -193,7 +196,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         procs.extend(workers)
         evaluator = _Evaluator(address, cfg.job)
         curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
-        curve += _watch(cfg, evaluator, workers, started, progress)
+        watched, train_start_s = _watch(cfg, evaluator, workers, started, progress)
+        curve += watched
         exit_codes = [_stop(w) for w in workers]  # overdue workers (hung, stopped) are terminated
         status = evaluator.client.status()
         if not status.initialized:
@@ -209,14 +213,18 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     finally:
         _reap(procs)
     report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, speeds, exit_codes, address)
+    report["train_start_s"] = train_start_s  # when the global model existed: training time is wall_s − this
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
     _print_summary(report, out)
     return report
 
 
-def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], started: float, progress: bool) -> list[dict]:
-    """Poll status every second, evaluate every ``eval_every_s``, until workers exit."""
+def _watch(
+    cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], started: float, progress: bool
+) -> tuple[list[dict], float]:
+    """Poll status every second, evaluate every ``eval_every_s``, until workers exit (or
+    the token budget is spent). Returns the eval curve and when training started (s)."""
     from tqdm import tqdm
 
     curve: list[dict] = []
@@ -234,9 +242,14 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
                     "stopping them", time.monotonic() - started, cfg.max_seconds,
                 )  # fmt: skip
                 break
-            time.sleep(1.0)
+            time.sleep(1.0 if cfg.token_budget is None else 0.25)
             try:
                 st = ev.client.status()
+                if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
+                    for w in workers:  # budget spent: workers stop (their final push may land)
+                        if w.poll() is None:
+                            w.terminate()
+                    break
                 if st.initialized and time.monotonic() - last_eval >= cfg.eval_every_s:
                     version, loss = ev.evaluate_global()
                     last_eval = time.monotonic()
@@ -256,7 +269,7 @@ def _watch(cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], sta
             bar.set_postfix_str(f"{what} | eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}")
     finally:
         bar.close()
-    return curve
+    return curve, (training_since - started) if training_since is not None else 0.0
 
 
 def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, exit_codes, address) -> dict:

@@ -125,26 +125,29 @@ def run_worker(
     with worker:
         started = time.monotonic()
         step = 0
-        while (max_steps is None or step < max_steps) and (
-            max_seconds is None or time.monotonic() - started < max_seconds
-        ):
-            t0, comm0 = time.monotonic(), worker.stats.comm_s
-            x, y = next(batches)  # (B, T) int64 each
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
-            inner.zero_grad(set_to_none=True)
-            step += 1
-            if step % log_every == 0:
-                st = worker.stats
-                done = (
-                    f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed" if sync is not None
-                    else f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
-                )  # fmt: skip
-                log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
-            if slowdown > 1.0:
-                compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
-                time.sleep((slowdown - 1.0) * max(compute_s, 0.0))
-            if on_step is not None:
-                on_step(step, float(loss))
+        try:
+            while (max_steps is None or step < max_steps) and (
+                max_seconds is None or time.monotonic() - started < max_seconds
+            ):
+                t0, comm0 = time.monotonic(), worker.stats.comm_s
+                x, y = next(batches)  # (B, T) int64 each
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+                inner.zero_grad(set_to_none=True)
+                step += 1
+                if step % log_every == 0:
+                    st = worker.stats
+                    done = (
+                        f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed" if sync is not None
+                        else f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
+                    )  # fmt: skip
+                    log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
+                if slowdown > 1.0:
+                    compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
+                    time.sleep((slowdown - 1.0) * max(compute_s, 0.0))
+                if on_step is not None:
+                    on_step(step, float(loss))
+        except KeyboardInterrupt:  # SIGINT / SIGTERM: stop training; close() still pushes and leaves
+            log.info("interrupted after %d inner steps; leaving", step)
     return worker.stats

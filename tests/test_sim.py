@@ -71,3 +71,21 @@ def test_suite_writes_runs_report_and_plots(tmp_path):
     assert "| async_dn_dylu |" in report and "(a) [uneven]" in report and "(c) [uneven]" in report
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "utilisation.png", "staleness.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
+    from asyncdiloco.suite_real import run_real_suite
+
+    cfg = SuiteConfig(profiles=("uneven",), methods=("sync_diloco", "async_dn_dylu"), seeds=(0,), total_steps=160,
+                      local_steps=5, eval_every_steps=80, job=TINY)
+    records = run_real_suite(cfg, str(tmp_path), progress=False)
+    assert [r["method"] for r in records] == ["sync_diloco", "async_dn_dylu"]
+    for r in records:
+        assert r["clock"] == "real"
+        assert r["tokens"] >= 160 * TINY.tokens_per_step  # stopped once the budget was applied
+        assert r["final_eval_loss"] < r["curve"][0]["eval_loss"]
+        assert r["updates"] > 0 and 0 < r["utilisation"] <= 1
+    report = (tmp_path / "report.md").read_text()
+    assert "(real clock)" in report and "| async_dn_dylu |" in report
