@@ -58,6 +58,7 @@ class WorkerBase:
         self._backoff_s = config.initial_backoff_s
         self._next_attempt = 0.0
         self._needs_rejoin = False
+        self._rejoining = False
         self._must_initialize = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -104,7 +105,52 @@ class WorkerBase:
         raise NotImplementedError
 
     def sync(self) -> bool:
+        """Sync with the server now (normally called by the inner optimizer hook every H
+        steps): ``_sync_once``, or a rejoin after the server forgot this worker.
+
+        Returns:
+            True when the model now holds a new global model; False when the sync did
+            not complete (see the subclass), or the server was unreachable: training goes
+            on locally and a later sync point retries, with exponential backoff.
+        """
+        if self._stop.is_set() or time.monotonic() < self._next_attempt:
+            return False
+        started = time.monotonic()
+        try:
+            done = self._rejoin() if self._needs_rejoin else self._sync_once()
+        except (ServerUnavailableError, NotInitializedError) as exc:
+            self.stats.sync_failures += 1
+            self._next_attempt = time.monotonic() + self._backoff_s
+            log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
+            self._backoff_s = min(2 * self._backoff_s, self.config.max_backoff_s)
+            return False
+        except UnknownWorkerError as exc:
+            log.warning("%s; rejoining", exc)
+            self._needs_rejoin = True
+            return False
+        finally:
+            self.stats.comm_s += time.monotonic() - started
+        self._backoff_s = self.config.initial_backoff_s
+        return done
+
+    def _sync_once(self) -> bool:
         raise NotImplementedError
+
+    def _rejoin(self) -> bool:
+        """Register again (the lease lapsed, or the server restarted without this worker)
+        and load the global model; local steps since the last sync are dropped."""
+        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
+            self.worker_id = 0
+            self._forget_unsent()
+            self._rejoining = True
+        self._join_once()
+        self._rejoining = False
+        self._needs_rejoin = False
+        log.info("rejoined as worker %d", self.worker_id)
+        return True
+
+    def _forget_unsent(self) -> None:
+        """Drop what was meant for the old registration (subclasses that keep some)."""
 
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server

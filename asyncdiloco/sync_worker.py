@@ -56,12 +56,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._worker_base import WorkerBase
 from asyncdiloco.collectives import QuorumCollectives
 from asyncdiloco.config import OuterConfig, SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import (
-    AsyncDiLoCoError,
-    NotInitializedError,
-    ServerUnavailableError,
-    UnknownWorkerError,
-)
+from asyncdiloco.errors import AsyncDiLoCoError, NotInitializedError
 from asyncdiloco.outer import OuterOptimizer
 
 log = logging.getLogger(__name__)
@@ -178,38 +173,11 @@ class SyncDiLoCoWorker(WorkerBase):
         self._collectives.close()
 
     # ---------------------------------------------------------------- rounds
-    def sync(self) -> bool:
-        """Run one round now (normally called by the inner optimizer hook every H steps).
-
-        Returns:
-            True when a round committed and the model holds the new global parameters;
-            False when it was aborted (the model restarts from the last committed
-            θ_base), no quorum formed, or the server was unreachable (training goes on).
-        """
-        if self._stop.is_set() or time.monotonic() < self._next_attempt:
-            return False
-        started = time.monotonic()
-        try:
-            if self._needs_rejoin:
-                self.worker_id = 0
-                self._join_once()
-                self._needs_rejoin = False
-                return False
-            committed = self._round()
-        except (ServerUnavailableError, NotInitializedError) as exc:
-            self.stats.sync_failures += 1
-            self._next_attempt = time.monotonic() + self._backoff_s
-            log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
-            self._backoff_s = min(2 * self._backoff_s, self.config.max_backoff_s)
-            return False
-        except UnknownWorkerError as exc:
-            log.warning("%s; rejoining", exc)
-            self._needs_rejoin = True
-            return False
-        finally:
-            self.stats.comm_s += time.monotonic() - started
-        self._backoff_s = self.config.initial_backoff_s
-        return committed
+    def _sync_once(self) -> bool:
+        """One round: quorum, allreduce, commit vote. True when it committed; False when
+        it was aborted (the model restarts from the last committed θ_base) or no quorum
+        formed (training goes on; the next sync point asks again)."""
+        return self._round()
 
     # ------------------------------------------------------------- the round
     def _round(self) -> bool:

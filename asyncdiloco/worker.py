@@ -43,7 +43,6 @@ from asyncdiloco.config import WorkerConfig
 from asyncdiloco.errors import (
     InvalidPayloadError,
     NotInitializedError,
-    ServerUnavailableError,
     StalePushError,
     UnknownWorkerError,
 )
@@ -119,7 +118,6 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._next_push_id = 1
         self._pending: _PendingPush | None = None
         self._round_started = time.monotonic()
-        self._rejoining = False
 
     # ------------------------------------------------------------ lifecycle
     def _mode_mismatch_message(self, server_mode: str) -> str:
@@ -167,38 +165,14 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._close_connection()
 
     # ---------------------------------------------------------------- sync
-    def sync(self) -> bool:
-        """Push the pseudo-gradient and pull the global model now (normally called by
-        the inner optimizer hook every H steps).
+    def _sync_once(self) -> bool:
+        """Push the pseudo-gradient, then pull the global model (the model holds it after).
 
-        Returns:
-            True when the model now holds a fresh global model; False when the server
-            was unreachable (training goes on locally; a later sync retries).
         Raises:
             InvalidPayloadError: this worker's pseudo-gradient is not finite (diverged).
         """
-        if self._stop.is_set() or time.monotonic() < self._next_attempt:
-            return False
-        started = time.monotonic()
-        try:
-            if self._needs_rejoin:
-                self._rejoin()
-                return True
-            self._push_round()
-            self._pull_and_load()
-        except (ServerUnavailableError, NotInitializedError) as exc:
-            self.stats.sync_failures += 1
-            self._next_attempt = time.monotonic() + self._backoff_s
-            log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
-            self._backoff_s = min(2 * self._backoff_s, self.config.max_backoff_s)
-            return False
-        except UnknownWorkerError as exc:
-            log.warning("%s; rejoining", exc)
-            self._needs_rejoin = True
-            return False
-        finally:
-            self.stats.comm_s += time.monotonic() - started
-        self._backoff_s = self.config.initial_backoff_s
+        self._push_round()
+        self._pull_and_load()
         return True
 
     # ------------------------------------------------------------- internals
@@ -277,12 +251,5 @@ class AsyncDiLoCoWorker(WorkerBase):
         """Copy the model's parameters, flattened to fp32, into ``into`` (default θ_base)."""
         self._copy_model_into(self._base if into is None else into)
 
-    def _rejoin(self) -> None:
-        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
-            self.worker_id = 0
-            self._pending = None
-            self._rejoining = True
-        self._join_once()
-        self._rejoining = False
-        self._needs_rejoin = False
-        log.info("rejoined as worker %d at version %d", self.worker_id, self.version)
+    def _forget_unsent(self) -> None:
+        self._pending = None  # not applied (the server did not know this worker): Δ is recomputed
