@@ -97,9 +97,34 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
                 f.write(json.dumps(rec) + "\n")
     _add_targets(records, cfg.target_margin)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "report.md").write_text(report_markdown(records, cfg))
+    (out / "report.md").write_text(report_markdown(records, cfg) + peer_section(cfg, out, progress))
     plot(records, out)
     return records
+
+
+def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
+    """The torchft row (PEERS.md): its synchronous DiLoCo on the same model, data order,
+    H and token budget, 4 replicas at full speed; or why it was skipped."""
+    from asyncdiloco.peer_torchft import run_peer, torchft_available
+
+    head = "## Peer: torchft synchronous DiLoCo (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
+    if not torchft_available():
+        return head + ("torchft is not installed, so this row was skipped: `pip install 'asyncdiloco[peer]'` "
+                       "(after torch) adds it.\n")  # fmt: skip
+    if progress:
+        print("peer: torchft DiLoCo", flush=True)
+    job = cfg.job
+    try:
+        r = run_peer(replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"),
+                     n_layer=job.n_layer, n_embd=job.n_embd, context_len=job.context_len, batch_size=job.batch_size)
+    except RuntimeError as exc:  # fmt: skip
+        return head + f"torchft run failed: {exc}\n"
+    (out / "peer.json").write_text(json.dumps(r) + "\n")
+    return head + (
+        f"| peer | final loss | median round (s) | outer steps | wall (s) |\n|---|---|---|---|---|\n"
+        f"| {r['peer']} | {r['final_eval_loss']:.3f} | {r['median_round_s']:.3f} | {r['outer_steps']} | "
+        f"{r['wall_s']:.1f} |\n\nCompare with sync_diloco on the homogeneous profile above (seed 0 here).\n"
+    )
 
 
 def _record(profile: str, r: SimResult, real_s: float) -> dict:

@@ -19,7 +19,7 @@ import time
 
 from asyncdiloco.demo import DemoConfig, run_demo
 from asyncdiloco.sim import SimConfig
-from asyncdiloco.suite import PROFILES, SuiteConfig, _add_targets, plot, report_markdown
+from asyncdiloco.suite import PROFILES, SuiteConfig, _add_targets, peer_section, plot, report_markdown
 
 #: Real-clock suites: fewer profiles (the real runs emulate fixed speeds only) and, for
 #: ``quick``, the one profile the claims are about, so it fits in about 10 minutes.
@@ -86,6 +86,7 @@ def run_real_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> lis
             "Time is real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by "
             "per-step delays relative to the fastest worker).",
         )
+        + peer_section(cfg, out, progress)
     )
     plot(records, out)
     return records
@@ -121,4 +122,5 @@ def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: di
         "bytes_down": report["bytes_pulled"],
         "curve": curve,
         "real_s": real_s,
+        "median_round_s": (report.get("round_time_s") or {}).get("round"),  # sync runs
     }
