@@ -32,7 +32,7 @@ from asyncdiloco.models import evaluate, lm_loss
 from asyncdiloco.outer import make_outer_optimizer
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.schedule import in_grace_window
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest
 
 SYNC_METHODS = ("sync_localsgd", "sync_diloco")
 ASYNC_METHODS = ("async_nesterov", "async_nesterov_poly", "async_dn", "async_dn_dylu")
@@ -247,7 +247,7 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     )  # fmt: skip
     manifest = Manifest.from_module(replicas[0].model)
     ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]
-    _push(state, manifest, ids[0], 1, replicas[0].flat(), 0, 0, pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.push(manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
     curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
@@ -277,7 +277,8 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             r.busy_s += compute
             clock.t = finish
             delta = r.base - r.flat()  # Δ = θ_base − θ_local, (N,)
-            _push(state, manifest, ids[i], push_ids[i], delta, r.base_version, h, pb.PUSH_KIND_PSEUDO_GRADIENT)
+            state.push(manifest.pack_flat(delta), worker_id=ids[i], push_id=push_ids[i], base_version=r.base_version,
+                       num_local_steps=h)
             push_ids[i] += 1
             steps += h
         # The server holds replies until the window closes; then every worker in it pulls.
@@ -292,19 +293,6 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     n_bytes = manifest.total_bytes
     return SimResult(cfg, curve, curve[-1]["eval_loss"], t, [r.busy_s for r in replicas], st.version,
                      list(st.staleness_histogram), st.bytes_pushed, (st.applied_pushes + len(replicas)) * n_bytes)  # fmt: skip
-
-
-def _push(state, manifest, worker_id, push_id, flat, base_version, steps, kind) -> None:
-    payload = manifest.pack_flat(flat.contiguous())
-    header = pb.PushHeader(
-        worker_id=worker_id, push_id=push_id, base_version=base_version, num_local_steps=steps,
-        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), state.config.chunk_bytes),
-        crc32=crc32_of(payload), kind=kind,
-    )  # fmt: skip
-    assembler = state.begin_push(header)
-    for chunk in iter_chunks(payload, state.config.chunk_bytes):
-        assembler.add(chunk)
-    state.apply_push(header, assembler.finish())
 
 
 def staleness_mean(hist: list[int]) -> float:

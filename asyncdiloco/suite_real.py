@@ -18,7 +18,7 @@ import pathlib
 import time
 
 from asyncdiloco.demo import DemoConfig, run_demo
-from asyncdiloco.sim import SimConfig
+from asyncdiloco.sim import SimConfig, staleness_mean
 from asyncdiloco.suite import PROFILES, SuiteConfig, _add_targets, peer_section, plot, report_markdown
 
 #: Real-clock suites: fewer profiles (the real runs emulate fixed speeds only) and, for
@@ -117,7 +117,7 @@ def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: di
         "utilisation": sum(max(0.0, 1 - i / train_s) for i in idle) / len(idle),
         "updates": report["version"],
         "staleness_histogram": hist,
-        "mean_staleness": sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist)),
+        "mean_staleness": staleness_mean(hist),
         "bytes_up": report["bytes_pushed"],
         "bytes_down": report["bytes_pulled"],
         "curve": curve,

@@ -131,7 +131,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._register()
             self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
-            self._load_local_into_base()
+            self._copy_model_into(self._base)
             self._send_payload(
                 self.manifest.pack_flat(self._base, out=self._payload),
                 pending=_PendingPush(push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
@@ -181,7 +181,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         if self._pending is None:
             if self._steps_since_sync == 0:
                 return
-            self._load_local_into_base(into=self._scratch)
+            self._copy_model_into(self._scratch)  # θ_local, (N,) fp32
             delta = torch.sub(self._base, self._scratch, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
             if not bool(torch.isfinite(delta).all()):
                 raise InvalidPayloadError(
@@ -246,10 +246,6 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._round_started = time.monotonic()
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
-
-    def _load_local_into_base(self, into: torch.Tensor | None = None) -> None:
-        """Copy the model's parameters, flattened to fp32, into ``into`` (default θ_base)."""
-        self._copy_model_into(self._base if into is None else into)
 
     def _forget_unsent(self) -> None:
         self._pending = None  # not applied (the server did not know this worker): Δ is recomputed

@@ -12,7 +12,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import OuterConfig, ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest
 
 
 def test_dylu_follows_eq6():
@@ -43,15 +43,7 @@ class FakeClock:
 
 def _push(state, manifest, wid, push_id, steps):
     payload = manifest.pack([torch.full((4,), 0.01)])
-    header = pb.PushHeader(
-        worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps,
-        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), state.config.chunk_bytes),
-        crc32=crc32_of(payload), kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
-    )
-    asm = state.begin_push(header)
-    for c in iter_chunks(payload, state.config.chunk_bytes):
-        asm.add(c)
-    return state.apply_push(header, asm.finish())
+    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps)
 
 
 def test_server_tells_each_worker_its_dylu_local_steps():
@@ -60,13 +52,7 @@ def test_server_tells_each_worker_its_dylu_local_steps():
     manifest = Manifest.from_named_tensors([("w", torch.zeros(4))])
     fast, _, _ = state.join(manifest, "fast")
     slow, _, _ = state.join(manifest, "slow")
-    init = manifest.pack([torch.zeros(4)])
-    header = pb.PushHeader(worker_id=fast, push_id=1, total_bytes=16, num_chunks=1, crc32=crc32_of(init),
-                           kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
-    asm = state.begin_push(header)
-    for c in iter_chunks(init, state.config.chunk_bytes):
-        asm.add(c)
-    state.apply_push(header, asm.finish())
+    state.push(manifest.pack([torch.zeros(4)]), worker_id=fast, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     assert state.run_config(slow).local_steps == 20  # no rate measured yet
     for k in range(4):  # fast: 20 steps per second; slow: 20 steps per 4 seconds
         clock.t = k + 1.0

@@ -13,7 +13,7 @@ from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,18 +43,10 @@ def crash(store: DurableStore) -> None:
 
 
 def push(state, wid, push_id, tensors, *, base_version=None, kind=pb.PUSH_KIND_PSEUDO_GRADIENT):
-    payload = MANIFEST.pack(tensors)
-    header = pb.PushHeader(
-        worker_id=wid, push_id=push_id, base_version=state.version if base_version is None else base_version,
-        num_local_steps=3, num_tokens=7, total_bytes=payload.numel(),
-        num_chunks=num_chunks_for(payload.numel(), state.config.chunk_bytes), crc32=crc32_of(payload), kind=kind,
+    return state.push(
+        MANIFEST.pack(tensors), worker_id=wid, push_id=push_id,
+        base_version=state.version if base_version is None else base_version, num_local_steps=3, num_tokens=7, kind=kind,
     )
-    started = state.begin_push(header)
-    if not hasattr(started, "add"):
-        return started
-    for chunk in iter_chunks(payload, state.config.chunk_bytes):
-        started.add(chunk)
-    return state.apply_push(header, started.finish())
 
 
 def rand_tensors(seed):

@@ -57,7 +57,7 @@ from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, st
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of
+from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 
 log = logging.getLogger(__name__)
 
@@ -590,6 +590,41 @@ class ParameterServerState:
                 parts.append(self.outer.momentum_buffer)
             payload = torch.cat(parts).view(torch.uint8)  # (k·N·4,) a copy
             return self.version, payload
+
+    def push(
+        self,
+        payload: torch.Tensor,
+        *,
+        worker_id: int,
+        push_id: int,
+        base_version: int = 0,
+        num_local_steps: int = 0,
+        num_tokens: int = 0,
+        kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+    ) -> PushOutcome:
+        """An in-process push (the simulator, benchmarks and tests): the payload is cut
+        into chunks exactly as the wire carries it and goes through ``begin_push`` and
+        ``apply_push``, with every check the servicer applies.
+
+        Args:
+            payload: 1-D uint8 CPU tensor in the manifest's layout.
+        Returns:
+            The outcome (``duplicate`` for a retried push_id).
+        Raises:
+            The exceptions of ``begin_push``, ``PayloadAssembler`` and ``apply_push``.
+        """
+        chunk_bytes = self.config.chunk_bytes
+        header = pb.PushHeader(
+            worker_id=worker_id, push_id=push_id, base_version=base_version, num_local_steps=num_local_steps,
+            num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
+            crc32=crc32_of(payload), kind=kind,
+        )  # fmt: skip
+        started = self.begin_push(header)
+        if isinstance(started, PushOutcome):
+            return started
+        for chunk in iter_chunks(payload, chunk_bytes):
+            started.add(chunk)
+        return self.apply_push(header, started.finish())
 
     def record_rejected(self, worker_id: int) -> None:
         with self._lock:
