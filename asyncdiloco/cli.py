@@ -69,6 +69,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
     p.add_argument("--max-payload-bytes", type=int, default=d.max_payload_bytes, help="largest model accepted, bytes (default %(default)s)")
     p.add_argument("--max-abs-value", type=float, default=d.max_abs_value, help="refuse pushed values larger in magnitude (default %(default)g)")
+    p.add_argument("--receive-buffer-mib", type=float, default=d.receive_buffer_bytes / 2**20, help="MiB of push receive buffers in use at once; more pushes wait (default %(default)g)")
     p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
 
@@ -131,6 +132,7 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         grace_s=args.grace_s,
         max_payload_bytes=args.max_payload_bytes,
         max_abs_value=args.max_abs_value,
+        receive_buffer_bytes=int(args.receive_buffer_mib * 2**20),
         durability=durability,
         security=security,
         mode=args.mode,
@@ -202,9 +204,12 @@ def _job_config(args: argparse.Namespace):
 def cmd_server(args: argparse.Namespace) -> int:
     import torch
 
+    from asyncdiloco._malloc import keep_large_blocks
+
     from asyncdiloco.ps import ParameterServer
 
     torch.set_num_threads(1)  # PERF-NOTES: avoids stalls when the cores are shared
+    keep_large_blocks()  # PERF-NOTES: reuse payload-sized memory instead of faulting it in again
     server = ParameterServer(_server_config(args, args.host, args.port)).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after
@@ -233,12 +238,15 @@ def cmd_server(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import torch
 
+    from asyncdiloco._malloc import keep_large_blocks
+
     from asyncdiloco.job import run_worker
 
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM stops training; the worker leaves cleanly
     torch.set_num_threads(args.threads)
+    keep_large_blocks()
     wcfg = WorkerConfig(
         server=args.server,
         worker_name=args.name or f"worker-{args.worker_index}@{os.uname().nodename}",
@@ -362,6 +370,7 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--grace-s", str(args.grace_s),
         "--max-payload-bytes", str(args.max_payload_bytes),
         "--max-abs-value", str(args.max_abs_value),
+        "--receive-buffer-mib", str(args.receive_buffer_mib),
         *(("--dylu",) if args.dylu else ()),
         "--mode", args.mode,
         "--min-workers", str(args.min_workers),

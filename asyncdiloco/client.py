@@ -22,7 +22,8 @@ from asyncdiloco.config import ClientSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
 from asyncdiloco.security import auth_metadata, channel_credentials, client_token
-from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.wire import encode_chunk, is_chunk, pull_callable, push_callable
 
 _MIB = 1024 * 1024
 
@@ -80,6 +81,10 @@ class ParameterServerClient:
                 options.append(("grpc.ssl_target_name_override", security.tls_server_name))
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
+        # Push and Pull carry the payload: their chunk messages are (de)serialised by
+        # hand with one copy each (wire.py); the other calls use the generated stub.
+        self._push = push_callable(self._channel)
+        self._pull_stream = pull_callable(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -137,9 +142,9 @@ class ParameterServerClient:
 
     def _pull(self, request: pb.PullRequest, total: int, buffer: torch.Tensor | None) -> Pulled:
         try:
-            stream = self._stub.Pull(request, timeout=self._payload_timeout(total), metadata=self._metadata)
+            stream = self._pull_stream(request, timeout=self._payload_timeout(total), metadata=self._metadata)
             first = next(stream, None)
-            if first is None or first.WhichOneof("body") != "header":
+            if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
             header = first.header
             if header.total_bytes != total:
@@ -152,9 +157,11 @@ class ParameterServerClient:
                 buffer=buffer,
             )
             for msg in stream:
-                if msg.WhichOneof("body") != "chunk":
-                    raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
-                assembler.add(msg.chunk)
+                if not is_chunk(msg):
+                    if msg.WhichOneof("body") != "chunk":
+                        raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
+                    msg = msg.chunk
+                assembler.add(msg)
             payload = assembler.finish()
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -196,12 +203,16 @@ class ParameterServerClient:
             quorum_id=quorum_id,
         )
 
+        chunk_bytes = self.chunk_bytes
+
         def messages():
             yield pb.PushMessage(header=header)
-            for chunk in iter_chunks(payload, self.chunk_bytes):
-                yield pb.PushMessage(chunk=chunk)
+            view = memoryview(payload.numpy())
+            for index in range(header.num_chunks):
+                start = index * chunk_bytes
+                yield encode_chunk(index, start, view[start : start + chunk_bytes])
 
-        return self._call(self._stub.Push, messages(), self._payload_timeout(total))
+        return self._call(self._push, messages(), self._payload_timeout(total))
 
     def heartbeat(self, worker_id: int) -> pb.HeartbeatReply:
         return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id))

@@ -80,6 +80,13 @@ class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
+class ServerBusyError(ServerUnavailableError):
+    """Every receive buffer is taken by other pushes in flight and none came free in
+    time; nothing was read or applied. Retry (workers do, with backoff)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
 class CheckpointError(AsyncDiLoCoError):
     """A checkpoint or write-ahead log cannot be read, does not match this server's
     configuration, or cannot be written. At start-up the server refuses to start; on

@@ -346,6 +346,11 @@ class PayloadAssembler:
         self._buffer = buffer
         self._np = buffer.numpy()
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The 1-D uint8 buffer the chunks are copied into."""
+        return self._buffer
+
     def add(self, chunk: pb.PayloadChunk) -> None:
         """Copy one chunk into place; raises when it is out of order or mis-sized."""
         if self._next_index >= self.num_chunks:

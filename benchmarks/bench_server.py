@@ -2,9 +2,9 @@
 
 - ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
   ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.2).
-- ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
-  momentum) bytes (target ≤ 2.0). Growth = peak VmHWM during the pushes − RSS of the
-  idle server process before the model arrived.
+- ``peak_rss``: server peak RSS growth while 8 workers push at once (each then pulls)
+  ÷ (parameters + momentum) bytes (target ≤ 2.0). Growth = peak VmHWM during the pushes
+  − RSS of the idle server process before the model arrived.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
   (2 processes × 8 threads) (target ≥ 200).
 
@@ -73,10 +73,10 @@ def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt
         client, wid = _join_and_init(address, manifest, f"pusher-{k}")
         start_evt.wait()
         deadline = time.monotonic() + seconds
-        n, push_id = 0, 2
-        while time.monotonic() < deadline:
-            reply = client.push(payload, worker_id=wid, push_id=push_id, base_version=client.status().version)
-            push_id += 1
+        n, push_id, version = 0, 2, client.status().version
+        while time.monotonic() < deadline:  # each push's base is the version its last push made
+            reply = client.push(payload, worker_id=wid, push_id=push_id, base_version=version)
+            push_id, version = push_id + 1, reply.version
             n += reply.applied
         counts.append(n)
         client.close()
@@ -91,7 +91,7 @@ def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt
 
 def bench_push_rate(numel: int, procs: int, threads: int, seconds: float) -> dict:
     ctx = mp.get_context("spawn")
-    with server_process("--outer-optimizer", "nesterov") as (_, address):
+    with server_process("--outer-optimizer", "nesterov", "--max-staleness", "1000") as (_, address):
         manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
         client, _ = _join_and_init(address, manifest, "init")
         start_evt, q = ctx.Event(), ctx.Queue()
@@ -123,10 +123,11 @@ def bench_peak_rss(n_bytes: int, pushers: int) -> dict:
         reset_peak_rss(proc.pid)
         barrier = threading.Barrier(pushers)
 
-        def push(k: int) -> None:
+        def push(k: int) -> None:  # as workers do: push, then pull the new global model
             client, wid = clients[k]
             barrier.wait()
             client.push(payload, worker_id=wid, push_id=3, base_version=1)
+            client.pull(manifest, wid)
 
         ts = [threading.Thread(target=push, args=(k,)) for k in range(pushers)]
         for t in ts:

@@ -24,13 +24,13 @@ from concurrent import futures
 
 import grpc
 
-from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.service import ParameterServerService
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.security import server_credentials, server_interceptors
+from asyncdiloco.wire import add_parameter_server
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ParameterServer:
             options=grpc_channel_options(self.config.chunk_bytes),
             interceptors=interceptors,
         )
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(self.state), server)
+        add_parameter_server(ParameterServerService(self.state), server)  # chunk messages coded by hand (wire.py)
         target = f"{self.config.host}:{self.config.port}"
         try:
             port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)

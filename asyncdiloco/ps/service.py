@@ -14,7 +14,8 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState, PushOutcome
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest, crc32_of, num_chunks_for
+from asyncdiloco.wire import encode_chunk, is_chunk
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 if not self.state.sync_mode:
                     raise self.state.mode_mismatch_error("a sync-state pull")
                 version, payload = self.state.sync_state()
-                crc = crc32_of(payload)
-            else:
+                crc, total, messages = crc32_of(payload), payload.numel(), None
+            else:  # the snapshot's chunk messages are encoded once per version and shared
                 snap = self.state.snapshot()
-                version, payload, crc = snap.version, snap.payload, snap.crc32
+                version, crc, total, messages = snap.version, snap.crc32, snap.total_bytes, snap.messages
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         chunk_bytes = self.state.config.chunk_bytes
-        total = payload.numel()
         yield pb.PullMessage(
             header=pb.PullHeader(
                 version=version,
@@ -68,32 +68,38 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 round=version if self.state.sync_mode else 0,
             )
         )
-        for chunk in iter_chunks(payload, chunk_bytes):
-            yield pb.PullMessage(chunk=chunk)
+        if messages is None:
+            view = memoryview(payload.numpy())
+            messages = (encode_chunk(i, i * chunk_bytes, view[i * chunk_bytes : (i + 1) * chunk_bytes])
+                        for i in range(num_chunks_for(total, chunk_bytes)))  # fmt: skip
+        yield from messages
         self.state.record_pull(request.worker_id, total)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         worker_id = 0
+        started = None
         try:
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("body") != "header":
+            if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError(
                     "the first PushMessage must carry a PushHeader; send the header, then the chunks"
                 )
             header = first.header
             worker_id = header.worker_id
-            started = self.state.begin_push(header)
+            started = self.state.begin_push(header)  # may wait for a free receive buffer
             if isinstance(started, PushOutcome):  # a retry of an applied push: drain and answer
                 for _ in request_iterator:
                     pass
                 outcome = started
             else:
                 for msg in request_iterator:
-                    if msg.WhichOneof("body") != "chunk":
-                        raise InvalidPayloadError(
-                            "a second PushHeader arrived inside the stream; send one header per push"
-                        )
-                    started.add(msg.chunk)
+                    if not is_chunk(msg):
+                        if msg.WhichOneof("body") != "chunk":
+                            raise InvalidPayloadError(
+                                "a second PushHeader arrived inside the stream; send one header per push"
+                            )
+                        msg = msg.chunk
+                    started.add(msg)
                 outcome = self.state.apply_push(header, started.finish())
         except AsyncDiLoCoError as exc:
             log.warning("push from worker %d refused: %s", worker_id, exc)
@@ -104,6 +110,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
+        finally:
+            if started is not None and not isinstance(started, PushOutcome):
+                self.state.end_push(started)  # the receive buffer goes back to the pool
         if outcome.duplicate:
             self.state.record_duplicate()
         else:

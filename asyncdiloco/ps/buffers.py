@@ -1,0 +1,142 @@
+"""The server's payload memory: pooled receive buffers and the shared pull snapshot.
+
+Two rules from PERF-NOTES ("Why, and what helps"): a fresh large allocation faults
+every page (copies into it run at 1-2 GB/s against 9-12 GB/s into reused memory), and
+peak memory must not grow with the number of workers pushing at once. So:
+
+* ``ReceivePool`` hands out preallocated uint8 buffers for incoming pushes and takes
+  them back; the bytes of all buffers in use at once stay within ``budget_bytes`` (but
+  one push is always admitted, whatever its size). A push that finds the budget spent
+  waits for a buffer before its stream is read, so its sender is held back by gRPC's
+  flow control instead of the server holding its bytes. Server memory is then about
+  θ + momentum + one snapshot + max(budget_bytes, one payload), whatever the number
+  of workers.
+* ``Snapshot`` is one version of the global model already encoded as the Pull stream's
+  chunk messages (wire.py), built once per version and shared by every concurrent pull,
+  which then copies nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import zlib
+
+import torch
+
+from asyncdiloco.errors import ServerBusyError
+from asyncdiloco.tensors import num_chunks_for
+from asyncdiloco.wire import encode_chunk
+
+
+class ReceivePool:
+    """Preallocated receive buffers for pushes, within a byte budget.
+
+    Args:
+        budget_bytes: most bytes of buffers handed out at once (>= 0); one buffer is
+            always allowed even when it alone is larger. Free buffers are kept for reuse
+            up to the same budget.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._cond = threading.Condition()
+        self._in_use_bytes = 0
+        self._in_use = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        #: Most buffers that were out at once (for the benchmarks and tests).
+        self.peak_in_use = 0
+
+    def acquire(self, nbytes: int, timeout_s: float) -> torch.Tensor:
+        """A 1-D uint8 CPU tensor of ``nbytes`` (contents undefined), reused when one
+        of that size is free.
+
+        Raises:
+            ServerBusyError: no buffer became free within ``timeout_s`` seconds (the
+                other pushes in flight hold the whole budget); retry the push.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._in_use and self._in_use_bytes + nbytes > self.budget_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerBusyError(
+                        f"{self._in_use} pushes of {self._in_use_bytes} bytes in all are being received and a push of "
+                        f"{nbytes} bytes would exceed the receive budget of {self.budget_bytes} bytes; retry the "
+                        f"push (the worker does, with backoff), or raise the server's --receive-buffer-mib"
+                    )
+                self._cond.wait(left)
+            self._in_use += 1
+            self._in_use_bytes += nbytes
+            self.peak_in_use = max(self.peak_in_use, self._in_use)
+            free = self._free.get(nbytes)
+            if free:
+                self._free_bytes -= nbytes
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give a buffer from ``acquire`` back (keep it for reuse within the budget)."""
+        nbytes = buffer.numel()
+        with self._cond:
+            self._in_use -= 1
+            self._in_use_bytes -= nbytes
+            if self._free_bytes + nbytes <= max(self.budget_bytes, nbytes):
+                self._free.setdefault(nbytes, []).append(buffer)
+                self._free_bytes += nbytes
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The global parameters at one version, encoded for Pull; never mutated.
+
+    Attributes:
+        version: the global version.
+        total_bytes: payload size in bytes (the manifest's layout).
+        crc32: CRC-32 of the payload.
+        messages: the serialised ``PullMessage(chunk=...)`` of each chunk, in order.
+        data_offsets: where the payload bytes start inside each message.
+    """
+
+    version: int
+    total_bytes: int
+    crc32: int
+    messages: tuple[bytes, ...]
+    data_offsets: tuple[int, ...]
+
+    def data_views(self):
+        """The payload as read-only memoryviews, one per chunk, zero-copy."""
+        for msg, start in zip(self.messages, self.data_offsets):
+            yield memoryview(msg)[start:]
+
+
+def frame_snapshot(payload: torch.Tensor, chunk_bytes: int) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+    """Copy a uint8 payload (1-D CPU tensor) into the Pull stream's chunk messages: the
+    only copy a pull's bytes make on the server. Call it while the payload cannot change.
+
+    Returns:
+        (messages, data_offsets) for ``seal_snapshot``.
+    """
+    view = memoryview(payload.numpy())
+    messages, offsets = [], []
+    for index in range(num_chunks_for(len(view), chunk_bytes)):
+        start = index * chunk_bytes
+        part = view[start : start + chunk_bytes]
+        msg = encode_chunk(index, start, part)
+        offsets.append(len(msg) - len(part))
+        messages.append(msg)
+    return tuple(messages), tuple(offsets)
+
+
+def seal_snapshot(version: int, framed: tuple[tuple[bytes, ...], tuple[int, ...]]) -> Snapshot:
+    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32 pass over their
+    payload bytes (no lock needed: the messages are private)."""
+    messages, offsets = framed
+    crc = 0
+    for msg, start in zip(messages, offsets):
+        crc = zlib.crc32(memoryview(msg)[start:], crc)
+    total = sum(len(m) - o for m, o in zip(messages, offsets))
+    return Snapshot(version, total, crc & 0xFFFFFFFF, messages, offsets)

@@ -1,0 +1,163 @@
+"""The hand-coded chunk messages (wire.py) against the generated protobuf code, the
+receive-buffer pool and the snapshot encoding (ps/buffers.py), and the lock split
+(an apply in progress blocks neither bookkeeping calls nor pulls)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.errors import ServerBusyError
+from asyncdiloco.ps.buffers import ReceivePool, frame_snapshot, seal_snapshot
+from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.tensors import Manifest, crc32_of
+from asyncdiloco.wire import (
+    WireChunk,
+    _handlers,
+    decode_pull_message,
+    decode_push_message,
+    encode_chunk,
+    serialize_message,
+)
+
+pytestmark = pytest.mark.timeout(60)
+int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=int64s, offset=int64s, data=st.binary(max_size=300))
+def test_encode_chunk_is_byte_identical_to_protobuf(index, offset, data):
+    expected_push = pb.PushMessage(chunk=pb.PayloadChunk(index=index, offset=offset, data=data)).SerializeToString()
+    expected_pull = pb.PullMessage(chunk=pb.PayloadChunk(index=index, offset=offset, data=data)).SerializeToString()
+    got = encode_chunk(index, offset, memoryview(data))
+    assert got == expected_push == expected_pull
+
+
+@settings(max_examples=300, deadline=None)
+@given(index=int64s, offset=int64s, data=st.binary(max_size=300))
+def test_decode_reads_what_protobuf_writes(index, offset, data):
+    raw = pb.PushMessage(chunk=pb.PayloadChunk(index=index, offset=offset, data=data)).SerializeToString()
+    for decode in (decode_push_message, decode_pull_message):
+        got = decode(raw)
+        assert isinstance(got, WireChunk)
+        assert (got.index, got.offset, bytes(got.data)) == (index, offset, data)
+
+
+def test_headers_and_odd_messages_go_through_protobuf():
+    header = pb.PushMessage(header=pb.PushHeader(worker_id=3, push_id=9))
+    got = decode_push_message(header.SerializeToString())
+    assert isinstance(got, pb.PushMessage) and got.header.push_id == 9
+    pull_header = pb.PullMessage(header=pb.PullHeader(version=4))
+    assert decode_pull_message(pull_header.SerializeToString()).header.version == 4
+    # an unknown field inside the chunk: protobuf keeps the fields it knows
+    chunk = pb.PayloadChunk(index=2, offset=8, data=b"abcd").SerializeToString() + b"\x20\x05"
+    raw = b"\x12" + bytes([len(chunk)]) + chunk
+    got = decode_push_message(raw)
+    assert isinstance(got, pb.PushMessage) and got.chunk.data == b"abcd"
+    # a repeated scalar: the last one wins, as in protobuf
+    raw = encode_chunk(1, 0, memoryview(b"x"))
+    body = b"\x08\x01\x08\x07\x1a\x01x"
+    raw = b"\x12" + bytes([len(body)]) + body
+    assert decode_push_message(raw).index == pb.PushMessage.FromString(raw).chunk.index == 7
+    # truncated bytes fail exactly as protobuf fails
+    with pytest.raises(Exception):
+        decode_push_message(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
+    with pytest.raises(Exception):
+        pb.PushMessage.FromString(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
+
+
+def test_serializer_passes_bytes_and_serializes_messages():
+    msg = pb.PullMessage(header=pb.PullHeader(version=2))
+    assert serialize_message(msg) == msg.SerializeToString()
+    raw = encode_chunk(0, 0, memoryview(b"abc"))
+    assert serialize_message(raw) is raw
+
+
+def test_every_rpc_of_the_service_is_registered():
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    assert set(_handlers(object.__new__(_Servicer))) == {m.name for m in service.methods}
+
+
+class _Servicer:
+    def __getattr__(self, name):
+        return lambda *a: None
+
+
+# ------------------------------------------------------------------ pool
+def test_pool_stays_within_its_budget_and_reuses_buffers():
+    pool = ReceivePool(budget_bytes=100)
+    a = pool.acquire(40, timeout_s=1)
+    b = pool.acquire(40, timeout_s=1)
+    with pytest.raises(ServerBusyError, match="receive budget of 100 bytes"):
+        pool.acquire(40, timeout_s=0.01)
+    pool.release(a)
+    c = pool.acquire(40, timeout_s=1)
+    assert c.data_ptr() == a.data_ptr()  # reused, not reallocated
+    pool.release(b)
+    pool.release(c)
+    assert pool.peak_in_use == 2
+
+
+def test_pool_always_admits_one_push_larger_than_the_budget():
+    pool = ReceivePool(budget_bytes=0)
+    big = pool.acquire(1000, timeout_s=1)
+    waiter_got = []
+    t = threading.Thread(target=lambda: waiter_got.append(pool.acquire(1000, timeout_s=10)))
+    t.start()
+    t.join(0.05)
+    assert not waiter_got  # the second waits for the first
+    pool.release(big)
+    t.join(10)
+    assert waiter_got and waiter_got[0].numel() == 1000
+
+
+def test_snapshot_messages_are_the_pull_stream():
+    payload = torch.arange(1000, dtype=torch.float32).view(torch.uint8)
+    snap = seal_snapshot(7, frame_snapshot(payload, chunk_bytes=1024))
+    assert snap.total_bytes == 4000 and snap.crc32 == crc32_of(payload)
+    decoded = [decode_pull_message(m) for m in snap.messages]
+    assert [c.offset for c in decoded] == [0, 1024, 2048, 3072]
+    assert b"".join(bytes(c.data) for c in decoded) == bytes(payload.numpy())
+    assert b"".join(bytes(v) for v in snap.data_views()) == bytes(payload.numpy())
+
+
+# ------------------------------------------------------------------ locks
+def _state_with_model(n=64):
+    state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)))
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(n))])
+    wid, initialize, _ = state.join(manifest, "w1")
+    assert initialize
+    state.push(torch.ones(n).view(torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    return state, wid, n
+
+
+def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
+    state, wid, n = _state_with_model()
+    state.snapshot()  # a pull: later applies encode the next snapshot themselves
+    state.push(torch.full((n,), 0.5).view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
+    assert state.version == 1
+    with state._apply_lock:  # as if an apply were running: these must not need it
+        snap = state.snapshot()
+        assert snap.version == 1
+        assert torch.equal(torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.float32),
+                           torch.full((n,), 0.5))  # fmt: skip
+        state.heartbeat(wid)
+        state.status()
+        state.join(Manifest.from_named_tensors([("w", torch.zeros(n))]), "w2")
+
+
+def test_refused_push_returns_its_buffer_and_changes_nothing():
+    state, wid, n = _state_with_model()
+    before = (state.params.clone(), state.version, state.applied_pushes)
+    bad = torch.full((n,), float("nan")).view(torch.uint8)
+    for push_id in range(2, 6):  # more refusals than the pool could hold buffers for
+        with pytest.raises(Exception, match="non-finite"):
+            state.push(bad, worker_id=wid, push_id=push_id, base_version=0)
+    assert torch.equal(state.params, before[0]) and (state.version, state.applied_pushes) == before[1:]
+    assert state._receive_pool._in_use == 0
