@@ -25,6 +25,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from _harness import MIB, emit, median, parse_sizes, server_process  # noqa: E402
 
 from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
+from asyncdiloco._malloc import keep_large_blocks  # noqa: E402
 from asyncdiloco.client import ParameterServerClient  # noqa: E402
 from asyncdiloco.tensors import Manifest  # noqa: E402
 
@@ -95,6 +96,7 @@ def main() -> None:
     p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(1)
+    keep_large_blocks()  # as the worker CLI does
     for n in parse_sizes(args.sizes):
         raw = raw_tcp_bytes_per_s(n, args.repeats)
         with server_process("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
@@ -105,7 +107,7 @@ def main() -> None:
             {
                 "bench": "transport",
                 "measure": "push+pull throughput / raw TCP loopback throughput",
-                "path": "grpc-protobuf-chunks",
+                "path": "grpc-stream",
                 "model_mib": n / MIB,
                 "chunk_bytes": args.chunk_bytes,
                 "raw_tcp_gb_s": raw / 1e9,

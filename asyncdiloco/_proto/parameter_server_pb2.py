@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%asyncdiloco/v1/parameter_server.proto\x12\x0e\x61syncdiloco.v1\"O\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.asyncdiloco.v1.DType\"c\n\x08Manifest\x12+\n\x07tensors\x18\x01 \x03(\x0b\x32\x1a.asyncdiloco.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x15\n\rmanifest_hash\x18\x03 \x01(\t\"\x8c\x02\n\tRunConfig\x12\x13\n\x0blocal_steps\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x13\n\x0bmin_workers\x18\x06 \x01(\x03\x12\x16\n\x0ejoin_timeout_s\x18\x07 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x08 \x01(\x01\x12\x16\n\x0esync_weighting\x18\t \x01(\t\x12\x17\n\x0fouter_optimizer\x18\n \x01(\t\x12\x10\n\x08outer_lr\x18\x0b \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x0c \x01(\x01\"c\n\x0bJoinRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x13\n\x0bsteps_per_s\x18\x03 \x01(\x01\"\x9e\x01\n\tJoinReply\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12-\n\nrun_config\x18\x02 \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12*\n\x08manifest\x18\x03 \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x12\n\ninitialize\x18\x05 \x01(\x08\"4\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\nsync_state\x18\x02 \x01(\x08\"\x93\x01\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\x12-\n\nrun_config\x18\x05 \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12\r\n\x05round\x18\x06 \x01(\x03\";\n\x0cPayloadChunk\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"r\n\x0bPullMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.asyncdiloco.v1.PullHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.asyncdiloco.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"\xf9\x01\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07push_id\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x17\n\x0fnum_local_steps\x18\x04 \x01(\x03\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x12\n\nnum_chunks\x18\x07 \x01(\x03\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\x12&\n\x04kind\x18\t \x01(\x0e\x32\x18.asyncdiloco.v1.PushKind\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x11\n\tquorum_id\x18\x0b \x01(\x03\"r\n\x0bPushMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.asyncdiloco.v1.PushHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.asyncdiloco.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"\x82\x01\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\x12\x18\n\x10staleness_weight\x18\x05 \x01(\x01\x12\x13\n\x0blocal_steps\x18\x06 \x01(\x03\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\"P\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\x02 \x01(\x01\x12\x12\n\ninitialize\x18\x03 \x01(\x08\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\xe4\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61pplied_pushes\x18\x03 \x01(\x03\x12\x17\n\x0frejected_pushes\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x13\n\x0blocal_steps\x18\x06 \x01(\x03\x12\x13\n\x0blast_seen_s\x18\x07 \x01(\x01\x12\r\n\x05\x61live\x18\x08 \x01(\x08\x12\x1d\n\x15local_steps_per_round\x18\t \x01(\x03\x12\x13\n\x0bsteps_per_s\x18\n \x01(\x01\"\xe9\x03\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x61pplied_pushes\x18\x02 \x01(\x03\x12\x17\n\x0frejected_pushes\x18\x03 \x01(\x03\x12\x18\n\x10\x64uplicate_pushes\x18\x04 \x01(\x03\x12\x1b\n\x13staleness_histogram\x18\x05 \x03(\x03\x12\x14\n\x0c\x62ytes_pushed\x18\x06 \x01(\x03\x12\x14\n\x0c\x62ytes_pulled\x18\x07 \x01(\x03\x12\x0e\n\x06tokens\x18\x08 \x01(\x03\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x13\n\x0binitialized\x18\n \x01(\x08\x12-\n\x07workers\x18\x0b \x03(\x0b\x32\x1c.asyncdiloco.v1.WorkerStatus\x12-\n\nrun_config\x18\x0c \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12\x17\n\x0fouter_optimizer\x18\r \x01(\t\x12\x1b\n\x13staleness_weighting\x18\x0e \x01(\t\x12*\n\x08manifest\x18\x0f \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\r\n\x05pulls\x18\x10 \x01(\x03\x12\x18\n\x10rounds_committed\x18\x11 \x01(\x03\x12\x15\n\rrounds_failed\x18\x12 \x01(\x03\"[\n\rQuorumRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rmanifest_hash\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xc2\x01\n\x0bQuorumReply\x12\x0e\n\x06\x66ormed\x18\x01 \x01(\x08\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07members\x18\x04 \x03(\x03\x12\x0c\n\x04rank\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x03\x12\x12\n\nstore_host\x18\x07 \x01(\t\x12\x12\n\nstore_port\x18\x08 \x01(\x03\x12\x0c\n\x04heal\x18\t \x01(\x08\x12\x18\n\x10round_deadline_s\x18\n \x01(\x01\"\xac\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_weight\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x17\n\x0fnum_local_steps\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"P\n\x0b\x43ommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65\x63ided\x18\x04 \x01(\x08*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*\x82\x01\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19PUSH_KIND_PSEUDO_GRADIENT\x10\x01\x12 \n\x1cPUSH_KIND_INITIAL_PARAMETERS\x10\x02\x12\x1a\n\x16PUSH_KIND_ROUND_RESULT\x10\x03\x32\xbb\x04\n\x0fParameterServer\x12>\n\x04Join\x12\x1b.asyncdiloco.v1.JoinRequest\x1a\x19.asyncdiloco.v1.JoinReply\x12\x42\n\x04Pull\x12\x1b.asyncdiloco.v1.PullRequest\x1a\x1b.asyncdiloco.v1.PullMessage0\x01\x12@\n\x04Push\x12\x1b.asyncdiloco.v1.PushMessage\x1a\x19.asyncdiloco.v1.PushReply(\x01\x12M\n\tHeartbeat\x12 .asyncdiloco.v1.HeartbeatRequest\x1a\x1e.asyncdiloco.v1.HeartbeatReply\x12\x41\n\x05Leave\x12\x1c.asyncdiloco.v1.LeaveRequest\x1a\x1a.asyncdiloco.v1.LeaveReply\x12\x44\n\x06Status\x12\x1d.asyncdiloco.v1.StatusRequest\x1a\x1b.asyncdiloco.v1.StatusReply\x12\x44\n\x06Quorum\x12\x1d.asyncdiloco.v1.QuorumRequest\x1a\x1b.asyncdiloco.v1.QuorumReply\x12\x44\n\x06\x43ommit\x12\x1d.asyncdiloco.v1.CommitRequest\x1a\x1b.asyncdiloco.v1.CommitReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%asyncdiloco/v1/parameter_server.proto\x12\x0e\x61syncdiloco.v1\"O\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12$\n\x05\x64type\x18\x03 \x01(\x0e\x32\x15.asyncdiloco.v1.DType\"c\n\x08Manifest\x12+\n\x07tensors\x18\x01 \x03(\x0b\x32\x1a.asyncdiloco.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x15\n\rmanifest_hash\x18\x03 \x01(\t\"\x8c\x02\n\tRunConfig\x12\x13\n\x0blocal_steps\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x13\n\x0bmin_workers\x18\x06 \x01(\x03\x12\x16\n\x0ejoin_timeout_s\x18\x07 \x01(\x01\x12\x17\n\x0fround_timeout_s\x18\x08 \x01(\x01\x12\x16\n\x0esync_weighting\x18\t \x01(\t\x12\x17\n\x0fouter_optimizer\x18\n \x01(\t\x12\x10\n\x08outer_lr\x18\x0b \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x0c \x01(\x01\"c\n\x0bJoinRequest\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x13\n\x0bsteps_per_s\x18\x03 \x01(\x01\"\x9e\x01\n\tJoinReply\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12-\n\nrun_config\x18\x02 \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12*\n\x08manifest\x18\x03 \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x12\n\ninitialize\x18\x05 \x01(\x08\"4\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\nsync_state\x18\x02 \x01(\x08\"\x94\x01\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\x12-\n\nrun_config\x18\x05 \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12\r\n\x05round\x18\x06 \x01(\x03\";\n\x0cPayloadChunk\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"r\n\x0bPullMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.asyncdiloco.v1.PullHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.asyncdiloco.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"\xfa\x01\n\nPushHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07push_id\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x17\n\x0fnum_local_steps\x18\x04 \x01(\x03\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x12\n\nnum_chunks\x18\x07 \x01(\x03\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12&\n\x04kind\x18\t \x01(\x0e\x32\x18.asyncdiloco.v1.PushKind\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x11\n\tquorum_id\x18\x0b \x01(\x03\"r\n\x0bPushMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.asyncdiloco.v1.PushHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.asyncdiloco.v1.PayloadChunkH\x00\x42\x06\n\x04\x62ody\"\x82\x01\n\tPushReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x11\n\tstaleness\x18\x04 \x01(\x03\x12\x18\n\x10staleness_weight\x18\x05 \x01(\x01\x12\x13\n\x0blocal_steps\x18\x06 \x01(\x03\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\"P\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x19\n\x11lease_remaining_s\x18\x02 \x01(\x01\x12\x12\n\ninitialize\x18\x03 \x01(\x08\"!\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\"\x0c\n\nLeaveReply\"\x0f\n\rStatusRequest\"\xe4\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61pplied_pushes\x18\x03 \x01(\x03\x12\x17\n\x0frejected_pushes\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x13\n\x0blocal_steps\x18\x06 \x01(\x03\x12\x13\n\x0blast_seen_s\x18\x07 \x01(\x01\x12\r\n\x05\x61live\x18\x08 \x01(\x08\x12\x1d\n\x15local_steps_per_round\x18\t \x01(\x03\x12\x13\n\x0bsteps_per_s\x18\n \x01(\x01\"\xe9\x03\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x61pplied_pushes\x18\x02 \x01(\x03\x12\x17\n\x0frejected_pushes\x18\x03 \x01(\x03\x12\x18\n\x10\x64uplicate_pushes\x18\x04 \x01(\x03\x12\x1b\n\x13staleness_histogram\x18\x05 \x03(\x03\x12\x14\n\x0c\x62ytes_pushed\x18\x06 \x01(\x03\x12\x14\n\x0c\x62ytes_pulled\x18\x07 \x01(\x03\x12\x0e\n\x06tokens\x18\x08 \x01(\x03\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x13\n\x0binitialized\x18\n \x01(\x08\x12-\n\x07workers\x18\x0b \x03(\x0b\x32\x1c.asyncdiloco.v1.WorkerStatus\x12-\n\nrun_config\x18\x0c \x01(\x0b\x32\x19.asyncdiloco.v1.RunConfig\x12\x17\n\x0fouter_optimizer\x18\r \x01(\t\x12\x1b\n\x13staleness_weighting\x18\x0e \x01(\t\x12*\n\x08manifest\x18\x0f \x01(\x0b\x32\x18.asyncdiloco.v1.Manifest\x12\r\n\x05pulls\x18\x10 \x01(\x03\x12\x18\n\x10rounds_committed\x18\x11 \x01(\x03\x12\x15\n\rrounds_failed\x18\x12 \x01(\x03\"[\n\rQuorumRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x15\n\rmanifest_hash\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\xc2\x01\n\x0bQuorumReply\x12\x0e\n\x06\x66ormed\x18\x01 \x01(\x08\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07members\x18\x04 \x03(\x03\x12\x0c\n\x04rank\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x03\x12\x12\n\nstore_host\x18\x07 \x01(\t\x12\x12\n\nstore_port\x18\x08 \x01(\x03\x12\x0c\n\x04heal\x18\t \x01(\x08\x12\x18\n\x10round_deadline_s\x18\n \x01(\x01\"\xac\x01\n\rCommitRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0f\n\x07success\x18\x03 \x01(\x08\x12\x14\n\x0ctotal_weight\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x03\x12\x17\n\x0fnum_local_steps\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"P\n\x0b\x43ommitReply\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65\x63ided\x18\x04 \x01(\x08*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03*\x82\x01\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19PUSH_KIND_PSEUDO_GRADIENT\x10\x01\x12 \n\x1cPUSH_KIND_INITIAL_PARAMETERS\x10\x02\x12\x1a\n\x16PUSH_KIND_ROUND_RESULT\x10\x03\x32\xbb\x04\n\x0fParameterServer\x12>\n\x04Join\x12\x1b.asyncdiloco.v1.JoinRequest\x1a\x19.asyncdiloco.v1.JoinReply\x12\x42\n\x04Pull\x12\x1b.asyncdiloco.v1.PullRequest\x1a\x1b.asyncdiloco.v1.PullMessage0\x01\x12@\n\x04Push\x12\x1b.asyncdiloco.v1.PushMessage\x1a\x19.asyncdiloco.v1.PushReply(\x01\x12M\n\tHeartbeat\x12 .asyncdiloco.v1.HeartbeatRequest\x1a\x1e.asyncdiloco.v1.HeartbeatReply\x12\x41\n\x05Leave\x12\x1c.asyncdiloco.v1.LeaveRequest\x1a\x1a.asyncdiloco.v1.LeaveReply\x12\x44\n\x06Status\x12\x1d.asyncdiloco.v1.StatusRequest\x1a\x1b.asyncdiloco.v1.StatusReply\x12\x44\n\x06Quorum\x12\x1d.asyncdiloco.v1.QuorumRequest\x1a\x1b.asyncdiloco.v1.QuorumReply\x12\x44\n\x06\x43ommit\x12\x1d.asyncdiloco.v1.CommitRequest\x1a\x1b.asyncdiloco.v1.CommitReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'asyncdiloco.v1.parameter_server_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3111
-  _globals['_DTYPE']._serialized_end=3199
-  _globals['_PUSHKIND']._serialized_start=3202
-  _globals['_PUSHKIND']._serialized_end=3332
+  _globals['_DTYPE']._serialized_start=3113
+  _globals['_DTYPE']._serialized_end=3201
+  _globals['_PUSHKIND']._serialized_start=3204
+  _globals['_PUSHKIND']._serialized_end=3334
   _globals['_TENSORSPEC']._serialized_start=57
   _globals['_TENSORSPEC']._serialized_end=136
   _globals['_MANIFEST']._serialized_start=138
@@ -48,39 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLREQUEST']._serialized_start=772
   _globals['_PULLREQUEST']._serialized_end=824
   _globals['_PULLHEADER']._serialized_start=827
-  _globals['_PULLHEADER']._serialized_end=974
-  _globals['_PAYLOADCHUNK']._serialized_start=976
-  _globals['_PAYLOADCHUNK']._serialized_end=1035
-  _globals['_PULLMESSAGE']._serialized_start=1037
-  _globals['_PULLMESSAGE']._serialized_end=1151
-  _globals['_PUSHHEADER']._serialized_start=1154
-  _globals['_PUSHHEADER']._serialized_end=1403
-  _globals['_PUSHMESSAGE']._serialized_start=1405
-  _globals['_PUSHMESSAGE']._serialized_end=1519
-  _globals['_PUSHREPLY']._serialized_start=1522
-  _globals['_PUSHREPLY']._serialized_end=1652
-  _globals['_HEARTBEATREQUEST']._serialized_start=1654
-  _globals['_HEARTBEATREQUEST']._serialized_end=1691
-  _globals['_HEARTBEATREPLY']._serialized_start=1693
-  _globals['_HEARTBEATREPLY']._serialized_end=1773
-  _globals['_LEAVEREQUEST']._serialized_start=1775
-  _globals['_LEAVEREQUEST']._serialized_end=1808
-  _globals['_LEAVEREPLY']._serialized_start=1810
-  _globals['_LEAVEREPLY']._serialized_end=1822
-  _globals['_STATUSREQUEST']._serialized_start=1824
-  _globals['_STATUSREQUEST']._serialized_end=1839
-  _globals['_WORKERSTATUS']._serialized_start=1842
-  _globals['_WORKERSTATUS']._serialized_end=2070
-  _globals['_STATUSREPLY']._serialized_start=2073
-  _globals['_STATUSREPLY']._serialized_end=2562
-  _globals['_QUORUMREQUEST']._serialized_start=2564
-  _globals['_QUORUMREQUEST']._serialized_end=2655
-  _globals['_QUORUMREPLY']._serialized_start=2658
-  _globals['_QUORUMREPLY']._serialized_end=2852
-  _globals['_COMMITREQUEST']._serialized_start=2855
-  _globals['_COMMITREQUEST']._serialized_end=3027
-  _globals['_COMMITREPLY']._serialized_start=3029
-  _globals['_COMMITREPLY']._serialized_end=3109
-  _globals['_PARAMETERSERVER']._serialized_start=3335
-  _globals['_PARAMETERSERVER']._serialized_end=3906
+  _globals['_PULLHEADER']._serialized_end=975
+  _globals['_PAYLOADCHUNK']._serialized_start=977
+  _globals['_PAYLOADCHUNK']._serialized_end=1036
+  _globals['_PULLMESSAGE']._serialized_start=1038
+  _globals['_PULLMESSAGE']._serialized_end=1152
+  _globals['_PUSHHEADER']._serialized_start=1155
+  _globals['_PUSHHEADER']._serialized_end=1405
+  _globals['_PUSHMESSAGE']._serialized_start=1407
+  _globals['_PUSHMESSAGE']._serialized_end=1521
+  _globals['_PUSHREPLY']._serialized_start=1524
+  _globals['_PUSHREPLY']._serialized_end=1654
+  _globals['_HEARTBEATREQUEST']._serialized_start=1656
+  _globals['_HEARTBEATREQUEST']._serialized_end=1693
+  _globals['_HEARTBEATREPLY']._serialized_start=1695
+  _globals['_HEARTBEATREPLY']._serialized_end=1775
+  _globals['_LEAVEREQUEST']._serialized_start=1777
+  _globals['_LEAVEREQUEST']._serialized_end=1810
+  _globals['_LEAVEREPLY']._serialized_start=1812
+  _globals['_LEAVEREPLY']._serialized_end=1824
+  _globals['_STATUSREQUEST']._serialized_start=1826
+  _globals['_STATUSREQUEST']._serialized_end=1841
+  _globals['_WORKERSTATUS']._serialized_start=1844
+  _globals['_WORKERSTATUS']._serialized_end=2072
+  _globals['_STATUSREPLY']._serialized_start=2075
+  _globals['_STATUSREPLY']._serialized_end=2564
+  _globals['_QUORUMREQUEST']._serialized_start=2566
+  _globals['_QUORUMREQUEST']._serialized_end=2657
+  _globals['_QUORUMREPLY']._serialized_start=2660
+  _globals['_QUORUMREPLY']._serialized_end=2854
+  _globals['_COMMITREQUEST']._serialized_start=2857
+  _globals['_COMMITREQUEST']._serialized_end=3029
+  _globals['_COMMITREPLY']._serialized_start=3031
+  _globals['_COMMITREPLY']._serialized_end=3111
+  _globals['_PARAMETERSERVER']._serialized_start=3337
+  _globals['_PARAMETERSERVER']._serialized_end=3908
 # @@protoc_insertion_point(module_scope)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import zlib
 
 import torch
 
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.tensors import num_chunks_for
+from asyncdiloco.tensors import crc32c_extend, num_chunks_for
 from asyncdiloco.wire import encode_chunk
 
 
@@ -96,14 +95,14 @@ class Snapshot:
     Attributes:
         version: the global version.
         total_bytes: payload size in bytes (the manifest's layout).
-        crc32: CRC-32 of the payload.
+        crc32c: CRC-32C of the payload.
         messages: the serialised ``PullMessage(chunk=...)`` of each chunk, in order.
         data_offsets: where the payload bytes start inside each message.
     """
 
     version: int
     total_bytes: int
-    crc32: int
+    crc32c: int
     messages: tuple[bytes, ...]
     data_offsets: tuple[int, ...]
 
@@ -132,11 +131,11 @@ def frame_snapshot(payload: torch.Tensor, chunk_bytes: int) -> tuple[tuple[bytes
 
 
 def seal_snapshot(version: int, framed: tuple[tuple[bytes, ...], tuple[int, ...]]) -> Snapshot:
-    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32 pass over their
+    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32C pass over their
     payload bytes (no lock needed: the messages are private)."""
     messages, offsets = framed
     crc = 0
     for msg, start in zip(messages, offsets):
-        crc = zlib.crc32(memoryview(msg)[start:], crc)
+        crc = crc32c_extend(crc, memoryview(msg)[start:])
     total = sum(len(m) - o for m, o in zip(messages, offsets))
-    return Snapshot(version, total, crc & 0xFFFFFFFF, messages, offsets)
+    return Snapshot(version, total, crc, messages, offsets)
