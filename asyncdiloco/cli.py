@@ -70,6 +70,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-payload-bytes", type=int, default=d.max_payload_bytes, help="largest model accepted, bytes (default %(default)s)")
     p.add_argument("--max-abs-value", type=float, default=d.max_abs_value, help="refuse pushed values larger in magnitude (default %(default)g)")
     p.add_argument("--receive-buffer-mib", type=float, default=d.receive_buffer_bytes / 2**20, help="MiB of push receive buffers in use at once; more pushes wait (default %(default)g)")
+    p.add_argument("--pull-snapshots", type=int, default=d.pull_snapshots, help="most model versions encoded for pulls at once, one payload of memory each (default %(default)s)")
     p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
 
@@ -133,6 +134,7 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         max_payload_bytes=args.max_payload_bytes,
         max_abs_value=args.max_abs_value,
         receive_buffer_bytes=int(args.receive_buffer_mib * 2**20),
+        pull_snapshots=args.pull_snapshots,
         durability=durability,
         security=security,
         mode=args.mode,
@@ -371,6 +373,7 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--max-payload-bytes", str(args.max_payload_bytes),
         "--max-abs-value", str(args.max_abs_value),
         "--receive-buffer-mib", str(args.receive_buffer_mib),
+        "--pull-snapshots", str(args.pull_snapshots),
         *(("--dylu",) if args.dylu else ()),
         "--mode", args.mode,
         "--min-workers", str(args.min_workers),

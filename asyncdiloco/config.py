@@ -211,6 +211,9 @@ class ServerConfig:
     #: Bytes of receive buffers that pushes in flight may hold at once (one push is always
     #: admitted); the others wait, so server memory does not grow with the number of workers.
     receive_buffer_bytes: int = 64 * 1024**2
+    #: Most versions of the model encoded for pulls at once (each costs one payload of
+    #: memory); with 1, a pull of a new version waits for the pulls of the previous one.
+    pull_snapshots: int = 2
     #: Staleness histogram buckets; the last bucket counts every larger τ.
     histogram_buckets: int = 32
     #: Dynamic Local Updates (Liu et al. 2024, Eq. 6): tell each worker H_w = ⌊v_w/max v · H⌋
@@ -252,6 +255,7 @@ class ServerConfig:
         _require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
         _require(self.receive_buffer_bytes >= 0, "receive_buffer_bytes", self.receive_buffer_bytes,
                  "must be >= 0 bytes (0 still admits one push at a time)")  # fmt: skip
+        _require(self.pull_snapshots >= 1, "pull_snapshots", self.pull_snapshots, "must be >= 1 version")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
         _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
 

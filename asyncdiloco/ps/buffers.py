@@ -139,3 +139,74 @@ def seal_snapshot(version: int, framed: tuple[tuple[bytes, ...], tuple[int, ...]
         crc = crc32c_extend(crc, memoryview(msg)[start:])
     total = sum(len(m) - o for m, o in zip(messages, offsets))
     return Snapshot(version, total, crc, messages, offsets)
+
+
+class PullSnapshots:
+    """The snapshots pulls are served from, at most ``max_snapshots`` versions in memory.
+
+    The newest snapshot is *published*; each pull registers as a reader of the snapshot
+    it streams (``acquire_*``) and unregisters when done (``release``), so an older
+    snapshot lives exactly as long as pulls still stream it. A new snapshot is built only
+    when there is room: (versions still being read) + 1 ≤ ``max_snapshots``.
+
+    Args:
+        max_snapshots: most snapshot versions alive at once (>= 1). Each costs one
+            payload of memory; with 1, a pull of a new version waits for the pulls of
+            the previous one to finish.
+    """
+
+    def __init__(self, max_snapshots: int) -> None:
+        self.max_snapshots = max_snapshots
+        self._cond = threading.Condition()
+        self._published: Snapshot | None = None
+        self._readers: dict[int, int] = {}  # version -> pulls streaming it
+        #: A pull came since the last snapshot was built: the next apply should build one.
+        self.wanted = False
+
+    def _reading_versions(self) -> int:
+        return sum(1 for n in self._readers.values() if n > 0)
+
+    def has_room(self) -> bool:
+        """True when one more snapshot may be built now."""
+        with self._cond:
+            return self._reading_versions() + 1 <= self.max_snapshots
+
+    def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds until ``has_room``; False if it never came."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._reading_versions() + 1 <= self.max_snapshots, timeout_s)
+
+    def acquire_if(self, version: int | None) -> Snapshot | None:
+        """The published snapshot, registered as read by the caller, if it is of
+        ``version`` (any version when None); else None. Marks snapshots as wanted."""
+        with self._cond:
+            self.wanted = True
+            snap = self._published
+            if snap is None or (version is not None and snap.version != version):
+                return None
+            self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+            return snap
+
+    def publish(self, snap: Snapshot, *, acquire: bool = False) -> None:
+        """Make ``snap`` the newest (ignored if an even newer one is published); the
+        previous one lives on only while pulls still read it."""
+        with self._cond:
+            if self._published is None or self._published.version < snap.version:
+                self._published = snap
+            self.wanted = acquire  # built for a pull: pulls are coming, the next apply builds its own
+            if acquire:
+                self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+
+    def release(self, snap: Snapshot) -> None:
+        """A pull of ``snap`` finished (or was cancelled)."""
+        with self._cond:
+            n = self._readers.get(snap.version, 0) - 1
+            if n > 0:
+                self._readers[snap.version] = n
+            else:
+                self._readers.pop(snap.version, None)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._published = None

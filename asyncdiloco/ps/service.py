@@ -46,6 +46,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         )
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
+        snap = payload = None
         try:
             if request.sync_state:
                 if not self.state.sync_mode:
@@ -53,10 +54,17 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 version, payload = self.state.sync_state()
                 crc, total, messages = crc32c_of(payload), payload.numel(), None
             else:  # the snapshot's chunk messages are encoded once per version and shared
-                snap = self.state.snapshot()
+                snap = self.state.acquire_snapshot()
                 version, crc, total, messages = snap.version, snap.crc32c, snap.total_bytes, snap.messages
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
+        try:
+            yield from self._stream_pull(request, version, crc, total, messages, payload)
+        finally:  # also when the client cancels: the snapshot may then be freed
+            if snap is not None:
+                self.state.release_snapshot(snap)
+
+    def _stream_pull(self, request, version, crc, total, messages, payload):
         chunk_bytes = self.state.config.chunk_bytes
         yield pb.PullMessage(
             header=pb.PullHeader(

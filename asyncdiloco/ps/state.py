@@ -61,7 +61,7 @@ from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, st
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.ps.buffers import ReceivePool, Snapshot, frame_snapshot, seal_snapshot
+from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, Snapshot, frame_snapshot, seal_snapshot
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32c_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 _PUSH_MEMORY = 256
 #: Seconds a push waits for a free receive buffer before it is refused (ServerBusyError).
 _RECEIVE_WAIT_S = 30.0
+#: Seconds a pull waits for pulls of older versions to finish (room for a new snapshot)
+#: before it is served the newest snapshot there is, of an older version.
+_SNAPSHOT_WAIT_S = 10.0
 
 __all__ = ["ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
 
@@ -125,13 +128,12 @@ class ParameterServerState:
         self._snapshot_lock = threading.Lock()
         self._receive_pool = ReceivePool(config.receive_buffer_bytes)
         self._pack_scratch: torch.Tensor | None = None  # θ packed to the manifest's dtypes
-        self._snapshot_wanted = False  # a pull came since the last snapshot: build the next eagerly
+        self._snapshots = PullSnapshots(config.pull_snapshots)
         self.manifest: Manifest | None = None
         self.params: torch.Tensor | None = None  # θ, float32 (N,)
         self.outer: OuterOptimizer | None = None
         self.version = 0
         self._initializer: int | None = None  # worker id told to push initial parameters
-        self._snapshot: Snapshot | None = None
         self._workers: dict[int, WorkerRecord] = {}
         self._next_worker_id = 1
         self.applied_pushes = 0
@@ -315,12 +317,16 @@ class ParameterServerState:
         return rec
 
     # ------------------------------------------------------------------ pull
-    def snapshot(self) -> Snapshot:
-        """The newest global parameters, encoded once per version and shared by all pulls.
+    def acquire_snapshot(self) -> Snapshot:
+        """The newest global parameters, encoded once per version and shared by all
+        pulls; pair every call with ``release_snapshot`` when the pull ends.
 
         While pulls keep coming, the apply that makes a version encodes its snapshot, so
-        this returns at once; after a quiet spell the first pull encodes it here (and may
-        wait for one apply in progress).
+        this returns at once. Otherwise the pull encodes it here (it may wait for one
+        apply in progress). At most ``ServerConfig.pull_snapshots`` versions stay in
+        memory: when pulls of older versions fill them, this waits up to
+        ``_SNAPSHOT_WAIT_S`` for them to finish, then serves the newest snapshot there is
+        (an older version, which the pull header says).
 
         Raises:
             NotInitializedError: no worker has pushed the initial parameters yet.
@@ -330,21 +336,31 @@ class ParameterServerState:
                 raise NotInitializedError(
                     "not initialized: no worker has pushed the initial parameters yet; retry shortly"
                 )
-            self._snapshot_wanted = True
-            snap = self._snapshot
-            if snap is not None and snap.version == self.version:
-                return snap
+            version = self.version
+        snap = self._snapshots.acquire_if(version)
+        if snap is not None:
+            return snap
         with self._snapshot_lock:  # one builder at a time; the others reuse its result
+            with self._lock:
+                version = self.version
+            snap = self._snapshots.acquire_if(version)
+            if snap is not None:
+                return snap
+            if not self._snapshots.wait_for_room(_SNAPSHOT_WAIT_S):
+                snap = self._snapshots.acquire_if(None)
+                if snap is not None:
+                    log.info("pull served version %d: older pulls still hold every snapshot slot", snap.version)
+                    return snap
             with self._apply_lock:
                 with self._lock:
-                    snap, version = self._snapshot, self.version
-                if snap is not None and snap.version == version:
-                    return snap
+                    version = self.version
                 snap = seal_snapshot(version, self._frame_snapshot_applylocked())
-            with self._lock:
-                if self._snapshot is None or self._snapshot.version < snap.version:
-                    self._snapshot = snap
+                self._snapshots.publish(snap, acquire=True)
             return snap
+
+    def release_snapshot(self, snap: Snapshot) -> None:
+        """A pull of ``snap`` (from ``acquire_snapshot``) ended, completed or not."""
+        self._snapshots.release(snap)
 
     def _frame_snapshot_applylocked(self):
         """θ in the manifest's wire layout, copied into chunk messages (``_apply_lock`` held)."""
@@ -485,15 +501,15 @@ class ParameterServerState:
                 live = sum(r.alive for r in self._workers.values())  # N for delayed_nesterov with dn_buffer=0
                 if self.journal is not None:  # durable before it is applied and acknowledged
                     self.journal.log_push(header, payload, tau, weight, version_after, live)
-                snapshot_wanted = self._snapshot_wanted
             self._apply_delta(header, delta, weight, live)  # the tensor math: _lock is free meanwhile
             snap = None
-            if snapshot_wanted and header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:  # pulls will follow
+            pulls_follow = self._snapshots.wanted and header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT
+            if pulls_follow and self._snapshots.has_room():  # encode it now: the pulls will not wait
                 snap = seal_snapshot(version_after, self._frame_snapshot_applylocked())
             with self._lock:
                 outcome = self._record_push_locked(rec, header, tau, weight)
                 if snap is not None:
-                    self._snapshot, self._snapshot_wanted = snap, False
+                    self._snapshots.publish(snap)
                 if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
                     self._rates.record(header.worker_id, header.num_local_steps, self._clock())
                     outcome = dataclasses.replace(outcome, local_steps=self._local_steps_locked(header.worker_id))
@@ -845,7 +861,7 @@ class ParameterServerState:
                     rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
                 self._workers[rec.worker_id] = rec
                 self._rates.start(rec.worker_id, now)
-            self._snapshot = None
+            self._snapshots.clear()
 
     def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
         """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
@@ -889,4 +905,4 @@ class ParameterServerState:
                 )
             self._apply_delta(header, delta, weight, num_workers)
             self._record_push_locked(rec, header, tau, weight)
-            self._snapshot = None
+            self._snapshots.clear()
