@@ -2,9 +2,11 @@
 
 - ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
   ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.2).
-- ``peak_rss``: server peak RSS growth while 8 workers push at once (each then pulls)
-  ÷ (parameters + momentum) bytes (target ≤ 2.0). Growth = peak VmHWM during the pushes
-  − RSS of the idle server process before the model arrived.
+- ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
+  momentum) bytes (target ≤ 2.0); once with pushes only, once with each worker pulling
+  right after its push, as workers do. Growth = peak VmHWM during the pushes − RSS of
+  the idle server process before the model arrived. By design the server holds θ, m,
+  the receive budget (at least one payload) and up to --pull-snapshots encoded versions.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
   (2 processes × 8 threads) (target ≥ 200).
 
@@ -111,7 +113,9 @@ def bench_push_rate(numel: int, procs: int, threads: int, seconds: float) -> dic
     return {"pushes_applied": applied, "versions": v1 - v0, "wall_s": wall, "pushes_per_s": (v1 - v0) / wall}
 
 
-def bench_peak_rss(n_bytes: int, pushers: int) -> dict:
+def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool) -> dict:
+    """Peak server RSS growth while ``pushers`` workers push at once (each then pulls
+    when ``then_pull``), over the RSS of the idle server before the model arrived."""
     numel = n_bytes // 4
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
     with server_process("--outer-optimizer", "nesterov") as (proc, address):
@@ -120,14 +124,16 @@ def bench_peak_rss(n_bytes: int, pushers: int) -> dict:
         clients = [_join_and_init(address, manifest, f"w{k}") for k in range(pushers)]
         payload = manifest.pack([torch.full((numel,), 1e-6)])
         clients[0][0].push(payload, worker_id=clients[0][1], push_id=2, base_version=0)  # momentum allocated
+        steady = rss_bytes(proc.pid)
         reset_peak_rss(proc.pid)
         barrier = threading.Barrier(pushers)
 
-        def push(k: int) -> None:  # as workers do: push, then pull the new global model
+        def push(k: int) -> None:
             client, wid = clients[k]
             barrier.wait()
             client.push(payload, worker_id=wid, push_id=3, base_version=1)
-            client.pull(manifest, wid)
+            if then_pull:  # as workers do: push, then pull the new global model
+                client.pull(manifest, wid)
 
         ts = [threading.Thread(target=push, args=(k,)) for k in range(pushers)]
         for t in ts:
@@ -138,7 +144,8 @@ def bench_peak_rss(n_bytes: int, pushers: int) -> dict:
         for c, _ in clients:
             c.close()
     state = 2 * n_bytes  # parameters + momentum, fp32
-    return {"idle_rss_mib": idle / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
+    return {"pattern": "push, then pull" if then_pull else "push", "pushers": pushers, "idle_rss_mib": idle / MIB,
+            "after_one_push_mib": steady / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
             "ratio": (peak - idle) / state}  # fmt: skip
 
 
@@ -159,9 +166,10 @@ def main() -> None:
                   "target": 1.2, **r}, args.out)  # fmt: skip
     if args.only in (None, "peak_rss"):
         for n in sizes:
-            r = bench_peak_rss(n, pushers=8)
-            emit({"bench": "server", "measure": "peak RSS growth / (params + momentum), 8 pushers",
-                  "model_mib": n / MIB, "target": 2.0, **r}, args.out)  # fmt: skip
+            for then_pull in (False, True):
+                r = bench_peak_rss(n, pushers=8, then_pull=then_pull)
+                emit({"bench": "server", "measure": "peak RSS growth / (params + momentum), 8 pushers",
+                      "model_mib": n / MIB, "target": 2.0, **r}, args.out)  # fmt: skip
     if args.only in (None, "push_rate"):
         r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds)
         emit({"bench": "server", "measure": "pushes applied per second, 1M params, 16 workers",
