@@ -301,6 +301,23 @@ def codec_for(run_config, manifest: Manifest) -> WireCodec:
     return make_codec(run_config.wire_codec, manifest, run_config.codec_block_size)
 
 
+def wire_bytes_for(run_config, manifest: Manifest) -> int:
+    """Payload bytes of ``manifest`` under the codec a ``RunConfig`` dictates (what
+    ``codec_for(...).wire_bytes`` says, without building the codec).
+
+    Raises:
+        InvalidPayloadError: an unknown codec name or block size.
+    """
+    name, block = run_config.wire_codec or "raw", run_config.codec_block_size or DEFAULT_BLOCK_SIZE
+    if name == "raw":
+        return manifest.total_bytes
+    if name == "bf16":
+        return 2 * manifest.numel
+    if name == "int8" and 1 <= block <= MAX_BLOCK_SIZE:
+        return 4 * -(-manifest.numel // block) + manifest.numel
+    return make_codec(name, manifest, block).wire_bytes  # raises for a bad name or block size
+
+
 class DecodeBuffers:
     """A small pool of fp32 (N,) buffers for decoded pseudo-gradients on the server:
     one per push being decoded at the same time, reused across pushes (fresh whole-model
