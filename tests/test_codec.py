@@ -191,8 +191,8 @@ def test_a_push_of_the_wrong_size_is_refused_and_changes_nothing():
     wid = initialize(state, torch.randn(100))
     before = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
     raw = state.manifest.pack_flat(torch.full((100,), 1e-3))  # a raw push to an int8 server
-    with pytest.raises(InvalidPayloadError, match=r"total_bytes is 400; a pseudo-gradient in this run's wire codec "
-                                                  r"int8 \(block_size 16\) \(raw would be 400 bytes\).* is 128 bytes"):
+    with pytest.raises(InvalidPayloadError, match=r"total_bytes is 400; the model's payload is 128 bytes encoded with "
+                                                  r"this run's wire codec int8 \(block_size 16\) \(raw: 400 bytes\)"):
         state.push(raw, worker_id=wid, push_id=2, base_version=state.version)
     after = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]

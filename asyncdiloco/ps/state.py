@@ -426,18 +426,17 @@ class ParameterServerState:
             for name in ("num_local_steps", "num_tokens"):
                 if getattr(header, name) < 0:
                     raise InvalidPayloadError(f"{name} is {getattr(header, name)}; it must be >= 0")
-            total, what = self.manifest.total_bytes, "the model's payload"
+            total, what = self.manifest.total_bytes, "(see the manifest from Join)"
             if header.kind == pb.PUSH_KIND_ROUND_RESULT:
                 total = self.manifest.numel * 4  # float32 Δ̄, whatever the model's dtypes
             elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self.config.wire_codec != "raw":
                 codec = self._wire_codec()
                 total = codec.wire_bytes
-                what = (f"a pseudo-gradient in this run's wire codec {codec.describe()} (raw would be "
-                        f"{self.manifest.total_bytes} bytes); encode it with RunConfig.wire_codec from Join, and")
+                what = (f"encoded with this run's wire codec {codec.describe()} (raw: {self.manifest.total_bytes} "
+                        f"bytes); encode pushes with the codec in RunConfig.wire_codec from Join")
         if header.total_bytes != total:
             raise InvalidPayloadError(
-                f"total_bytes is {header.total_bytes}; {what} is {total} bytes "
-                f"(see the manifest from Join)"
+                f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
             )
         return PayloadAssembler(
             total_bytes=header.total_bytes,
