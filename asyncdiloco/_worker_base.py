@@ -3,7 +3,8 @@
 ``WorkerBase`` owns the plumbing around the user's model and inner optimizer: the
 post-step hook that counts inner steps and calls ``sync()`` every H of them, joining
 with retries (and taking over initialization from an initializer that vanished), the
-heartbeat thread, copies between the model and flat fp32 vectors, and the context
+heartbeat thread, copies between the model and flat fp32 vectors, the wire codec the
+server dictates (``_encode_delta`` / ``_decode_payload``, codec.py), and the context
 manager. ``AsyncDiLoCoWorker`` (worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py)
 add what a sync point does.
 """
@@ -19,6 +20,7 @@ from torch import nn
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.config import WorkerConfig
 from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
 from asyncdiloco.tensors import Manifest
@@ -46,6 +48,10 @@ class WorkerBase:
         self.manifest = Manifest.from_module(model)
         self._params = [p for _, p in model.named_parameters()]
         self._on_cuda = any(p.is_cuda for p in self._params)
+        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
+        self.codec: WireCodec = make_codec("raw", self.manifest)
+        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
+        self._pull_wire: torch.Tensor | None = None
         self.client = ParameterServerClient(
             config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
             security=config.security,
@@ -161,6 +167,7 @@ class WorkerBase:
             raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
         self.worker_id = reply.worker_id
         self._must_initialize = reply.initialize
+        self._set_codec(reply.run_config)
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
         return reply
@@ -227,6 +234,59 @@ class WorkerBase:
                 p.copy_(t.view(p.shape), non_blocking=p.is_cuda)
         if self._on_cuda:
             torch.cuda.synchronize()
+
+    # ---------------------------------------------------------- wire codec
+    def _set_codec(self, run_config: pb.RunConfig) -> None:
+        """Adopt the wire codec ``run_config`` dictates; the wire buffers follow its size."""
+        codec = codec_for(run_config, self.manifest)
+        if (codec.name, codec.wire_bytes) != (self.codec.name, self.codec.wire_bytes):
+            log.info("wire codec %s: %d bytes per push/pull (raw: %d)", codec.describe(), codec.wire_bytes,
+                     self.manifest.total_bytes)
+            self.codec = codec
+            self._push_wire = self._pull_wire = None
+
+    def _wire_buffer(self, which: str) -> torch.Tensor:
+        """The reusable ``"push"`` or ``"pull"`` payload buffer: uint8 (codec.wire_bytes,),
+        pinned when the model is on CUDA."""
+        name = f"_{which}_wire"
+        buf = getattr(self, name)
+        if buf is None:
+            buf = torch.empty(self.codec.wire_bytes, dtype=torch.uint8, pin_memory=self._on_cuda)
+            setattr(self, name, buf)
+        return buf
+
+    def _encode_delta(self, delta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode a pseudo-gradient for a push with the server's wire codec.
+
+        Args:
+            delta: Δ = θ_base − θ_local, float32 (N,) CPU.
+            out: uint8 (codec.wire_bytes,) to write; default the worker's push buffer
+                (which the next call overwrites).
+        Returns:
+            The payload (``out``).
+        Raises:
+            InvalidPayloadError: Δ holds non-finite values (or ones the codec cannot represent).
+        """
+        return self.codec.encode(delta, self._wire_buffer("push") if out is None else out)
+
+    def _decode_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Decode a push payload (exactly what the server received) or a pulled one.
+
+        Args:
+            payload: uint8 (codec.wire_bytes,) CPU.
+            out: float32 (N,) CPU to write.
+        Returns:
+            ``out``.
+        """
+        return self.codec.decode(payload, out)
+
+    def _flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat fp32 (N,) vector, in manifest order."""
+        views, pos = [], 0
+        for p in self._params:
+            views.append(flat[pos : pos + p.numel()])
+            pos += p.numel()
+        return views
 
     # ------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:

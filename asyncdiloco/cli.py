@@ -31,6 +31,7 @@ from asyncdiloco.config import (
     SyncWorkerConfig,
     WorkerConfig,
 )
+from asyncdiloco.codec import WIRE_CODECS
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 log = logging.getLogger("asyncdiloco.cli")
@@ -73,6 +74,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pull-snapshots", type=int, default=d.pull_snapshots, help="most model versions encoded for pulls at once, one payload of memory each (default %(default)s)")
     p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
+    p.add_argument("--wire-codec", choices=WIRE_CODECS, default=d.wire_codec,
+                   help="encoding of pushes and pulls: raw, bf16 (half the bytes, relative error <= 2^-8) or int8 "
+                        "(block-wise absmax, ~a quarter, error <= block absmax/254); async only (default %(default)s)")
+    p.add_argument("--codec-block-size", type=int, default=d.codec_block_size,
+                   help="int8: elements per absmax block (default %(default)s)")
 
 
 #: The demo's outer settings. DiLoCo's synchronous defaults (η=0.7, μ=0.9, constant
@@ -139,6 +145,8 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         security=security,
         mode=args.mode,
         sync=sync,
+        wire_codec=args.wire_codec,
+        codec_block_size=args.codec_block_size,
     )
 
 
@@ -380,6 +388,8 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--join-timeout-s", str(args.join_timeout_s),
         "--round-timeout-s", str(args.round_timeout_s),
         "--sync-weighting", args.sync_weighting,
+        "--wire-codec", args.wire_codec,
+        "--codec-block-size", str(args.codec_block_size),
     )  # fmt: skip
 
 

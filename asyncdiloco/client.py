@@ -18,6 +18,7 @@ import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.codec import wire_bytes_for
 from asyncdiloco.config import ClientSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
@@ -30,7 +31,9 @@ _MIB = 1024 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class Pulled:
-    """Result of a pull: the global parameters at ``version`` as a uint8 payload."""
+    """Result of a pull: the global parameters at ``version`` as a uint8 payload, encoded
+    with the wire codec of ``run_config`` (decode with ``codec.codec_for(run_config,
+    manifest)``; sync-state pulls are raw fp32)."""
 
     version: int
     payload: torch.Tensor
@@ -132,24 +135,34 @@ class ParameterServerClient:
                           manifest.numel * 4 * (2 if with_momentum else 1), None)  # fmt: skip
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
-        """Stream the newest global parameters into ``buffer`` (or a new uint8 tensor).
+        """Stream the newest global parameters, encoded with the server's wire codec (the
+        header's RunConfig), into ``buffer`` (or a new uint8 tensor when ``buffer`` is
+        None or not of the encoded size).
 
         Raises:
             NotInitializedError: no initial parameters yet. InvalidPayloadError: the
             stream was malformed or corrupted. ServerUnavailableError: connection lost.
         """
-        return self._pull(pb.PullRequest(worker_id=worker_id), manifest.total_bytes, buffer)
+        return self._pull(pb.PullRequest(worker_id=worker_id), None, buffer, manifest)
 
-    def _pull(self, request: pb.PullRequest, total: int, buffer: torch.Tensor | None) -> Pulled:
+    def _pull(self, request: pb.PullRequest, total: int | None, buffer: torch.Tensor | None,
+              manifest: Manifest | None = None) -> Pulled:  # fmt: skip
+        """``total`` None: the size the header's wire codec gives ``manifest``."""
         try:
-            stream = self._pull_stream(request, timeout=self._payload_timeout(total), metadata=self._metadata)
+            deadline_bytes = total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
+            stream = self._pull_stream(request, timeout=self._payload_timeout(deadline_bytes), metadata=self._metadata)
             first = next(stream, None)
             if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
             header = first.header
+            if total is None:
+                total = wire_bytes_for(header.run_config, manifest)
+                if buffer is not None and buffer.numel() != total:
+                    buffer = None  # the server's codec is not the one the buffer was sized for
             if header.total_bytes != total:
                 raise InvalidPayloadError(
-                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes"
+                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes "
+                    f"(wire codec {header.run_config.wire_codec or 'raw'!r})"
                 )
             chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
             assembler = PayloadAssembler(

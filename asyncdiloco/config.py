@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 
+from asyncdiloco.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
@@ -230,6 +231,13 @@ class ServerConfig:
     mode: str = "async"
     #: Sync mode settings (ignored in async mode).
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    #: Encoding of pseudo-gradient pushes and pulls on the wire (codec.py): "raw" (each
+    #: parameter in its dtype), "bf16" (2 bytes/element, relative error ≤ 2^-8) or "int8"
+    #: (block-wise absmax: 1 byte/element + 4 bytes/block, error ≤ absmax_block/254).
+    #: Master weights and momentum stay fp32. Async mode only.
+    wire_codec: str = "raw"
+    #: int8: elements per absmax block (ignored by raw and bf16).
+    codec_block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
@@ -258,6 +266,16 @@ class ServerConfig:
         _require(self.pull_snapshots >= 1, "pull_snapshots", self.pull_snapshots, "must be >= 1 version")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
         _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
+        _require(self.wire_codec in WIRE_CODECS, "wire_codec", self.wire_codec, f"choose one of {WIRE_CODECS}")
+        _require(
+            1 <= self.codec_block_size <= MAX_BLOCK_SIZE, "codec_block_size", self.codec_block_size,
+            f"must be in [1, {MAX_BLOCK_SIZE}] elements per int8 block (default {DEFAULT_BLOCK_SIZE}; multiples of 64 are fastest)",
+        )  # fmt: skip
+        _require(
+            self.mode == "async" or self.wire_codec == "raw", "wire_codec", self.wire_codec,
+            "sync mode moves exact fp32 state (allreduce, round results, healing pulls): use --wire-codec raw "
+            "with --mode sync, or --mode async to compress pushes and pulls",
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

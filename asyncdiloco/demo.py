@@ -29,6 +29,7 @@ import time
 import torch
 
 from asyncdiloco.client import ParameterServerClient
+from asyncdiloco.codec import codec_for
 from asyncdiloco.dataset import CharCorpus
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.job import JobConfig
@@ -114,9 +115,12 @@ class _Evaluator:
 
     def evaluate_global(self) -> tuple[int, float]:
         pulled = self.client.pull(self.manifest)
+        flat = codec_for(pulled.run_config, self.manifest).decode(pulled.payload, torch.empty(self.manifest.numel))
         with torch.no_grad():
-            for p, t in zip(self.model.parameters(), self.manifest.unpack(pulled.payload)):
-                p.copy_(t)
+            pos = 0
+            for p in self.model.parameters():
+                p.copy_(flat[pos : pos + p.numel()].view(p.shape))
+                pos += p.numel()
         return pulled.version, evaluate(self.model, self.batches)
 
 

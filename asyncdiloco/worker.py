@@ -24,6 +24,14 @@ same ``push_id`` (the server applies it at most once); once a push is acknowledg
 a residual and never counted twice. A push refused as too stale is dropped and the
 worker restarts from the global model. An expired lease triggers a rejoin.
 
+Wire codec (codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
+and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
+Because θ_base is lowered by decode(encode(Δ)), exactly what the server received, the
+quantisation error stays in θ_base − θ_local and is pushed next round: error feedback
+for free (Seide et al. 2014; Karimireddy et al. 2019, arXiv 1901.09847). With bf16 or
+int8 it also survives the pull: the model is loaded with θ_pulled − (θ_base − θ_local),
+so a value too small to register in its block (int8) still accumulates until it does.
+
 Device handling: parameters may live on any device; the worker keeps θ_base and its
 buffers as fp32 on the CPU (pinned when the model is on CUDA) and copies explicitly.
 """
@@ -111,8 +119,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         on_cuda, n = self._on_cuda, self.manifest.numel
         self._base = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_base, (N,) fp32
         self._scratch = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_local, then Δ
-        self._payload = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
-        self._pull_buffer = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, pin_memory=on_cuda)
+        self._payload: torch.Tensor | None = None  # the encoded pending push (the base's push buffer)
+        self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self.stats = WorkerStats()
         self.version = 0  # the version θ_base was pulled at
         self._next_push_id = 1
@@ -133,7 +141,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             self._copy_model_into(self._base)
             self._send_payload(
-                self.manifest.pack_flat(self._base, out=self._payload),
+                self.manifest.pack_flat(self._base),  # always raw, exact
                 pending=_PendingPush(push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
                 kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
             )
@@ -188,7 +196,7 @@ class AsyncDiLoCoWorker(WorkerBase):
                     f"worker {self.worker_id}: the pseudo-gradient holds non-finite values after "
                     f"{self._steps_since_sync} inner steps; the local model diverged: lower the inner learning rate"
                 )
-            self.manifest.pack_flat(delta, out=self._payload)
+            self._payload = self._encode_delta(delta)
             self._pending = _PendingPush(
                 push_id=self._next_push_id,
                 base_version=self.version,
@@ -205,6 +213,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             reply = self._send_payload(self._payload, pending=pending)
         except StalePushError as exc:
             self._pending = None
+            self._carry_residual = False  # Δ is dropped: restart from the global model
             self.stats.pushes_refused += 1
             log.warning("push %d refused (%s); restarting from the global model", pending.push_id, exc)
             return
@@ -214,7 +223,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._pending = None
         # The server now holds this Δ: lower θ_base by exactly what it received, so
         # steps taken before the next successful pull are pushed later as a residual.
-        self._base.sub_(self.manifest.unpack_flat(self._payload, out=self._scratch))
+        self._base.sub_(self._decode_payload(self._payload, self._scratch))
+        self._carry_residual = self.codec.name != "raw"
         self.stats.pushes_applied += 1
         self.stats.staleness.append(reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
@@ -236,9 +246,17 @@ class AsyncDiLoCoWorker(WorkerBase):
         return reply
 
     def _pull_and_load(self) -> None:
-        pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._pull_buffer)
-        self._load_into_model(self.manifest.unpack(pulled.payload))
-        self.manifest.unpack_flat(pulled.payload, out=self._base)
+        pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
+        self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
+        if self._carry_residual:  # keep what the server has not received (θ_base − θ_local)
+            self._copy_model_into(self._scratch)
+            torch.sub(self._base, self._scratch, out=self._scratch)  # residual, (N,)
+        self._decode_payload(pulled.payload, self._base)
+        if self._carry_residual:
+            self._load_into_model(self._flat_views(torch.sub(self._base, self._scratch, out=self._scratch)))
+            self._carry_residual = False
+        else:
+            self._load_into_model(self._flat_views(self._base))
         self.version = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self._steps_since_sync = 0
@@ -249,3 +267,4 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _forget_unsent(self) -> None:
         self._pending = None  # not applied (the server did not know this worker): Δ is recomputed
+        self._carry_residual = False

@@ -15,6 +15,13 @@ encoded chunk messages of one version); while pulls are coming in, each apply en
 the next snapshot before it publishes its version, so a pull never waits for an apply
 and never mixes two versions.
 
+Wire codec (codec.py, ``ServerConfig.wire_codec``): pseudo-gradient pushes arrive
+encoded (raw, bf16 or block-wise int8) and are decoded to an fp32 Δ before the lock is
+taken, into a buffer from a small pool; pulls are served from θ encoded once per version
+(under the apply lock, into a reused buffer, then copied into the snapshot). Initial
+parameters, round results and sync-state pulls stay raw. θ, momentum and every outer
+step stay fp32 whatever the codec.
+
 Push semantics (Liu et al. 2024, arXiv 2401.09135, Sec. 3; staleness weights in
 outer.py): a pseudo-gradient with base version v arriving at version V has staleness
 τ = V − v; it is refused when τ > max_staleness or v > V, otherwise applied at once and
@@ -46,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.codec import DecodeBuffers, WireCodec, make_codec
 from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import (
     CheckpointError,
@@ -134,6 +142,8 @@ class ParameterServerState:
         self.outer: OuterOptimizer | None = None
         self.version = 0
         self._initializer: int | None = None  # worker id told to push initial parameters
+        self._codec: WireCodec | None = None  # for the current manifest (see _wire_codec)
+        self._decode_buffers: DecodeBuffers | None = None
         self._workers: dict[int, WorkerRecord] = {}
         self._next_worker_id = 1
         self.applied_pushes = 0
@@ -191,7 +201,20 @@ class ParameterServerState:
             outer_optimizer=outer.optimizer,
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
+            wire_codec=self.config.wire_codec,
+            codec_block_size=self.config.codec_block_size,
         )
+
+    def _wire_codec(self) -> WireCodec:
+        """The run's wire codec for the current manifest (rebuilt if the provisional
+        manifest was replaced). Its decode is thread-safe; its encode is used only by the
+        snapshot builder, one at a time."""
+        codec = self._codec
+        if codec is None or codec.manifest is not self.manifest:
+            codec = make_codec(self.config.wire_codec, self.manifest, self.config.codec_block_size)
+            self._decode_buffers = DecodeBuffers(codec.numel)
+            self._codec = codec
+        return codec
 
     def mode_mismatch_error(self, what: str) -> ModeMismatchError:
         """The refusal for a request of the other mode; ``what`` names the request."""
@@ -364,12 +387,13 @@ class ParameterServerState:
 
     def _frame_snapshot_applylocked(self):
         """θ in the manifest's wire layout, copied into chunk messages (``_apply_lock`` held)."""
-        if self.manifest.all_float32:
+        if self.config.wire_codec == "raw" and self.manifest.all_float32:
             payload = self.params.view(torch.uint8)  # no intermediate copy
         else:
-            if self._pack_scratch is None:
-                self._pack_scratch = torch.empty(self.manifest.total_bytes, dtype=torch.uint8)
-            payload = self.manifest.pack_flat(self.params, out=self._pack_scratch)
+            codec = self._wire_codec()
+            if self._pack_scratch is None or self._pack_scratch.numel() != codec.wire_bytes:
+                self._pack_scratch = torch.empty(codec.wire_bytes, dtype=torch.uint8)
+            payload = codec.encode(self.params, self._pack_scratch)  # θ in the wire codec (raw: manifest dtypes)
         return frame_snapshot(payload, self.config.chunk_bytes)
 
     def record_pull(self, worker_id: int, num_bytes: int) -> None:
@@ -435,13 +459,17 @@ class ParameterServerState:
             for name in ("num_local_steps", "num_tokens"):
                 if getattr(header, name) < 0:
                     raise InvalidPayloadError(f"{name} is {getattr(header, name)}; it must be >= 0")
-            total = self.manifest.total_bytes
+            total, what = self.manifest.total_bytes, "(see the manifest from Join)"
             if header.kind == pb.PUSH_KIND_ROUND_RESULT:
                 total = self.manifest.numel * 4  # float32 Δ̄, whatever the model's dtypes
+            elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self.config.wire_codec != "raw":
+                codec = self._wire_codec()
+                total = codec.wire_bytes
+                what = (f"encoded with this run's wire codec {codec.describe()} (raw: {self.manifest.total_bytes} "
+                        f"bytes); encode pushes with the codec in RunConfig.wire_codec from Join")
         if header.total_bytes != total:
             raise InvalidPayloadError(
-                f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes "
-                f"(see the manifest from Join)"
+                f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
             )
         assembler_args = dict(
             total_bytes=header.total_bytes, num_chunks=header.num_chunks, crc32c=header.crc32c,
@@ -467,7 +495,8 @@ class ParameterServerState:
 
     def apply_push(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
         """Apply a complete, CRC-checked payload: the initial parameters, or a
-        pseudo-gradient with the outer optimizer weighted by its staleness.
+        pseudo-gradient (decoded with the run's wire codec, outside the lock) with the
+        outer optimizer weighted by its staleness.
 
         Raises:
             InvalidPayloadError: non-finite values.
@@ -477,7 +506,22 @@ class ParameterServerState:
         """
         if header.kind == pb.PUSH_KIND_ROUND_RESULT:
             return self._stage_round_result(header, payload)
-        delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
+        buffer = None
+        if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self.config.wire_codec != "raw":
+            codec = self._wire_codec()
+            buffer = self._decode_buffers.take()
+            delta = codec.decode(payload, buffer)  # (N,) fp32
+        else:
+            delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
+        try:
+            return self._apply_decoded(header, payload, delta)
+        finally:
+            if buffer is not None:
+                self._decode_buffers.give(buffer)
+
+    def _apply_decoded(self, header: pb.PushHeader, payload: torch.Tensor, delta: torch.Tensor) -> PushOutcome:
+        """Check and apply a decoded push: ``delta`` (N,) fp32 (used as scratch by the
+        outer step); ``payload`` is what the journal logs, as received."""
         largest = _largest_magnitude(delta)  # NaN/Inf propagate
         if not math.isfinite(largest):
             bad = int((~torch.isfinite(delta)).sum())
@@ -892,7 +936,7 @@ class ParameterServerState:
             CheckpointError: the log does not follow the state (unknown worker, or the
             version it produced does not follow).
         """
-        delta = self.manifest.unpack_flat(payload) if self.manifest is not None else None
+        delta = self._decode_logged(header, payload) if self.manifest is not None else None
         with self._apply_lock, self._lock:
             rec = self._workers.get(header.worker_id)
             initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
@@ -906,3 +950,21 @@ class ParameterServerState:
             self._apply_delta(header, delta, weight, num_workers)
             self._record_push_locked(rec, header, tau, weight)
             self._snapshots.clear()
+
+    def _decode_logged(self, header: pb.PushHeader, payload: torch.Tensor) -> torch.Tensor:
+        """A logged push's payload as fp32 (N,): pseudo-gradients with the run's codec.
+
+        Raises:
+            CheckpointError: the payload's size does not fit this run's codec.
+        """
+        codec = self._wire_codec() if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else None
+        expected = codec.wire_bytes if codec is not None else self.manifest.total_bytes
+        if payload.numel() != expected:
+            raise CheckpointError(
+                f"write-ahead log push {header.push_id} of worker {header.worker_id} holds {payload.numel()} bytes; "
+                f"this server's wire codec {self.config.wire_codec} expects {expected}: restart with the codec "
+                f"the log was written with, or restore the folder from a backup"
+            )
+        if codec is None or self.config.wire_codec == "raw":
+            return self.manifest.unpack_flat(payload)
+        return codec.decode(payload, torch.empty(codec.numel, dtype=torch.float32))

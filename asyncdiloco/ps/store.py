@@ -6,7 +6,8 @@ Mechanism (what survives ``kill -9`` at any moment):
    push) is appended to the current log segment and fsynced *before* it is applied in
    memory and acknowledged. A push record holds the push header, the staleness τ, the
    weight s(τ) and the live-worker count it was applied with, the version it produced,
-   and the raw payload bytes exactly as received, so replaying it runs the same fp32
+   and the payload bytes exactly as received (encoded with the run's wire codec, which
+   the record names), so replaying it decodes them and runs the same fp32
    operations in the same order and reproduces θ and the outer optimizer's state
    (momentum; Delayed Nesterov's buffer and arrival count) bit for bit. Each record carries a log
    sequence number (LSN) and a CRC-32; a torn record at the very end of the log (the
@@ -17,7 +18,7 @@ Mechanism (what survives ``kill -9`` at any moment):
    name (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``), saved with
    ``torch.save`` and read back with ``torch.load(weights_only=True)`` (no pickled
    objects), and a JSON sidecar with the version, LSN, manifest, outer-optimizer
-   config, worker table, applied push ids with their outcomes, counters, and the
+   config, wire codec (push records hold encoded payloads), worker table, applied push ids with their outcomes, counters, and the
    SHA-256 of the tensor file and of itself. Each file is written to a temp name,
    fsynced, renamed, and the folder fsynced; the sidecar is renamed last and is the
    commit point. The two newest good checkpoints are kept, and the log back to the
@@ -107,6 +108,12 @@ def manifest_from_json(items: list) -> Manifest:
         raise CheckpointError(f"stored manifest is malformed ({exc!r}); restore the folder from a backup") from None
 
 
+def wire_settings(config: ServerConfig) -> dict:
+    """The wire codec a run's push records are encoded with (block size only for int8)."""
+    return {"wire_codec": config.wire_codec,
+            "codec_block_size": config.codec_block_size if config.wire_codec == "int8" else 0}
+
+
 def _canonical(meta: dict) -> bytes:
     return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
@@ -185,8 +192,8 @@ class DurableStore:
 
     Args:
         config: folder, checkpoint cadence, fallback policy.
-        server_config: the server's configuration (its outer optimizer must equal the
-            checkpoint's, or replaying the log would not reproduce the model).
+        server_config: the server's configuration (its outer optimizer and wire codec
+            must equal the checkpoint's, or replaying the log would not reproduce the model).
     """
 
     def __init__(self, config: DurabilityConfig, server_config: ServerConfig) -> None:
@@ -323,6 +330,13 @@ class DurableStore:
                 num_local_steps=m["num_local_steps"], num_tokens=m["num_tokens"], total_bytes=m["total_bytes"],
                 kind=m["kind"],
             )
+            codec = m.get("codec", "raw")  # records of pseudo-gradients say how they are encoded
+            if m["kind"] == pb.PUSH_KIND_PSEUDO_GRADIENT and codec != self.server_config.wire_codec:
+                raise CheckpointError(
+                    f"write-ahead log record {rec.lsn} holds a pseudo-gradient encoded with wire codec {codec!r} but "
+                    f"this server is configured with {self.server_config.wire_codec!r}; restart with "
+                    f"--wire-codec {codec} (replaying the log needs it) or use a fresh --checkpoint-dir"
+                )
             payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
             state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
         else:
@@ -346,6 +360,15 @@ class DurableStore:
                     f"checkpoint {side} was written with outer {field}={value!r} but this server is configured "
                     f"with {mine.get(field)!r}; restart with the checkpoint's setting (replaying the log needs it) "
                     f"or use a fresh --checkpoint-dir"
+                )
+        stored_wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
+        for field, value in wire_settings(self.server_config).items():
+            if stored_wire.get(field) != value:
+                flag = "--wire-codec" if field == "wire_codec" else "--codec-block-size"
+                raise CheckpointError(
+                    f"checkpoint {side} was written with {field}={stored_wire.get(field)!r} but this server is "
+                    f"configured with {value!r}; restart with the checkpoint's {flag} (its write-ahead log holds "
+                    f"pushes encoded that way) or use a fresh --checkpoint-dir"
                 )
         pt = self.dir / meta["tensor_file"]
         if not pt.is_file() or pt.stat().st_size != meta["tensor_bytes"] or _sha256_file(pt) != meta["tensor_sha256"]:
@@ -400,7 +423,7 @@ class DurableStore:
             "worker_id": header.worker_id, "push_id": header.push_id, "base_version": header.base_version,
             "num_local_steps": header.num_local_steps, "num_tokens": header.num_tokens,
             "total_bytes": header.total_bytes, "kind": header.kind, "tau": tau, "weight": weight,
-            "version_after": version_after, "num_workers": num_workers,
+            "version_after": version_after, "num_workers": num_workers, "codec": self.server_config.wire_codec,
         }
         self._append(PUSH, meta, memoryview(payload.numpy()))
         self._pushes_since_checkpoint += 1
@@ -444,7 +467,8 @@ class DurableStore:
         pt = self.dir / f"{name}.pt"
         _write_atomically(pt, lambda f: torch.save(tensors, f))
         meta.update(
-            format=FORMAT, lsn=lsn, outer=dataclasses.asdict(self.server_config.outer), tensor_file=pt.name,
+            format=FORMAT, lsn=lsn, outer=dataclasses.asdict(self.server_config.outer),
+            wire=wire_settings(self.server_config), tensor_file=pt.name,
             tensor_bytes=pt.stat().st_size, tensor_sha256=_sha256_file(pt), created_unix_s=time.time(),
         )
         meta["meta_sha256"] = hashlib.sha256(_canonical(meta)).hexdigest()
