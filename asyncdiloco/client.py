@@ -23,7 +23,7 @@ from asyncdiloco.config import ClientSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
 from asyncdiloco.security import auth_metadata, channel_credentials, client_token
-from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32c_of, num_chunks_for
+from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.wire import encode_chunk, is_chunk, pull_callable, push_callable
 
 _MIB = 1024 * 1024
@@ -166,7 +166,7 @@ class ParameterServerClient:
                 )
             chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
             assembler = PayloadAssembler(
-                total_bytes=total, num_chunks=header.num_chunks, crc32c=header.crc32c, chunk_bytes=chunk_bytes,
+                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32, chunk_bytes=chunk_bytes,
                 buffer=buffer,
             )
             for msg in stream:
@@ -210,7 +210,7 @@ class ParameterServerClient:
             num_tokens=num_tokens,
             total_bytes=total,
             num_chunks=num_chunks_for(total, self.chunk_bytes),
-            crc32c=crc32c_of(payload),
+            crc32=crc32_of(payload),
             kind=kind,
             compute_s=compute_s,
             quorum_id=quorum_id,

@@ -92,7 +92,7 @@ def grpc_push_pull(n: int, repeats: int, address: str, chunk_bytes: int) -> dict
 
 def server_work_s(n: int, repeats: int) -> float:
     """Median seconds the server's own work takes per push + pull, in this process and
-    without a network: the chunk copies into place, CRC-32C on both sides, validation,
+    without a network: the chunk copies into place, CRC-32 on both sides, validation,
     the outer step and the snapshot's encoding (what a push+pull costs beyond moving bytes)."""
     state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)))
     manifest = Manifest.from_named_tensors([("w", torch.zeros(n // 4))])
@@ -139,7 +139,7 @@ def main() -> None:
                 "push_pull_gb_s": push_pull / 1e9,
                 "ratio": push_pull / raw,
                 "server_work_s": work,
-                "note": f"server work without network (CRC-32C both sides, copies into place, validation, outer "
+                "note": f"server work without network (CRC-32 both sides, copies into place, validation, outer "
                         f"step, snapshot encoding) = {share:.0%} of push+pull time on the same cores",
                 "target": 0.45,
                 "repeats": args.repeats,

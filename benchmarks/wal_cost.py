@@ -37,7 +37,7 @@ from asyncdiloco.client import ParameterServerClient  # noqa: E402
 from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig  # noqa: E402
 from asyncdiloco.ps import ParameterServer, ParameterServerState  # noqa: E402
 from asyncdiloco.ps.store import DurableStore  # noqa: E402
-from asyncdiloco.tensors import Manifest, crc32c_of, iter_chunks, num_chunks_for  # noqa: E402
+from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for  # noqa: E402
 
 MODES = {"memory": None, "wal": False, "wal+fsync": True}
 
@@ -63,7 +63,7 @@ def bench_state(manifest: Manifest, mode: str, pushes: int, folder: str) -> floa
     started = time.perf_counter()
     for k in range(pushes):
         header = pb.PushHeader(worker_id=wid, push_id=k + 2, base_version=state.version, total_bytes=payload.numel(),
-                               num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes), crc32c=crc32c_of(payload),
+                               num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes), crc32=crc32_of(payload),
                                kind=pb.PUSH_KIND_PSEUDO_GRADIENT)
         assembler = state.begin_push(header)
         for c in chunks:

@@ -16,7 +16,7 @@ from asyncdiloco.client import ParameterServerClient
 from asyncdiloco.config import OuterConfig, ServerConfig, WorkerConfig
 from asyncdiloco.errors import ConfigError, ManifestMismatchError, ServerUnavailableError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest, crc32c_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker import AsyncDiLoCoWorker
 
 pytestmark = pytest.mark.timeout(120)
@@ -171,7 +171,7 @@ def good_push(srv, manifest, wid, payload, **over):
     cb = srv.config.chunk_bytes
     fields = dict(
         worker_id=wid, push_id=2, base_version=srv.state.version, num_local_steps=1, num_tokens=1,
-        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), cb), crc32c=crc32c_of(payload),
+        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), cb), crc32=crc32_of(payload),
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(over)
@@ -190,7 +190,7 @@ def good_push(srv, manifest, wid, payload, **over):
         ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "total_bytes is 4"),
         ("out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "out of order"),
         ("missing_chunk", grpc.StatusCode.INVALID_ARGUMENT, "stream ended after"),
-        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "CRC-32C"),
+        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "CRC-32"),
         ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "must carry a PushHeader"),
     ],
 )
@@ -220,7 +220,7 @@ def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, nee
     elif case == "missing_chunk":
         chunks = chunks[:-1]
     elif case == "bad_crc":
-        header.crc32c ^= 1
+        header.crc32 ^= 1
     with pytest.raises(grpc.RpcError) as info:
         if case == "no_header":
             stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))

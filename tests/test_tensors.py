@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
-from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32c_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -39,7 +39,7 @@ def roundtrip(ts, chunk_bytes):
     asm = PayloadAssembler(
         total_bytes=manifest.total_bytes,
         num_chunks=num_chunks_for(manifest.total_bytes, chunk_bytes),
-        crc32c=crc32c_of(payload),
+        crc32=crc32_of(payload),
         chunk_bytes=chunk_bytes,
     )
     chunks = list(iter_chunks(payload, chunk_bytes))
@@ -95,7 +95,7 @@ def _stream(n_bytes=40, chunk_bytes=16):
 
 def _assembler(payload, chunk_bytes, **over):
     kw = dict(total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
-              crc32c=crc32c_of(payload), chunk_bytes=chunk_bytes)
+              crc32=crc32_of(payload), chunk_bytes=chunk_bytes)
     kw.update(over)
     return PayloadAssembler(**kw)
 
@@ -139,7 +139,7 @@ def test_corrupted_payload_refused_by_crc():
     asm.add(bad)
     for c in chunks[1:]:
         asm.add(c)
-    with pytest.raises(InvalidPayloadError, match="CRC-32C"):
+    with pytest.raises(InvalidPayloadError, match="CRC-32"):
         asm.finish()
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.tensors import crc32c_extend, num_chunks_for
+from asyncdiloco.tensors import crc32_update, num_chunks_for
 from asyncdiloco.wire import encode_chunk
 
 
@@ -95,14 +95,14 @@ class Snapshot:
     Attributes:
         version: the global version.
         total_bytes: payload size in bytes (the manifest's layout).
-        crc32c: CRC-32C of the payload.
+        crc32: CRC-32 of the payload.
         messages: the serialised ``PullMessage(chunk=...)`` of each chunk, in order.
         data_offsets: where the payload bytes start inside each message.
     """
 
     version: int
     total_bytes: int
-    crc32c: int
+    crc32: int
     messages: tuple[bytes, ...]
     data_offsets: tuple[int, ...]
 
@@ -131,12 +131,12 @@ def frame_snapshot(payload: torch.Tensor, chunk_bytes: int) -> tuple[tuple[bytes
 
 
 def seal_snapshot(version: int, framed: tuple[tuple[bytes, ...], tuple[int, ...]]) -> Snapshot:
-    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32C pass over their
+    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32 pass over their
     payload bytes (no lock needed: the messages are private)."""
     messages, offsets = framed
     crc = 0
     for msg, start in zip(messages, offsets):
-        crc = crc32c_extend(crc, memoryview(msg)[start:])
+        crc = crc32_update(crc, memoryview(msg)[start:])
     total = sum(len(m) - o for m, o in zip(messages, offsets))
     return Snapshot(version, total, crc, messages, offsets)
 

@@ -14,7 +14,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState, PushOutcome
-from asyncdiloco.tensors import Manifest, crc32c_of, num_chunks_for
+from asyncdiloco.tensors import Manifest, crc32_of, num_chunks_for
 from asyncdiloco.wire import encode_chunk, is_chunk
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 if not self.state.sync_mode:
                     raise self.state.mode_mismatch_error("a sync-state pull")
                 version, payload = self.state.sync_state()
-                crc, total, messages = crc32c_of(payload), payload.numel(), None
+                crc, total, messages = crc32_of(payload), payload.numel(), None
             else:  # the snapshot's chunk messages are encoded once per version and shared
                 snap = self.state.acquire_snapshot()
-                version, crc, total, messages = snap.version, snap.crc32c, snap.total_bytes, snap.messages
+                version, crc, total, messages = snap.version, snap.crc32, snap.total_bytes, snap.messages
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         try:
@@ -71,7 +71,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 version=version,
                 total_bytes=total,
                 num_chunks=num_chunks_for(total, chunk_bytes),
-                crc32c=crc,
+                crc32=crc,
                 run_config=self.state.run_config(request.worker_id),
                 round=version if self.state.sync_mode else 0,
             )

@@ -70,7 +70,7 @@ from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumMa
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
 from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, Snapshot, frame_snapshot, seal_snapshot
-from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32c_of, num_chunks_for
+from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
 log = logging.getLogger(__name__)
@@ -472,7 +472,7 @@ class ParameterServerState:
                 f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
             )
         assembler_args = dict(
-            total_bytes=header.total_bytes, num_chunks=header.num_chunks, crc32c=header.crc32c,
+            total_bytes=header.total_bytes, num_chunks=header.num_chunks, crc32=header.crc32,
             chunk_bytes=self.config.chunk_bytes, max_bytes=self.config.max_payload_bytes,
         )  # fmt: skip
         if header.kind == pb.PUSH_KIND_ROUND_RESULT:  # staged until the vote: a buffer of its own
@@ -736,7 +736,7 @@ class ParameterServerState:
         header = pb.PushHeader(
             worker_id=worker_id, push_id=push_id, base_version=base_version, num_local_steps=num_local_steps,
             num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
-            crc32c=crc32c_of(payload), kind=kind,
+            crc32=crc32_of(payload), kind=kind,
         )  # fmt: skip
         started = self.begin_push(header)
         if isinstance(started, PushOutcome):
