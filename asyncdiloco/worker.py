@@ -240,13 +240,13 @@ class AsyncDiLoCoWorker(WorkerBase):
         return None
 
     def _after_inner_step(self) -> None:
+        super()._after_inner_step()  # counts the step (it belongs to the next round); may sync
         if self._overlap is not None and self._overlap.done():  # non-blocking check
             started = time.monotonic()
             try:
                 self._guarded(self._wait_and_merge)
             finally:
                 self.stats.blocked_s += time.monotonic() - started
-        super()._after_inner_step()
 
     def _wait_and_merge(self) -> bool:
         return self._merge(self._overlap.wait())
