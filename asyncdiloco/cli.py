@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                     **DEMO_SERVER_DEFAULTS)  # fmt: skip
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
     pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
-                     help="quick/full: sync vs async methods on speed profiles; perf: transport and server micro-benchmarks")
+                     help="quick/full: sync vs async methods on speed profiles; perf: transport, server and overlap micro-benchmarks")
     pb_.add_argument("--clock", choices=["virtual", "real"], default="virtual",
                      help="virtual: deterministic one-process simulator (same server code, virtual time); "
                           "real: server and worker processes on 127.0.0.1")
