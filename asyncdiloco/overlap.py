@@ -173,10 +173,12 @@ class BackgroundSync:
         self._future = self._executor.submit(push_then_pull, **kwargs)
 
     def wait(self) -> SyncOutcome:
-        """Block until the sync in flight finished; return (and forget) its outcome."""
-        future, self._future = self._future, None
-        assert future is not None, "no sync in flight"
-        return future.result()
+        """Block until the sync in flight finished; return (and forget) its outcome. An
+        interrupted wait (KeyboardInterrupt) leaves it in flight, so ``close()`` waits again."""
+        assert self._future is not None, "no sync in flight"
+        outcome = self._future.result()
+        self._future = None
+        return outcome
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -383,3 +383,27 @@ def test_cli_refuses_overlap_in_sync_mode(cmd):
     assert proc.returncode == 2, proc.stderr
     assert "--overlap is invalid with --mode sync" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+@pytest.mark.parametrize(("value", "refused"), [(3.0e38, False), (float("inf"), True), (float("nan"), True)])
+def test_the_finiteness_check_of_delta_is_exact(value, refused):
+    # Δ = θ_base − θ_local = −value: a sum of 5 × −3e38 overflows, yet every element is finite.
+    from asyncdiloco import InvalidPayloadError
+
+    model = nn.Linear(4, 1)
+    worker = AsyncDiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               WorkerConfig(server="127.0.0.1:1", overlap=True))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0e38)
+        model.bias.fill_(value)
+    worker._steps_since_sync = 1
+    try:
+        if refused:
+            with pytest.raises(InvalidPayloadError, match="non-finite values"):
+                worker._new_pending(worker._overlap.snapshot)
+        else:
+            worker._new_pending(worker._overlap.snapshot)
+            assert worker._pending is not None and worker._pending.num_local_steps == 1
+    finally:
+        worker.client.close()
