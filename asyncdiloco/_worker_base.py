@@ -116,14 +116,27 @@ class WorkerBase:
 
         Returns:
             True when the model now holds a new global model; False when the sync did
-            not complete (see the subclass), or the server was unreachable: training goes
-            on locally and a later sync point retries, with exponential backoff.
+            not complete (see the subclass), runs on in the background (overlap), or
+            the server was unreachable: training goes on locally and a later sync point
+            retries, with exponential backoff.
         """
         if self._stop.is_set() or time.monotonic() < self._next_attempt:
             return False
         started = time.monotonic()
         try:
-            done = self._rejoin() if self._needs_rejoin else self._sync_once()
+            return self._guarded(self._rejoin if self._needs_rejoin else self._sync_once)
+        finally:
+            self._count_sync_time(time.monotonic() - started)
+
+    def _guarded(self, step) -> bool:
+        """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
+        policy: an unreachable server backs off, a forgotten worker rejoins next time.
+
+        ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
+        now runs in the background: its outcome resets or grows the backoff later).
+        """
+        try:
+            done = step()
         except (ServerUnavailableError, NotInitializedError) as exc:
             self.stats.sync_failures += 1
             self._next_attempt = time.monotonic() + self._backoff_s
@@ -134,10 +147,16 @@ class WorkerBase:
             log.warning("%s; rejoining", exc)
             self._needs_rejoin = True
             return False
-        finally:
-            self.stats.comm_s += time.monotonic() - started
+        if done is None:
+            return False
         self._backoff_s = self.config.initial_backoff_s
         return done
+
+    def _count_sync_time(self, elapsed_s: float) -> None:
+        """Seconds the training thread spent in ``sync``: without overlap all of it is
+        communication (``comm_s``) and all of it keeps training waiting (``blocked_s``)."""
+        self.stats.comm_s += elapsed_s
+        self.stats.blocked_s += elapsed_s
 
     def _sync_once(self) -> bool:
         raise NotImplementedError
@@ -226,6 +245,23 @@ class WorkerBase:
                 k = p.numel()
                 dst[pos : pos + k].copy_(p.detach().reshape(-1))
                 pos += k
+
+    def _add_into_model(self, flat: torch.Tensor) -> None:
+        """Add a flat fp32 vector ``flat`` (N,) (CPU, pinned when the model is on CUDA)
+        to the model's parameters, slice by slice in manifest order (θ ← θ + flat)."""
+        pos = 0
+        with torch.no_grad():
+            for p in self._params:
+                k = p.numel()
+                p.add_(flat[pos : pos + k].view(p.shape).to(p.device, non_blocking=p.is_cuda))
+                pos += k
+        if self._on_cuda:
+            torch.cuda.synchronize()
+
+    def _load_flat_into_model(self, flat: torch.Tensor) -> None:
+        """Copy a flat fp32 vector (N,) into the model's parameters (manifest order)."""
+        sizes = [p.numel() for p in self._params]
+        self._load_into_model(list(torch.split(flat, sizes)))
 
     def _load_into_model(self, tensors: list[torch.Tensor]) -> None:
         """Copy one tensor per parameter (manifest order, CPU) into the model."""

@@ -262,11 +262,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_name=args.name or f"worker-{args.worker_index}@{os.uname().nodename}",
         join_timeout_s=args.join_timeout,
         security=_client_security(args),
+        overlap=args.overlap,
     )
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
     sync = None
     if args.mode == "sync":
+        if args.overlap:
+            raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
         sync = SyncWorkerConfig(
             allreduce_timeout_s=args.allreduce_timeout_s,
             quorum_timeout_s=args.quorum_timeout_s,
@@ -298,7 +301,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{wcfg.worker_name}: {stats.inner_steps} inner steps, {stats.pushes_applied} pushes applied, "
-        f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs",
+        f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs, blocked {stats.blocked_s:.1f} s "
+        f"of {stats.wall_s:.1f} s",
         flush=True,
     )
     return 0
@@ -316,6 +320,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     _server_config(args, "127.0.0.1", 0)  # a bad server flag is refused here, naming the value
+    if args.overlap and args.mode == "sync":
+        raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
     cfg = DemoConfig(
         mode=args.mode,
@@ -326,6 +332,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         server_args=_server_flags(args),
         job=_job_config(args),
         eval_every_s=args.eval_every,
+        worker_args=("--overlap",) if args.overlap else (),
     )
     report = run_demo(cfg, progress=not args.no_progress)
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
@@ -423,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--join-timeout", type=float, default=30.0, help="seconds to keep trying to join (default 30)")
     pw.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     pw.add_argument("--stats-file", help="write the worker's final counters as JSON here")
+    pw.add_argument("--overlap", action="store_true",
+                    help="push and pull in the background while the next inner steps run, then merge (async only)")
     _add_client_security_args(pw)
     sw = SyncWorkerConfig()
     pw.add_argument("--mode", choices=MODES, default="async", help="must match the server's --mode (default async)")
@@ -447,13 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--slowdowns", default="", help="comma-separated speed factors, one per worker (default: cycles 1,1.5,2,3)")
     pd.add_argument("--eval-every", type=float, default=5.0, help="seconds between held-out evaluations (default %(default)s)")
     pd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pd.add_argument("--overlap", action="store_true",
+                    help="workers push and pull in the background while training on (async only)")
     _add_server_args(pd)
     _add_job_args(pd)
     pd.set_defaults(func=cmd_demo, outer_lr=None, outer_momentum=None, staleness=None, join_timeout_s=None,
                     **DEMO_SERVER_DEFAULTS)  # fmt: skip
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
     pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
-                     help="quick/full: sync vs async methods on speed profiles; perf: transport and server micro-benchmarks")
+                     help="quick/full: sync vs async methods on speed profiles; perf: transport, server and overlap micro-benchmarks")
     pb_.add_argument("--clock", choices=["virtual", "real"], default="virtual",
                      help="virtual: deterministic one-process simulator (same server code, virtual time); "
                           "real: server and worker processes on 127.0.0.1")

@@ -299,6 +299,11 @@ class WorkerConfig:
     heartbeat_s: float | None = None
     #: Push the steps taken since the last sync when the worker closes.
     push_on_close: bool = True
+    #: Overlap the push and the next pull with the next inner steps (async worker only):
+    #: the sync runs in a background thread and its result is merged when it arrives,
+    #: keeping the local progress made meanwhile (overlap.py; Streaming DiLoCo, arXiv
+    #: 2501.18512; eager updates, arXiv 2502.12996). The sync worker refuses it.
+    overlap: bool = False
     #: Token and TLS; None talks plaintext without a token.
     security: ClientSecurityConfig | None = None
 
@@ -314,6 +319,7 @@ class WorkerConfig:
             value = getattr(self, name)
             _require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")
         _require(self.join_timeout_s >= 0, "join_timeout_s", self.join_timeout_s, "must be >= 0 seconds")
+        _require(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
         _require(
             self.max_backoff_s >= self.initial_backoff_s,
             "max_backoff_s",

@@ -10,7 +10,9 @@ errors and Ctrl-C.
 through the synchronous quorum mode instead, so the two reports compare directly. The
 report then also carries ``rounds_committed``, ``rounds_failed``, ``round_time_s`` and,
 per worker, ``idle_s`` (time waiting for the quorum, in the allreduce and for the commit;
-in async mode ``idle_s`` is the time blocked in push and pull).
+in async mode ``idle_s`` is the time blocked in push and pull). Per async worker the report
+also gives ``blocked_s`` and ``blocked_fraction`` (blocked_s ÷ the worker's wall time);
+``--overlap`` workers (``worker_args``) bring that fraction down.
 """
 
 from __future__ import annotations
@@ -303,7 +305,9 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
                 "pushes_refused": stats.get("pushes_refused", 0),
                 "sync_failures": stats.get("sync_failures", 0),
                 "comm_s": round(stats.get("comm_s", 0.0), 3),
-                "idle_s": round(stats.get("idle_s", stats.get("comm_s", 0.0)), 3),
+                "idle_s": round(stats.get("idle_s", stats.get("blocked_s", stats.get("comm_s", 0.0))), 3),
+                "blocked_s": round(stats.get("blocked_s", 0.0), 3),
+                "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
                 "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])) if stats.get("staleness") else None,
                 "rounds_committed": stats.get("rounds_committed"),
                 "rounds_failed": stats.get("rounds_failed"),
@@ -312,6 +316,7 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
         )
     return {
         "mode": cfg.mode,
+        "overlap": "--overlap" in cfg.worker_args,
         "rounds_committed": status.rounds_committed if cfg.mode == "sync" else None,
         "rounds_failed": status.rounds_failed if cfg.mode == "sync" else None,
         "round_time_s": _round_times(out, len(speeds)) if cfg.mode == "sync" else None,

@@ -129,7 +129,7 @@ def run_worker(
             while (max_steps is None or step < max_steps) and (
                 max_seconds is None or time.monotonic() - started < max_seconds
             ):
-                t0, comm0 = time.monotonic(), worker.stats.comm_s
+                t0, blocked0 = time.monotonic(), worker.stats.blocked_s
                 x, y = next(batches)  # (B, T) int64 each
                 loss = lm_loss(model(x), y)
                 loss.backward()
@@ -144,7 +144,7 @@ def run_worker(
                     )  # fmt: skip
                     log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
                 if slowdown > 1.0:
-                    compute_s = time.monotonic() - t0 - (worker.stats.comm_s - comm0)  # the sync is not slowed
+                    compute_s = time.monotonic() - t0 - (worker.stats.blocked_s - blocked0)  # the sync is not slowed
                     time.sleep((slowdown - 1.0) * max(compute_s, 0.0))
                 if on_step is not None:
                     on_step(step, float(loss))

@@ -56,7 +56,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._worker_base import WorkerBase
 from asyncdiloco.collectives import QuorumCollectives
 from asyncdiloco.config import OuterConfig, SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import AsyncDiLoCoError, NotInitializedError
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
 from asyncdiloco.outer import OuterOptimizer
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class SyncWorkerStats:
     bytes_pulled: int = 0
     bytes_allreduced: int = 0
     comm_s: float = 0.0
+    #: Seconds the training thread spent in sync points (equals ``comm_s`` here: no overlap).
+    blocked_s: float = 0.0
     idle_s: float = 0.0
     quorum_wait_s: float = 0.0
     allreduce_s: float = 0.0
@@ -117,6 +119,11 @@ class SyncDiLoCoWorker(WorkerBase):
         sync: SyncWorkerConfig | None = None,
         tokens_per_step: int = 0,
     ) -> None:
+        if config.overlap:  # refused, not ignored: a round is a barrier, there is nothing to overlap with
+            raise ConfigError(
+                "overlap=True is invalid for the sync worker: a sync round is a barrier every member waits at; "
+                "drop --overlap, or run asynchronously (server and worker with --mode async)"
+            )
         super().__init__(model, inner_optimizer, config, tokens_per_step)
         self.sync_config = sync or SyncWorkerConfig()
         n = self._numel = self.manifest.numel
