@@ -14,7 +14,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState, PushOutcome
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.tensors import Manifest, iter_chunks
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +46,12 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
         try:
-            if request.sync_state:
-                if not self.state.sync_mode:
-                    raise self.state.mode_mismatch_error("a sync-state pull")
-                version, payload = self.state.sync_state()
-                crc = crc32_of(payload)
-            else:
-                snap = self.state.snapshot()
-                version, payload, crc = snap.version, snap.payload, snap.crc32
+            header, payload = self.state.pull_source(request)
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         chunk_bytes = self.state.config.chunk_bytes
         total = payload.numel()
-        yield pb.PullMessage(
-            header=pb.PullHeader(
-                version=version,
-                total_bytes=total,
-                num_chunks=num_chunks_for(total, chunk_bytes),
-                crc32=crc,
-                run_config=self.state.run_config(request.worker_id),
-                round=version if self.state.sync_mode else 0,
-            )
-        )
+        yield pb.PullMessage(header=header)
         for chunk in iter_chunks(payload, chunk_bytes):
             yield pb.PullMessage(chunk=chunk)
         self.state.record_pull(request.worker_id, total)
@@ -104,18 +88,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
-        if outcome.duplicate:
-            self.state.record_duplicate()
-        else:
-            self.state.grace.wait()  # workers whose pushes landed together pull the same model
-        return pb.PushReply(
-            applied=outcome.applied,
-            duplicate=outcome.duplicate,
-            version=outcome.version,
-            staleness=outcome.staleness,
-            staleness_weight=outcome.staleness_weight,
-            local_steps=outcome.local_steps,
-        )
+        return self.state.finish_push(outcome)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:

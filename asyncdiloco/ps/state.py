@@ -143,6 +143,8 @@ class ParameterServerState:
         self.quorum: QuorumManager | None = None
         self.store_host = ""
         self.store_port = 0
+        #: The bulk data channel's port (ps/bulk.py), set by server.py; 0 = none offered.
+        self.bulk_port = 0
         if config.mode == "sync":
             self.quorum = QuorumManager(
                 config.sync, live_workers=self.live_worker_ids, on_commit=self._apply_round, clock=clock
@@ -181,6 +183,7 @@ class ParameterServerState:
             outer_optimizer=outer.optimizer,
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
+            bulk_port=self.bulk_port,
         )
 
     def mode_mismatch_error(self, what: str) -> ModeMismatchError:
@@ -330,6 +333,35 @@ class ParameterServerState:
             snap = Snapshot(version, payload, crc32_of(payload))
             self._snapshot = snap
             return snap
+
+    def pull_source(self, request: pb.PullRequest) -> tuple[pb.PullHeader, torch.Tensor]:
+        """What a Pull sends (over gRPC or the bulk channel): its header and payload.
+
+        Returns:
+            (header, payload): the header with version, size, chunk count, CRC-32 and
+            run config; the payload a 1-D uint8 CPU tensor, never mutated (the newest
+            snapshot, or for ``request.sync_state`` θ and m as float32 bytes).
+        Raises:
+            NotInitializedError, ModeMismatchError (a sync-state pull of an async server).
+        """
+        if request.sync_state:
+            if not self.sync_mode:
+                raise self.mode_mismatch_error("a sync-state pull")
+            version, payload = self.sync_state()
+            crc = crc32_of(payload)
+        else:
+            snap = self.snapshot()
+            version, payload, crc = snap.version, snap.payload, snap.crc32
+        total = payload.numel()
+        header = pb.PullHeader(
+            version=version,
+            total_bytes=total,
+            num_chunks=num_chunks_for(total, self.config.chunk_bytes),
+            crc32=crc,
+            run_config=self.run_config(request.worker_id),
+            round=version if self.sync_mode else 0,
+        )
+        return header, payload
 
     def record_pull(self, worker_id: int, num_bytes: int) -> None:
         with self._lock:
@@ -636,6 +668,23 @@ class ParameterServerState:
     def record_duplicate(self) -> None:
         with self._lock:
             self.duplicate_pushes += 1
+
+    def finish_push(self, outcome: PushOutcome) -> pb.PushReply:
+        """The reply to a push that was applied or answered as a retry (gRPC and bulk):
+        counts a duplicate, or holds an applied push for the grace window (Liu et al.
+        2024, Alg. 2) so that workers whose pushes landed together pull the same model."""
+        if outcome.duplicate:
+            self.record_duplicate()
+        else:
+            self.grace.wait()
+        return pb.PushReply(
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            version=outcome.version,
+            staleness=outcome.staleness,
+            staleness_weight=outcome.staleness_weight,
+            local_steps=outcome.local_steps,
+        )
 
     # ---------------------------------------------------------------- status
     def status(self) -> pb.StatusReply:
