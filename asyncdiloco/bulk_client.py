@@ -98,6 +98,8 @@ class BulkChannel:
         self._retry_at = 0.0
         self._backoff_s = _MIN_BACKOFF_S
         self._down = False
+        #: Calls this channel handed back to gRPC (unusable connection, backoff, or busy).
+        self.fallbacks = 0
 
     # -------------------------------------------------------------- calls
     def push(self, header: pb.PushHeader, payload: torch.Tensor, timeout_s: float) -> pb.PushReply | None:
@@ -141,6 +143,12 @@ class BulkChannel:
 
     # ----------------------------------------------------------- plumbing
     def _run(self, call, timeout_s: float):
+        result = self._run_once(call, timeout_s)
+        if result is None:
+            self.fallbacks += 1
+        return result
+
+    def _run_once(self, call, timeout_s: float):
         if not self._lock.acquire(blocking=False):  # another thread is using the connection
             return None
         try:

@@ -4,11 +4,17 @@ Baseline (same run): two processes on 127.0.0.1, ``sendall(memoryview)`` into
 ``recv_into`` a preallocated buffer — the ceiling for moving bytes on this machine.
 Measured: one worker process (this one) pushes a pseudo-gradient of the model's size and
 pulls the new global model from an ``asyncdiloco server`` process; throughput is
-2 × model bytes ÷ (push + pull seconds). Medians of ``--repeats``.
+2 × model bytes ÷ (push + pull seconds). Medians of ``--repeats``. Two paths per size,
+one JSON line each: gRPC ("grpc-protobuf-chunks") and the bulk data channel
+("bulk-tcp", server started with ``--bulk-port 0``). A third line ("bulk-breakdown")
+estimates where a bulk push+pull spends its time, from in-process timings of its
+per-byte steps at the same size: the raw transfers, the four CRC-32 passes (client
+before a push, server while receiving it, snapshot build, client after a pull), the
+snapshot copy, the outer step, and the first touch of the fresh receive buffer.
 
-    python benchmarks/bench_transport.py [--sizes 4,64,256] [--repeats 3] [--out FILE]
+    python benchmarks/bench_transport.py [--sizes 4,64,256] [--repeats 3] [--paths grpc,bulk] [--out FILE]
 
-Target (issue 6): ratio ≥ 0.45 with gRPC alone, 256 MiB model.
+Targets (issue 6): ratio ≥ 0.45 with gRPC alone, ≥ 0.8 with the bulk channel, 256 MiB model.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from _harness import MIB, emit, median, parse_sizes, server_process  # noqa: E40
 
 from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
 from asyncdiloco.client import ParameterServerClient  # noqa: E402
-from asyncdiloco.tensors import Manifest  # noqa: E402
+from asyncdiloco.config import OuterConfig, ServerConfig  # noqa: E402
+from asyncdiloco.ps.state import ParameterServerState  # noqa: E402
+from asyncdiloco.tensors import Manifest, crc32_of  # noqa: E402
 
 
 def _tcp_sink(port_q: "mp.Queue", n: int, repeats: int) -> None:
@@ -63,11 +71,15 @@ def raw_tcp_bytes_per_s(n: int, repeats: int) -> float:
     return n / median(times)
 
 
-def grpc_push_pull(n: int, repeats: int, address: str, chunk_bytes: int) -> dict:
+def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool = False) -> dict:
+    """Median push and pull seconds of an ``n``-byte fp32 model (over the bulk channel
+    when ``bulk`` and the server offers it)."""
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n // 4))])
     manifest = Manifest.from_module(model)
-    client = ParameterServerClient(address, timeout_s_per_mib=2.0, chunk_bytes=chunk_bytes)
+    client = ParameterServerClient(address, timeout_s_per_mib=2.0, chunk_bytes=chunk_bytes, bulk_channel=bulk)
     reply = client.join(manifest, "bench")
+    if bulk and client.bulk_port == 0:
+        raise RuntimeError("the server offers no bulk data channel (start it with --bulk-port)")
     payload = manifest.pack(list(model.parameters()))
     if reply.initialize:
         client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
@@ -83,8 +95,44 @@ def grpc_push_pull(n: int, repeats: int, address: str, chunk_bytes: int) -> dict
         if i:  # the first round allocates the server's buffers
             push_s.append(t1 - t0)
             pull_s.append(t2 - t1)
+    fallbacks = client._bulk.fallbacks if client._bulk is not None else 0  # noqa: SLF001
     client.close()
-    return {"push_s": median(push_s), "pull_s": median(pull_s)}
+    return {"push_s": median(push_s), "pull_s": median(pull_s), "fallbacks": fallbacks}
+
+
+def _best_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bulk_breakdown(n: int, repeats: int) -> dict:
+    """In-process seconds of the per-byte steps of one bulk push + pull of ``n`` bytes
+    (single thread, as in the server; best of ``repeats``)."""
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(n // 4))])
+    payload = torch.full((n // 4,), 1e-3).view(torch.uint8)
+    state = ParameterServerState(ServerConfig(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)))
+    w = state.join(manifest, "bench")[0]
+    state.push(payload, worker_id=w, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    push_ids = iter(range(2, 10**6))
+    header = lambda: pb.PushHeader(worker_id=w, push_id=next(push_ids), base_version=state.version,  # noqa: E731
+                                   total_bytes=n, kind=pb.PUSH_KIND_PSEUDO_GRADIENT)  # fmt: skip
+
+    def snapshot():
+        state._snapshot = None  # noqa: SLF001 - rebuild it, as the first pull after a push does
+        state.snapshot()
+
+    crc_s = _best_s(lambda: crc32_of(payload), repeats)
+    return {
+        "crc32_pass_s": crc_s,
+        "crc32_gb_s": n / crc_s / 1e9,
+        "apply_s": _best_s(lambda: state.apply_push(header(), payload), repeats),  # checks + outer step
+        "snapshot_copy_s": _best_s(snapshot, repeats) - crc_s,  # pack θ into a fresh payload
+        "fresh_buffer_s": _best_s(lambda: torch.empty(n, dtype=torch.uint8).fill_(0), repeats),  # page faults
+    }
 
 
 def main() -> None:
@@ -92,32 +140,61 @@ def main() -> None:
     p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-bytes", type=int, default=4 * MIB)
+    p.add_argument("--paths", default="grpc,bulk", help="grpc, bulk or both (default %(default)s)")
     p.add_argument("--out", help="also append the JSON lines to this file")
     args = p.parse_args()
+    paths = [x for x in args.paths.split(",") if x]
     torch.set_num_threads(1)
+    server_flags = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
+                    "--chunk-bytes", str(args.chunk_bytes))  # fmt: skip
     for n in parse_sizes(args.sizes):
         raw = raw_tcp_bytes_per_s(n, args.repeats)
-        with server_process("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
-                            "--chunk-bytes", str(args.chunk_bytes)) as (_, address):  # fmt: skip
-            g = grpc_push_pull(n, args.repeats, address, args.chunk_bytes)
-        push_pull = 2 * n / (g["push_s"] + g["pull_s"])
-        emit(
-            {
+        for path in paths:
+            bulk = path == "bulk"
+            with server_process(*server_flags, *(("--bulk-port", "0") if bulk else ())) as (_, address):
+                g = push_pull(n, args.repeats, address, args.chunk_bytes, bulk=bulk)
+            push_pull_bytes_per_s = 2 * n / (g["push_s"] + g["pull_s"])
+            record = {
                 "bench": "transport",
                 "measure": "push+pull throughput / raw TCP loopback throughput",
-                "path": "grpc-protobuf-chunks",
+                "path": "bulk-tcp" if bulk else "grpc-protobuf-chunks",
                 "model_mib": n / MIB,
                 "chunk_bytes": args.chunk_bytes,
                 "raw_tcp_gb_s": raw / 1e9,
                 "push_gb_s": n / g["push_s"] / 1e9,
                 "pull_gb_s": n / g["pull_s"] / 1e9,
-                "push_pull_gb_s": push_pull / 1e9,
-                "ratio": push_pull / raw,
-                "target": 0.45,
+                "push_pull_gb_s": push_pull_bytes_per_s / 1e9,
+                "ratio": push_pull_bytes_per_s / raw,
+                "target": 0.8 if bulk else 0.45,
                 "repeats": args.repeats,
-            },
-            args.out,
-        )
+            }
+            if bulk:
+                record["grpc_fallbacks"] = g["fallbacks"]
+            emit(record, args.out)
+            if bulk:
+                b = bulk_breakdown(n, args.repeats)
+                parts = {
+                    "transfer_s": 2 * n / raw,  # push + pull at the raw TCP rate
+                    "crc32_s": 4 * b["crc32_pass_s"],
+                    "apply_s": b["apply_s"],
+                    "snapshot_copy_s": b["snapshot_copy_s"],
+                    "fresh_buffer_s": b["fresh_buffer_s"],
+                }
+                measured = g["push_s"] + g["pull_s"]
+                emit(
+                    {
+                        "bench": "transport",
+                        "path": "bulk-breakdown",
+                        "measure": "estimated seconds per bulk push+pull, by step (in-process timings, same size)",
+                        "model_mib": n / MIB,
+                        "measured_push_pull_s": measured,
+                        **parts,
+                        "sum_of_parts_s": sum(parts.values()),
+                        "share": {k: v / measured for k, v in parts.items()},
+                        "crc32_gb_s": b["crc32_gb_s"],
+                    },
+                    args.out,
+                )
 
 
 if __name__ == "__main__":

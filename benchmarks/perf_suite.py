@@ -39,10 +39,13 @@ def summarize(records: list[dict]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in records:
+        if "target" not in r:  # a diagnostic line (e.g. the bulk channel's time breakdown)
+            continue
         sign, larger = _TARGETS.get(r["measure"], ("?", True))
         v = _value(r)
         met = v >= r["target"] if larger else v <= r["target"]
-        lines.append(f"| {r['measure']} | {r['model_mib']:.0f} MiB | {v:.3g} | {sign} {r['target']} | {'yes' if met else 'no'} |")
+        measure = f"{r['measure']} ({r['path']})" if "path" in r else r["measure"]
+        lines.append(f"| {measure} | {r['model_mib']:.0f} MiB | {v:.3g} | {sign} {r['target']} | {'yes' if met else 'no'} |")
     lines += ["", "Raw records: perf.jsonl. Not measured yet: the worker's blocked fraction with overlap (no overlap mode yet)."]
     return "\n".join(lines) + "\n"
 
