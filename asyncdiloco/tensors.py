@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import sys
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -25,6 +24,11 @@ from torch import nn
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
+
+try:  # ISA-L's CRC-32: zlib's polynomial and values, ~6x faster than zlib 1.2 (optional extra "fast")
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on what is installed
+    from zlib import crc32 as _crc32
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("asyncdiloco's wire format is little-endian; this host is big-endian")
@@ -277,7 +281,7 @@ def num_chunks_for(total_bytes: int, chunk_bytes: int) -> int:
 
 def crc32_of(payload: torch.Tensor) -> int:
     """CRC-32 (zlib) of a uint8 CPU payload."""
-    return zlib.crc32(memoryview(payload.numpy())) & 0xFFFFFFFF
+    return _crc32(memoryview(payload.numpy())) & 0xFFFFFFFF
 
 
 def iter_chunks(payload: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PayloadChunk]:
@@ -372,7 +376,7 @@ class PayloadAssembler:
                 f"(chunk_bytes={self.chunk_bytes}, total_bytes={self.total_bytes})"
             )
         self._np[self._filled : self._filled + n] = memoryview(chunk.data)
-        self._crc = zlib.crc32(chunk.data, self._crc)
+        self._crc = _crc32(chunk.data, self._crc)
         self._filled += n
         self._next_index += 1
 
@@ -404,7 +408,7 @@ class PayloadAssembler:
                         f"stream ended after {pos} of {self.total_bytes} payload bytes; resend the whole payload"
                     )
                 pos += n
-            self._crc = zlib.crc32(view[self._filled : end], self._crc)
+            self._crc = _crc32(view[self._filled : end], self._crc)
             self._filled = end
         self._next_index = self.num_chunks
 
