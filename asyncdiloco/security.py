@@ -9,6 +9,10 @@
   (mutual TLS) and refuses others during the handshake. ``channel_credentials`` is
   the client side (``grpc.ssl_channel_credentials``).
 
+- **Bulk data channel** (ps/bulk.py): the same token travels in every BulkRequest and
+  is compared with ``token_matches`` (constant time); ``server_ssl_context`` /
+  ``client_ssl_context`` build Python ``ssl`` contexts from the same PEM files.
+
 A token sent over plaintext can be read by anyone on the path: use TLS whenever the
 server listens beyond 127.0.0.1.
 """

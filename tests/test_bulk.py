@@ -242,6 +242,11 @@ def test_tls_and_token_carry_pushes_and_pulls(servers, pki, mutual):  # noqa: F8
     assert client.push(_payload(3, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
     pulled = client.pull(MANIFEST, w)
     assert pulled.version == 1 and torch.equal(pulled.payload, srv.state.snapshot().payload)
+    if not mutual:  # stopping the server ends the kept-alive TLS connection's thread at once (lease_s is 60)
+        threads = [t for _, t in srv.bulk._connections.values()]  # noqa: SLF001
+        assert threads
+        srv.bulk.stop(30)
+        assert not any(t.is_alive() for t in threads)
     client.close()
     if mutual:  # a client without a certificate is refused in the handshake
         with _raw_connection(srv) as raw, pytest.raises(OSError):
@@ -276,3 +281,52 @@ def test_a_client_with_the_bulk_channel_off_uses_grpc(servers):
     client.join(MANIFEST, "w")
     assert client.bulk_port == 0
     client.close()
+
+
+# ------------------------------------------------------------ worker and CLI
+def test_a_worker_trains_over_the_bulk_channel(servers):
+    from torch import nn
+
+    from asyncdiloco import AsyncDiLoCoWorker, WorkerConfig
+
+    srv = servers(local_steps=4, outer=OuterConfig(optimizer="sgd", lr=0.5, momentum=0.0))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address), tokens_per_step=16) as worker:
+        assert worker.client.bulk_port == srv.bulk_port
+        _no_grpc_payloads(worker.client)
+        for _ in range(24):
+            x = torch.randn(16, 8)
+            nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert worker.stats.pushes_applied == 6 and worker.stats.sync_failures == 0
+    assert srv.state.version >= 6
+
+
+def test_the_cli_serves_a_bulk_port_and_tells_workers(tmp_path):
+    import subprocess
+    import sys
+
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncdiloco", "server", "--port", "0", "--port-file", str(port_file), "--bulk-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert "listening on 127.0.0.1:" in lines[0], lines
+        bulk_port = int(lines[1].rsplit(" ", 1)[1])
+        assert "bulk data channel on port" in lines[1] and bulk_port > 0
+        client = ParameterServerClient(f"127.0.0.1:{int(port_file.read_text())}", rpc_timeout_s=30)
+        reply = client.join(MANIFEST, "w")
+        assert reply.run_config.bulk_port == bulk_port == client.bulk_port
+        _no_grpc_payloads(client)
+        client.push(_payload(0), worker_id=reply.worker_id, push_id=1, base_version=0,
+                    kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # fmt: skip
+        assert torch.equal(client.pull(MANIFEST, reply.worker_id).payload, _payload(0))
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

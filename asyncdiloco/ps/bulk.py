@@ -93,7 +93,9 @@ class BulkServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        #: Open connections: id -> (its socket, TLS-wrapped once the handshake is done; its thread).
+        self._connections: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._next_id = 0
         self._stopping = False
 
     def start(self) -> "BulkServer":
@@ -121,8 +123,10 @@ class BulkServer:
         return self
 
     def stop(self, grace_s: float | None = 1.0) -> None:
-        """Stop accepting, end every connection, and wait up to ``grace_s`` seconds for
-        their threads (a push being applied finishes; its reply may be lost)."""
+        """Stop accepting, end every connection at once (transfers in flight are cut off
+        and apply nothing), and wait up to ``grace_s`` seconds (None: 5 s) for their
+        threads, so that a push being applied finishes before the caller goes on."""
+        grace_s = 5.0 if grace_s is None else grace_s
         self._stopping = True
         if self._listener is not None:
             try:
@@ -131,10 +135,10 @@ class BulkServer:
                 pass
             self._listener.close()
         with self._lock:
-            conns = list(self._connections.items())
+            conns = list(self._connections.values())
         for conn, _ in conns:
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
             except OSError:
                 pass
         for _, thread in conns:
@@ -157,21 +161,23 @@ class BulkServer:
                                 "--max-concurrent-rpcs); it will use gRPC", peer, len(self._connections))
                     conn.close()
                     continue
-                thread = threading.Thread(target=self._serve, args=(conn, peer), name="ps-bulk", daemon=True)
-                self._connections[conn] = thread
+                cid, self._next_id = self._next_id, self._next_id + 1
+                thread = threading.Thread(target=self._serve, args=(cid, conn, peer), name="ps-bulk", daemon=True)
+                self._connections[cid] = (conn, thread)
             thread.start()
 
-    def _serve(self, raw: socket.socket, peer) -> None:
-        conn = raw
+    def _serve(self, cid: int, conn: socket.socket, peer) -> None:
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(self._idle_timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._idle_timeout_s)
             if self._ssl is not None:
                 try:
-                    conn = self._ssl.wrap_socket(raw, server_side=True)  # handshake here, under the timeout
+                    conn = self._ssl.wrap_socket(conn, server_side=True)  # handshake here, under the timeout
                 except ssl.SSLError as exc:
                     log.warning("bulk connection from %s refused in the TLS handshake: %s", peer, exc)
                     return
+                with self._lock:  # stop() must shut down the TLS socket (the plain one is detached)
+                    self._connections[cid] = (conn, self._connections[cid][1])
             while True:
                 try:
                     request = recv_frame(conn, pb.BulkRequest, eof_ok=True)
@@ -190,7 +196,7 @@ class BulkServer:
             log.exception("bulk connection from %s failed", peer)
         finally:
             with self._lock:
-                self._connections.pop(raw, None)
+                self._connections.pop(cid, None)
             conn.close()
 
     # -------------------------------------------------------------- requests
