@@ -11,6 +11,9 @@ estimates where a bulk push+pull spends its time, from in-process timings of its
 per-byte steps at the same size: the raw transfers, the four CRC-32 passes (client
 before a push, server while receiving it, snapshot build, client after a pull), the
 snapshot copy, the outer step, and the first touch of the fresh receive buffer.
+Both paths also report ``transfer_only_ratio``: the same bytes moved by a retried push
+(read and discarded by the server) and a pull of an unchanged version (cached snapshot),
+i.e. the transport without the server's per-push work.
 
     python benchmarks/bench_transport.py [--sizes 4,64,256] [--repeats 3] [--paths grpc,bulk] [--out FILE]
 
@@ -95,9 +98,21 @@ def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool =
         if i:  # the first round allocates the server's buffers
             push_s.append(t1 - t0)
             pull_s.append(t2 - t1)
+    # The transfer alone, same connection: a retried push id (sent in full, CRC-32 on the
+    # client, read and discarded by the server, nothing applied) and a pull of an
+    # unchanged version (the server's snapshot is cached; CRC-32 on the client).
+    retry_s, cached_pull_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        assert client.push(payload, worker_id=reply.worker_id, push_id=2, base_version=0).duplicate
+        t1 = time.perf_counter()
+        client.pull(manifest, reply.worker_id, buffer=pull_buffer)
+        retry_s.append(t1 - t0)
+        cached_pull_s.append(time.perf_counter() - t1)
     fallbacks = client._bulk.fallbacks if client._bulk is not None else 0  # noqa: SLF001
     client.close()
-    return {"push_s": median(push_s), "pull_s": median(pull_s), "fallbacks": fallbacks}
+    return {"push_s": median(push_s), "pull_s": median(pull_s), "retry_s": median(retry_s),
+            "cached_pull_s": median(cached_pull_s), "fallbacks": fallbacks}  # fmt: skip
 
 
 def _best_s(fn, repeats: int) -> float:
@@ -167,6 +182,8 @@ def main() -> None:
                 "ratio": push_pull_bytes_per_s / raw,
                 "target": 0.8 if bulk else 0.45,
                 "repeats": args.repeats,
+                # the same bytes without the server's work (retried push + unchanged pull)
+                "transfer_only_ratio": 2 * n / (g["retry_s"] + g["cached_pull_s"]) / raw,
             }
             if bulk:
                 record["grpc_fallbacks"] = g["fallbacks"]
@@ -174,7 +191,7 @@ def main() -> None:
             if bulk:
                 b = bulk_breakdown(n, args.repeats)
                 parts = {
-                    "transfer_s": 2 * n / raw,  # push + pull at the raw TCP rate
+                    "transfer_s": g["retry_s"] + g["cached_pull_s"] - 2 * b["crc32_pass_s"],  # measured, less client CRCs
                     "crc32_s": 4 * b["crc32_pass_s"],
                     "apply_s": b["apply_s"],
                     "snapshot_copy_s": b["snapshot_copy_s"],

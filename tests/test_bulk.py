@@ -76,6 +76,16 @@ def _same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and torch.equal(a[1], b[1]) and (a[2] is None) == (b[2] is None) and (a[2] is None or torch.equal(a[2], b[2]))
 
 
+def _wait_for(condition, what: str) -> None:
+    """Poll ``condition`` (set on a server thread) for up to 10 s."""
+    ev = threading.Event()
+    for _ in range(1000):
+        if condition():
+            return
+        ev.wait(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def _initialized_client(srv: ParameterServer, **kw) -> tuple[ParameterServerClient, int]:
     client = ParameterServerClient(srv.address, rpc_timeout_s=10, **kw)
     reply = client.join(MANIFEST, "w")
@@ -179,12 +189,7 @@ def test_a_connection_dropped_mid_payload_applies_nothing(servers):
     with _raw_connection(srv) as sock:
         send_frame(sock, pb.BulkRequest(push=_header(w, 3, good, base_version=1)))
         sock.sendall(memoryview(good.numpy())[: good.numel() // 2])
-    deadline = threading.Event()
-    for _ in range(1000):  # the server notices the close on its own thread
-        if srv.state.status().rejected_pushes == rejected + 1:
-            break
-        deadline.wait(0.01)
-    assert srv.state.status().rejected_pushes == rejected + 1
+    _wait_for(lambda: srv.state.status().rejected_pushes == rejected + 1, "the server to count the cut-off push")
     assert _same(_state(srv), before)
     # the same push_id, complete, is applied: the cut-off attempt left no trace
     _no_grpc_payloads(client)
@@ -330,3 +335,37 @@ def test_the_cli_serves_a_bulk_port_and_tells_workers(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_connection_the_server_closed_is_replaced_within_the_call(servers, caplog):
+    srv = servers()
+    client, w = _initialized_client(srv)
+    _no_grpc_payloads(client)
+    old = client._bulk._sock  # noqa: SLF001
+    for conn, _ in list(srv.bulk._connections.values()):  # noqa: SLF001 - as an idle timeout would
+        conn.shutdown(socket.SHUT_RDWR)
+    _wait_for(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
+    with caplog.at_level(logging.WARNING, logger="asyncdiloco.bulk_client"):
+        assert client.push(_payload(1, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
+    assert client._bulk._sock is not old and client._bulk.fallbacks == 0  # noqa: SLF001
+    assert not [r for r in caplog.records if "bulk" in r.getMessage()]
+    client.close()
+
+
+def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc(servers):
+    srv = servers(max_concurrent_rpcs=4)
+    client, w = _initialized_client(srv)  # holds one bulk connection
+    extra = [_raw_connection(srv) for _ in range(3)]
+    _wait_for(lambda: len(srv.bulk._connections) == 4, "four open connections")  # noqa: SLF001
+    with _raw_connection(srv) as fifth:
+        assert fifth.recv(1) == b""  # closed at once
+    other = ParameterServerClient(srv.address)
+    other_id = other.join(MANIFEST, "other").worker_id
+    assert other.push(_payload(1, 1e-2), worker_id=other_id, push_id=1, base_version=0).version == 1
+    assert other._bulk.fallbacks == 1  # noqa: SLF001 - over gRPC
+    assert client.push(_payload(2, 1e-2), worker_id=w, push_id=2, base_version=1).version == 2
+    assert client._bulk.fallbacks == 0  # noqa: SLF001 - its own connection still works
+    for s in extra:
+        s.close()
+    other.close()
+    client.close()
