@@ -158,7 +158,7 @@ class BulkServer:
             with self._lock:
                 if len(self._connections) >= self._max_connections:
                     log.warning("bulk connection from %s closed: %d connections are open (the limit, "
-                                "--max-concurrent-rpcs); it will use gRPC", peer, len(self._connections))
+                                "ServerConfig.max_concurrent_rpcs); it will use gRPC", peer, len(self._connections))
                     conn.close()
                     continue
                 cid, self._next_id = self._next_id, self._next_id + 1
