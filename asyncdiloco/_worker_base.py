@@ -54,7 +54,7 @@ class WorkerBase:
         self._pull_wire: torch.Tensor | None = None
         self.client = ParameterServerClient(
             config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
-            security=config.security,
+            security=config.security, bulk_channel=config.bulk_channel,
         )  # fmt: skip
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server

@@ -147,6 +147,7 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         sync=sync,
         wire_codec=args.wire_codec,
         codec_block_size=args.codec_block_size,
+        bulk_port=getattr(args, "bulk_port", None),
     )
 
 
@@ -232,6 +233,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     print(f"asyncdiloco server listening on {server.address}", flush=True)
     if server.config.mode == "sync":
         print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
+    if server.bulk_port:
+        print(f"asyncdiloco server: bulk data channel on port {server.bulk_port}", flush=True)
     stop.wait()
     server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
     st = server.state.status()
@@ -263,6 +266,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
         security=_client_security(args),
         overlap=args.overlap,
+        bulk_channel=not args.no_bulk_channel,
     )
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
@@ -411,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; 0.0.0.0 = all)")
     ps.add_argument("--port", type=int, default=29500, help="TCP port (default 29500; 0 = pick a free one)")
     ps.add_argument("--port-file", help="write the bound port to this file once listening")
+    ps.add_argument("--bulk-port", type=int, default=None,
+                    help="also serve push/pull payloads as raw bytes on this TCP port (same host, token and TLS; "
+                         "0 = pick a free one; default: off, gRPC only). Workers learn the port on Join")
     _add_server_args(ps)
     _add_server_ops_args(ps)
     ps.set_defaults(func=cmd_server)
@@ -432,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--stats-file", help="write the worker's final counters as JSON here")
     pw.add_argument("--overlap", action="store_true",
                     help="push and pull in the background while the next inner steps run, then merge (async only)")
+    pw.add_argument("--no-bulk-channel", action="store_true",
+                    help="push and pull over gRPC even when the server offers a bulk data channel")
     _add_client_security_args(pw)
     sw = SyncWorkerConfig()
     pw.add_argument("--mode", choices=MODES, default="async", help="must match the server's --mode (default async)")

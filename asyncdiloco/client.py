@@ -7,6 +7,10 @@ policy (the Worker retries with backoff).
 
 With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
 channel uses TLS (optionally with a client certificate), see security.py.
+
+When the server offers a bulk data channel (``RunConfig.bulk_port`` > 0, learnt on Join)
+and ``bulk_channel`` is on, push and pull payloads travel over it (bulk_client.py) and
+fall back to gRPC per call when it cannot be used.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.bulk_client import BulkChannel
 from asyncdiloco.codec import wire_bytes_for
 from asyncdiloco.config import ClientSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
-from asyncdiloco.security import auth_metadata, channel_credentials, client_token
+from asyncdiloco.security import auth_metadata, channel_credentials, client_ssl_context, client_token
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.wire import encode_chunk, is_chunk, pull_callable, push_callable
 
@@ -49,6 +54,7 @@ class ParameterServerClient:
         timeout_s_per_mib: extra deadline per MiB of payload for Push/Pull, seconds.
         chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
         security: token and TLS settings; None = plaintext, no token.
+        bulk_channel: use the server's bulk data channel for push/pull when it offers one.
     Raises:
         ConfigError: a token or PEM file cannot be read.
     """
@@ -61,6 +67,7 @@ class ParameterServerClient:
         timeout_s_per_mib: float = 1.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         security: ClientSecurityConfig | None = None,
+        bulk_channel: bool = True,
     ) -> None:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
@@ -75,7 +82,11 @@ class ParameterServerClient:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        self._metadata = auth_metadata(client_token(security))
+        self._token = client_token(security)
+        self._metadata = auth_metadata(self._token)
+        self._security = security
+        self._bulk_allowed = bulk_channel
+        self._bulk: BulkChannel | None = None
         creds = channel_credentials(security)
         if creds is None:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -90,7 +101,26 @@ class ParameterServerClient:
         self._pull_stream = pull_callable(self._channel)
 
     def close(self) -> None:
+        self._use_bulk_port(0)
         self._channel.close()
+
+    def _use_bulk_port(self, port: int) -> None:
+        """Talk to the bulk data channel on ``port`` from now on (0: none)."""
+        if self._bulk is not None and (port <= 0 or port != self._bulk.port):
+            self._bulk.close()
+            self._bulk = None
+        if port > 0 and self._bulk is None and self._bulk_allowed:
+            host = self.address.rpartition(":")[0].strip("[]")
+            name = self._security.tls_server_name if self._security is not None else None
+            self._bulk = BulkChannel(
+                host, port, token=self._token, ssl_context=client_ssl_context(self._security), server_hostname=name,
+                connect_timeout_s=self.rpc_timeout_s,
+            )  # fmt: skip
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk data channel this client uses for push/pull (0: gRPC only)."""
+        return self._bulk.port if self._bulk is not None else 0
 
     def __enter__(self) -> "ParameterServerClient":
         return self
@@ -118,6 +148,7 @@ class ParameterServerClient:
             pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
         )
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
+        self._use_bulk_port(reply.run_config.bulk_port)
         return reply
 
     def pull_sync_state(self, manifest: Manifest, worker_id: int, with_momentum: bool) -> Pulled:
@@ -148,8 +179,13 @@ class ParameterServerClient:
     def _pull(self, request: pb.PullRequest, total: int | None, buffer: torch.Tensor | None,
               manifest: Manifest | None = None) -> Pulled:  # fmt: skip
         """``total`` None: the size the header's wire codec gives ``manifest``."""
+        deadline_bytes = total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
+        if self._bulk is not None:
+            size = total if total is not None else (lambda header: wire_bytes_for(header.run_config, manifest))
+            got = self._bulk.pull(request, size, buffer, self.chunk_bytes, self._payload_timeout(deadline_bytes))
+            if got is not None:
+                return Pulled(got[0].version, got[1], got[0].run_config)
         try:
-            deadline_bytes = total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
             stream = self._pull_stream(request, timeout=self._payload_timeout(deadline_bytes), metadata=self._metadata)
             first = next(stream, None)
             if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
@@ -216,6 +252,10 @@ class ParameterServerClient:
             quorum_id=quorum_id,
         )
 
+        if self._bulk is not None and payload.is_contiguous():
+            reply = self._bulk.push(header, payload, self._payload_timeout(total))
+            if reply is not None:
+                return reply
         chunk_bytes = self.chunk_bytes
 
         def messages():

@@ -238,6 +238,9 @@ class ServerConfig:
     wire_codec: str = "raw"
     #: int8: elements per absmax block (ignored by raw and bf16).
     codec_block_size: int = DEFAULT_BLOCK_SIZE
+    #: TCP port of the optional bulk data channel (ps/bulk.py: push/pull payloads as raw
+    #: bytes beside gRPC, same host, TLS and token); 0 picks a free one; None = off.
+    bulk_port: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
@@ -248,6 +251,8 @@ class ServerConfig:
             "sync mode applies one outer step per round on the mean: use nesterov (sync DiLoCo) or sgd (LocalSGD)",
         )
         _require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
+        _require(self.bulk_port is None or 0 <= self.bulk_port <= 65535, "bulk_port", self.bulk_port,
+                 "must be in [0, 65535] (0 picks a free port), or None for no bulk channel")
         _require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")
         _require(
             1024 <= self.chunk_bytes <= 64 * 1024**2,
@@ -306,6 +311,9 @@ class WorkerConfig:
     overlap: bool = False
     #: Token and TLS; None talks plaintext without a token.
     security: ClientSecurityConfig | None = None
+    #: Push and pull over the server's bulk data channel when it offers one
+    #: (RunConfig.bulk_port > 0), falling back to gRPC per call; False = gRPC only.
+    bulk_channel: bool = True
 
     def __post_init__(self) -> None:
         host, sep, port = self.server.rpartition(":")

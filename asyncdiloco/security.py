@@ -9,6 +9,10 @@
   (mutual TLS) and refuses others during the handshake. ``channel_credentials`` is
   the client side (``grpc.ssl_channel_credentials``).
 
+- **Bulk data channel** (ps/bulk.py): the same token travels in every BulkRequest and
+  is compared with ``token_matches`` (constant time); ``server_ssl_context`` /
+  ``client_ssl_context`` build Python ``ssl`` contexts from the same PEM files.
+
 A token sent over plaintext can be read by anyone on the path: use TLS whenever the
 server listens beyond 127.0.0.1.
 """
@@ -145,3 +149,57 @@ def channel_credentials(config: ClientSecurityConfig | None) -> grpc.ChannelCred
     cert = _read_bytes(config.tls_cert, "TLS certificate") if config.tls_cert else None
     key = _read_bytes(config.tls_key, "TLS key") if config.tls_key else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+# ---------------------------------------------------------- bulk data channel
+def token_matches(sent: str, expected: str) -> bool:
+    """Constant-time comparison of a token sent on the bulk channel with the server's."""
+    return hmac.compare_digest(sent.encode(), expected.encode())
+
+
+def server_ssl_context(config: ServerSecurityConfig | None) -> "ssl.SSLContext | None":
+    """The bulk channel's TLS, from the same PEM files as ``server_credentials``: the
+    server certificate, and with a client CA, required client certificates (mutual TLS).
+    None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be loaded.
+    """
+    import ssl
+
+    if config is None or config.tls_cert is None:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+        if config.tls_client_ca:
+            ctx.load_verify_locations(cafile=config.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS certificate {config.tls_cert!r} / key / client CA cannot be loaded ({exc}); "
+                          f"give readable PEM files") from None
+    return ctx
+
+
+def client_ssl_context(config: ClientSecurityConfig | None) -> "ssl.SSLContext | None":
+    """The bulk channel's TLS for a client, from the same PEM files as
+    ``channel_credentials`` (server verified against ``tls_ca``, host name checked; a
+    client certificate when given). None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be loaded.
+    """
+    import ssl
+
+    if config is None or config.tls_ca is None:
+        return None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.tls_ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if config.tls_cert:
+            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS CA {config.tls_ca!r} / client certificate cannot be loaded ({exc}); "
+                          f"give readable PEM files") from None
+    return ctx

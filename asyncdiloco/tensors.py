@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -397,6 +397,38 @@ class PayloadAssembler:
         self._crc = crc32_update(self._crc, chunk.data)
         self._filled += n
         self._next_index += 1
+
+    def fill_with(self, readinto: Callable[[memoryview], int], slice_bytes: int = 1 << 20) -> None:
+        """Fill the whole payload from a byte stream instead of chunks (the bulk channel).
+
+        Reads straight into the buffer, ``slice_bytes`` at a time, and folds each slice
+        into the CRC-32 while it is still in cache; ``finish`` then checks size and CRC as
+        for chunks.
+
+        Args:
+            readinto: writes up to ``len(view)`` bytes into ``view`` and returns how many
+                (0 = the stream ended), e.g. ``socket.recv_into``.
+            slice_bytes: bytes per CRC update, > 0.
+        Raises:
+            InvalidPayloadError: chunks were already added, or the stream ended early.
+            Whatever ``readinto`` raises (e.g. OSError), with the payload incomplete.
+        """
+        if self._next_index or self._filled:
+            raise InvalidPayloadError("fill_with needs an empty assembler; chunks were already added")
+        view = memoryview(self._np)
+        while self._filled < self.total_bytes:
+            end = min(self._filled + slice_bytes, self.total_bytes)
+            pos = self._filled
+            while pos < end:
+                n = readinto(view[pos:end])
+                if n == 0:
+                    raise InvalidPayloadError(
+                        f"stream ended after {pos} of {self.total_bytes} payload bytes; resend the whole payload"
+                    )
+                pos += n
+            self._crc = _crc32(view[self._filled : end], self._crc)
+            self._filled = end
+        self._next_index = self.num_chunks
 
     def finish(self) -> torch.Tensor:
         """The complete payload; raises if chunks are missing or the CRC-32 differs."""

@@ -53,7 +53,7 @@ def summarize(records: list[dict]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        if "measure" not in r:  # a diagnostic line (e.g. a breakdown); it stays in perf.jsonl
+        if "measure" not in r or not ("ratio" in r or "pushes_per_s" in r):  # a diagnostic line; in perf.jsonl
             continue
         sign, larger = _TARGETS.get(r["measure"], ("?", True))
         v = _value(r)

@@ -173,3 +173,33 @@ def test_manifest_proto_roundtrip_and_hash_check():
 def test_unsupported_dtype_refused():
     with pytest.raises(InvalidPayloadError, match="dtype torch.float64"):
         Manifest.from_named_tensors([("x", torch.zeros(2, dtype=torch.float64))])
+
+
+def test_the_payload_crc32_is_zlibs_whichever_implementation_is_installed():
+    import zlib
+
+    from asyncdiloco.tensors import _crc32
+
+    data = torch.randint(0, 256, (3 * 1024 * 1024 + 7,), dtype=torch.uint8)
+    view = memoryview(data.numpy())
+    assert crc32_of(data) == zlib.crc32(view)
+    assert _crc32(view[5:1001], 12345) == zlib.crc32(view[5:1001], 12345)  # chained, unaligned
+    assert _crc32(b"") == zlib.crc32(b"") == 0
+
+
+def test_fill_with_reads_a_stream_and_keeps_the_size_and_crc_checks():
+    import io
+
+    payload = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    for crc, ok in ((crc32_of(payload), True), (crc32_of(payload) ^ 1, False)):
+        stream = io.BytesIO(payload.numpy().tobytes())
+        asm = PayloadAssembler(total_bytes=1000, num_chunks=num_chunks_for(1000, 64), crc32=crc, chunk_bytes=64)
+        asm.fill_with(stream.readinto, slice_bytes=300)
+        if ok:
+            assert torch.equal(asm.finish(), payload)
+        else:
+            with pytest.raises(InvalidPayloadError, match="CRC-32"):
+                asm.finish()
+    short = PayloadAssembler(total_bytes=1000, num_chunks=16, crc32=0, chunk_bytes=64)
+    with pytest.raises(InvalidPayloadError, match="stream ended after 999 of 1000"):
+        short.fill_with(io.BytesIO(bytes(999)).readinto)

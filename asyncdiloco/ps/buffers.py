@@ -210,3 +210,31 @@ class PullSnapshots:
     def clear(self) -> None:
         with self._cond:
             self._published = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PullSource:
+    """What one pull sends, over gRPC or the bulk channel: its header, then the payload
+    from a shared ``Snapshot`` (async pulls) or a private payload (sync-state pulls).
+    Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
+
+    header: "object"  # pb.PullHeader
+    snapshot: Snapshot | None = None
+    payload: torch.Tensor | None = None  # 1-D uint8 CPU, when there is no snapshot
+
+    def messages(self, chunk_bytes: int):
+        """The serialised ``PullMessage(chunk=...)`` of each chunk (ready-made for a snapshot)."""
+        if self.snapshot is not None:
+            yield from self.snapshot.messages
+            return
+        view = memoryview(self.payload.numpy())
+        for index in range(num_chunks_for(len(view), chunk_bytes)):
+            start = index * chunk_bytes
+            yield encode_chunk(index, start, view[start : start + chunk_bytes])
+
+    def data_views(self):
+        """The payload as read-only memoryviews, in order, zero-copy."""
+        if self.snapshot is not None:
+            yield from self.snapshot.data_views()
+        else:
+            yield memoryview(self.payload.numpy()).toreadonly()

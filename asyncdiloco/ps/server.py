@@ -13,6 +13,9 @@ groups: one ``torch.distributed.TCPStore`` (``is_master=True``,
 ``q<quorum_id>`` in it (PERF-NOTES, "Re-formable gloo groups"). A plain master
 TCPStore listens on every interface, so the server binds the listening socket itself on
 ``config.host`` and hands it over (``master_listen_fd``).
+With ``config.bulk_port`` set, the bulk data channel (bulk.py) listens beside the gRPC
+port on the same host, with the same token and TLS, and ``RunConfig.bulk_port`` tells
+workers where it is.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class ParameterServer:
         self._server: grpc.Server | None = None
         self.port: int | None = None
         self._store = None  # sync mode: torch.distributed.TCPStore (master)
+        self.bulk = None  # bulk.BulkServer when config.bulk_port is set
 
     @property
     def address(self) -> str:
@@ -125,6 +129,15 @@ class ParameterServer:
             except Exception:
                 server.stop(None)
                 raise
+        if self.config.bulk_port is not None:
+            try:
+                self._start_bulk()
+            except Exception:
+                server.stop(None)
+                self._store = None
+                if self.store is not None:
+                    self.store.close(final_checkpoint=False)
+                raise
         server.start()
         self._server, self.port = server, port
         log.info("parameter server listening on %s", self.address)
@@ -157,6 +170,24 @@ class ParameterServer:
         self.state.store_port = bound
         log.info("rendezvous store listening on %s:%d", host, bound)
 
+    def _start_bulk(self) -> None:
+        from asyncdiloco.ps.bulk import BulkServer
+        from asyncdiloco.security import read_token, server_ssl_context
+
+        security = self.config.security
+        token = read_token(security.token_file) if security is not None and security.token_file else None
+        self.bulk = BulkServer(
+            self.state, host=self.config.host, port=self.config.bulk_port, token=token,
+            ssl_context=server_ssl_context(security), max_connections=self.config.max_concurrent_rpcs,
+            idle_timeout_s=self.config.lease_s,
+        ).start()  # fmt: skip
+        self.state.bulk_port = self.bulk.port  # told to workers in every RunConfig
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk data channel's port (0 when it is off)."""
+        return self.state.bulk_port
+
     @property
     def store_port(self) -> int:
         """Sync mode: the rendezvous store's port (0 in async mode)."""
@@ -164,6 +195,9 @@ class ParameterServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
+        if self.bulk is not None:
+            self.bulk.stop(grace_s)
+            self.bulk = None
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None

@@ -14,8 +14,8 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState, PushOutcome
-from asyncdiloco.tensors import Manifest, crc32_of, num_chunks_for
-from asyncdiloco.wire import encode_chunk, is_chunk
+from asyncdiloco.tensors import Manifest
+from asyncdiloco.wire import is_chunk
 
 log = logging.getLogger(__name__)
 
@@ -46,42 +46,16 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         )
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
-        snap = payload = None
         try:
-            if request.sync_state:
-                if not self.state.sync_mode:
-                    raise self.state.mode_mismatch_error("a sync-state pull")
-                version, payload = self.state.sync_state()
-                crc, total, messages = crc32_of(payload), payload.numel(), None
-            else:  # the snapshot's chunk messages are encoded once per version and shared
-                snap = self.state.acquire_snapshot()
-                version, crc, total, messages = snap.version, snap.crc32, snap.total_bytes, snap.messages
+            source = self.state.open_pull(request)  # a snapshot's chunk messages are encoded once per version
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         try:
-            yield from self._stream_pull(request, version, crc, total, messages, payload)
+            yield pb.PullMessage(header=source.header)
+            yield from source.messages(self.state.config.chunk_bytes)
+            self.state.record_pull(request.worker_id, source.header.total_bytes)
         finally:  # also when the client cancels: the snapshot may then be freed
-            if snap is not None:
-                self.state.release_snapshot(snap)
-
-    def _stream_pull(self, request, version, crc, total, messages, payload):
-        chunk_bytes = self.state.config.chunk_bytes
-        yield pb.PullMessage(
-            header=pb.PullHeader(
-                version=version,
-                total_bytes=total,
-                num_chunks=num_chunks_for(total, chunk_bytes),
-                crc32=crc,
-                run_config=self.state.run_config(request.worker_id),
-                round=version if self.state.sync_mode else 0,
-            )
-        )
-        if messages is None:
-            view = memoryview(payload.numpy())
-            messages = (encode_chunk(i, i * chunk_bytes, view[i * chunk_bytes : (i + 1) * chunk_bytes])
-                        for i in range(num_chunks_for(total, chunk_bytes)))  # fmt: skip
-        yield from messages
-        self.state.record_pull(request.worker_id, total)
+            self.state.close_pull(source)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         worker_id = 0
@@ -121,18 +95,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         finally:
             if started is not None and not isinstance(started, PushOutcome):
                 self.state.end_push(started)  # the receive buffer goes back to the pool
-        if outcome.duplicate:
-            self.state.record_duplicate()
-        else:
-            self.state.grace.wait()  # workers whose pushes landed together pull the same model
-        return pb.PushReply(
-            applied=outcome.applied,
-            duplicate=outcome.duplicate,
-            version=outcome.version,
-            staleness=outcome.staleness,
-            staleness_weight=outcome.staleness_weight,
-            local_steps=outcome.local_steps,
-        )
+        return self.state.finish_push(outcome)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:

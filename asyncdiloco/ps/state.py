@@ -69,7 +69,7 @@ from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, st
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, Snapshot, frame_snapshot, seal_snapshot
+from asyncdiloco.ps.buffers import PullSnapshots, PullSource, ReceivePool, Snapshot, frame_snapshot, seal_snapshot
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
@@ -163,6 +163,8 @@ class ParameterServerState:
         self.quorum: QuorumManager | None = None
         self.store_host = ""
         self.store_port = 0
+        #: The bulk data channel's port (ps/bulk.py), set by server.py; 0 = none offered.
+        self.bulk_port = 0
         if config.mode == "sync":
             self.quorum = QuorumManager(
                 config.sync, live_workers=self.live_worker_ids, on_commit=self._apply_round, clock=clock
@@ -203,6 +205,7 @@ class ParameterServerState:
             outer_momentum=outer.momentum,
             wire_codec=self.config.wire_codec,
             codec_block_size=self.config.codec_block_size,
+            bulk_port=self.bulk_port,
         )
 
     def _wire_codec(self) -> WireCodec:
@@ -395,6 +398,39 @@ class ParameterServerState:
                 self._pack_scratch = torch.empty(codec.wire_bytes, dtype=torch.uint8)
             payload = codec.encode(self.params, self._pack_scratch)  # θ in the wire codec (raw: manifest dtypes)
         return frame_snapshot(payload, self.config.chunk_bytes)
+
+    def open_pull(self, request: pb.PullRequest) -> PullSource:
+        """What a Pull sends (over gRPC or the bulk channel): its header and payload.
+        Pair every call with ``close_pull`` when the pull ends, completed or not.
+
+        Returns:
+            A ``PullSource``: the header (version, size, chunk count, CRC-32, run config)
+            and the newest snapshot, or for ``request.sync_state`` θ and m as float32 bytes.
+        Raises:
+            NotInitializedError, ModeMismatchError (a sync-state pull of an async server).
+        """
+        if request.sync_state:
+            if not self.sync_mode:
+                raise self.mode_mismatch_error("a sync-state pull")
+            version, payload = self.sync_state()
+            snap, total, crc = None, payload.numel(), crc32_of(payload)
+        else:
+            snap, payload = self.acquire_snapshot(), None
+            version, total, crc = snap.version, snap.total_bytes, snap.crc32
+        header = pb.PullHeader(
+            version=version,
+            total_bytes=total,
+            num_chunks=num_chunks_for(total, self.config.chunk_bytes),
+            crc32=crc,
+            run_config=self.run_config(request.worker_id),
+            round=version if self.sync_mode else 0,
+        )
+        return PullSource(header, snap, payload)
+
+    def close_pull(self, source: PullSource) -> None:
+        """A pull from ``open_pull`` ended: its snapshot may be freed."""
+        if source.snapshot is not None:
+            self.release_snapshot(source.snapshot)
 
     def record_pull(self, worker_id: int, num_bytes: int) -> None:
         with self._lock:
@@ -760,6 +796,23 @@ class ParameterServerState:
     def record_duplicate(self) -> None:
         with self._lock:
             self.duplicate_pushes += 1
+
+    def finish_push(self, outcome: PushOutcome) -> pb.PushReply:
+        """The reply to a push that was applied or answered as a retry (gRPC and bulk):
+        counts a duplicate, or holds an applied push for the grace window (Liu et al.
+        2024, Alg. 2) so that workers whose pushes landed together pull the same model."""
+        if outcome.duplicate:
+            self.record_duplicate()
+        else:
+            self.grace.wait()
+        return pb.PushReply(
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            version=outcome.version,
+            staleness=outcome.staleness,
+            staleness_weight=outcome.staleness_weight,
+            local_steps=outcome.local_steps,
+        )
 
     # ---------------------------------------------------------------- status
     def status(self) -> pb.StatusReply:

@@ -1,0 +1,268 @@
+"""The server side of the optional bulk data channel: Push and Pull as raw bytes over TCP.
+
+PERF-NOTES: gRPC tops out near half of raw TCP loopback throughput because every
+payload byte passes through protobuf chunk messages; a plain TCP data channel beside
+the gRPC control plane moves the same bytes with one kernel copy on each side. The
+wire format (BulkRequest / BulkReply, framing, refusals) is specified in
+``proto/asyncdiloco/v1/parameter_server.proto``; framing helpers are in bulk_wire.py.
+
+Semantics are the gRPC servicer's (service.py), through the same state methods: a push
+goes ``begin_push`` → payload received straight into the ``PayloadAssembler``'s buffer
+(``fill_with``, CRC-32 folded in per slice) → ``apply_push`` → ``finish_push``; a
+refused or interrupted push changes nothing and is counted by ``record_rejected``. A
+pull sends ``open_pull``'s header and then the payload from its immutable snapshot
+(``sendall`` of memoryviews of the snapshot's own bytes, no copy), then ``record_pull``.
+
+Threads: one listener thread, and one thread per connection, at most
+``max_connections`` at a time (``ServerConfig.max_concurrent_rpcs``); a connection
+beyond that is closed at once, and its client uses gRPC. A connection idle (or stalled
+mid-payload) for longer than ``idle_timeout_s`` (the worker lease) is closed; clients
+reconnect on their next push or pull. Auth: the shared token of every request is
+compared in constant time; TLS (and mutual TLS) with the gRPC port's certificates.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+
+import grpc
+
+from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.bulk_wire import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.ps.state import ParameterServerState, PushOutcome
+from asyncdiloco.security import token_matches
+
+log = logging.getLogger(__name__)
+
+#: Largest slice of a payload per sendall / per CRC-32 update, bytes.
+_SLICE_BYTES = 4 << 20
+
+
+def _reader(conn: socket.socket):
+    """``recv_into`` for ``PayloadAssembler.fill_with`` that raises when the peer is gone."""
+
+    def readinto(view: memoryview) -> int:
+        got = conn.recv_into(view)
+        if got == 0:
+            raise ConnectionEnded("connection closed mid-payload")
+        return got
+
+    return readinto
+
+
+class _Close(Exception):
+    """The connection must be closed after the reply that was just sent."""
+
+
+class BulkServer:
+    """Listens for bulk connections on ``host:port`` and serves them from ``state``.
+
+    Args:
+        state: the parameter server's state (shared with the gRPC servicer).
+        host: interface to bind (the server's ``--host``).
+        port: TCP port; 0 picks a free one (read ``.port`` after ``start``).
+        token: the shared token every request must carry; None = no token.
+        ssl_context: server-side TLS context (security.server_ssl_context); None = plaintext.
+        max_connections: concurrent connections served; more are closed at once.
+        idle_timeout_s: seconds a connection may wait for its next request, or stall
+            mid-payload, before it is closed.
+    """
+
+    def __init__(
+        self,
+        state: ParameterServerState,
+        *,
+        host: str,
+        port: int,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = 64,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        self.state = state
+        self.host = host
+        self.port = port
+        self._token = token
+        self._ssl = ssl_context
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        #: Open connections: id -> (its socket, TLS-wrapped once the handshake is done; its thread).
+        self._connections: dict[int, tuple[socket.socket, threading.Thread]] = {}
+        self._next_id = 0
+        self._stopping = False
+
+    def start(self) -> "BulkServer":
+        """Bind and start accepting.
+
+        Raises:
+            ConfigError: the address cannot be bound.
+        """
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(
+                f"cannot listen for the bulk data channel on {self.host}:{self.port} ({exc.strerror}); choose "
+                f"another --bulk-port (0 picks a free one)"
+            ) from None
+        self._listener, self.port = sock, sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, name="ps-bulk-listener", daemon=True)
+        self._thread.start()
+        log.info("bulk data channel listening on %s:%d%s", self.host, self.port, " (TLS)" if self._ssl else "")
+        return self
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        """Stop accepting, end every connection at once (transfers in flight are cut off
+        and apply nothing), and wait up to ``grace_s`` seconds (None: 5 s) for their
+        threads, so that a push being applied finishes before the caller goes on."""
+        grace_s = 5.0 if grace_s is None else grace_s
+        self._stopping = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._connections.values())
+        for conn, _ in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            except OSError:
+                pass
+        for _, thread in conns:
+            thread.join(timeout=grace_s)
+        if self._thread is not None:
+            self._thread.join(timeout=grace_s)
+
+    # -------------------------------------------------------------- accepting
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                if not self._stopping:
+                    log.exception("bulk data channel: accept failed; no more bulk connections are accepted")
+                return
+            with self._lock:
+                if len(self._connections) >= self._max_connections:
+                    log.warning("bulk connection from %s closed: %d connections are open (the limit, "
+                                "ServerConfig.max_concurrent_rpcs); it will use gRPC", peer, len(self._connections))
+                    conn.close()
+                    continue
+                cid, self._next_id = self._next_id, self._next_id + 1
+                thread = threading.Thread(target=self._serve, args=(cid, conn, peer), name="ps-bulk", daemon=True)
+                self._connections[cid] = (conn, thread)
+            thread.start()
+
+    def _serve(self, cid: int, conn: socket.socket, peer) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._idle_timeout_s)
+            if self._ssl is not None:
+                try:
+                    conn = self._ssl.wrap_socket(conn, server_side=True)  # handshake here, under the timeout
+                except ssl.SSLError as exc:
+                    log.warning("bulk connection from %s refused in the TLS handshake: %s", peer, exc)
+                    return
+                with self._lock:  # stop() must shut down the TLS socket (the plain one is detached)
+                    self._connections[cid] = (conn, self._connections[cid][1])
+            while True:
+                try:
+                    request = recv_frame(conn, pb.BulkRequest, eof_ok=True)
+                except FrameError as exc:
+                    self._reply(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; send length-prefixed BulkRequest "
+                                "frames as parameter_server.proto describes")
+                    return
+                if request is None:
+                    return
+                self._handle(conn, request)
+        except _Close:
+            pass
+        except (ConnectionEnded, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors
+            log.debug("bulk connection from %s ended: %s", peer, exc)
+        except Exception:  # a bug: never let it pass silently, never take the server down
+            log.exception("bulk connection from %s failed", peer)
+        finally:
+            with self._lock:
+                self._connections.pop(cid, None)
+            conn.close()
+
+    # -------------------------------------------------------------- requests
+    def _reply(self, conn: socket.socket, code: grpc.StatusCode, message: str = "", **body) -> None:
+        send_frame(conn, pb.BulkReply(code=code_value(code), message=message, **body))
+
+    def _handle(self, conn: socket.socket, request: pb.BulkRequest) -> None:
+        if self._token is not None and not token_matches(request.token, self._token):
+            log.warning("refused a bulk request: missing or wrong token")
+            self._reply(conn, grpc.StatusCode.UNAUTHENTICATED,
+                        "bulk channel: missing or wrong token (BulkRequest.token); start the client with the "
+                        "server's --token-file")  # fmt: skip
+            raise _Close
+        kind = request.WhichOneof("body")
+        if kind == "push":
+            self._push(conn, request.push)
+        elif kind == "pull":
+            self._pull(conn, request.pull)
+        else:
+            self._reply(conn, grpc.StatusCode.INVALID_ARGUMENT, "a BulkRequest must carry a push or a pull")
+            raise _Close
+
+    def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:
+        worker_id, total = header.worker_id, header.total_bytes
+        try:
+            started = self.state.begin_push(header)
+        except AsyncDiLoCoError as exc:
+            log.warning("bulk push from worker %d refused: %s", worker_id, exc)
+            self.state.record_rejected(worker_id)
+            if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
+                self._reply(conn, exc.grpc_code, str(exc))
+                raise _Close from None
+            drain(conn, total)
+            self._reply(conn, exc.grpc_code, str(exc))
+            return
+        if isinstance(started, PushOutcome):  # a retry of an applied push: drain and answer
+            drain(conn, total)
+            outcome = started
+        else:
+            try:
+                started.fill_with(_reader(conn), _SLICE_BYTES)
+            except OSError:
+                log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
+                            "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
+                self.state.record_rejected(worker_id)
+                raise
+            try:
+                outcome = self.state.apply_push(header, started.finish())  # finish: size and CRC-32
+            except AsyncDiLoCoError as exc:
+                log.warning("bulk push from worker %d refused: %s", worker_id, exc)
+                self.state.record_rejected(worker_id)
+                self._reply(conn, exc.grpc_code, str(exc))
+                return
+        self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome))
+
+    def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:
+        try:
+            source = self.state.open_pull(request)
+        except AsyncDiLoCoError as exc:
+            self._reply(conn, exc.grpc_code, str(exc))
+            return
+        try:
+            self._reply(conn, grpc.StatusCode.OK, pull=source.header)
+            for view in source.data_views():  # the snapshot's own bytes: no copy
+                for start in range(0, len(view), _SLICE_BYTES):  # the idle timeout applies per slice
+                    conn.sendall(view[start : start + _SLICE_BYTES])
+            self.state.record_pull(request.worker_id, source.header.total_bytes)
+        finally:
+            self.state.close_pull(source)
