@@ -9,6 +9,7 @@ every inner step's displacement of every worker (minus what was never pushed).
 
 from __future__ import annotations
 
+import dataclasses
 import concurrent.futures
 import json
 import subprocess
@@ -407,3 +408,23 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
             assert worker._pending is not None and worker._pending.num_local_steps == 1
     finally:
         worker.client.close()
+
+
+def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
+    from asyncdiloco import InvalidPayloadError
+    from asyncdiloco.overlap import push_then_pull
+
+    class NoNetwork:
+        def push(self, *a, **k):
+            raise AssertionError("a non-finite Δ must not be pushed")
+
+        pull = push
+
+    pending = dataclasses.make_dataclass("P", ["payload", "push_id", "base_version", "num_local_steps",
+                                              "num_tokens", "compute_s"])(None, 2, 0, 3, 0, 0.0)  # fmt: skip
+    snapshot = torch.tensor([0.0, float("nan"), 1.0])
+    out = push_then_pull(client=NoNetwork(), manifest=None, worker_id=7, pending=pending, pull_buffer=None,
+                         decode=None, theta_g=torch.empty(3), snapshot=snapshot, base=torch.zeros(3),
+                         encode=lambda d: d.view(torch.uint8))  # fmt: skip
+    assert isinstance(out.error, InvalidPayloadError) and "non-finite" in str(out.error)
+    assert pending.payload is None and out.push_reply is None and not out.pulled
