@@ -137,6 +137,26 @@ def test_a_retried_push_id_is_applied_once(servers):
     client.close()
 
 
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_every_push_gives_its_receive_buffer_back(servers, bulk):
+    """With a receive budget of one payload, push after push (applied, refused, retried)
+    must each get the buffer: one never given back would make the next wait and fail."""
+    srv = servers(receive_buffer_bytes=0, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    client, w = _initialized_client(srv, bulk_channel=bulk)
+    if bulk:
+        _no_grpc_payloads(client)
+    srv.state._receive_pool.wait_s = 1.0
+    for push_id in range(2, 6):
+        assert client.push(_payload(push_id, 1e-2), worker_id=w, push_id=push_id, base_version=push_id - 2).applied
+    assert client.push(_payload(5, 1e-2), worker_id=w, push_id=5, base_version=3).duplicate
+    with pytest.raises(InvalidPayloadError):
+        nan = _payload(9).view(torch.float32).clone().fill_(float("nan")).view(torch.uint8)
+        client.push(nan, worker_id=w, push_id=6, base_version=4)
+    assert client.push(_payload(7, 1e-2), worker_id=w, push_id=7, base_version=4).applied
+    assert srv.state._receive_pool._in_use == 0
+    client.close()
+
 # ------------------------------------------------------------------ refusals
 def _header(worker_id: int, push_id: int, payload: torch.Tensor, **kw) -> pb.PushHeader:
     fields = dict(worker_id=worker_id, push_id=push_id, base_version=0, total_bytes=payload.numel(),

@@ -36,10 +36,12 @@ class ReceivePool:
         budget_bytes: most bytes of buffers handed out at once (>= 0); one buffer is
             always allowed even when it alone is larger. Free buffers are kept for reuse
             up to the same budget.
+        wait_s: how long ``acquire`` waits for room by default, seconds.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, wait_s: float = 30.0) -> None:
         self.budget_bytes = budget_bytes
+        self.wait_s = wait_s
         self._cond = threading.Condition()
         self._in_use_bytes = 0
         self._in_use = 0
@@ -48,15 +50,15 @@ class ReceivePool:
         #: Most buffers that were out at once (for the benchmarks and tests).
         self.peak_in_use = 0
 
-    def acquire(self, nbytes: int, timeout_s: float) -> torch.Tensor:
+    def acquire(self, nbytes: int, timeout_s: float | None = None) -> torch.Tensor:
         """A 1-D uint8 CPU tensor of ``nbytes`` (contents undefined), reused when one
         of that size is free.
 
         Raises:
-            ServerBusyError: no buffer became free within ``timeout_s`` seconds (the
-                other pushes in flight hold the whole budget); retry the push.
+            ServerBusyError: no buffer became free within ``timeout_s`` seconds (default
+                ``wait_s``; the other pushes in flight hold the whole budget); retry the push.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (self.wait_s if timeout_s is None else timeout_s)
         with self._cond:
             while self._in_use and self._in_use_bytes + nbytes > self.budget_bytes:
                 left = deadline - time.monotonic()

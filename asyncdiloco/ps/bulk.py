@@ -237,19 +237,22 @@ class BulkServer:
             outcome = started
         else:
             try:
-                started.fill_with(_reader(conn), _SLICE_BYTES)
-            except OSError:
-                log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
-                            "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
-                self.state.record_rejected(worker_id)
-                raise
-            try:
-                outcome = self.state.apply_push(header, started.finish())  # finish: size and CRC-32
-            except AsyncDiLoCoError as exc:
-                log.warning("bulk push from worker %d refused: %s", worker_id, exc)
-                self.state.record_rejected(worker_id)
-                self._reply(conn, exc.grpc_code, str(exc))
-                return
+                try:
+                    started.fill_with(_reader(conn), _SLICE_BYTES)
+                except OSError:
+                    log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
+                                "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
+                    self.state.record_rejected(worker_id)
+                    raise
+                try:
+                    outcome = self.state.apply_push(header, started.finish())  # finish: size and CRC-32
+                except AsyncDiLoCoError as exc:
+                    log.warning("bulk push from worker %d refused: %s", worker_id, exc)
+                    self.state.record_rejected(worker_id)
+                    self._reply(conn, exc.grpc_code, str(exc))
+                    return
+            finally:
+                self.state.end_push(started)  # the receive buffer goes back to the pool
         self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome))
 
     def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:

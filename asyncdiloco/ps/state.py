@@ -77,8 +77,6 @@ log = logging.getLogger(__name__)
 
 #: Outcomes remembered per worker for answering retried pushes.
 _PUSH_MEMORY = 256
-#: Seconds a push waits for a free receive buffer before it is refused (ServerBusyError).
-_RECEIVE_WAIT_S = 30.0
 #: Seconds a pull waits for pulls of older versions to finish (room for a new snapshot)
 #: before it is served the newest snapshot there is, of an older version.
 _SNAPSHOT_WAIT_S = 10.0
@@ -513,7 +511,7 @@ class ParameterServerState:
         )  # fmt: skip
         if header.kind == pb.PUSH_KIND_ROUND_RESULT:  # staged until the vote: a buffer of its own
             return PayloadAssembler(**assembler_args)
-        buffer = self._receive_pool.acquire(header.total_bytes, _RECEIVE_WAIT_S)  # ServerBusyError
+        buffer = self._receive_pool.acquire(header.total_bytes)  # waits up to 30 s, then ServerBusyError
         try:
             assembler = PayloadAssembler(**assembler_args, buffer=buffer)
         except Exception:
