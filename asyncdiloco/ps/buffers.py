@@ -168,15 +168,28 @@ class PullSnapshots:
     def _reading_versions(self) -> int:
         return sum(1 for n in self._readers.values() if n > 0)
 
+    def _make_room_locked(self) -> bool:
+        reading = self._reading_versions()
+        pub = self._published
+        unread = pub is not None and self._readers.get(pub.version, 0) == 0
+        if reading + unread + 1 <= self.max_snapshots:
+            return True
+        if reading + 1 <= self.max_snapshots:  # only the unread published one is in the way:
+            self._published = None  # the snapshot about to be built supersedes it; free it first
+            return True
+        return False
+
     def has_room(self) -> bool:
-        """True when one more snapshot may be built now."""
+        """True when one more snapshot may be built now: the versions alive (being read,
+        or published) stay within ``max_snapshots``; an unread published snapshot is
+        dropped first when that is what makes room."""
         with self._cond:
-            return self._reading_versions() + 1 <= self.max_snapshots
+            return self._make_room_locked()
 
     def wait_for_room(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds until ``has_room``; False if it never came."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._reading_versions() + 1 <= self.max_snapshots, timeout_s)
+            return self._cond.wait_for(self._make_room_locked, timeout_s)
 
     def acquire_if(self, version: int | None) -> Snapshot | None:
         """The published snapshot, registered as read by the caller, if it is of

@@ -378,8 +378,10 @@ class ParameterServerState:
             with self._apply_lock:
                 with self._lock:
                     version = self.version
-                snap = seal_snapshot(version, self._frame_snapshot_applylocked())
-                self._snapshots.publish(snap, acquire=True)
+                snap = self._snapshots.acquire_if(version)  # an apply may have built it meanwhile
+                if snap is None:
+                    snap = seal_snapshot(version, self._frame_snapshot_applylocked())
+                    self._snapshots.publish(snap, acquire=True)
             return snap
 
     def release_snapshot(self, snap: Snapshot) -> None:
