@@ -22,6 +22,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import ssl
 import stat
 
 import grpc
@@ -165,7 +166,6 @@ def server_ssl_context(config: ServerSecurityConfig | None) -> "ssl.SSLContext |
     Raises:
         ConfigError: a PEM file cannot be loaded.
     """
-    import ssl
 
     if config is None or config.tls_cert is None:
         return None
@@ -190,7 +190,6 @@ def client_ssl_context(config: ClientSecurityConfig | None) -> "ssl.SSLContext |
     Raises:
         ConfigError: a PEM file cannot be loaded.
     """
-    import ssl
 
     if config is None or config.tls_ca is None:
         return None
