@@ -30,9 +30,9 @@ the version becomes V + 1. ``(worker_id, push_id)`` makes a retried push idempot
 Durability (store.py): when a ``journal`` is attached, every Join and every push is
 logged (and fsynced) after all checks pass and before it changes anything in memory or
 is acknowledged; ``state_dict``/``load_state_dict`` and ``replay_join``/``replay_push``
-are what checkpoints and log replay use.
-Sync mode (``ServerConfig.mode == "sync"``): pseudo-gradient pushes are refused
-(``ModeMismatchError``); rounds are run by a ``QuorumManager`` (quorum.py). Rank 0 of
+(state_durable.py) are what checkpoints and log replay use.
+Sync mode (``ServerConfig.mode == "sync"``; methods in state_sync.py): pseudo-gradient
+pushes are refused (``ModeMismatchError``); rounds are run by a ``QuorumManager`` (quorum.py). Rank 0 of
 each quorum uploads the reduced pseudo-gradient Δ̄ (``PUSH_KIND_ROUND_RESULT``) before it
 votes; on commit this state applies the same ``OuterOptimizer`` step to θ and m that
 every member applies to its θ_base, and the version becomes the committed-round count.
@@ -47,7 +47,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -56,56 +55,43 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.codec import DecodeBuffers, WireCodec, make_codec
 from asyncdiloco.config import ServerConfig
 from asyncdiloco.errors import (
-    CheckpointError,
     InvalidPayloadError,
-    ManifestMismatchError,
     ModeMismatchError,
     NotInitializedError,
     PayloadTooLargeError,
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.outer import OuterOptimizer, describe, make_outer_optimizer, staleness_weight
-from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
-from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
+from asyncdiloco.outer import (
+    OuterOptimizer,
+    describe,
+    make_outer_optimizer,
+    staleness_weight,
+)
+from asyncdiloco.ps.buffers import (
+    PullSnapshots,
+    PullSource,
+    ReceivePool,
+    Snapshot,
+    frame_snapshot,
+    seal_snapshot,
+)
+from asyncdiloco.ps.quorum import QuorumManager
+from asyncdiloco.ps.records import PUSH_MEMORY as _PUSH_MEMORY
+from asyncdiloco.ps.records import PushOutcome, WorkerRecord
+from asyncdiloco.ps.state_durable import DurableState
+from asyncdiloco.ps.state_sync import SyncRounds
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.ps.buffers import PullSnapshots, PullSource, ReceivePool, Snapshot, frame_snapshot, seal_snapshot
 from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
 log = logging.getLogger(__name__)
 
-#: Outcomes remembered per worker for answering retried pushes.
-_PUSH_MEMORY = 256
 #: Seconds a pull waits for pulls of older versions to finish (room for a new snapshot)
 #: before it is served the newest snapshot there is, of an older version.
 _SNAPSHOT_WAIT_S = 10.0
 
 __all__ = ["ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PushOutcome:
-    applied: bool
-    duplicate: bool
-    version: int
-    staleness: int
-    staleness_weight: float
-    local_steps: int
-
-
-@dataclasses.dataclass
-class WorkerRecord:
-    worker_id: int
-    name: str
-    joined_at: float
-    last_seen: float
-    alive: bool = True
-    applied_pushes: int = 0
-    rejected_pushes: int = 0
-    tokens: int = 0
-    local_steps: int = 0
-    outcomes: "OrderedDict[int, PushOutcome]" = dataclasses.field(default_factory=OrderedDict)
 
 
 def _largest_magnitude(x: torch.Tensor) -> float:
@@ -117,7 +103,7 @@ def _largest_magnitude(x: torch.Tensor) -> float:
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
-class ParameterServerState:
+class ParameterServerState(SyncRounds, DurableState):
     """Global model, outer optimizer, version, workers and counters.
 
     Args:
@@ -657,95 +643,6 @@ class ParameterServerState:
             rec.outcomes.popitem(last=False)
         return outcome
 
-    # ------------------------------------------------------------ sync rounds
-    def _stage_round_result(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        delta = payload.view(torch.float32)  # (N,) Δ̄, the assembler's own fresh buffer
-        if delta.numel() != self.manifest.numel:
-            raise InvalidPayloadError(f"round result holds {delta.numel()} floats; the model has {self.manifest.numel}")
-        if not bool(torch.isfinite(delta).all()):
-            raise InvalidPayloadError(
-                f"round result of quorum {header.quorum_id} holds non-finite values; the limit is 0: "
-                f"a member diverged, lower the inner learning rate"
-            )
-        with self._lock:
-            self._touch_locked(header.worker_id)
-        self.quorum.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
-        with self._lock:
-            self.bytes_pushed += header.total_bytes
-            return PushOutcome(True, False, self.version, 0, 1.0, self.config.local_steps)
-
-    def _apply_round(self, done: CommittedRound) -> None:
-        """Apply a committed round (called by the QuorumManager, its lock held)."""
-        with self._apply_lock, self._lock:
-            if done.result is not None:
-                self.outer.step(done.result)  # the same step every member applies to θ_base
-                self.version = done.round
-            for worker_id, steps in done.steps_by_worker.items():
-                if steps <= 0:  # a healing member contributed nothing
-                    continue
-                tokens = done.tokens_by_worker.get(worker_id, 0)
-                self.applied_pushes += 1
-                self.staleness_histogram[0] += 1  # synchronous: τ = 0 by construction
-                self.tokens += tokens
-                rec = self._workers.get(worker_id)
-                if rec is not None:
-                    rec.applied_pushes += 1
-                    rec.tokens += tokens
-                    rec.local_steps += steps
-
-    def _check_sync_request(self, worker_id: int, what: str) -> None:
-        with self._lock:
-            self._touch_locked(worker_id)
-            if not self.sync_mode:
-                raise self.mode_mismatch_error(what)
-            if not self.initialized:
-                raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
-
-    def request_quorum(self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float) -> Assignment | None:
-        """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum.
-
-        Raises:
-            ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,
-            ManifestMismatchError (the hash differs from the server's manifest).
-        """
-        self._check_sync_request(worker_id, f"the quorum request of worker {worker_id}")
-        if manifest_hash != self.manifest.manifest_hash:
-            raise ManifestMismatchError(
-                f"manifest mismatch: worker {worker_id} asks for a quorum with manifest_hash {manifest_hash[:16]}..., "
-                f"the server's is {self.manifest.manifest_hash[:16]}...; every member must train the same model"
-            )
-        if not timeout_s > 0:
-            raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
-        return self.quorum.wait_quorum(worker_id, worker_round, timeout_s)
-
-    def commit(
-        self, worker_id: int, quorum_id: int, *, success: bool, total_weight: float, num_tokens: int,
-        num_local_steps: int, reason: str, timeout_s: float,
-    ) -> Decision | None:  # fmt: skip
-        """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision
-        (None: not decided yet; ask again)."""
-        self._check_sync_request(worker_id, f"the commit vote of worker {worker_id}")
-        decision = self.quorum.vote(
-            worker_id, quorum_id, success=success, total_weight=total_weight, num_tokens=num_tokens,
-            num_local_steps=num_local_steps, reason=reason,
-        )  # fmt: skip
-        if decision is None and timeout_s > 0:
-            decision = self.quorum.wait_decision(quorum_id, timeout_s)
-        return decision
-
-    def sync_state(self) -> tuple[int, torch.Tensor]:
-        """Sync mode, for healing: (round, payload) where the payload is θ as float32
-        bytes followed by the outer momentum m as float32 bytes (absent when μ = 0);
-        a private copy, consistent with one committed round."""
-        with self._apply_lock, self._lock:
-            if self.params is None:
-                raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
-            parts = [self.params]
-            if self.outer.momentum_buffer is not None:
-                parts.append(self.outer.momentum_buffer)
-            payload = torch.cat(parts).view(torch.uint8)  # (k·N·4,) a copy
-            return self.version, payload
-
     def push(
         self,
         payload: torch.Tensor,
@@ -854,170 +751,3 @@ class ParameterServerState:
                 rounds_committed=self.quorum.rounds_committed if self.quorum else 0,
                 rounds_failed=self.quorum.rounds_failed if self.quorum else 0,
             )
-
-    # ------------------------------------------------------------ durability
-    def state_dict(self, while_locked: Callable[[], int] | None = None) -> tuple[dict, dict[str, torch.Tensor], int]:
-        """A consistent copy of the durable state, for a checkpoint (store.py).
-
-        Args:
-            while_locked: called under the lock at the moment of the copy (the store
-                starts a new log segment there); its result is returned.
-        Returns:
-            (meta, tensors, result): ``meta`` is JSON-serializable (version, manifest,
-            worker table with the applied push ids and outcomes, counters);
-            ``tensors`` maps ``"param/<name>"`` and ``"momentum/<name>"`` to fp32 CPU
-            tensors of the parameter's shape (keyed by name, never by position).
-        """
-        with self._apply_lock, self._lock:
-            result = while_locked() if while_locked is not None else 0
-            tensors: dict[str, torch.Tensor] = {}
-            if self.params is not None:
-                vectors = {"param": self.params, **self._outer_buffers()}
-                pos = 0
-                for spec in self.manifest.tensors:
-                    for kind, vec in vectors.items():
-                        tensors[f"{kind}/{spec.name}"] = vec[pos : pos + spec.numel].clone().view(spec.shape)
-                    pos += spec.numel
-            meta = {
-                "outer_arrivals": getattr(self.outer, "arrivals", 0),
-                "version": self.version,
-                "initialized": self.initialized,
-                "manifest": manifest_to_json(self.manifest) if self.manifest is not None else None,
-                "next_worker_id": self._next_worker_id,
-                "initializer": self._initializer,
-                "counters": {
-                    "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
-                    "duplicate_pushes": self.duplicate_pushes, "bytes_pushed": self.bytes_pushed,
-                    "bytes_pulled": self.bytes_pulled, "pulls": self.pulls, "tokens": self.tokens,
-                },
-                "staleness_histogram": list(self.staleness_histogram),
-                "workers": [
-                    {
-                        "worker_id": r.worker_id, "name": r.name, "alive": r.alive,
-                        "applied_pushes": r.applied_pushes, "rejected_pushes": r.rejected_pushes,
-                        "tokens": r.tokens, "local_steps": r.local_steps,
-                        "outcomes": [[pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
-                                     for pid, o in r.outcomes.items()],
-                    }
-                    for r in self._workers.values()
-                ],
-            }
-        return meta, tensors, result
-
-    def _outer_buffers(self) -> dict[str, torch.Tensor]:
-        """The outer optimizer's state vectors: m (``momentum``) and, for Delayed
-        Nesterov, the arrival buffer b (``dn_delta``); flat fp32 (N,) each."""
-        out = {}
-        for kind, attr in (("momentum", "momentum_buffer"), ("dn_delta", "delta_buffer")):
-            vec = getattr(self.outer, attr, None)
-            if vec is not None:
-                out[kind] = vec
-        return out
-
-    def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore a fresh state from a checkpoint's ``state_dict``. Workers that were
-        registered come back with a full lease, so they resume under their old ids;
-        those that had left or expired stay gone (they rejoin, as before the restart).
-
-        Raises:
-            CheckpointError: the tensors do not match the stored manifest, or the
-            momentum does not match the configured outer optimizer.
-        """
-        with self._apply_lock, self._lock:
-            now = self._clock()
-            self.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
-            if meta["initialized"]:
-                flat = self._named_to_flat(tensors, "param")
-                self.params = flat
-                self.outer = make_outer_optimizer(self.params, self.config.outer)
-                buffers = self._outer_buffers()
-                for kind, vec in buffers.items():
-                    vec.copy_(self._named_to_flat(tensors, kind))
-                extra = {k.split("/", 1)[0] for k in tensors} - {"param", *buffers}
-                if extra:
-                    raise CheckpointError(
-                        f"checkpoint holds outer-optimizer state {sorted(extra)} that the configured "
-                        f"{self.config.outer.optimizer} (momentum {self.config.outer.momentum:g}) does not use; "
-                        f"restart with the checkpoint's outer-optimizer settings"
-                    )
-                if hasattr(self.outer, "arrivals"):
-                    self.outer.arrivals = int(meta.get("outer_arrivals", 0))
-            self.version = meta["version"]
-            self._next_worker_id = meta["next_worker_id"]
-            self._initializer = meta["initializer"]
-            for key, value in meta["counters"].items():
-                setattr(self, key, value)
-            hist = meta["staleness_histogram"]
-            self.staleness_histogram = (hist + [0] * len(self.staleness_histogram))[: len(self.staleness_histogram)]
-            self._workers = {}
-            self._rates = StepRateMeter()
-            for w in meta["workers"]:
-                rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"],
-                                   w["rejected_pushes"], w["tokens"], w["local_steps"])
-                for pid, applied, version, tau, weight, steps in w["outcomes"]:
-                    rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
-                self._workers[rec.worker_id] = rec
-                self._rates.start(rec.worker_id, now)
-            self._snapshots.clear()
-
-    def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
-        parts = []
-        for spec in self.manifest.tensors:
-            key = f"{kind}/{spec.name}"
-            t = tensors.get(key)
-            if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
-                raise CheckpointError(
-                    f"checkpoint tensor {key!r} is {'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; "
-                    f"the manifest says float32 {spec.shape}: the checkpoint is inconsistent (or was written "
-                    f"with other outer-optimizer settings); restart with its settings or restore an older one"
-                )
-            parts.append(t.reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
-        """Redo a logged Join (start-up replay)."""
-        with self._lock:
-            now = self._clock()
-            self._register_locked(worker_id, name, initialize, manifest, now)
-
-    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float,
-                    version_after: int, num_workers: int) -> None:
-        """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
-
-        Raises:
-            CheckpointError: the log does not follow the state (unknown worker, or the
-            version it produced does not follow).
-        """
-        delta = self._decode_logged(header, payload) if self.manifest is not None else None
-        with self._apply_lock, self._lock:
-            rec = self._workers.get(header.worker_id)
-            initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
-            expected = self.version if initial else self.version + 1
-            if rec is None or delta is None or expected != version_after or initial == self.initialized:
-                raise CheckpointError(
-                    f"write-ahead log push {header.push_id} of worker {header.worker_id} (version {version_after}) "
-                    f"does not follow the checkpoint (version {self.version}); the log belongs to another run: "
-                    f"restore the folder from a backup"
-                )
-            self._apply_delta(header, delta, weight, num_workers)
-            self._record_push_locked(rec, header, tau, weight)
-            self._snapshots.clear()
-
-    def _decode_logged(self, header: pb.PushHeader, payload: torch.Tensor) -> torch.Tensor:
-        """A logged push's payload as fp32 (N,): pseudo-gradients with the run's codec.
-
-        Raises:
-            CheckpointError: the payload's size does not fit this run's codec.
-        """
-        codec = self._wire_codec() if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else None
-        expected = codec.wire_bytes if codec is not None else self.manifest.total_bytes
-        if payload.numel() != expected:
-            raise CheckpointError(
-                f"write-ahead log push {header.push_id} of worker {header.worker_id} holds {payload.numel()} bytes; "
-                f"this server's wire codec {self.config.wire_codec} expects {expected}: restart with the codec "
-                f"the log was written with, or restore the folder from a backup"
-            )
-        if codec is None or self.config.wire_codec == "raw":
-            return self.manifest.unpack_flat(payload)
-        return codec.decode(payload, torch.empty(codec.numel, dtype=torch.float32))
