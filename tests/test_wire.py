@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import OuterConfig, ServerConfig
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.ps.buffers import ReceivePool, frame_snapshot, seal_snapshot
+from asyncdiloco.ps.buffers import ReceivePool, encode_snapshot
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.tensors import Manifest, crc32_of
 from asyncdiloco.wire import (
@@ -120,7 +120,7 @@ def test_pool_always_admits_one_push_larger_than_the_budget():
 
 def test_snapshot_messages_are_the_pull_stream():
     payload = torch.arange(1000, dtype=torch.float32).view(torch.uint8)
-    snap = seal_snapshot(7, frame_snapshot(payload, chunk_bytes=1024))
+    snap = encode_snapshot(7, payload, chunk_bytes=1024)
     assert snap.total_bytes == 4000 and snap.crc32 == crc32_of(payload)
     decoded = [decode_pull_message(m) for m in snap.messages]
     assert [c.offset for c in decoded] == [0, 1024, 2048, 3072]

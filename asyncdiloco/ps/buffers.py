@@ -114,33 +114,20 @@ class Snapshot:
             yield memoryview(msg)[start:]
 
 
-def frame_snapshot(payload: torch.Tensor, chunk_bytes: int) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
-    """Copy a uint8 payload (1-D CPU tensor) into the Pull stream's chunk messages: the
-    only copy a pull's bytes make on the server. Call it while the payload cannot change.
-
-    Returns:
-        (messages, data_offsets) for ``seal_snapshot``.
-    """
+def encode_snapshot(version: int, payload: torch.Tensor, chunk_bytes: int) -> Snapshot:
+    """Copy a uint8 payload (1-D CPU tensor) into the Pull stream's chunk messages (the
+    only copy a pull's bytes make on the server) and take its CRC-32, chunk by chunk
+    while each copy is still in cache. Call it while the payload cannot change."""
     view = memoryview(payload.numpy())
-    messages, offsets = [], []
+    messages, offsets, crc = [], [], 0
     for index in range(num_chunks_for(len(view), chunk_bytes)):
         start = index * chunk_bytes
         part = view[start : start + chunk_bytes]
         msg = encode_chunk(index, start, part)
         offsets.append(len(msg) - len(part))
         messages.append(msg)
-    return tuple(messages), tuple(offsets)
-
-
-def seal_snapshot(version: int, framed: tuple[tuple[bytes, ...], tuple[int, ...]]) -> Snapshot:
-    """The ``Snapshot`` of ``frame_snapshot``'s messages: one CRC-32 pass over their
-    payload bytes (no lock needed: the messages are private)."""
-    messages, offsets = framed
-    crc = 0
-    for msg, start in zip(messages, offsets):
-        crc = crc32_update(crc, memoryview(msg)[start:])
-    total = sum(len(m) - o for m, o in zip(messages, offsets))
-    return Snapshot(version, total, crc, messages, offsets)
+        crc = crc32_update(crc, memoryview(msg)[offsets[-1] :])
+    return Snapshot(version, len(view), crc, tuple(messages), tuple(offsets))
 
 
 class PullSnapshots:

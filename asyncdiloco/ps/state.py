@@ -73,8 +73,7 @@ from asyncdiloco.ps.buffers import (
     PullSource,
     ReceivePool,
     Snapshot,
-    frame_snapshot,
-    seal_snapshot,
+    encode_snapshot,
 )
 from asyncdiloco.ps.quorum import QuorumManager
 from asyncdiloco.ps.records import PUSH_MEMORY as _PUSH_MEMORY
@@ -366,7 +365,7 @@ class ParameterServerState(SyncRounds, DurableState):
                     version = self.version
                 snap = self._snapshots.acquire_if(version)  # an apply may have built it meanwhile
                 if snap is None:
-                    snap = seal_snapshot(version, self._frame_snapshot_applylocked())
+                    snap = self._encode_snapshot_applylocked(version)
                     self._snapshots.publish(snap, acquire=True)
             return snap
 
@@ -374,8 +373,8 @@ class ParameterServerState(SyncRounds, DurableState):
         """A pull of ``snap`` (from ``acquire_snapshot``) ended, completed or not."""
         self._snapshots.release(snap)
 
-    def _frame_snapshot_applylocked(self):
-        """θ in the manifest's wire layout, copied into chunk messages (``_apply_lock`` held)."""
+    def _encode_snapshot_applylocked(self, version: int) -> Snapshot:
+        """θ in the wire layout, copied into chunk messages (``_apply_lock`` held)."""
         if self.config.wire_codec == "raw" and self.manifest.all_float32:
             payload = self.params.view(torch.uint8)  # no intermediate copy
         else:
@@ -383,7 +382,7 @@ class ParameterServerState(SyncRounds, DurableState):
             if self._pack_scratch is None or self._pack_scratch.numel() != codec.wire_bytes:
                 self._pack_scratch = torch.empty(codec.wire_bytes, dtype=torch.uint8)
             payload = codec.encode(self.params, self._pack_scratch)  # θ in the wire codec (raw: manifest dtypes)
-        return frame_snapshot(payload, self.config.chunk_bytes)
+        return encode_snapshot(version, payload, self.config.chunk_bytes)
 
     def open_pull(self, request: pb.PullRequest) -> PullSource:
         """What a Pull sends (over gRPC or the bulk channel): its header and payload.
@@ -571,7 +570,7 @@ class ParameterServerState(SyncRounds, DurableState):
             snap = None
             pulls_follow = self._snapshots.wanted and header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT
             if pulls_follow and self._snapshots.has_room():  # encode it now: the pulls will not wait
-                snap = seal_snapshot(version_after, self._frame_snapshot_applylocked())
+                snap = self._encode_snapshot_applylocked(version_after)
             with self._lock:
                 outcome = self._record_push_locked(rec, header, tau, weight)
                 if snap is not None:
