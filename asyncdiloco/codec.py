@@ -319,30 +319,36 @@ def wire_bytes_for(run_config, manifest: Manifest) -> int:
 
 
 class DecodeBuffers:
-    """A small pool of fp32 (N,) buffers for decoded pseudo-gradients on the server:
-    one per push being decoded at the same time, reused across pushes (fresh whole-model
-    allocations fault every page; PERF-NOTES). Thread-safe.
+    """The server's fp32 (N,) buffers for decoded pseudo-gradients: at most ``limit`` out
+    at once (``take`` waits for one to come back), reused across pushes (fresh
+    whole-model allocations fault every page; PERF-NOTES). Applies run one at a time,
+    so two let one push decode while another applies; more would only add memory
+    (each is 4·N bytes, four times an int8 payload). Thread-safe.
 
     Args:
         numel: N, elements per buffer.
-        keep: buffers kept for reuse at most; more concurrent pushes allocate and drop.
+        limit: most buffers out at once (>= 1).
     """
 
-    def __init__(self, numel: int, keep: int = 4) -> None:
+    def __init__(self, numel: int, limit: int = 2) -> None:
         self.numel = numel
-        self.keep = keep
+        self.limit = limit
         self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+        self._out = 0
+        self._cond = threading.Condition()
 
     def take(self) -> torch.Tensor:
-        """A float32 (N,) buffer (contents undefined)."""
-        with self._lock:
+        """A float32 (N,) buffer (contents undefined); waits while ``limit`` are out."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._out < self.limit)
+            self._out += 1
             if self._free:
                 return self._free.pop()
         return torch.empty(self.numel, dtype=torch.float32)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer from ``take`` once nothing reads it any more."""
-        with self._lock:
-            if len(self._free) < self.keep and buf.numel() == self.numel:
-                self._free.append(buf)
+        with self._cond:
+            self._out -= 1
+            self._free.append(buf)
+            self._cond.notify()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import OuterConfig, ServerConfig
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.ps.buffers import ReceivePool, encode_snapshot
+from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.tensors import Manifest, crc32_of
 from asyncdiloco.wire import (
@@ -192,3 +192,26 @@ def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
     for s in (second, third):
         state.release_snapshot(s)
     assert state._snapshots._reading_versions() == 0
+
+
+def test_a_stalled_pull_stops_holding_a_snapshot_slot_after_the_lease():
+    now = [0.0]
+    snaps = PullSnapshots(max_snapshots=1, stale_after_s=60.0, clock=lambda: now[0])
+    payload = torch.zeros(8, dtype=torch.uint8)
+    snaps.publish(encode_snapshot(0, payload, 1024), acquire=True)  # a pull of v0 that never ends
+    assert not snaps.has_room()
+    now[0] = 61.0
+    assert snaps.has_room()  # the stalled reader no longer blocks a newer version
+
+
+def test_a_push_waiting_for_a_buffer_stops_when_its_rpc_ends():
+    pool = ReceivePool(budget_bytes=0)
+    held = pool.acquire(100)
+    active = [True]
+    t = threading.Timer(0.1, lambda: active.__setitem__(0, False))
+    t.start()
+    with pytest.raises(ServerBusyError, match="ended"):
+        pool.acquire(100, timeout_s=30, is_active=lambda: active[0])
+    t.join()
+    pool.release(held)
+    assert pool._in_use == 0

@@ -50,25 +50,28 @@ class ReceivePool:
         #: Most buffers that were out at once (for the benchmarks and tests).
         self.peak_in_use = 0
 
-    def acquire(self, nbytes: int, timeout_s: float | None = None) -> torch.Tensor:
+    def acquire(self, nbytes: int, timeout_s: float | None = None, is_active=None) -> torch.Tensor:
         """A 1-D uint8 CPU tensor of ``nbytes`` (contents undefined), reused when one
         of that size is free.
 
         Raises:
             ServerBusyError: no buffer became free within ``timeout_s`` seconds (default
-                ``wait_s``; the other pushes in flight hold the whole budget); retry the push.
+                ``wait_s``; the other pushes in flight hold the whole budget), or
+                ``is_active()`` turned False meanwhile (the caller's RPC ended); retry the push.
         """
         deadline = time.monotonic() + (self.wait_s if timeout_s is None else timeout_s)
         with self._cond:
             while self._in_use and self._in_use_bytes + nbytes > self.budget_bytes:
                 left = deadline - time.monotonic()
+                if is_active is not None and not is_active():
+                    raise ServerBusyError("the push ended (cancelled or timed out) while it waited for a receive buffer")
                 if left <= 0:
                     raise ServerBusyError(
                         f"{self._in_use} pushes of {self._in_use_bytes} bytes in all are being received and a push of "
                         f"{nbytes} bytes would exceed the receive budget of {self.budget_bytes} bytes; retry the "
                         f"push (the worker does, with backoff), or raise the server's --receive-buffer-mib"
                     )
-                self._cond.wait(left)
+                self._cond.wait(min(left, 0.5))  # wakes to notice a cancelled caller
             self._in_use += 1
             self._in_use_bytes += nbytes
             self.peak_in_use = max(self.peak_in_use, self._in_use)
@@ -142,23 +145,32 @@ class PullSnapshots:
         max_snapshots: most snapshot versions alive at once (>= 1). Each costs one
             payload of memory; with 1, a pull of a new version waits for the pulls of
             the previous one to finish.
+        stale_after_s: a pull that started longer ago than this no longer holds a slot
+            (the server's lease, so one stalled client cannot keep every pull on an old
+            version); its snapshot lives on until that pull ends.
     """
 
-    def __init__(self, max_snapshots: int) -> None:
+    def __init__(self, max_snapshots: int, stale_after_s: float = 60.0, clock=time.monotonic) -> None:
         self.max_snapshots = max_snapshots
+        self.stale_after_s = stale_after_s
+        self._clock = clock
         self._cond = threading.Condition()
         self._published: Snapshot | None = None
-        self._readers: dict[int, int] = {}  # version -> pulls streaming it
+        self._readers: dict[int, list[float]] = {}  # version -> start times of the pulls streaming it
         #: A pull came since the last snapshot was built: the next apply should build one.
         self.wanted = False
 
     def _reading_versions(self) -> int:
-        return sum(1 for n in self._readers.values() if n > 0)
+        """Versions a pull started less than ``stale_after_s`` ago still reads (a pull
+        stalled for longer, e.g. a client that stopped reading, no longer holds a slot;
+        its snapshot is freed when that pull finally ends)."""
+        recent = self._clock() - self.stale_after_s
+        return sum(1 for starts in self._readers.values() if starts and starts[-1] > recent)
 
     def _make_room_locked(self) -> bool:
         reading = self._reading_versions()
         pub = self._published
-        unread = pub is not None and self._readers.get(pub.version, 0) == 0
+        unread = pub is not None and not self._readers.get(pub.version)
         if reading + unread + 1 <= self.max_snapshots:
             return True
         if reading + 1 <= self.max_snapshots:  # only the unread published one is in the way:
@@ -186,7 +198,7 @@ class PullSnapshots:
             snap = self._published
             if snap is None or (version is not None and snap.version != version):
                 return None
-            self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+            self._readers.setdefault(snap.version, []).append(self._clock())
             return snap
 
     def publish(self, snap: Snapshot, *, acquire: bool = False) -> None:
@@ -197,15 +209,15 @@ class PullSnapshots:
                 self._published = snap
             self.wanted = acquire  # built for a pull: pulls are coming, the next apply builds its own
             if acquire:
-                self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+                self._readers.setdefault(snap.version, []).append(self._clock())
 
     def release(self, snap: Snapshot) -> None:
         """A pull of ``snap`` finished (or was cancelled)."""
         with self._cond:
-            n = self._readers.get(snap.version, 0) - 1
-            if n > 0:
-                self._readers[snap.version] = n
-            else:
+            starts = self._readers.get(snap.version)
+            if starts:
+                starts.pop(0)  # which pull ended does not matter: the oldest start is dropped
+            if not starts:
                 self._readers.pop(snap.version, None)
             self._cond.notify_all()
 

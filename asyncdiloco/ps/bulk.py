@@ -38,6 +38,9 @@ from asyncdiloco.security import token_matches
 
 log = logging.getLogger(__name__)
 
+#: Seconds a new connection has to complete TLS and send its first request (which
+#: carries the token); later requests get the idle timeout (the worker lease).
+_FIRST_REQUEST_S = 10.0
 #: Largest slice of a payload per sendall / per CRC-32 update, bytes.
 _SLICE_BYTES = 4 << 20
 
@@ -169,7 +172,9 @@ class BulkServer:
     def _serve(self, cid: int, conn: socket.socket, peer) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._idle_timeout_s)
+            # Until a first request is answered (it carries the token), a connection gets only a
+            # short time: idle unauthenticated sockets must not hold the slots for a whole lease.
+            conn.settimeout(min(_FIRST_REQUEST_S, self._idle_timeout_s))
             if self._ssl is not None:
                 try:
                     conn = self._ssl.wrap_socket(conn, server_side=True)  # handshake here, under the timeout
@@ -187,7 +192,8 @@ class BulkServer:
                     return
                 if request is None:
                     return
-                self._handle(conn, request)
+                self._handle(conn, request)  # a wrong token raises _Close
+                conn.settimeout(self._idle_timeout_s)
         except _Close:
             pass
         except (ConnectionEnded, OSError) as exc:  # ssl.SSLError and timeouts are OSErrors

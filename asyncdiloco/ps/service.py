@@ -68,7 +68,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 )
             header = first.header
             worker_id = header.worker_id
-            started = self.state.begin_push(header)  # may wait for a free receive buffer
+            started = self.state.begin_push(header, is_active=context.is_active)  # may wait for a receive buffer
             if isinstance(started, PushOutcome):  # a retry of an applied push: drain and answer
                 for _ in request_iterator:
                     pass

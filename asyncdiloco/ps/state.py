@@ -119,7 +119,7 @@ class ParameterServerState(SyncRounds, DurableState):
         self._snapshot_lock = threading.Lock()
         self._receive_pool = ReceivePool(config.receive_buffer_bytes)
         self._pack_scratch: torch.Tensor | None = None  # θ packed to the manifest's dtypes
-        self._snapshots = PullSnapshots(config.pull_snapshots)
+        self._snapshots = PullSnapshots(config.pull_snapshots, stale_after_s=config.lease_s, clock=clock)
         self.manifest: Manifest | None = None
         self.params: torch.Tensor | None = None  # θ, float32 (N,)
         self.outer: OuterOptimizer | None = None
@@ -426,15 +426,21 @@ class ParameterServerState(SyncRounds, DurableState):
                 rec.last_seen = self._clock()
 
     # ------------------------------------------------------------------ push
-    def begin_push(self, header: pb.PushHeader) -> PayloadAssembler | PushOutcome:
-        """Check a push header before its payload arrives.
+    def begin_push(self, header: pb.PushHeader, is_active=None) -> PayloadAssembler | PushOutcome:
+        """Check a push header before its payload arrives, then take a receive buffer
+        from the pool (waiting while other pushes in flight hold the budget).
 
+        Args:
+            header: the push's header.
+            is_active: optional ``() -> bool``, False once the caller's RPC ended (gRPC's
+                ``context.is_active``): the wait for a buffer then stops.
         Returns:
-            A ``PayloadAssembler`` to feed the chunks to, or the original outcome when
-            this ``(worker_id, push_id)`` was applied before (a retry).
+            A ``PayloadAssembler`` to feed the chunks to (give it back with ``end_push``),
+            or the original outcome when this ``(worker_id, push_id)`` was applied before
+            (a retry).
         Raises:
             UnknownWorkerError, InvalidPayloadError, PayloadTooLargeError,
-            NotInitializedError: nothing is changed.
+            NotInitializedError, ServerBusyError (no buffer within 30 s): nothing is changed.
         """
         with self._lock:
             rec = self._workers.get(header.worker_id)
@@ -450,6 +456,10 @@ class ParameterServerState(SyncRounds, DurableState):
                 )
             if header.push_id < 1:
                 raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
+            if header.base_version < 0:
+                raise InvalidPayloadError(
+                    f"base_version is {header.base_version}; it must be >= 0, the version the worker pulled"
+                )
             if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
                 if self.initialized:
                     raise StalePushError(
@@ -498,7 +508,7 @@ class ParameterServerState(SyncRounds, DurableState):
         )  # fmt: skip
         if header.kind == pb.PUSH_KIND_ROUND_RESULT:  # staged until the vote: a buffer of its own
             return PayloadAssembler(**assembler_args)
-        buffer = self._receive_pool.acquire(header.total_bytes)  # waits up to 30 s, then ServerBusyError
+        buffer = self._receive_pool.acquire(header.total_bytes, is_active=is_active)  # waits up to 30 s
         try:
             assembler = PayloadAssembler(**assembler_args, buffer=buffer)
         except Exception:
@@ -528,9 +538,10 @@ class ParameterServerState(SyncRounds, DurableState):
         if header.kind == pb.PUSH_KIND_ROUND_RESULT:
             return self._stage_round_result(header, payload)
         buffer = None
-        if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self.config.wire_codec != "raw":
+        copies = self.config.wire_codec != "raw" or not self.manifest.all_float32  # else Δ is a view
+        if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and copies:
             codec = self._wire_codec()
-            buffer = self._decode_buffers.take()
+            buffer = self._decode_buffers.take()  # at most two out: memory stays bounded
             delta = codec.decode(payload, buffer)  # (N,) fp32
         else:
             delta = self.manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
