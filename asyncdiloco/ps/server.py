@@ -105,7 +105,11 @@ class ParameterServer:
             self.store.open(self.state)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_concurrent_rpcs, thread_name_prefix="ps-rpc"),
-            options=grpc_channel_options(self.config.chunk_bytes),
+            # A fixed HTTP/2 window of one chunk per stream: gRPC's adaptive (BDP) windows let
+            # pushes waiting for a receive buffer pile up whole payloads in gRPC's own memory
+            # (once 7 × 64 MiB here); one chunk keeps that bounded and measured as fast.
+            options=grpc_channel_options(self.config.chunk_bytes)
+            + [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", self.config.chunk_bytes)],
             interceptors=interceptors,
         )
         add_parameter_server(ParameterServerService(self.state), server)  # chunk messages coded by hand (wire.py)
