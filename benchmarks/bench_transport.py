@@ -5,7 +5,9 @@ slices into ``recv_into`` a preallocated buffer (the fastest slicing measured) �
 ceiling for moving bytes on this machine.
 Measured: one worker process (this one) pushes a pseudo-gradient of the model's size and
 pulls the new global model from an ``asyncdiloco server`` process; throughput is
-2 × model bytes ÷ (push + pull seconds). Medians of ``--repeats``. Two paths per size,
+2 × model bytes ÷ (push + pull seconds). Each round pairs one raw TCP transfer with one push+pull; ``ratio`` is the median of
+the rounds' ratios (the machine's load drifts, so pairs taken moments apart are compared),
+over ``--repeats`` rounds. Two paths per size,
 one JSON line each: gRPC ("grpc-stream") and the bulk data channel ("bulk-tcp", server
 started with ``--bulk-port 0``). Both also report ``transfer_only_ratio``: the same bytes
 moved by a retried push (read and discarded by the server) and a pull of an unchanged
@@ -59,29 +61,37 @@ def _tcp_sink(port_q: "mp.Queue", n: int, repeats: int) -> None:
     conn.close()
 
 
-def raw_tcp_bytes_per_s(n: int, repeats: int) -> float:
-    """Median one-way loopback throughput for an ``n``-byte message, bytes/s."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    sink = ctx.Process(target=_tcp_sink, args=(q, n, repeats + 1))
-    sink.start()
-    data = memoryview(bytearray(b"\x01" * n))
-    times = []
-    with socket.create_connection(("127.0.0.1", q.get(timeout=60))) as s:
-        for i in range(repeats + 1):  # the first round warms both buffers up
-            t0 = time.perf_counter()
-            for start in range(0, n, _SLICE):
-                s.sendall(data[start : start + _SLICE])
-            s.recv(1)
-            if i:
-                times.append(time.perf_counter() - t0)
-    sink.join(timeout=60)
-    return n / median(times)
+class RawTcp:
+    """The baseline: a sink process on 127.0.0.1 that receives ``rounds`` messages of
+    ``n`` bytes (1 MiB ``recv_into`` slices into one preallocated buffer) and acks each;
+    ``once()`` sends one (1 MiB ``sendall`` slices) and returns its seconds. Interleaving
+    ``once()`` with the measured calls makes each ratio a pair taken moments apart."""
+
+    def __init__(self, n: int, rounds: int) -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.n = n
+        self._sink = ctx.Process(target=_tcp_sink, args=(q, n, rounds))
+        self._sink.start()
+        self._data = memoryview(bytearray(b"\x01" * n))
+        self._sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        for start in range(0, self.n, _SLICE):
+            self._sock.sendall(self._data[start : start + _SLICE])
+        self._sock.recv(1)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sock.close()
+        self._sink.join(timeout=60)
 
 
-def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool = False) -> dict:
+def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, raw: RawTcp, bulk: bool = False) -> dict:
     """Median push and pull seconds of an ``n``-byte fp32 model (over the bulk channel
-    when ``bulk`` and the server offers it)."""
+    when ``bulk`` and the server offers it), each round next to one raw TCP transfer of
+    the same size; ``ratio`` is the median of the rounds' (push+pull throughput ÷ raw)."""
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n // 4))])
     manifest = Manifest.from_module(model)
     client = ParameterServerClient(address, timeout_s_per_mib=2.0, chunk_bytes=chunk_bytes, bulk_channel=bulk)
@@ -92,9 +102,10 @@ def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool =
     if reply.initialize:
         client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     pull_buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8)
-    push_s, pull_s = [], []
+    push_s, pull_s, raw_s, ratios = [], [], [], []
     version = 0
     for i in range(repeats + 1):
+        raw_t = raw.once()
         t0 = time.perf_counter()
         client.push(payload, worker_id=reply.worker_id, push_id=2 + i, base_version=version)
         t1 = time.perf_counter()
@@ -103,6 +114,8 @@ def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool =
         if i:  # the first round allocates the server's buffers
             push_s.append(t1 - t0)
             pull_s.append(t2 - t1)
+            raw_s.append(raw_t)
+            ratios.append((2 * n / (t2 - t0)) / (n / raw_t))
     # The transfer alone, same connection: a retried push id (sent in full, CRC-32 on the
     # client, read and discarded by the server, nothing applied) and a pull of an
     # unchanged version (the server's snapshot is cached; CRC-32 on the client).
@@ -117,7 +130,8 @@ def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, bulk: bool =
     fallbacks = client._bulk.fallbacks if client._bulk is not None else 0  # noqa: SLF001
     client.close()
     return {"push_s": median(push_s), "pull_s": median(pull_s), "retry_s": median(retry_s),
-            "cached_pull_s": median(cached_pull_s), "fallbacks": fallbacks}  # fmt: skip
+            "cached_pull_s": median(cached_pull_s), "fallbacks": fallbacks, "raw_s": median(raw_s),
+            "ratio": median(ratios), "ratios": ratios}  # fmt: skip
 
 
 def server_work_s(n: int, repeats: int) -> float:
@@ -142,7 +156,7 @@ def server_work_s(n: int, repeats: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds per size and path (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=4 * MIB)
     p.add_argument("--paths", default="grpc,bulk", help="grpc, bulk or both (default %(default)s)")
     p.add_argument("--out", help="also append the JSON lines to this file")
@@ -153,12 +167,16 @@ def main() -> None:
     server_flags = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
                     "--chunk-bytes", str(args.chunk_bytes))  # fmt: skip
     for n in parse_sizes(args.sizes):
-        raw = raw_tcp_bytes_per_s(n, args.repeats)
         work = server_work_s(n, args.repeats)
         for path in paths:
             bulk = path == "bulk"
-            with server_process(*server_flags, *(("--bulk-port", "0") if bulk else ())) as (_, address):
-                g = push_pull(n, args.repeats, address, args.chunk_bytes, bulk=bulk)
+            rawtcp = RawTcp(n, rounds=args.repeats + 1)
+            try:
+                with server_process(*server_flags, *(("--bulk-port", "0") if bulk else ())) as (_, address):
+                    g = push_pull(n, args.repeats, address, args.chunk_bytes, rawtcp, bulk=bulk)
+            finally:
+                rawtcp.close()
+            raw = n / g["raw_s"]
             push_pull_bytes_per_s = 2 * n / (g["push_s"] + g["pull_s"])
             record = {
                 "bench": "transport",
@@ -170,7 +188,8 @@ def main() -> None:
                 "push_gb_s": n / g["push_s"] / 1e9,
                 "pull_gb_s": n / g["pull_s"] / 1e9,
                 "push_pull_gb_s": push_pull_bytes_per_s / 1e9,
-                "ratio": push_pull_bytes_per_s / raw,
+                "ratio": g["ratio"],
+                "ratio_per_round": g["ratios"],
                 "target": 0.8 if bulk else 0.45,
                 "repeats": args.repeats,
                 # the same bytes without the server's work (retried push + unchanged pull)
