@@ -140,6 +140,9 @@ class FakeContext:
         self.code, self.details = code, details
         raise _Aborted()
 
+    def is_active(self) -> bool:  # the call is never cancelled here
+        return True
+
 
 _REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
