@@ -33,7 +33,7 @@ import grpc
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.bulk_wire import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
-from asyncdiloco.ps.state import ParameterServerState, PushOutcome
+from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.security import token_matches
 
 log = logging.getLogger(__name__)
@@ -227,38 +227,31 @@ class BulkServer:
 
     def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:
         worker_id, total = header.worker_id, header.total_bytes
+        reading = False
+
+        def fill(assembler) -> None:
+            nonlocal reading
+            reading = True  # from here on the payload is being consumed
+            assembler.fill_with(_reader(conn), _SLICE_BYTES)
+
         try:
-            started = self.state.begin_push(header)
+            outcome = self.state.receive_push(header, fill, drain=lambda: drain(conn, total))
+        except OSError:
+            if reading:  # (a retry's payload cut off while drained counts as nothing)
+                log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
+                            "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
+                self.state.record_rejected(worker_id)
+            raise
         except AsyncDiLoCoError as exc:
             log.warning("bulk push from worker %d refused: %s", worker_id, exc)
             self.state.record_rejected(worker_id)
-            if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
-                self._reply(conn, exc.grpc_code, str(exc))
-                raise _Close from None
-            drain(conn, total)
+            if not reading:  # refused from its header: the payload is still on the wire
+                if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
+                    self._reply(conn, exc.grpc_code, str(exc))
+                    raise _Close from None
+                drain(conn, total)
             self._reply(conn, exc.grpc_code, str(exc))
             return
-        if isinstance(started, PushOutcome):  # a retry of an applied push: drain and answer
-            drain(conn, total)
-            outcome = started
-        else:
-            try:
-                try:
-                    started.fill_with(_reader(conn), _SLICE_BYTES)
-                except OSError:
-                    log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
-                                "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
-                    self.state.record_rejected(worker_id)
-                    raise
-                try:
-                    outcome = self.state.apply_push(header, started.finish())  # finish: size and CRC-32
-                except AsyncDiLoCoError as exc:
-                    log.warning("bulk push from worker %d refused: %s", worker_id, exc)
-                    self.state.record_rejected(worker_id)
-                    self._reply(conn, exc.grpc_code, str(exc))
-                    return
-            finally:
-                self.state.end_push(started)  # the receive buffer goes back to the pool
         self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome))
 
     def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:

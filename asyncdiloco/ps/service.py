@@ -13,7 +13,7 @@ import grpc
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
-from asyncdiloco.ps.state import ParameterServerState, PushOutcome
+from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.tensors import Manifest
 from asyncdiloco.wire import is_chunk
 
@@ -59,30 +59,29 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         worker_id = 0
-        started = None
+
+        def fill(assembler) -> None:
+            for msg in request_iterator:
+                if not is_chunk(msg):
+                    if msg.WhichOneof("body") != "chunk":
+                        raise InvalidPayloadError(
+                            "a second PushHeader arrived inside the stream; send one header per push"
+                        )
+                    msg = msg.chunk
+                assembler.add(msg)
+
+        def drain() -> None:
+            for _ in request_iterator:
+                pass
+
         try:
             first = next(request_iterator, None)
             if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError(
                     "the first PushMessage must carry a PushHeader; send the header, then the chunks"
                 )
-            header = first.header
-            worker_id = header.worker_id
-            started = self.state.begin_push(header, is_active=context.is_active)  # may wait for a receive buffer
-            if isinstance(started, PushOutcome):  # a retry of an applied push: drain and answer
-                for _ in request_iterator:
-                    pass
-                outcome = started
-            else:
-                for msg in request_iterator:
-                    if not is_chunk(msg):
-                        if msg.WhichOneof("body") != "chunk":
-                            raise InvalidPayloadError(
-                                "a second PushHeader arrived inside the stream; send one header per push"
-                            )
-                        msg = msg.chunk
-                    started.add(msg)
-                outcome = self.state.apply_push(header, started.finish())
+            worker_id = first.header.worker_id
+            outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
             log.warning("push from worker %d refused: %s", worker_id, exc)
             self.state.record_rejected(worker_id)
@@ -92,9 +91,6 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
-        finally:
-            if started is not None and not isinstance(started, PushOutcome):
-                self.state.end_push(started)  # the receive buffer goes back to the pool
         return self.state.finish_push(outcome)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:

@@ -524,6 +524,38 @@ class ParameterServerState(SyncRounds, DurableState):
             assembler.pooled = False
             self._receive_pool.release(assembler.buffer)
 
+    def receive_push(
+        self,
+        header: pb.PushHeader,
+        fill: Callable[[PayloadAssembler], None],
+        drain: Callable[[], None],
+        is_active: Callable[[], bool] | None = None,
+    ) -> PushOutcome:
+        """One whole push, whatever carries it (gRPC, the bulk channel, in-process):
+        ``begin_push``, then ``fill`` copies the payload into the pooled buffer, then
+        ``apply_push``; the buffer goes back to the pool however that ends. A retry of an
+        applied push is answered with its original outcome after ``drain`` consumed its
+        payload.
+
+        Args:
+            header: the push's header.
+            fill: feeds the whole payload to the assembler (``add`` per chunk, or ``fill_with``).
+            drain: consumes the payload of a push that is not read into a buffer (a retry).
+            is_active: as for ``begin_push``.
+        Raises:
+            The exceptions of ``begin_push`` (raised before ``fill`` is called: nothing of
+            the payload was read), of ``fill`` and of ``apply_push``.
+        """
+        started = self.begin_push(header, is_active)
+        if isinstance(started, PushOutcome):
+            drain()
+            return started
+        try:
+            fill(started)
+            return self.apply_push(header, started.finish())
+        finally:
+            self.end_push(started)
+
     def apply_push(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
         """Apply a complete, CRC-checked payload: the initial parameters, or a
         pseudo-gradient (decoded with the run's wire codec, outside the lock) with the
@@ -665,8 +697,8 @@ class ParameterServerState(SyncRounds, DurableState):
         kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut
-        into chunks exactly as the wire carries it and goes through ``begin_push`` and
-        ``apply_push``, with every check the servicer applies.
+        into chunks exactly as the wire carries it and goes through ``receive_push``,
+        with every check the servicer applies.
 
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
@@ -681,17 +713,14 @@ class ParameterServerState(SyncRounds, DurableState):
             num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
             crc32=crc32_of(payload), kind=kind,
         )  # fmt: skip
-        started = self.begin_push(header)
-        if isinstance(started, PushOutcome):
-            return started
-        try:
-            view = memoryview(payload.numpy())
+        view = memoryview(payload.numpy())
+
+        def fill(assembler: PayloadAssembler) -> None:
             for index in range(header.num_chunks):
                 start = index * chunk_bytes
-                started.add(WireChunk(index, start, view[start : start + chunk_bytes]))
-            return self.apply_push(header, started.finish())
-        finally:
-            self.end_push(started)
+                assembler.add(WireChunk(index, start, view[start : start + chunk_bytes]))
+
+        return self.receive_push(header, fill, drain=lambda: None)
 
     def record_rejected(self, worker_id: int) -> None:
         with self._lock:
