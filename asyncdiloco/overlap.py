@@ -139,15 +139,7 @@ def push_then_pull(
             pending.payload = encode(delta)
         if pending is not None:
             try:
-                out.push_reply = client.push(
-                    pending.payload,
-                    worker_id=worker_id,
-                    push_id=pending.push_id,
-                    base_version=pending.base_version,
-                    num_local_steps=pending.num_local_steps,
-                    num_tokens=pending.num_tokens,
-                    compute_s=pending.compute_s,
-                )
+                out.push_reply = pending.send(client, worker_id)
             except StalePushError as exc:
                 out.stale = exc  # dropped: pull and restart from the global model
         pulled = client.pull(manifest, worker_id, buffer=pull_buffer)

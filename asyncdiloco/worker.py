@@ -103,6 +103,21 @@ class _PendingPush:
     num_tokens: int
     compute_s: float
 
+    def send(self, client, worker_id: int, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+        """Push ``payload`` with this push's id, base version and counts (``client.push``,
+        with its exceptions); the blocking path and overlap's background thread both send
+        through here."""
+        return client.push(
+            self.payload,
+            worker_id=worker_id,
+            push_id=self.push_id,
+            base_version=self.base_version,
+            num_local_steps=self.num_local_steps,
+            num_tokens=self.num_tokens,
+            compute_s=self.compute_s,
+            kind=kind,
+        )
+
 
 class AsyncDiLoCoWorker(WorkerBase):
     """Asynchronous DiLoCo around ``model`` and ``inner_optimizer``.
@@ -159,8 +174,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._copy_model_into(self._base)
             payload = self.manifest.pack_flat(self._base)  # always raw, exact
             self._send_payload(
-                payload,
-                pending=_PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
+                _PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
                 kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
             )
             self._must_initialize = False
@@ -326,7 +340,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._new_pending(self._scratch)
         pending = self._pending
         try:
-            reply = self._send_payload(pending.payload, pending=pending)
+            reply = self._send_payload(pending)
         except StalePushError as exc:
             self._push_refused(pending, exc)
             return
@@ -375,20 +389,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.pushes_refused += 1
         log.warning("push %d refused (%s); restarting from the global model", pending.push_id, exc)
 
-    def _send_payload(
-        self, payload: torch.Tensor, *, pending: _PendingPush, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT
-    ) -> pb.PushReply:
-        reply = self.client.push(
-            payload,
-            worker_id=self.worker_id,
-            push_id=pending.push_id,
-            base_version=pending.base_version,
-            num_local_steps=pending.num_local_steps,
-            num_tokens=pending.num_tokens,
-            compute_s=pending.compute_s,
-            kind=kind,
-        )
-        self.stats.bytes_pushed += payload.numel()
+    def _send_payload(self, pending: _PendingPush, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+        reply = pending.send(self.client, self.worker_id, kind)
+        self.stats.bytes_pushed += pending.payload.numel()
         return reply
 
     def _pull_and_load(self) -> None:
