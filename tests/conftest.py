@@ -23,6 +23,27 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@pytest.fixture
+def start_server():
+    """``start_server(**ServerConfig fields) -> ParameterServer``: a started in-process
+    server on 127.0.0.1 (port 0, a free one, unless given); every server a test started
+    is stopped after it."""
+    from asyncdiloco.config import ServerConfig
+    from asyncdiloco.ps import ParameterServer
+
+    started = []
+
+    def start(**fields) -> ParameterServer:
+        fields.setdefault("port", 0)
+        srv = ParameterServer(ServerConfig(**fields)).start()
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop(None)
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
     """Kill (SIGKILL) and wait for any child process a test did not clean up."""

@@ -17,7 +17,7 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.bulk_client import BulkChannel
 from asyncdiloco.bulk_wire import code_value, recv_frame, send_frame
 from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import ClientSecurityConfig, OuterConfig, ServerConfig, ServerSecurityConfig
+from asyncdiloco.config import ClientSecurityConfig, OuterConfig, ServerSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, StalePushError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.tensors import Manifest, crc32_of, num_chunks_for
@@ -36,23 +36,15 @@ def _payload(seed: int, scale: float = 1.0) -> torch.Tensor:
     return MANIFEST.pack([(torch.randn(t.shape, generator=g) * scale).to(t.dtype) for _, t in NAMED])
 
 
-def _start(**kw) -> ParameterServer:
-    kw.setdefault("bulk_port", 0)
-    return ParameterServer(ServerConfig(port=0, chunk_bytes=CHUNK, lease_s=60, **kw)).start()
-
-
 @pytest.fixture
-def servers():
-    started: list[ParameterServer] = []
+def servers(start_server):
+    """Servers with a bulk port (unless ``bulk_port`` is given), CHUNK-byte chunks and a 60 s lease."""
 
     def make(**kw) -> ParameterServer:
-        srv = _start(**kw)
-        started.append(srv)
-        return srv
+        kw.setdefault("bulk_port", 0)
+        return start_server(chunk_bytes=CHUNK, lease_s=60, **kw)
 
-    yield make
-    for srv in started:
-        srv.stop(None)
+    return make
 
 
 def _no_grpc_payloads(client: ParameterServerClient) -> None:

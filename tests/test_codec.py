@@ -15,7 +15,6 @@ from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
 from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig, WorkerConfig
 from asyncdiloco.errors import CheckpointError, ConfigError, InvalidPayloadError
-from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.tensors import Manifest
@@ -255,17 +254,8 @@ def test_wal_replay_with_a_codec_is_bit_identical_and_another_codec_is_refused(t
 
 # ------------------------------------------------------------- real server
 @pytest.fixture
-def server():
-    servers = []
-
-    def make(**kw) -> ParameterServer:
-        srv = ParameterServer(ServerConfig(port=0, **kw)).start()
-        servers.append(srv)
-        return srv
-
-    yield make
-    for s in servers:
-        s.stop(None)
+def server(start_server):
+    return start_server
 
 
 class _Vector(nn.Module):

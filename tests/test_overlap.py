@@ -9,8 +9,9 @@ every inner step's displacement of every worker (minus what was never pushed).
 
 from __future__ import annotations
 
-import dataclasses
 import concurrent.futures
+import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from torch import nn
 
 from asyncdiloco import AsyncDiLoCoWorker, ConfigError, SyncDiLoCoWorker, WorkerConfig
 from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig
+from asyncdiloco.config import DurabilityConfig, OuterConfig
 from asyncdiloco.ps import ParameterServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,19 +34,9 @@ W_TRUE = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
 
 
 @pytest.fixture
-def make_server():
-    servers = []
-
-    def make(**kw) -> ParameterServer:
-        kw.setdefault("port", 0)
-        kw.setdefault("outer", SGD1)
-        srv = ParameterServer(ServerConfig(**kw)).start()
-        servers.append(srv)
-        return srv
-
-    yield make
-    for s in servers:
-        s.stop(None)
+def make_server(start_server):
+    """Servers whose outer step is plain SGD η = 1 unless ``outer`` is given."""
+    return functools.partial(start_server, outer=SGD1)
 
 
 def flat(model: nn.Module) -> torch.Tensor:

@@ -84,17 +84,9 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
-    def make(**security) -> ParameterServer:
-        srv = ParameterServer(ServerConfig(port=0, security=ServerSecurityConfig(**security))).start()
-        servers.append(srv)
-        return srv
-
-    yield make
-    for s in servers:
-        s.stop(None)
+def serve(start_server):
+    """``serve(**ServerSecurityConfig fields)``: a started server with that security."""
+    return lambda **security: start_server(security=ServerSecurityConfig(**security))
 
 
 def _every_rpc(client: ParameterServerClient) -> dict:

@@ -23,18 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def make_server():
-    servers = []
-
-    def make(**kw) -> ParameterServer:
-        kw.setdefault("port", 0)
-        srv = ParameterServer(ServerConfig(**kw)).start()
-        servers.append(srv)
-        return srv
-
-    yield make
-    for s in servers:
-        s.stop(None)
+def make_server(start_server):
+    return start_server
 
 
 def fingerprint(srv: ParameterServer) -> tuple:
