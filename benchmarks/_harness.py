@@ -34,6 +34,18 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn()``, after one untimed call that
+    warms it up (first touch of buffers, lazily allocated state)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 def parse_sizes(text: str) -> list[int]:
     """"4,64,256" (MiB) -> byte counts."""
     return [int(float(s) * MIB) for s in text.split(",") if s]

@@ -14,24 +14,13 @@ all buffers preallocated (as the worker and server use the codecs).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from _harness import emit, median, parse_sizes
+from _harness import emit, median_seconds, parse_sizes
 
 from asyncdiloco.codec import make_codec
 from asyncdiloco.tensors import Manifest
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()  # warm: first touch of the buffers
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
 
 
 def main() -> None:
@@ -47,12 +36,12 @@ def main() -> None:
         manifest = Manifest.from_named_tensors([("w", torch.empty(n))])
         x = torch.randn(n)  # (N,) fp32
         decoded = torch.empty(n)
-        copy_s = _seconds(lambda: decoded.copy_(x), args.repeats)
+        copy_s = median_seconds(lambda: decoded.copy_(x), args.repeats)
         for name in ("bf16", "int8"):
             codec = make_codec(name, manifest, args.block_size)
             wire = torch.empty(codec.wire_bytes, dtype=torch.uint8)
-            enc_s = _seconds(lambda: codec.encode(x, wire), args.repeats)
-            dec_s = _seconds(lambda: codec.decode(wire, decoded), args.repeats)
+            enc_s = median_seconds(lambda: codec.encode(x, wire), args.repeats)
+            dec_s = median_seconds(lambda: codec.decode(wire, decoded), args.repeats)
             emit({
                 "measure": "codec encode+decode throughput / copy_ throughput",
                 "codec": name, "block_size": args.block_size if name == "int8" else 0,

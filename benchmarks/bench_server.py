@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _harness import MIB, emit, median, parse_sizes, reset_peak_rss, rss_bytes, server_process  # noqa: E402
+from _harness import MIB, emit, median_seconds, parse_sizes, reset_peak_rss, rss_bytes, server_process  # noqa: E402
 
 from asyncdiloco._malloc import keep_large_blocks  # noqa: E402
 from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
@@ -43,17 +43,8 @@ def bench_outer_step(n_bytes: int, repeats: int) -> dict:
     param.grad = delta.clone()
     fused = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True, fused=True)
 
-    def timed(fn) -> float:
-        fn()  # warm up (allocates torch's momentum buffer)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return median(ts)
-
-    t_ours = timed(lambda: ours.step(delta, 1.0))
-    t_fused = timed(fused.step)
+    t_ours = median_seconds(lambda: ours.step(delta, 1.0), repeats)
+    t_fused = median_seconds(fused.step, repeats)  # the warm-up call allocates torch's momentum buffer
     return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused,
             "ours_gb_s": n_bytes / t_ours / 1e9}  # fmt: skip
 

@@ -23,6 +23,7 @@ Targets (issue 6): ratio ≥ 0.45 with gRPC alone, ≥ 0.8 with the bulk channel
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import socket
 import sys
@@ -31,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _harness import MIB, emit, median, parse_sizes, server_process  # noqa: E402
+from _harness import MIB, emit, median, median_seconds, parse_sizes, server_process  # noqa: E402
 
 from asyncdiloco._proto import parameter_server_pb2 as pb  # noqa: E402
 from asyncdiloco._malloc import keep_large_blocks  # noqa: E402
@@ -143,14 +144,13 @@ def server_work_s(n: int, repeats: int) -> float:
     wid, _, _ = state.join(manifest, "bench")
     payload = torch.zeros(n, dtype=torch.uint8)
     state.push(payload, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        state.push(payload, worker_id=wid, push_id=2 + i, base_version=state.version)
+    push_ids = itertools.count(2)
+
+    def push_and_pull() -> None:
+        state.push(payload, worker_id=wid, push_id=next(push_ids), base_version=state.version)
         state.release_snapshot(state.acquire_snapshot())
-        if i:
-            times.append(time.perf_counter() - t0)
-    return median(times)
+
+    return median_seconds(push_and_pull, repeats)
 
 
 def main() -> None:
