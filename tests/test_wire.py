@@ -215,3 +215,13 @@ def test_a_push_waiting_for_a_buffer_stops_when_its_rpc_ends():
     t.join()
     pool.release(held)
     assert pool._in_use == 0
+
+
+def test_the_pool_ignores_buffers_it_did_not_hand_out_or_already_took_back():
+    pool = ReceivePool(budget_bytes=100)
+    a = pool.acquire(40)
+    pool.release(torch.empty(40, dtype=torch.uint8))  # not the pool's (a round result's own buffer)
+    assert pool._in_use == 1
+    pool.release(a)
+    pool.release(a)  # twice: the second is ignored
+    assert pool._in_use == 0 and pool._in_use_bytes == 0

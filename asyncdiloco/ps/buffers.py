@@ -47,6 +47,7 @@ class ReceivePool:
         self._in_use = 0
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
+        self._out: set[int] = set()  # id() of the buffers handed out
         #: Most buffers that were out at once (for the benchmarks and tests).
         self.peak_in_use = 0
 
@@ -78,13 +79,20 @@ class ReceivePool:
             free = self._free.get(nbytes)
             if free:
                 self._free_bytes -= nbytes
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+                buffer = free.pop()
+            else:
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self._out.add(id(buffer))
+            return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Give a buffer from ``acquire`` back (keep it for reuse within the budget)."""
+        """Give a buffer from ``acquire`` back (keep it for reuse within the budget). A
+        buffer the pool did not hand out, or already took back, is ignored."""
         nbytes = buffer.numel()
         with self._cond:
+            if id(buffer) not in self._out:
+                return
+            self._out.discard(id(buffer))
             self._in_use -= 1
             self._in_use_bytes -= nbytes
             if self._free_bytes + nbytes <= max(self.budget_bytes, nbytes):

@@ -435,7 +435,7 @@ class ParameterServerState(SyncRounds, DurableState):
             is_active: optional ``() -> bool``, False once the caller's RPC ended (gRPC's
                 ``context.is_active``): the wait for a buffer then stops.
         Returns:
-            A ``PayloadAssembler`` to feed the chunks to (give it back with ``end_push``),
+            A ``PayloadAssembler`` to feed the chunks to (``receive_push`` gives its buffer back),
             or the original outcome when this ``(worker_id, push_id)`` was applied before
             (a retry).
         Raises:
@@ -514,15 +514,7 @@ class ParameterServerState(SyncRounds, DurableState):
         except Exception:
             self._receive_pool.release(buffer)
             raise
-        assembler.pooled = True
         return assembler
-
-    def end_push(self, assembler: PayloadAssembler) -> None:
-        """Give the receive buffer of a push from ``begin_push`` back to the pool, once
-        the push was applied or refused (its payload must not be used afterwards)."""
-        if getattr(assembler, "pooled", False):
-            assembler.pooled = False
-            self._receive_pool.release(assembler.buffer)
 
     def receive_push(
         self,
@@ -553,8 +545,8 @@ class ParameterServerState(SyncRounds, DurableState):
         try:
             fill(started)
             return self.apply_push(header, started.finish())
-        finally:
-            self.end_push(started)
+        finally:  # the payload is not used after this; a round result's own buffer is not the pool's
+            self._receive_pool.release(started.buffer)
 
     def apply_push(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
         """Apply a complete, CRC-checked payload: the initial parameters, or a
