@@ -29,7 +29,7 @@ from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.ps.server import grpc_channel_options
 from asyncdiloco.security import auth_metadata, channel_credentials, client_ssl_context, client_token
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
-from asyncdiloco.wire import encode_chunk, is_chunk, pull_callable, push_callable
+from asyncdiloco.wire import chunk_messages, is_chunk, pull_callable, push_callable
 
 _MIB = 1024 * 1024
 
@@ -256,14 +256,9 @@ class ParameterServerClient:
             reply = self._bulk.push(header, payload, self._payload_timeout(total))
             if reply is not None:
                 return reply
-        chunk_bytes = self.chunk_bytes
-
         def messages():
             yield pb.PushMessage(header=header)
-            view = memoryview(payload.numpy())
-            for index in range(header.num_chunks):
-                start = index * chunk_bytes
-                yield encode_chunk(index, start, view[start : start + chunk_bytes])
+            yield from chunk_messages(payload, self.chunk_bytes)
 
         return self._call(self._push, messages(), self._payload_timeout(total))
 

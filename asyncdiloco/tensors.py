@@ -297,15 +297,22 @@ def crc32_update(crc: int, data) -> int:
     return _crc32(data, crc) & 0xFFFFFFFF
 
 
-def iter_chunks(payload: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PayloadChunk]:
-    """Cut a uint8 CPU payload into ``PayloadChunk`` messages of at most ``chunk_bytes``
-    (every chunk but the last exactly ``chunk_bytes``)."""
+def chunk_views(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, int, memoryview]]:
+    """How a uint8 CPU payload is cut for the wire: ``(index, offset, data)`` of each
+    chunk, ``data`` a zero-copy view of at most ``chunk_bytes`` bytes (every chunk but
+    the last exactly ``chunk_bytes``)."""
     if chunk_bytes <= 0:
         raise InvalidPayloadError(f"chunk_bytes is {chunk_bytes}; it must be > 0")
     view = memoryview(payload.numpy())
     for index in range(num_chunks_for(len(view), chunk_bytes)):
         start = index * chunk_bytes
-        yield pb.PayloadChunk(index=index, offset=start, data=bytes(view[start : start + chunk_bytes]))
+        yield index, start, view[start : start + chunk_bytes]
+
+
+def iter_chunks(payload: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.PayloadChunk]:
+    """``chunk_views`` as protobuf ``PayloadChunk`` messages (each a copy)."""
+    for index, offset, data in chunk_views(payload, chunk_bytes):
+        yield pb.PayloadChunk(index=index, offset=offset, data=bytes(data))
 
 
 class PayloadAssembler:

@@ -25,10 +25,13 @@ place of the generated ``add_ParameterServerServicer_to_server``; ``push_callabl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import grpc
+import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.tensors import chunk_views
 
 SERVICE = "asyncdiloco.v1.ParameterServer"
 _CHUNK_TAG = 0x12  # field 2 (chunk), wire type 2 (length-delimited), in PushMessage and PullMessage
@@ -76,6 +79,13 @@ def encode_chunk(index: int, offset: int, data: memoryview) -> bytes:
         head += b"\x1a" + _varint(n)
     prefix = b"\x12" + _varint(len(head) + n) + bytes(head)
     return b"".join((prefix, data)) if n else prefix
+
+
+def chunk_messages(payload: torch.Tensor, chunk_bytes: int) -> Iterator[bytes]:
+    """A uint8 CPU payload as serialised chunk messages (``encode_chunk`` of each of its
+    ``chunk_views``), one copy each."""
+    for index, offset, data in chunk_views(payload, chunk_bytes):
+        yield encode_chunk(index, offset, data)
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:

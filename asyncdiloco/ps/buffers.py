@@ -25,8 +25,8 @@ import time
 import torch
 
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.tensors import crc32_update, num_chunks_for
-from asyncdiloco.wire import encode_chunk
+from asyncdiloco.tensors import chunk_views, crc32_update
+from asyncdiloco.wire import chunk_messages, encode_chunk
 
 
 class ReceivePool:
@@ -129,16 +129,13 @@ def encode_snapshot(version: int, payload: torch.Tensor, chunk_bytes: int) -> Sn
     """Copy a uint8 payload (1-D CPU tensor) into the Pull stream's chunk messages (the
     only copy a pull's bytes make on the server) and take its CRC-32, chunk by chunk
     while each copy is still in cache. Call it while the payload cannot change."""
-    view = memoryview(payload.numpy())
     messages, offsets, crc = [], [], 0
-    for index in range(num_chunks_for(len(view), chunk_bytes)):
-        start = index * chunk_bytes
-        part = view[start : start + chunk_bytes]
-        msg = encode_chunk(index, start, part)
+    for index, offset, part in chunk_views(payload, chunk_bytes):
+        msg = encode_chunk(index, offset, part)
         offsets.append(len(msg) - len(part))
         messages.append(msg)
         crc = crc32_update(crc, memoryview(msg)[offsets[-1] :])
-    return Snapshot(version, len(view), crc, tuple(messages), tuple(offsets))
+    return Snapshot(version, payload.numel(), crc, tuple(messages), tuple(offsets))
 
 
 class PullSnapshots:
@@ -249,10 +246,7 @@ class PullSource:
         if self.snapshot is not None:
             yield from self.snapshot.messages
             return
-        view = memoryview(self.payload.numpy())
-        for index in range(num_chunks_for(len(view), chunk_bytes)):
-            start = index * chunk_bytes
-            yield encode_chunk(index, start, view[start : start + chunk_bytes])
+        yield from chunk_messages(self.payload, chunk_bytes)
 
     def data_views(self):
         """The payload as read-only memoryviews, in order, zero-copy."""

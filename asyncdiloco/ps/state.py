@@ -81,7 +81,7 @@ from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.state_durable import DurableState
 from asyncdiloco.ps.state_sync import SyncRounds
 from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
-from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
 log = logging.getLogger(__name__)
@@ -705,12 +705,9 @@ class ParameterServerState(SyncRounds, DurableState):
             num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
             crc32=crc32_of(payload), kind=kind,
         )  # fmt: skip
-        view = memoryview(payload.numpy())
-
         def fill(assembler: PayloadAssembler) -> None:
-            for index in range(header.num_chunks):
-                start = index * chunk_bytes
-                assembler.add(WireChunk(index, start, view[start : start + chunk_bytes]))
+            for index, offset, data in chunk_views(payload, chunk_bytes):
+                assembler.add(WireChunk(index, offset, data))
 
         return self.receive_push(header, fill, drain=lambda: None)
 
