@@ -68,6 +68,11 @@ class WorkerBase:
         self._must_initialize = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # DyLU from the first round: the inner-step rate is timed over the first steps of a
+        # registration and reported until the first push's reply takes over.
+        self._rate_known = self.mode != "async"
+        self._rate_t0: float | None = None  # end of the first timed step
+        self._rate_steps = 0
         self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
 
     # ------------------------------------------------------------ lifecycle
@@ -189,6 +194,8 @@ class WorkerBase:
         self._set_codec(reply.run_config)
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
+        self._rate_known = self.mode != "async" or not reply.run_config.dylu
+        self._rate_t0 = None
         return reply
 
     def _mode_mismatch_message(self, server_mode: str) -> str:
@@ -233,8 +240,38 @@ class WorkerBase:
         self._steps_since_sync += 1
         self._tokens_since_sync += self.tokens_per_step
         self.stats.tokens += self.tokens_per_step
+        if not self._rate_known:
+            self._report_rate()
         if self._steps_since_sync >= self.local_steps:
             self.sync()
+
+    #: Inner steps timed before the first rate report (after the first, untimed, step:
+    #: it carries one-off costs); reported again every this many steps until the first push.
+    RATE_PROBE_STEPS = 2
+
+    def _report_rate(self) -> None:
+        """Before the first push of a registration: time the inner steps and report the
+        rate v_w (steps per second, this worker's own clock) with a heartbeat, taking H_w
+        from its reply (DyLU, Liu et al. 2024 Eq. 6), so the first round is already
+        balanced across workers of different speeds. Reported every
+        ``RATE_PROBE_STEPS`` steps: workers that join later change everybody's H_w."""
+        now = time.monotonic()
+        if self._rate_t0 is None or not self.worker_id:
+            self._rate_t0, self._rate_steps = now, 0
+            return
+        self._rate_steps += 1
+        if self._rate_steps % self.RATE_PROBE_STEPS or now <= self._rate_t0:
+            return
+        rate = self._rate_steps / (now - self._rate_t0)
+        try:
+            reply = self.client.heartbeat(self.worker_id, steps_per_s=rate)
+        except Exception as exc:  # noqa: BLE001 - the sync point reports real trouble
+            log.debug("rate report failed: %s", exc)
+            return
+        if reply.local_steps and reply.local_steps != self.local_steps:
+            log.info("worker %d: %.2f inner steps/s; H_w %d -> %d", self.worker_id, rate, self.local_steps,
+                     reply.local_steps)  # fmt: skip
+            self.local_steps = reply.local_steps
 
     # --------------------------------------------------------------- copies
     def _copy_model_into(self, dst: torch.Tensor) -> None:

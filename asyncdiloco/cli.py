@@ -17,10 +17,12 @@ import sys
 import threading
 
 from asyncdiloco.config import (
+    ASYNC_OUTER,
     FAIL_MODES,
     MODES,
     OUTER_OPTIMIZERS,
     STALENESS_WEIGHTINGS,
+    SYNC_OUTER,
     SYNC_WEIGHTINGS,
     ClientSecurityConfig,
     DurabilityConfig,
@@ -33,6 +35,7 @@ from asyncdiloco.config import (
 )
 from asyncdiloco.codec import WIRE_CODECS
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.schedule import GROUPINGS
 
 log = logging.getLogger("asyncdiloco.cli")
 
@@ -57,10 +60,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-port", type=int, default=sc.store_port,
                    help="sync: port of the rendezvous store (default %(default)s = a free one)")
     p.add_argument("--local-steps", "-H", type=int, default=d.local_steps, help="H, inner steps between pushes (default %(default)s)")
-    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=o.optimizer, help="outer optimizer (default %(default)s)")
-    p.add_argument("--outer-lr", type=float, default=o.lr, help="outer learning rate η (default %(default)s)")
-    p.add_argument("--outer-momentum", type=float, default=o.momentum, help="outer momentum μ (default %(default)s)")
-    p.add_argument("--staleness", choices=STALENESS_WEIGHTINGS, default=o.staleness, help="staleness weighting s(τ) (default %(default)s)")
+    p.add_argument("--outer-optimizer", choices=OUTER_OPTIMIZERS, default=None,
+                   help=f"outer optimizer (default: async {ASYNC_OUTER.optimizer}, sync {SYNC_OUTER.optimizer})")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help=f"outer learning rate η (default: async {ASYNC_OUTER.lr:g}, sync {SYNC_OUTER.lr:g})")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help=f"outer momentum μ (default: async {ASYNC_OUTER.momentum:g}, sync {SYNC_OUTER.momentum:g})")
+    p.add_argument("--staleness", choices=STALENESS_WEIGHTINGS, default=None,
+                   help=f"staleness weighting s(τ) (default {ASYNC_OUTER.staleness})")
     p.add_argument("--staleness-a", type=float, default=o.staleness_a, help="a: polynomial exponent / hinge slope (default %(default)s)")
     p.add_argument("--staleness-b", type=int, default=o.staleness_b, help="b: hinge grace, versions (default %(default)s)")
     p.add_argument("--max-staleness", type=int, default=o.max_staleness, help="refuse pushes staler than this many versions (default %(default)s)")
@@ -72,8 +79,19 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-abs-value", type=float, default=d.max_abs_value, help="refuse pushed values larger in magnitude (default %(default)g)")
     p.add_argument("--receive-buffer-mib", type=float, default=d.receive_buffer_bytes / 2**20, help="MiB of push receive buffers in use at once; more pushes wait (default %(default)g)")
     p.add_argument("--pull-snapshots", type=int, default=d.pull_snapshots, help="most model versions encoded for pulls at once, one payload of memory each (default %(default)s)")
-    p.add_argument("--dylu", action="store_true", help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker")
-    p.add_argument("--grace-s", type=float, default=d.grace_s, help="grace window in seconds, 0 = off (default %(default)s)")
+    p.add_argument("--dylu", action=argparse.BooleanOptionalAction, default=d.dylu,
+                   help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker, from the rates the workers "
+                        "report from their first round on (default: on)")
+    p.add_argument("--grouping", choices=GROUPINGS, default=d.grouping,
+                   help="hold push replies until every live worker pushed or the window ends (window), until the "
+                        "Delayed Nesterov buffer is complete (barrier), or not at all (off) (default %(default)s)")
+    p.add_argument("--grace-s", type=_seconds_or_auto, default=d.grace_s,
+                   help="grouping window in seconds from a group's first push, or auto: 1.5 inner steps of the "
+                        "slowest live worker (default auto)")
+    p.add_argument("--group-max-wait-s", type=_seconds_or_auto, default=d.group_max_wait_s,
+                   help="barrier: the longest a push reply is held, seconds, or auto: the longest round (default auto)")
+    p.add_argument("--block-check", action="store_true",
+                   help="delayed_nesterov: damp each tensor of a pseudo-gradient that opposes the outer momentum")
     p.add_argument("--wire-codec", choices=WIRE_CODECS, default=d.wire_codec,
                    help="encoding of pushes and pulls: raw, bf16 (half the bytes, relative error <= 2^-8) or int8 "
                         "(block-wise absmax, ~a quarter, error <= block absmax/254); async only (default %(default)s)")
@@ -81,33 +99,37 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="int8: elements per absmax block (default %(default)s)")
 
 
-#: The demo's outer settings. DiLoCo's synchronous defaults (η=0.7, μ=0.9, constant
-#: weights) diverge when every push is applied on arrival (measured: held-out loss
-#: 4.19 -> 19.8 nats/char in 40 s with 4 workers, H=50); these are stable and reach
-#: ~1.85 nats/char in the default 120 s. See README "Knobs that matter".
-DEMO_SERVER_DEFAULTS = {"local_steps": 20}
-#: Per mode, used where the flag is not given. Sync mode averages the N pseudo-gradients
-#: before one outer step, so DiLoCo's own values (Douillard et al. 2023) apply there.
-DEMO_OUTER_DEFAULTS = {
-    "async": {"outer_lr": 0.35, "outer_momentum": 0.5, "staleness": "polynomial", "join_timeout_s": 10.0},
-    "sync": {"outer_lr": 0.7, "outer_momentum": 0.9, "staleness": "constant", "join_timeout_s": 30.0},
-}
-#: A sync round waits for its slowest member; the demo's workers run up to 3x slower
-#: than the fastest, so the join timeout must exceed ~2 H slow steps (measured: with
-#: 10 s the 3x worker was cut out of rounds on 2 cores, its steps discarded).
+def _seconds_or_auto(text: str) -> float | None:
+    """A number of seconds, or "auto" (None)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds or 'auto'") from None
+
+
+#: The demo runs the server's own defaults (the async default is what the benchmark suite
+#: shows to win); only the sync join timeout differs, per mode, where the flag is not
+#: given: a sync round waits for its slowest member, and the demo's workers run up to 3x
+#: slower than the fastest, so the join timeout must exceed ~2 H slow steps (measured:
+#: with 10 s the 3x worker was cut out of rounds on 2 cores, its steps discarded).
+DEMO_JOIN_TIMEOUT_S = {"async": 10.0, "sync": 30.0}
 
 
 def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConfig:
+    base = ASYNC_OUTER if args.mode == "async" else SYNC_OUTER  # the mode's default, where a flag is not given
     outer = OuterConfig(
-        optimizer=args.outer_optimizer,
-        lr=args.outer_lr,
-        momentum=args.outer_momentum,
-        staleness=args.staleness,
+        optimizer=base.optimizer if args.outer_optimizer is None else args.outer_optimizer,
+        lr=base.lr if args.outer_lr is None else args.outer_lr,
+        momentum=base.momentum if args.outer_momentum is None else args.outer_momentum,
+        staleness=base.staleness if args.staleness is None else args.staleness,
         staleness_a=args.staleness_a,
         staleness_b=args.staleness_b,
         max_staleness=args.max_staleness,
         dn_buffer=args.dn_buffer,
         dn_c=args.dn_c,
+        block_check=args.block_check,
     )
     durability = security = None
     if getattr(args, "checkpoint_dir", None):
@@ -136,7 +158,9 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         chunk_bytes=args.chunk_bytes,
         lease_s=args.lease_s,
         dylu=args.dylu,
+        grouping=args.grouping,
         grace_s=args.grace_s,
+        group_max_wait_s=args.group_max_wait_s,
         max_payload_bytes=args.max_payload_bytes,
         max_abs_value=args.max_abs_value,
         receive_buffer_bytes=int(args.receive_buffer_mib * 2**20),
@@ -320,9 +344,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         slowdowns = [float(s) for s in args.slowdowns.split(",")] if args.slowdowns else None
     except ValueError:
         raise ConfigError(f"--slowdowns {args.slowdowns!r} is invalid: give numbers >= 1 separated by commas, e.g. 1,2,4") from None
-    for name, value in DEMO_OUTER_DEFAULTS[args.mode].items():  # per mode, unless given
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    if args.join_timeout_s is None:
+        args.join_timeout_s = DEMO_JOIN_TIMEOUT_S[args.mode]
     _server_config(args, "127.0.0.1", 0)  # a bad server flag is refused here, naming the value
     if args.overlap and args.mode == "sync":
         raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
@@ -375,12 +398,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    given = [(flag, getattr(args, name)) for flag, name in (("--outer-optimizer", "outer_optimizer"),
+             ("--outer-lr", "outer_lr"), ("--outer-momentum", "outer_momentum"), ("--staleness", "staleness"),
+             ("--grace-s", "grace_s"), ("--group-max-wait-s", "group_max_wait_s"))]  # fmt: skip
     return (
+        *(x for flag, value in given if value is not None for x in (flag, str(value))),
         "--local-steps", str(args.local_steps),
-        "--outer-optimizer", args.outer_optimizer,
-        "--outer-lr", str(args.outer_lr),
-        "--outer-momentum", str(args.outer_momentum),
-        "--staleness", args.staleness,
         "--staleness-a", str(args.staleness_a),
         "--staleness-b", str(args.staleness_b),
         "--max-staleness", str(args.max_staleness),
@@ -388,12 +411,13 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--dn-c", str(args.dn_c),
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
-        "--grace-s", str(args.grace_s),
+        "--grouping", args.grouping,
         "--max-payload-bytes", str(args.max_payload_bytes),
         "--max-abs-value", str(args.max_abs_value),
         "--receive-buffer-mib", str(args.receive_buffer_mib),
         "--pull-snapshots", str(args.pull_snapshots),
-        *(("--dylu",) if args.dylu else ()),
+        "--dylu" if args.dylu else "--no-dylu",
+        *(("--block-check",) if args.block_check else ()),
         "--mode", args.mode,
         "--min-workers", str(args.min_workers),
         "--join-timeout-s", str(args.join_timeout_s),
@@ -469,8 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="workers push and pull in the background while training on (async only)")
     _add_server_args(pd)
     _add_job_args(pd)
-    pd.set_defaults(func=cmd_demo, outer_lr=None, outer_momentum=None, staleness=None, join_timeout_s=None,
-                    **DEMO_SERVER_DEFAULTS)  # fmt: skip
+    pd.set_defaults(func=cmd_demo, join_timeout_s=None)
     pb_ = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
     pb_.add_argument("--suite", choices=["quick", "full", "perf"], default="quick",
                      help="quick/full: sync vs async methods on speed profiles; perf: transport, server and overlap micro-benchmarks")

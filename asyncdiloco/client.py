@@ -73,6 +73,9 @@ class ParameterServerClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.timeout_s_per_mib = timeout_s_per_mib
         self.chunk_bytes = chunk_bytes
+        #: The longest the server may hold a push reply for its group (RunConfig.group_max_wait_s):
+        #: added to every push's deadline.
+        self.group_wait_s = 0.0
         # Channel limits follow the largest chunk the library allows, so a server with
         # any valid chunk_bytes can be talked to before its RunConfig is known.
         # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
@@ -148,6 +151,7 @@ class ParameterServerClient:
             pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
         )
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
+        self.group_wait_s = reply.run_config.group_max_wait_s
         self._use_bulk_port(reply.run_config.bulk_port)
         return reply
 
@@ -184,6 +188,7 @@ class ParameterServerClient:
             size = total if total is not None else (lambda header: wire_bytes_for(header.run_config, manifest))
             got = self._bulk.pull(request, size, buffer, self.chunk_bytes, self._payload_timeout(deadline_bytes))
             if got is not None:
+                self.group_wait_s = got[0].run_config.group_max_wait_s
                 return Pulled(got[0].version, got[1], got[0].run_config)
         try:
             stream = self._pull_stream(request, timeout=self._payload_timeout(deadline_bytes), metadata=self._metadata)
@@ -201,6 +206,7 @@ class ParameterServerClient:
                     f"(wire codec {header.run_config.wire_codec or 'raw'!r})"
                 )
             chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
+            self.group_wait_s = header.run_config.group_max_wait_s
             assembler = PayloadAssembler(
                 total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32, chunk_bytes=chunk_bytes,
                 buffer=buffer,
@@ -253,17 +259,19 @@ class ParameterServerClient:
         )
 
         if self._bulk is not None and payload.is_contiguous():
-            reply = self._bulk.push(header, payload, self._payload_timeout(total))
+            reply = self._bulk.push(header, payload, self._payload_timeout(total) + self.group_wait_s)
             if reply is not None:
                 return reply
         def messages():
             yield pb.PushMessage(header=header)
             yield from chunk_messages(payload, self.chunk_bytes)
 
-        return self._call(self._push, messages(), self._payload_timeout(total))
+        return self._call(self._push, messages(), self._payload_timeout(total) + self.group_wait_s)
 
-    def heartbeat(self, worker_id: int) -> pb.HeartbeatReply:
-        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id))
+    def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
+        """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker
+        measured (DyLU). The reply's ``local_steps`` is H_w for the current round."""
+        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, steps_per_s=steps_per_s))
 
     def leave(self, worker_id: int) -> None:
         self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))

@@ -12,6 +12,7 @@ import os
 
 from asyncdiloco.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.schedule import GROUPINGS
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
@@ -56,6 +57,10 @@ class OuterConfig:
     dn_buffer: int = 0
     #: delayed_nesterov: c ∈ [0, 1/N], the share of momentum applied between updates.
     dn_c: float = 0.0
+    #: delayed_nesterov: damp each parameter tensor of a pseudo-gradient that points
+    #: against the outer momentum by (1 + cos(g, m)) (1 when they agree); in the spirit of
+    #: HeLoCo's per-block momentum check (arXiv 2606.00271). Off in Liu et al.'s DN.
+    block_check: bool = False
 
     def __post_init__(self) -> None:
         _require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
@@ -78,6 +83,16 @@ class OuterConfig:
 
 def _require_file(path: str | None, field: str) -> None:
     _require(path is None or os.path.isfile(path), field, path, "no such file; give the path of an existing file")
+
+
+#: The async server's default outer step: Delayed Nesterov (Liu et al. 2024, Alg. 3) with
+#: N = the live workers, constant staleness weights (the grouping keeps τ within a group),
+#: η and μ as chosen by the benchmark suite (docs/algorithms.md has the sweep).
+ASYNC_OUTER = OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.6)
+#: The sync server's default: DiLoCo's own outer step (Douillard et al. 2023, Sec. 3).
+SYNC_OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+#: H, inner steps between pushes (the fastest worker's under DyLU).
+DEFAULT_LOCAL_STEPS = 20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,9 +211,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     #: TCP port; 0 picks a free one (read it from ``ParameterServer.port``).
     port: int = 29500
-    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
-    #: H, inner steps each worker runs between two pushes (dictated to workers on Join).
-    local_steps: int = 50
+    #: The outer optimizer; None = the mode's default: ``ASYNC_OUTER`` (Delayed Nesterov,
+    #: the configuration the benchmark suite shows to win) or ``SYNC_OUTER`` (DiLoCo).
+    outer: OuterConfig | None = None
+    #: H, inner steps each worker runs between two pushes (dictated to workers on Join);
+    #: under DyLU the fastest live worker's.
+    local_steps: int = DEFAULT_LOCAL_STEPS
     #: Largest payload chunk in bytes, both directions (gRPC messages stay far below its limits).
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     #: Largest model payload accepted, in bytes.
@@ -218,11 +236,19 @@ class ServerConfig:
     #: Staleness histogram buckets; the last bucket counts every larger τ.
     histogram_buckets: int = 32
     #: Dynamic Local Updates (Liu et al. 2024, Eq. 6): tell each worker H_w = ⌊v_w/max v · H⌋
-    #: from its measured inner-step rate v_w.
-    dylu: bool = False
-    #: Grace window (Liu et al. 2024, Alg. 2), seconds: push replies are held until no push
-    #: arrived for this long, so workers whose pushes landed together pull the same model. 0 = off.
-    grace_s: float = 0.0
+    #: from its inner-step rate v_w (reported by the worker from its first round on).
+    dylu: bool = True
+    #: How push replies are grouped (schedule.py; Liu et al. 2024, Alg. 2): "window" holds
+    #: them until every live worker has pushed or ``grace_s`` after the group's first
+    #: arrival; "barrier" until the Delayed Nesterov buffer of N arrivals is complete or
+    #: ``group_max_wait_s``; "off" replies at once.
+    grouping: str = "window"
+    #: The window, seconds from a group's first arrival; None = auto: 1.5 inner steps of
+    #: the slowest live worker (``schedule.auto_window_s``).
+    grace_s: float | None = None
+    #: "barrier": the longest a reply is held, seconds; None = auto: the longest round
+    #: (H_w / v_w) of a live worker plus the window.
+    group_max_wait_s: float | None = None
     #: Checkpoints and write-ahead log; None keeps the state in memory only.
     durability: DurabilityConfig | None = None
     #: Token and TLS; None serves plaintext without authentication.
@@ -244,6 +270,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
+        if self.outer is None:
+            object.__setattr__(self, "outer", ASYNC_OUTER if self.mode == "async" else SYNC_OUTER)
         _require(
             self.mode == "async" or self.outer.optimizer in ("nesterov", "sgd"),
             "outer optimizer",
@@ -270,7 +298,11 @@ class ServerConfig:
                  "must be >= 0 bytes (0 still admits one push at a time)")  # fmt: skip
         _require(self.pull_snapshots >= 1, "pull_snapshots", self.pull_snapshots, "must be >= 1 version")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
-        _require(0 <= self.grace_s <= 60, "grace_s", self.grace_s, "must be in [0, 60] seconds (0 = off)")
+        _require(self.grouping in GROUPINGS, "grouping", self.grouping, f"choose one of {GROUPINGS}")
+        _require(self.grace_s is None or 0 <= self.grace_s <= 600, "grace_s", self.grace_s,
+                 "must be in [0, 600] seconds, or None (auto: 1.5 inner steps of the slowest worker)")  # fmt: skip
+        _require(self.group_max_wait_s is None or 0 < self.group_max_wait_s <= 3600, "group_max_wait_s",
+                 self.group_max_wait_s, "must be in (0, 3600] seconds, or None (auto: the longest round)")  # fmt: skip
         _require(self.wire_codec in WIRE_CODECS, "wire_codec", self.wire_codec, f"choose one of {WIRE_CODECS}")
         _require(
             1 <= self.codec_block_size <= MAX_BLOCK_SIZE, "codec_block_size", self.codec_block_size,

@@ -27,10 +27,17 @@ All updates are in place and allocate nothing per step; the kernel is torch's fu
 
 from __future__ import annotations
 
+import collections
+import logging
+import math
+import statistics
+
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
 from asyncdiloco.config import OuterConfig
+
+log = logging.getLogger(__name__)
 
 
 def staleness_weight(config: OuterConfig, staleness: int) -> float:
@@ -136,6 +143,10 @@ class DelayedNesterov(OuterOptimizer):
     of the momentum step. With c = 0, N arrivals equal exactly one synchronous Nesterov
     step on their mean.
 
+    With ``dn_buffer`` = 0, N is the number of live workers at each arrival; when it
+    shrinks while the buffer fills, the buffer completes at once and its momentum update
+    takes the mean over the arrivals it holds (with a constant N that mean is b/N).
+
     Args:
         params: θ, 1-D float32 (N,), updated in place.
         config: η (``lr``), μ (``momentum``), N (``dn_buffer``; 0 = ``num_workers`` at
@@ -145,12 +156,25 @@ class DelayedNesterov(OuterOptimizer):
         arrivals: arrivals since the last momentum update.
     """
 
-    def __init__(self, params: torch.Tensor, config: OuterConfig) -> None:
+    def __init__(self, params: torch.Tensor, config: OuterConfig, block_sizes: list[int] | None = None) -> None:
         super().__init__(params, config)
         if self.momentum_buffer is None:
             self.momentum_buffer = torch.zeros_like(params)
         self.delta_buffer = torch.zeros_like(params)
         self.arrivals = 0
+        #: ``block_check``: element counts of the blocks (the model's tensors, manifest order).
+        self.block_sizes = block_sizes or [params.numel()]
+
+    def _damp_against_momentum(self, g: torch.Tensor) -> None:
+        """``block_check``: g_b ← (1 + cos(g_b, m_b))·g_b for every block b whose
+        direction opposes the momentum's (cos < 0); blocks that agree are unchanged."""
+        m = self.momentum_buffer
+        for g_b, m_b in zip(torch.split(g, self.block_sizes), torch.split(m, self.block_sizes)):
+            dot = float(torch.dot(g_b, m_b))
+            if dot < 0:
+                norms = float(torch.linalg.vector_norm(g_b)) * float(torch.linalg.vector_norm(m_b))
+                if norms > 0:
+                    g_b.mul_(max(0.0, 1.0 + dot / norms))
 
     @torch.no_grad()
     def step(self, delta: torch.Tensor, weight: float = 1.0, *, num_workers: int = 1) -> None:
@@ -158,13 +182,18 @@ class DelayedNesterov(OuterOptimizer):
         self._check(delta)
         if weight != 1.0:
             delta.mul_(weight)
+        if self.config.block_check:
+            self._damp_against_momentum(delta)
         lr, mu, c = self.config.lr, self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
         m, b = self.momentum_buffer, self.delta_buffer
         b.add_(delta)  # b ← b + g_t
         self.arrivals += 1
         if self.arrivals >= n:  # (t+1) mod N = 0
-            m.mul_(mu).add_(b, alpha=1.0 / n)  # m ← μ·m + b/N
+            # m ← μ·m + b/N, the mean over the buffer's arrivals: with N = live workers, N
+            # can shrink while the buffer fills (a worker left), and b/N would then count
+            # the earlier arrivals N_old/N times over.
+            m.mul_(mu).add_(b, alpha=1.0 / self.arrivals)
             self.params.sub_(m, alpha=lr * (1.0 - c * n + c) * mu)
             b.zero_()
             self.arrivals = 0
@@ -173,8 +202,44 @@ class DelayedNesterov(OuterOptimizer):
         self.params.sub_(delta, alpha=lr / n)  # the arrival's own g_t/N
 
 
-def make_outer_optimizer(params: torch.Tensor, config: OuterConfig) -> OuterOptimizer:
-    """The outer optimizer ``config.optimizer`` names, over the flat fp32 ``params``."""
+def make_outer_optimizer(params: torch.Tensor, config: OuterConfig,
+                         block_sizes: list[int] | None = None) -> OuterOptimizer:
+    """The outer optimizer ``config.optimizer`` names, over the flat fp32 ``params``
+    (``block_sizes``: the model's tensor sizes, for ``block_check``)."""
     if config.optimizer == "delayed_nesterov":
-        return DelayedNesterov(params, config)
+        return DelayedNesterov(params, config, block_sizes)
     return OuterOptimizer(params, config)
+
+
+class PseudoGradientMonitor:
+    """Warns when the pushed pseudo-gradients say the global model is diverging.
+
+    A healthy run's ‖Δ‖₂ changes slowly; a model that overshoots (outer η or μ too
+    large for the number of workers, a worker whose inner learning rate blows up) makes
+    its workers' pseudo-gradients grow by orders of magnitude within a few pushes. Each
+    push's norm is compared with the median of the previous ``window`` pushes; one over
+    ``factor`` times that median (after ``min_samples`` pushes) is logged as a warning
+    and counted in ``warnings`` (StatusReply.divergence_warnings).
+    """
+
+    def __init__(self, factor: float = 10.0, window: int = 64, min_samples: int = 8) -> None:
+        self.factor = factor
+        self.min_samples = min_samples
+        self._norms: collections.deque[float] = collections.deque(maxlen=window)
+        self.warnings = 0
+
+    def observe(self, norm: float, worker_id: int, version: int) -> bool:
+        """Record ‖Δ‖₂ of a push applied at ``version``; True when it warned."""
+        warned = False
+        if len(self._norms) >= self.min_samples and math.isfinite(norm):
+            median = statistics.median(self._norms)
+            if median > 0 and norm > self.factor * median:
+                self.warnings += 1
+                warned = True
+                log.warning(
+                    "pseudo-gradient norm %.3g from worker %d at version %d is %.0fx the running median %.3g: "
+                    "the global model may be diverging; lower --outer-lr or --outer-momentum, or the workers' "
+                    "inner learning rate (check the held-out loss)", norm, worker_id, version, norm / median, median,
+                )
+        self._norms.append(norm)
+        return warned

@@ -1,29 +1,47 @@
-"""Who syncs when: Dynamic Local Updates (DyLU) and the grace window.
+"""Who syncs when: Dynamic Local Updates (DyLU) and grouping of pushes.
 
 Both come from Liu et al. 2024, "Asynchronous Local-SGD Training for Language
 Modeling", arXiv 2401.09135, and are shared by the parameter server (real clock) and
 the virtual-clock simulator, so the two run the same logic.
 
-- DyLU (Eq. 6): a worker with measured speed v_w (inner steps per second) runs
-  H_w = ⌊ v_w / max_w' v_w' · H ⌋ inner steps per round (at least 1), so slow workers
-  push as often as fast ones and their pseudo-gradients are not staler.
-- Grace window (Alg. 2): pushes that arrive within ``grace_s`` of each other are
-  applied back to back and all those workers restart from the same server model; the
-  window closes once ``grace_s`` passes without a new arrival.
+- DyLU (Eq. 6): a worker with inner-step rate v_w (steps per second of its own
+  compute) runs H_w = ⌊ v_w / max_w' v_w' · H ⌋ inner steps per round (at least 1),
+  the maximum taken over the live workers, so slow workers push as often as fast ones
+  and their pseudo-gradients are not staler. The rates are reported by the workers
+  (measured on their own clocks over their inner steps only, so waiting for the server
+  does not enter them) from the first round on: a worker times its first few inner
+  steps and reports the rate before it pushes, so the first round is already balanced
+  (otherwise every worker runs the full H once and the offsets of that round persist
+  for the whole run).
+- Grouping (Alg. 2, the grace window): replies to pushes are held so that the workers
+  whose pushes landed together pull the same model, and Delayed Nesterov's buffer of N
+  arrivals then holds N pseudo-gradients from one starting model (N arrivals from one
+  model with c = 0 are exactly one synchronous Nesterov step on their mean).
+  ``GroupWindow`` decides when a group is released: the window opens at the group's
+  first arrival and is released as soon as every live worker has arrived in it
+  (``"window"``) or the Delayed Nesterov buffer is complete (``"barrier"``), and at
+  the latest when the window ends. Anchoring the window at the first arrival (instead
+  of restarting it at every arrival) bounds every wait and never chains groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+
+#: Grouping modes: "off" (replies at once), "window" (all live workers, or the window),
+#: "barrier" (the Delayed Nesterov buffer complete, or the cap).
+GROUPINGS = ("off", "window", "barrier")
 
 
 def dylu_local_steps(steps_per_s: Mapping[int, float], local_steps: int) -> dict[int, int]:
-    """H_w for every worker with a measured speed (Liu et al. 2024, Eq. 6).
+    """H_w for every worker with a known rate (Liu et al. 2024, Eq. 6).
 
     Args:
-        steps_per_s: worker id -> v_w, inner steps per second (> 0).
+        steps_per_s: worker id -> v_w, inner steps per second (> 0); pass the live
+            workers only: the fastest of them runs H.
         local_steps: H, the fastest worker's local steps.
     Returns:
         worker id -> H_w = max(1, ⌊ v_w / max v · H ⌋).
@@ -37,11 +55,16 @@ def dylu_local_steps(steps_per_s: Mapping[int, float], local_steps: int) -> dict
 
 
 class StepRateMeter:
-    """Per-worker inner-step rate (steps per second), measured by the server's clock.
+    """Per-worker inner-step rate v_w, inner steps per second of the worker's compute.
 
-    Each push of ``num_local_steps`` steps arriving ``dt`` seconds after the worker's
-    previous push (or its join) gives a sample ``num_local_steps / dt``; the estimate is
-    an exponential moving average with weight ``alpha`` on the newest sample.
+    Samples come from the worker: a rate it reports (``report``: timed over its first
+    inner steps, before its first push) or a push of ``num_local_steps`` steps that
+    took ``compute_s`` seconds of its own clock (``record``). A push without
+    ``compute_s`` falls back to the time since the worker's previous push on the
+    server's clock (which includes communication and waiting, so it is used only when
+    nothing better is known). The estimate is an exponential moving average with
+    weight ``alpha`` on the newest sample, so a speed that changes is followed within
+    a few rounds.
     """
 
     def __init__(self, alpha: float = 0.5) -> None:
@@ -54,12 +77,24 @@ class StepRateMeter:
         self._last[worker_id] = now
         self.rates.pop(worker_id, None)
 
-    def record(self, worker_id: int, num_local_steps: int, now: float) -> None:
+    def report(self, worker_id: int, steps_per_s: float) -> None:
+        """A rate the worker measured itself (ignored unless finite and > 0)."""
+        if math.isfinite(steps_per_s) and steps_per_s > 0:
+            self._sample(worker_id, steps_per_s)
+
+    def record(self, worker_id: int, num_local_steps: int, now: float, compute_s: float = 0.0) -> None:
+        """A push of ``num_local_steps`` steps arrived at ``now`` (server clock) after
+        ``compute_s`` seconds of the worker's compute (0 = unknown)."""
         last = self._last.get(worker_id)
         self._last[worker_id] = now
-        if last is None or num_local_steps <= 0 or now <= last:
+        if num_local_steps <= 0:
             return
-        sample = num_local_steps / (now - last)
+        if math.isfinite(compute_s) and compute_s > 0:
+            self._sample(worker_id, num_local_steps / compute_s)
+        elif last is not None and now > last:
+            self._sample(worker_id, num_local_steps / (now - last))
+
+    def _sample(self, worker_id: int, sample: float) -> None:
         old = self.rates.get(worker_id)
         self.rates[worker_id] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
@@ -68,42 +103,155 @@ class StepRateMeter:
         self.rates.pop(worker_id, None)
 
 
-class GraceWindow:
-    """Holds push replies until ``grace_s`` passes without a new arrival (real clock).
+def auto_window_s(rates: Iterable[float], floor_s: float = 0.05) -> float:
+    """The grouping window when ``grace_s`` is auto: 1.5 inner steps of the slowest live
+    worker (DyLU's rounding down leaves the workers of a round less than one of their
+    own inner steps apart; the rest absorbs jitter), at least ``floor_s`` seconds; 1 s
+    while no rate is known."""
+    rates = [v for v in rates if v > 0]
+    if not rates:
+        return 1.0
+    return max(floor_s, 1.5 / min(rates))
 
-    ``arrive()`` is called when a push is applied; ``wait()`` then blocks the replying
-    thread until the window closes, so every worker whose push landed in the window
-    pulls the same model. ``max_wait_s`` bounds the wait under a steady stream.
+
+@dataclasses.dataclass
+class _Group:
+    group_id: int
+    opened_at: float
+    deadline: float
+    members: set[int] = dataclasses.field(default_factory=set)
+    arrivals: int = 0
+    released_at: float | None = None
+
+
+class GroupWindow:
+    """When the pushes of a group are released (pure logic; the clock is passed in).
+
+    The parameter server calls ``arrive`` for every applied pseudo-gradient and holds
+    the reply until ``released`` (``GroupGate`` waits for it on the real clock); the
+    simulator asks the same object on its virtual clock. A group opens at its first
+    arrival with a deadline ``window_s`` later and is released at the first of:
+
+    - ``"window"``: every live worker has arrived in it;
+    - ``"barrier"``: the Delayed Nesterov buffer is complete (the caller says so);
+    - the deadline (a dead or late worker never holds the others longer).
+
+    An arrival after its group's release opens the next group.
     """
 
-    def __init__(self, grace_s: float, clock: Callable[[], float], max_wait_s: float | None = None) -> None:
-        self.grace_s = grace_s
-        self.max_wait_s = max_wait_s if max_wait_s is not None else 10 * grace_s
+    def __init__(self, mode: str) -> None:
+        if mode not in GROUPINGS:
+            raise ValueError(f"grouping {mode!r} is unknown: choose one of {GROUPINGS}")
+        self.mode = mode
+        self._groups: dict[int, _Group] = {}
+        self._open: _Group | None = None
+        self._next_id = 1
+        #: Sizes (arrivals) of the released groups, for status: [n(size 1), n(size 2), …].
+        self.size_histogram: list[int] = []
+
+    def arrive(self, worker_id: int, now: float, live: set[int], window_s: float,
+               buffer_complete: bool = False) -> int:
+        """Record an applied push of ``worker_id`` at ``now``; returns its group id.
+
+        Args:
+            live: ids of the live workers (the "window" mode releases once all arrived).
+            window_s: seconds from the group's first arrival to its deadline.
+            buffer_complete: the Delayed Nesterov buffer just completed ("barrier").
+        """
+        group = self._open
+        if group is not None:
+            self._expire(group, now)
+        if group is None or group.released_at is not None:
+            group = _Group(self._next_id, now, now + max(0.0, window_s))
+            self._next_id += 1
+            self._groups[group.group_id] = group
+            self._open = group
+        group.members.add(worker_id)
+        group.arrivals += 1
+        self._check_complete(group, now, live, buffer_complete)
+        return group.group_id
+
+    def recheck(self, now: float, live: set[int]) -> None:
+        """A worker left or lapsed: the open group may now hold every live worker."""
+        if self._open is not None and self._open.released_at is None:
+            self._check_complete(self._open, now, live, False)
+
+    def _check_complete(self, group: _Group, now: float, live: set[int], buffer_complete: bool) -> None:
+        if self.mode == "off":
+            self._release(group, now)
+        elif self.mode == "window" and live <= group.members:
+            self._release(group, now)
+        elif self.mode == "barrier" and buffer_complete:
+            self._release(group, now)
+
+    def _expire(self, group: _Group, now: float) -> None:
+        if group.released_at is None and now >= group.deadline:
+            self._release(group, group.deadline)
+
+    def _release(self, group: _Group, at: float) -> None:
+        group.released_at = at
+        while len(self.size_histogram) < group.arrivals:
+            self.size_histogram.append(0)
+        self.size_histogram[group.arrivals - 1] += 1
+        for old in [g for g in self._groups if g < group.group_id - 64]:  # keep the recent ones only
+            del self._groups[old]
+
+    def released(self, group_id: int, now: float) -> bool:
+        """Whether the group is released at ``now`` (releases it at its deadline)."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return True
+        self._expire(group, now)
+        return group.released_at is not None
+
+    def deadline(self, group_id: int) -> float:
+        """The latest time the group is released at."""
+        group = self._groups.get(group_id)
+        return -math.inf if group is None else group.deadline
+
+    def release_time(self, group_id: int) -> float | None:
+        """When the group was released (None: not yet)."""
+        group = self._groups.get(group_id)
+        return None if group is None else group.released_at
+
+
+class GroupGate:
+    """``GroupWindow`` on the real clock: threads wait for their group's release.
+
+    All methods are thread-safe. ``wait`` blocks until the group is released (every
+    live worker arrived, the buffer completed, or the deadline passed).
+    """
+
+    def __init__(self, mode: str, clock: Callable[[], float]) -> None:
+        self.window = GroupWindow(mode)
         self._clock = clock
         self._cond = threading.Condition()
-        self._last_arrival = -math.inf
 
-    def arrive(self) -> None:
+    @property
+    def enabled(self) -> bool:
+        return self.window.mode != "off"
+
+    def arrive(self, worker_id: int, live: set[int], window_s: float, buffer_complete: bool = False) -> int:
         with self._cond:
-            self._last_arrival = self._clock()
+            group_id = self.window.arrive(worker_id, self._clock(), live, window_s, buffer_complete)
+            self._cond.notify_all()
+            return group_id
+
+    def recheck(self, live: set[int]) -> None:
+        with self._cond:
+            self.window.recheck(self._clock(), live)
             self._cond.notify_all()
 
-    def wait(self) -> float:
-        """Block until the window closes; returns the seconds waited."""
-        if self.grace_s <= 0:
-            return 0.0
+    def wait(self, group_id: int) -> float:
+        """Block until group ``group_id`` is released; returns the seconds waited."""
         start = self._clock()
         with self._cond:
             while True:
                 now = self._clock()
-                if not in_grace_window(self._last_arrival, now, self.grace_s) or now - start >= self.max_wait_s:
+                if self.window.released(group_id, now):
                     return now - start
-                remaining = min(self._last_arrival + self.grace_s, start + self.max_wait_s) - now
-                self._cond.wait(remaining)
+                self._cond.wait(max(1e-3, self.window.deadline(group_id) - now))
 
-
-def in_grace_window(last_arrival_s: float, arrival_s: float, grace_s: float) -> bool:
-    """Whether an arrival at ``arrival_s`` joins the window of the previous arrival at
-    ``last_arrival_s`` (the rule ``GraceWindow`` applies on the real clock and the
-    simulator on the virtual one)."""
-    return arrival_s - last_arrival_s <= grace_s
+    def size_histogram(self) -> list[int]:
+        with self._cond:
+            return list(self.window.size_histogram)

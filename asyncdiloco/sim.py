@@ -24,19 +24,47 @@ from collections.abc import Callable
 import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig, ServerConfig
 from asyncdiloco.dataset import BatchStream, CharCorpus
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job import JobConfig
 from asyncdiloco.models import evaluate, lm_loss
 from asyncdiloco.outer import make_outer_optimizer
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.schedule import in_grace_window
 from asyncdiloco.tensors import Manifest
 
-SYNC_METHODS = ("sync_localsgd", "sync_diloco")
-ASYNC_METHODS = ("async_nesterov", "async_nesterov_poly", "async_dn", "async_dn_dylu")
-METHODS = SYNC_METHODS + ASYNC_METHODS
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Method:
+    """What a benchmark method sets on the server (the rest is the server's defaults)."""
+
+    mode: str = "async"
+    outer: OuterConfig = ASYNC_OUTER
+    dylu: bool = False
+    grouping: str = "off"
+    #: One line for reports.
+    doc: str = ""
+
+
+#: The suite's methods (Liu et al. 2024, arXiv 2401.09135, Table 1, and one beyond it).
+#: ``async_dn_dylu`` is exactly what ``asyncdiloco server`` runs with no flags.
+METHODS: dict[str, Method] = {
+    "sync_localsgd": Method(mode="sync", outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+                            doc="synchronous rounds, plain averaging"),
+    "sync_diloco": Method(mode="sync", outer=SYNC_OUTER, doc="synchronous rounds, Nesterov outer step"),
+    "async_nesterov": Method(outer=SYNC_OUTER, doc="every push applied on arrival with DiLoCo's outer step"),
+    "async_nesterov_poly": Method(outer=dataclasses.replace(SYNC_OUTER, staleness="polynomial"),
+                                  doc="the same, pushes weighted (1+tau)^-0.5"),
+    "async_dn": Method(outer=ASYNC_OUTER, grouping=ServerConfig().grouping, doc="Delayed Nesterov, grouping, no DyLU"),
+    "async_dn_dylu": Method(outer=ServerConfig().outer, dylu=ServerConfig().dylu, grouping=ServerConfig().grouping,
+                            doc="the server's default: Delayed Nesterov + DyLU + grouping window"),
+    "async_dn_dylu_barrier": Method(outer=ASYNC_OUTER, dylu=True, grouping="barrier",
+                                    doc="Delayed Nesterov + DyLU, replies held until the buffer is complete"),
+    "async_dn_dylu_blockcheck": Method(outer=dataclasses.replace(ASYNC_OUTER, block_check=True), dylu=True,
+                                       grouping="window", doc="beyond the paper: the default, each tensor of a "
+                                       "pseudo-gradient that opposes the outer momentum damped by 1 + cos"),
+}  # fmt: skip
+SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
+ASYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "async")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,19 +74,19 @@ class SimConfig:
     method: str
     #: Seconds per inner step of each worker (virtual clock); its length is the worker count.
     speeds_s_per_step: tuple[float, ...]
-    #: Budget: inner steps summed over workers (equal tokens across methods).
+    #: Budget: inner steps summed over workers, the same for every method. Steps are
+    #: allotted when a round starts; a round that would exceed the budget is cut to what
+    #: remains (sync: split evenly over the members, the first ones one step more).
     total_steps: int
     #: H, inner steps per round (the fastest worker's under DyLU).
-    local_steps: int = 20
+    local_steps: int = DEFAULT_LOCAL_STEPS
     seed: int = 0
     job: JobConfig = dataclasses.field(default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16))
-    #: Outer learning rate and momentum (η, μ) of the Nesterov-based methods.
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    #: Polynomial staleness exponent a for ``async_nesterov_poly``.
-    staleness_a: float = 0.5
-    #: Grace window of the DN methods, virtual seconds (0 = off).
-    grace_s: float = 0.0
+    #: Outer learning rate and momentum (η, μ) replacing the method's (None: the method's).
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    #: Grouping window, virtual seconds (None: the server's auto window).
+    grace_s: float | None = None
     #: Evaluate the global model every this many inner steps (summed over workers).
     eval_every_steps: int = 100
     #: Speed changes: (virtual time s, worker index, new seconds per step).
@@ -68,22 +96,24 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ConfigError(f"method={self.method!r} is invalid: choose one of {METHODS}")
+            raise ConfigError(f"method={self.method!r} is invalid: choose one of {tuple(METHODS)}")
         if not self.speeds_s_per_step or any(not s > 0 for s in self.speeds_s_per_step):
             raise ConfigError(f"speeds_s_per_step={self.speeds_s_per_step} is invalid: one positive value per worker")
         if self.total_steps < len(self.speeds_s_per_step):
             raise ConfigError(f"total_steps={self.total_steps} is invalid: must be >= the number of workers")
 
     def outer(self) -> OuterConfig:
-        m = self.method
-        if m == "sync_localsgd":
-            return OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
-        if m in ("async_dn", "async_dn_dylu"):
-            return OuterConfig(optimizer="delayed_nesterov", lr=self.outer_lr, momentum=self.outer_momentum,
-                               dn_buffer=len(self.speeds_s_per_step))  # fmt: skip
-        staleness = "polynomial" if m == "async_nesterov_poly" else "constant"
-        return OuterConfig(optimizer="nesterov", lr=self.outer_lr, momentum=self.outer_momentum,
-                           staleness=staleness, staleness_a=self.staleness_a)  # fmt: skip
+        o = METHODS[self.method].outer
+        if self.method == "sync_localsgd":
+            return o
+        return dataclasses.replace(o, lr=o.lr if self.outer_lr is None else self.outer_lr,
+                                   momentum=o.momentum if self.outer_momentum is None else self.outer_momentum)  # fmt: skip
+
+    def server_config(self) -> ServerConfig:
+        """The server configuration this run uses (in-process, virtual clock)."""
+        spec = METHODS[self.method]
+        return ServerConfig(port=0, mode=spec.mode, local_steps=self.local_steps, outer=self.outer(), dylu=spec.dylu,
+                            grouping=spec.grouping, grace_s=self.grace_s, lease_s=86400, histogram_buckets=64)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -99,6 +129,10 @@ class SimResult:
     staleness_histogram: list[int]
     bytes_up: int
     bytes_down: int
+    #: Inner steps trained, summed over workers (= config.total_steps).
+    steps: int = 0
+    #: group_size_histogram[k]: outer steps (sync rounds) / released push groups of k + 1 pushes.
+    group_size_histogram: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def utilisation(self) -> float:
@@ -196,30 +230,35 @@ def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
     n_bytes = theta.numel() * 4
     bytes_up = bytes_down = 0
+    groups: list[int] = []
     while steps < cfg.total_steps:
         members = [r for r in replicas if _present(cfg, r.index, t)]
+        allotted = min(cfg.local_steps * len(members), cfg.total_steps - steps)
         deltas = torch.zeros_like(theta)
         round_s = 0.0
-        for r in members:
+        for k, r in enumerate(members):
+            h = allotted // len(members) + (1 if k < allotted % len(members) else 0)
             r.load(theta)
-            r.train(cfg.local_steps)
-            compute = cfg.local_steps * _speed(cfg, r.index, t)
+            r.train(h)
+            compute = h * _speed(cfg, r.index, t)
             r.busy_s += compute
             round_s = max(round_s, compute)
             deltas.add_(r.base - r.flat())
         outer.step(deltas.div_(len(members)))  # mean pseudo-gradient, the server's outer code
         t += round_s
-        steps += cfg.local_steps * len(members)
+        steps += allotted
         rounds += 1
         pushes += len(members)
+        groups += [0] * (len(members) - len(groups))
+        groups[len(members) - 1] += 1
         bytes_up += n_bytes * len(members)
         bytes_down += n_bytes * len(members)
         progress(steps)
         if steps >= next_eval or steps >= cfg.total_steps:
             curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
-            next_eval += cfg.eval_every_steps
+            next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
     return SimResult(cfg, curve, curve[-1]["eval_loss"], t, [r.busy_s for r in replicas], rounds, [pushes],
-                     bytes_up, bytes_down)  # fmt: skip
+                     bytes_up, bytes_down, steps, groups)  # fmt: skip
 
 
 def _present(cfg: SimConfig, worker: int, t: float) -> bool:
@@ -238,61 +277,89 @@ class _VirtualClock:
 
 
 def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
-    """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock."""
+    """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock.
+
+    Every push goes through ``ParameterServerState.push`` (outer step, staleness, DyLU,
+    grouping) with the virtual clock injected. A worker reports its inner-step rate when
+    it joins (what a real worker measures over its first steps) and each push carries
+    its compute time; its reply is held until the push's group is released
+    (``schedule.GroupWindow``, the server's own), then the worker pulls and starts its
+    next round with the H_w the server gives it.
+    """
     clock = _VirtualClock()
-    state = ParameterServerState(
-        ServerConfig(port=0, local_steps=cfg.local_steps, outer=cfg.outer(), dylu=cfg.method == "async_dn_dylu",
-                     lease_s=86400, histogram_buckets=64),
-        clock=clock,
-    )  # fmt: skip
+    state = ParameterServerState(cfg.server_config(), clock=clock)
+    window = state.groups.window
     manifest = Manifest.from_module(replicas[0].model)
-    ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]
+    ids = [state.join(manifest, f"worker-{r.index}", 1.0 / _speed(cfg, r.index, 0.0))[0] for r in replicas]
     state.push(manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
     curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
-    events: list[tuple[float, int, int, float]] = []  # (finish time, worker, H_w, compute s)
+    events: list[tuple[float, int, int, float]] = []  # (finish time, worker, steps (0 = a rejoin), compute s)
+    held: dict[int, list[int]] = {}  # group id -> workers whose replies wait for its release
+    unallotted = [cfg.total_steps]
 
     def start(i: int, t: float) -> None:
-        if not _present(cfg, i, t):  # away: come back at the rejoin time
+        if not _present(cfg, i, t):  # away: leave now, come back at the rejoin time
+            state.leave(ids[i])
             heapq.heappush(events, (cfg.leave_rejoin[2], i, 0, 0.0))
             return
+        h = min(state.local_steps_for(ids[i]), unallotted[0])
+        if h == 0:  # the budget is spent: this worker is done (it stays registered, so the
+            return  # last pushes keep Delayed Nesterov's N, as a run that is stopped would)
+        unallotted[0] -= h
         replicas[i].load(state.params, state.version)
-        h = state.run_config(ids[i]).local_steps
         compute = h * _speed(cfg, i, t)
         heapq.heappush(events, (t + compute, i, h, compute))
 
+    def release_due(until: float) -> None:
+        """Start the workers of every group released by ``until`` (in release order)."""
+        while True:
+            due = [(window.release_time(g) if window.released(g, until) else math.inf, g) for g in held]
+            when, g = min(due, default=(math.inf, 0))
+            if when > until:
+                return
+            clock.t = max(clock.t, when)
+            for i in held.pop(g):
+                start(i, when)
+
     for i in range(len(replicas)):
         start(i, 0.0)
-    steps, next_eval, t = 0, cfg.eval_every_steps, 0.0
-    while steps < cfg.total_steps and events:
-        group = [heapq.heappop(events)]
-        while cfg.grace_s > 0 and events and in_grace_window(group[-1][0], events[0][0], cfg.grace_s):
-            group.append(heapq.heappop(events))  # arrivals inside the window: applied back to back
-        for finish, i, h, compute in group:
-            if h == 0:  # a rejoin, not a push
-                continue
-            r = replicas[i]
-            r.train(h)
-            r.busy_s += compute
-            clock.t = finish
-            delta = r.base - r.flat()  # Δ = θ_base − θ_local, (N,)
-            state.push(manifest.pack_flat(delta), worker_id=ids[i], push_id=push_ids[i], base_version=r.base_version,
-                       num_local_steps=h)
-            push_ids[i] += 1
-            steps += h
-        # The server holds replies until the window closes; then every worker in it pulls.
-        t = group[-1][0] + cfg.grace_s
-        for _, i, _, _ in group:
-            start(i, t)
+    steps, next_eval, last_push_s = 0, cfg.eval_every_steps, 0.0
+    while events or held:
+        deadline = min((window.deadline(g) for g in held), default=math.inf)
+        if not events or deadline < events[0][0]:
+            clock.t = max(clock.t, deadline)
+            release_due(deadline)
+            continue
+        finish, i, h, compute = heapq.heappop(events)
+        clock.t = finish
+        if h == 0:  # a rejoin: a new registration that reports its rate, then a pull
+            ids[i] = state.join(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))[0]
+            push_ids[i] = 2
+            start(i, finish)
+            continue
+        r = replicas[i]
+        r.train(h)
+        r.busy_s += compute
+        delta = r.base - r.flat()  # Δ = θ_base − θ_local, (N,)
+        outcome = state.push(manifest.pack_flat(delta), worker_id=ids[i], push_id=push_ids[i],
+                             base_version=r.base_version, num_local_steps=h, compute_s=compute)  # fmt: skip
+        push_ids[i] += 1
+        held.setdefault(outcome.group_id, []).append(i)
+        steps += h
+        last_push_s = finish
+        release_due(finish)
         progress(steps)
         if steps >= next_eval or steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, state.params, steps, tps, t, state.version))
-            next_eval += cfg.eval_every_steps
+            curve.append(_eval_point(evaluator, eval_set, state.params, steps, tps, clock.t, state.version))
+            next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
     st = state.status()
     n_bytes = manifest.total_bytes
-    return SimResult(cfg, curve, curve[-1]["eval_loss"], t, [r.busy_s for r in replicas], st.version,
-                     list(st.staleness_histogram), st.bytes_pushed, (st.applied_pushes + len(replicas)) * n_bytes)  # fmt: skip
+    # The run's wall time ends with its last push: the budget is then applied.
+    return SimResult(cfg, curve, curve[-1]["eval_loss"], last_push_s, [r.busy_s for r in replicas], st.version,
+                     list(st.staleness_histogram), st.bytes_pushed, (st.applied_pushes + len(replicas)) * n_bytes,
+                     steps, list(st.group_size_histogram))  # fmt: skip
 
 
 def staleness_mean(hist: list[int]) -> float:

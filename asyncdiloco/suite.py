@@ -3,23 +3,32 @@
 Runs every method (sim.METHODS) on worker-speed profiles with the same model, data,
 token budget and seeds, and writes ``runs.jsonl`` (one line per run), ``report.md``
 (a table per profile, mean ± std over seeds, and the three claims of Liu et al. 2024,
-arXiv 2401.09135, checked against the numbers) and PNG plots (loss vs tokens, loss vs
-time, utilisation, staleness).
+arXiv 2401.09135, checked against the numbers), ``claims.json`` (the same claims,
+machine-readable) and PNG plots (loss vs tokens, loss vs time, utilisation, staleness).
+
+Equal tokens: every method trains exactly ``total_steps`` inner steps summed over the
+workers (steps are allotted when a round starts; the round that would exceed the budget
+is cut to what remains). Runs are independent and deterministic, so they are spread
+over ``processes`` worker processes (one torch thread each).
 
     asyncdiloco bench --suite quick --clock virtual --out DIR
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
+import multiprocessing
+import os
 import pathlib
 import statistics
 import time
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job import JobConfig
+from asyncdiloco.config import DEFAULT_LOCAL_STEPS
 from asyncdiloco.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
 
 #: name -> (seconds per inner step per worker, speed changes, leave/rejoin)
@@ -35,16 +44,18 @@ PROFILES: dict[str, dict] = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SuiteConfig:
     profiles: tuple[str, ...]
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = tuple(METHODS)
     seeds: tuple[int, ...] = (0, 1, 2)
-    total_steps: int = 800
-    local_steps: int = 20
-    eval_every_steps: int = 100
+    #: Inner steps summed over workers, identical for every method.
+    total_steps: int = 4000
+    local_steps: int = DEFAULT_LOCAL_STEPS
+    #: Evaluate every this many inner steps (summed over workers): fine enough that the
+    #: time to target resolves a 3x speed-up (the async runs reach it in tens of evaluations).
+    eval_every_steps: int = 40
     #: Target loss = sync DiLoCo's final loss × (1 + target_margin).
     target_margin: float = 0.02
-    #: Grace window of the DN methods, virtual seconds (Liu et al. 2024, Alg. 2; without
-    #: it DN does not reduce to synchronous DiLoCo even on equal speeds).
-    grace_s: float = 0.5
+    #: Processes the runs are spread over (0 = the number of CPU cores).
+    processes: int = 0
     #: The model and data every run trains (small, so the quick suite fits in minutes).
     job: JobConfig = dataclasses.field(default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16))
 
@@ -57,9 +68,26 @@ class SuiteConfig:
 
 
 SUITES = {
-    "quick": SuiteConfig(profiles=("homogeneous", "uneven"), total_steps=600, eval_every_steps=100),
-    "full": SuiteConfig(profiles=tuple(PROFILES), total_steps=2400, eval_every_steps=200),
+    "quick": SuiteConfig(profiles=("uneven",)),
+    "full": SuiteConfig(profiles=tuple(PROFILES)),
 }
+
+
+def sim_config(cfg: SuiteConfig, profile: str, method: str, seed: int) -> SimConfig:
+    """The simulator run of (profile, method, seed) in suite ``cfg``."""
+    prof = PROFILES[profile]
+    return SimConfig(
+        method=method, speeds_s_per_step=prof["speeds"], total_steps=cfg.total_steps, local_steps=cfg.local_steps,
+        seed=seed, eval_every_steps=cfg.eval_every_steps, speed_changes=prof.get("changes", ()),
+        leave_rejoin=prof.get("leave_rejoin"), job=cfg.job,
+    )  # fmt: skip
+
+
+def _run_one(args: tuple[str, SimConfig]) -> dict:
+    profile, sim_cfg = args
+    started = time.monotonic()
+    result = simulate(sim_cfg)
+    return _record(profile, result, time.monotonic() - started)
 
 
 def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dict]:
@@ -70,36 +98,29 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "runs.jsonl"
     jsonl.unlink(missing_ok=True)
-    runs = [(p, m, s) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
+    runs = [(p, sim_config(cfg, p, m, s)) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
+    processes = min(len(runs), cfg.processes or os.cpu_count() or 1)
     records = []
-    with tqdm(total=len(runs) * cfg.total_steps, disable=not progress, unit="step", dynamic_ncols=True) as bar:
-        for profile, method, seed in runs:
-            prof = PROFILES[profile]
-            sim_cfg = SimConfig(
-                method=method, speeds_s_per_step=prof["speeds"], total_steps=cfg.total_steps,
-                local_steps=cfg.local_steps, seed=seed, eval_every_steps=cfg.eval_every_steps,
-                speed_changes=prof.get("changes", ()), leave_rejoin=prof.get("leave_rejoin"),
-                grace_s=cfg.grace_s if method.startswith("async_dn") else 0.0, job=cfg.job,
-            )  # fmt: skip
-            bar.set_postfix_str(f"{profile} {method} seed {seed}")
-            done = [0]
-
-            def tick(steps: int) -> None:
-                bar.update(steps - done[0])
-                done[0] = steps
-
-            started = time.monotonic()
-            result = simulate(sim_cfg, progress=tick)
-            bar.update(cfg.total_steps - done[0])
-            rec = _record(profile, result, time.monotonic() - started)
+    with tqdm(total=len(runs), disable=not progress, unit="run", dynamic_ncols=True) as bar, \
+            concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for rec in pool.map(_run_one, runs):  # in order, so runs.jsonl does not depend on timing
             records.append(rec)
+            bar.set_postfix_str(f"{rec['profile']} {rec['method']} seed {rec['seed']}: {rec['final_eval_loss']:.3f}")
+            bar.update(1)
             with open(jsonl, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     _add_targets(records, cfg.target_margin)
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "report.md").write_text(report_markdown(records, cfg) + peer_section(cfg, out, progress))
-    plot(records, out)
+    write_outputs(records, cfg, out, "virtual", peer_section(cfg, out, progress))
     return records
+
+
+def write_outputs(records: list[dict], cfg: SuiteConfig, out: pathlib.Path, clock: str, extra: str = "") -> None:
+    """runs.jsonl, report.md, claims.json and the plots of a finished suite."""
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(records)
+    (out / "claims.json").write_text(json.dumps(claims_json(summary), indent=2) + "\n")
+    (out / "report.md").write_text(report_markdown(records, cfg, clock) + extra)
+    plot(records, out)
 
 
 def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
@@ -145,6 +166,8 @@ def _record(profile: str, r: SimResult, real_s: float) -> dict:
         "updates": r.updates,
         "staleness_histogram": r.staleness_histogram,
         "mean_staleness": staleness_mean(r.staleness_histogram),
+        "group_size_histogram": r.group_size_histogram,
+        "steps": r.steps,
         "bytes_up": r.bytes_up,
         "bytes_down": r.bytes_down,
         "curve": r.curve,
@@ -191,55 +214,113 @@ def summarize(records: list[dict]) -> dict[tuple[str, str], dict]:
             "staleness": _mean_std([r["mean_staleness"] for r in rs]),
             "bytes": _mean_std([r["bytes_up"] + r["bytes_down"] for r in rs]),
             "seeds": len(rs),
-        }
+            "staleness_hist#: The claims' thresholds (Liu et al. 2024, Table 1, as the issue states them).
+CLAIM_A_MIN_GAIN = 0.01  # (a) sync DiLoCo at least 1 % below sync LocalSGD
+CLAIM_B_MIN_GAP = 0.05  # (b) naive async Nesterov at least 5 % above sync DiLoCo
+CLAIM_C_MAX_GAP = 0.01  # (c) async DN + DyLU within 1 % of sync DiLoCo (or lower) ...
+CLAIM_C_MIN_SPEEDUP = 2.7  # ... and at least 2.7x sooner to the target
+UTILISATION_TARGET = 0.93
+#: The async default (what ``asyncdiloco server`` runs with no flags) and the method
+#: beyond the paper, judged beside it.
+DEFAULT_METHOD = "async_dn_dylu"
+BEYOND_METHOD = "async_dn_dylu_blockcheck"
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def claims_json(summary: dict) -> dict:
+    """Per profile: the claims (a), (b), (c), the default's utilisation and the method
+    beyond the paper, each ``{"shown": bool, "value": ..., ...}``; ``shown`` is False
+    when a method the claim needs was not run (``value`` None)."""
+    def stat(p, m, key):
+        return summary.get((p, m), {}).get(key, (math.nan, math.nan))[0]
+
+    def speedup(p, m):
+        t_ref, t_m = stat(p, "sync_diloco", "ttt"), stat(p, m, "ttt")
+        return t_ref / t_m if t_m and not math.isnan(t_m) and not math.isnan(t_ref) else math.nan
+
+    out = {}
+    for p in sorted({k[0] for k in summary}):
+        d, l, n = stat(p, "sync_diloco", "loss"), stat(p, "sync_localsgd", "loss"), stat(p, "async_nesterov", "loss")
+        x, u = stat(p, DEFAULT_METHOD, "loss"), stat(p, DEFAULT_METHOD, "util")
+        gain_a = (l - d) / l if not math.isnan(l + d) else math.nan
+        gap_b = (n - d) / d if not math.isnan(n + d) else math.nan
+        gap_c = (x - d) / d if not math.isnan(x + d) else math.nan
+        sp_c = speedup(p, DEFAULT_METHOD)
+        claim = {
+            "a": {"shown": bool(gain_a >= CLAIM_A_MIN_GAIN), "value": _num(gain_a), "what":
+                  "relative loss gain of sync DiLoCo over sync LocalSGD", "target": f">= {CLAIM_A_MIN_GAIN:.0%}",
+                  "sync_diloco": _num(d), "sync_localsgd": _num(l)},
+            "b": {"shown": bool(gap_b >= CLAIM_B_MIN_GAP), "value": _num(gap_b), "what":
+                  "relative loss gap of naive async Nesterov over sync DiLoCo", "target": f">= {CLAIM_B_MIN_GAP:.0%}",
+                  "async_nesterov": _num(n)},
+            "c": {"shown": bool(gap_c <= CLAIM_C_MAX_GAP and sp_c >= CLAIM_C_MIN_SPEEDUP), "value": _num(gap_c),
+                  "speedup": _num(sp_c), "what": f"relative loss gap of {DEFAULT_METHOD} over sync DiLoCo, and its "
+                  "speed-up to the target", "target": f"<= {CLAIM_C_MAX_GAP:.0%} and >= {CLAIM_C_MIN_SPEEDUP}x",
+                  DEFAULT_METHOD: _num(x)},
+            "utilisation": {"shown": bool(u >= UTILISATION_TARGET), "value": _num(u), "target": f">= {UTILISATION_TARGET}"},
+        }  # fmt: skip
+        if (p, BEYOND_METHOD) in summary:
+            y = stat(p, BEYOND_METHOD, "loss")
+            claim["beyond"] = {"shown": bool(y < x), "value": _num((y - x) / x), "speedup": _num(speedup(p, BEYOND_METHOD)),
+                               "what": f"relative loss of {BEYOND_METHOD} vs {DEFAULT_METHOD} (negative: it wins)",
+                               BEYOND_METHOD: _num(y)}  # fmt: skip
+        out[p] = claim
     return out
 
 
 def claims(summary: dict) -> list[str]:
-    """The three claims of the issue, each shown or honestly not shown by the numbers."""
+    """The claims as report lines, each shown or honestly not shown by the numbers."""
     lines = []
 
-    def loss(p, m):
-        return summary.get((p, m), {}).get("loss", (math.nan, math.nan))[0]
+    def pct(x):
+        return "—" if x is None else f"{x * 100:+.1f}%"
 
-    def ttt(p, m):
-        return summary.get((p, m), {}).get("ttt", (math.nan, math.nan))[0]
-
-    for p in sorted({k[0] for k in summary}):
-        d, l = loss(p, "sync_diloco"), loss(p, "sync_localsgd")
-        if not math.isnan(d) and not math.isnan(l):
-            noise = max(summary[(p, "sync_diloco")]["loss"][1], summary[(p, "sync_localsgd")]["loss"][1])
-            verdict = "shown" if l - d > noise else ("NOT shown (the gap is within the seeds' std)" if d < l else "NOT shown")
-            lines.append(f"- (a) [{p}] sync DiLoCo {d:.3f} vs sync LocalSGD {l:.3f} at equal steps: "
-                         f"{verdict} ({(l - d) / l * 100:+.1f}%).")  # fmt: skip
-        n = loss(p, "async_nesterov")
-        if not math.isnan(n) and not math.isnan(d):
-            lines.append(f"- (b) [{p}] naive async Nesterov {n:.3f} vs sync DiLoCo {d:.3f}: "
-                         f"{'shown' if n > d * 1.02 else 'NOT shown'} (clearly worse = more than 2% higher).")  # fmt: skip
-        x = loss(p, "async_dn_dylu")
-        if not math.isnan(x) and not math.isnan(d):
-            gap = (x - d) / d * 100
-            t_sync, t_x = ttt(p, "sync_diloco"), ttt(p, "async_dn_dylu")
-            speed = t_sync / t_x if t_x and not math.isnan(t_x) and not math.isnan(t_sync) else math.nan
-            reach = (f"reaches the target in {t_x:.0f} s vs {t_sync:.0f} s (speed-up {speed:.2f}×)"
-                     if not math.isnan(speed) else "does not reach the target on every seed")  # fmt: skip
-            lines.append(
-                f"- (c) [{p}] async DN+DyLU {x:.3f} vs sync DiLoCo {d:.3f} ({gap:+.1f}%; within ~1%: "
-                f"{'yes' if gap <= 1.0 else 'no'}); it {reach}."
-            )
+    for p, c in claims_json(summary).items():
+        a, b, cc, u = c["a"], c["b"], c["c"], c["utilisation"]
+        verdict = lambda ok: "**shown**" if ok else "**NOT shown**"  # noqa: E731
+        if a["value"] is not None:
+            why = "" if a["shown"] else (
+                " At this scale (a 1-layer model, H small, tens of outer steps) plain averaging is as good as "
+                "Nesterov's outer step; DiLoCo's gain is reported for long runs of large models with H in the hundreds."
+            )  # fmt: skip
+            lines.append(f"- (a) [{p}] sync DiLoCo {a['sync_diloco']:.3f} vs sync LocalSGD {a['sync_localsgd']:.3f}: "
+                         f"gain {pct(a['value'])} (target {a['target']}): {verdict(a['shown'])}.{why}")  # fmt: skip
+        if b["value"] is not None:
+            lines.append(f"- (b) [{p}] naive async Nesterov {b['async_nesterov']:.3f} vs sync DiLoCo: {pct(b['value'])} "
+                         f"(target {b['target']}): {verdict(b['shown'])}.")  # fmt: skip
+        if cc["value"] is not None:
+            sp = "never on every seed" if cc["speedup"] is None else f"{cc['speedup']:.2f}x sooner"
+            lines.append(f"- (c) [{p}] {DEFAULT_METHOD} {cc[DEFAULT_METHOD]:.3f} vs sync DiLoCo: {pct(cc['value'])}, "
+                         f"to the target {sp} (target {cc['target']}): {verdict(cc['shown'])}.")  # fmt: skip
+        if u["value"] is not None:
+            lines.append(f"- utilisation [{p}] of {DEFAULT_METHOD}: {u['value']:.3f} (target {u['target']}): "
+                         f"{verdict(u['shown'])}.")  # fmt: skip
+        if "beyond" in c:
+            y = c["beyond"]
+            sp = "—" if y["speedup"] is None else f"{y['speedup']:.2f}x"
+            lines.append(f"- beyond the paper [{p}] {BEYOND_METHOD} {y[BEYOND_METHOD]:.3f}: {pct(y['value'])} vs "
+                         f"{DEFAULT_METHOD}, speed-up to the target {sp}: {'beats it' if y['shown'] else 'does not beat it'}.")  # fmt: skip
     return lines
 
 
-def report_markdown(records: list[dict], cfg: SuiteConfig) -> str:
+def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual") -> str:
     summary = summarize(records)
     seeds = len(cfg.seeds)
+    time_is = ("virtual seconds (workers scheduled by their seconds per step)" if clock == "virtual" else
+               "real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by per-step "
+               "delays relative to the fastest worker)")  # fmt: skip
     lines = [
-        "# Sync vs async DiLoCo — benchmark report (virtual clock)",
+        f"# Sync vs async DiLoCo — benchmark report ({clock} clock)",
         "",
-        f"Methods run on the same model, data, token budget ({cfg.total_steps} inner steps summed over workers) and "
-        f"seeds {list(cfg.seeds)}; H = {cfg.local_steps}; mean ± std over {seeds} seeds. Time is virtual seconds "
-        f"(workers scheduled by their seconds per step). Target loss = sync DiLoCo's final loss + "
-        f"{cfg.target_margin * 100:.0f}%.",
+        f"Methods run on the same model, data, token budget ({cfg.total_steps} inner steps summed over workers, "
+        f"exactly: the round that would exceed it is cut to what remains) and seeds {list(cfg.seeds)}; "
+        f"H = {cfg.local_steps}; mean ± std over {seeds} seeds; evaluations every {cfg.eval_every_steps} inner steps. "
+        f"Time is {time_is}. Target loss = sync DiLoCo's final loss + {cfg.target_margin * 100:.0f}%.",
+        "",
+        "Methods: " + "; ".join(f"`{m}`: {METHODS[m].doc}" for m in cfg.methods if m in METHODS) + ".",
         "",
     ]
     for profile in cfg.profiles:
@@ -257,6 +338,23 @@ def report_markdown(records: list[dict], cfg: SuiteConfig) -> str:
             mb = (s["bytes"][0] / 1e6, s["bytes"][1] / 1e6)
             lines.append(
                 f"| {method} | {_fmt(s['loss'])} | {_fmt(s['ttt'], 0)} | {s['reached']} | {_fmt(s['wall'], 0)} | "
+                f"{_fmt(s['util'], 2)} | {_fmt(s['updates'], 0)} | {_fmt(s['staleness'], 2)} | {_fmt(mb, 1)} |"
+            )
+        lines += ["", "Histograms summed over the seeds: staleness `[n(τ=0), n(τ=1), …]`; group sizes "
+                  "`[n(1 push), n(2), …]` per outer step (sync: members per round; async: pushes per released group).",
+                  "", "| method | staleness | group sizes |", "|---|---|---|"]  # fmt: skip
+        for method in cfg.methods:
+            s = summary.get((profile, method))
+            if s is not None:
+                lines.append(f"| {method} | {s['staleness_hist']} | {s['group_hist']} |")
+        lines.append("")
+    lines += ["## Claims (Liu et al. 2024, Table 1)", "", *claims(summary), "",
+              "Machine-readable: claims.json. Plots: loss_vs_tokens.png, loss_vs_time.png, utilisation.png, "
+              "staleness.png. Raw runs: runs.jsonl.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+"| {method} | {_fmt(s['loss'])} | {_fmt(s['ttt'], 0)} | {s['reached']} | {_fmt(s['wall'], 0)} | "
                 f"{_fmt(s['util'], 2)} | {_fmt(s['updates'], 0)} | {_fmt(s['staleness'], 2)} | {_fmt(mb, 1)} |"
             )
         lines.append("")

@@ -140,6 +140,10 @@ class Manifest:
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    def block_sizes(self) -> list[int]:
+        """Element counts of the tensors, in manifest order (blocks of the flat vector)."""
+        return [t.numel for t in self.tensors]
+
     @property
     def offsets(self) -> list[int]:
         out, pos = [], 0

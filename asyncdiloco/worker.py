@@ -382,6 +382,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.pushes_applied += 1
         self.stats.staleness.append(reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
+        self._rate_known = True  # from now on each push's compute_s carries the rate
 
     def _push_refused(self, pending: _PendingPush, exc: StalePushError) -> None:
         self._pending = None

@@ -50,7 +50,7 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port")
+    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port", "dylu", "grouping", "group_window_s", "group_max_wait_s")
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,10 @@ class RunConfig(_message.Message):
     WIRE_CODEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    DYLU_FIELD_NUMBER: _ClassVar[int]
+    GROUPING_FIELD_NUMBER: _ClassVar[int]
+    GROUP_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    GROUP_MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     local_steps: int
     chunk_bytes: int
     lease_s: float
@@ -81,7 +85,11 @@ class RunConfig(_message.Message):
     wire_codec: str
     codec_block_size: int
     bulk_port: int
-    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    dylu: bool
+    grouping: str
+    group_window_s: float
+    group_max_wait_s: float
+    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("manifest", "worker_name", "steps_per_s")
@@ -200,20 +208,24 @@ class PushReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "steps_per_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    steps_per_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "lease_remaining_s", "initialize")
+    __slots__ = ("version", "lease_remaining_s", "initialize", "local_steps")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     INITIALIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     version: int
     lease_remaining_s: float
     initialize: bool
-    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -254,7 +266,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed")
+    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed", "group_size_histogram", "divergence_warnings")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +285,8 @@ class StatusReply(_message.Message):
     PULLS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENCE_WARNINGS_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied_pushes: int
     rejected_pushes: int
@@ -291,7 +305,9 @@ class StatusReply(_message.Message):
     pulls: int
     rounds_committed: int
     rounds_failed: int
-    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ..., rounds_committed: _Optional[int] = ..., rounds_failed: _Optional[int] = ...) -> None: ...
+    group_size_histogram: _containers.RepeatedScalarFieldContainer[int]
+    divergence_warnings: int
+    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ..., rounds_committed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., group_size_histogram: _Optional[_Iterable[int]] = ..., divergence_warnings: _Optional[int] = ...) -> None: ...
 
 class QuorumRequest(_message.Message):
     __slots__ = ("worker_id", "round", "manifest_hash", "timeout_s")

@@ -252,7 +252,7 @@ class BulkServer:
                 drain(conn, total)
             self._reply(conn, exc.grpc_code, str(exc))
             return
-        self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome))
+        self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome, header.worker_id))
 
     def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:
         try:

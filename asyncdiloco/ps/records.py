@@ -17,6 +17,8 @@ class PushOutcome:
     staleness: int
     staleness_weight: float
     local_steps: int
+    #: The push group whose release the reply waits for (0: none).
+    group_id: int = 0
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             manifest = Manifest.from_proto(request.manifest)
-            worker_id, initialize, version = self.state.join(manifest, request.worker_name)
+            worker_id, initialize, version = self.state.join(manifest, request.worker_name, request.steps_per_s)
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", request.worker_name or "unnamed", exc)
             _abort(context, exc)
@@ -91,14 +91,15 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
-        return self.state.finish_push(outcome)
+        return self.state.finish_push(outcome, worker_id)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
-            version, remaining, initialize = self.state.heartbeat(request.worker_id)
+            version, remaining, initialize = self.state.heartbeat(request.worker_id, request.steps_per_s)
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
-        return pb.HeartbeatReply(version=version, lease_remaining_s=remaining, initialize=initialize)
+        return pb.HeartbeatReply(version=version, lease_remaining_s=remaining, initialize=initialize,
+                                 local_steps=self.state.local_steps_for(request.worker_id))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.state.leave(request.worker_id)

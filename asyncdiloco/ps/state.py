@@ -63,7 +63,9 @@ from asyncdiloco.errors import (
     UnknownWorkerError,
 )
 from asyncdiloco.outer import (
+    DelayedNesterov,
     OuterOptimizer,
+    PseudoGradientMonitor,
     describe,
     make_outer_optimizer,
     staleness_weight,
@@ -80,7 +82,7 @@ from asyncdiloco.ps.records import PUSH_MEMORY as _PUSH_MEMORY
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.state_durable import DurableState
 from asyncdiloco.ps.state_sync import SyncRounds
-from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
+from asyncdiloco.schedule import GroupGate, StepRateMeter, auto_window_s, dylu_local_steps
 from asyncdiloco.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
 from asyncdiloco.wire import WireChunk
 
@@ -140,7 +142,9 @@ class ParameterServerState(SyncRounds, DurableState):
         #: store.DurableStore (or None): logs each change before it is applied.
         self.journal = None
         self._rates = StepRateMeter()
-        self.grace = GraceWindow(config.grace_s, clock)
+        #: Push replies held per group (schedule.py); sync mode has rounds instead.
+        self.groups = GroupGate(config.grouping if config.mode == "async" else "off", clock)
+        self.monitor = PseudoGradientMonitor()
         #: Sync mode: the rounds; ``store_host``/``store_port`` of the rendezvous store
         #: are set by the process that hosts it (server.py).
         self.quorum: QuorumManager | None = None
@@ -189,7 +193,34 @@ class ParameterServerState(SyncRounds, DurableState):
             wire_codec=self.config.wire_codec,
             codec_block_size=self.config.codec_block_size,
             bulk_port=self.bulk_port,
+            dylu=self.config.dylu,
+            grouping=self.groups.window.mode,
+            group_window_s=self._group_window_s_locked(),
+            group_max_wait_s=self._group_max_wait_s_locked(),
         )
+
+    def _live_rates_locked(self) -> dict[int, float]:
+        return {w: v for w, v in self._rates.rates.items() if w in self._workers and self._workers[w].alive}
+
+    def _group_window_s_locked(self) -> float:
+        """Seconds from a group's first arrival to its deadline ("window" mode)."""
+        if self.groups.window.mode == "off":
+            return 0.0
+        if self.config.grace_s is not None:
+            return self.config.grace_s
+        return auto_window_s(self._live_rates_locked().values())
+
+    def _group_max_wait_s_locked(self) -> float:
+        """The longest a push reply is held: the window, or the barrier's cap."""
+        mode = self.groups.window.mode
+        if mode != "barrier":
+            return self._group_window_s_locked()
+        if self.config.group_max_wait_s is not None:
+            return self.config.group_max_wait_s
+        rates = self._live_rates_locked()
+        steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
+        rounds = [steps.get(w, self.config.local_steps) / v for w, v in rates.items()]
+        return max(rounds, default=30.0) + self._group_window_s_locked()
 
     def _wire_codec(self) -> WireCodec:
         """The run's wire codec for the current manifest (rebuilt if the provisional
@@ -218,12 +249,26 @@ class ParameterServerState(SyncRounds, DurableState):
         """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates."""
         if not self.config.dylu:
             return self.config.local_steps
-        rates = {w: v for w, v in self._rates.rates.items() if w in self._workers and self._workers[w].alive}
-        return dylu_local_steps(rates, self.config.local_steps).get(worker_id, self.config.local_steps)
+        return dylu_local_steps(self._live_rates_locked(), self.config.local_steps).get(
+            worker_id, self.config.local_steps
+        )
+
+    def local_steps_for(self, worker_id: int) -> int:
+        """H_w, the inner steps ``worker_id`` should run in its current round."""
+        with self._lock:
+            return self._local_steps_locked(worker_id)
+
+    def report_rate(self, worker_id: int, steps_per_s: float) -> None:
+        """A rate v_w the worker measured on its own compute (DyLU; ignored if ≤ 0)."""
+        if steps_per_s > 0:
+            with self._lock:
+                if worker_id in self._workers:
+                    self._rates.report(worker_id, steps_per_s)
 
     # --------------------------------------------------------------- workers
-    def join(self, manifest: Manifest, worker_name: str = "") -> tuple[int, bool, int]:
-        """Register a worker whose model has ``manifest``.
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> tuple[int, bool, int]:
+        """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
+        it measured, for DyLU).
 
         Returns:
             (worker_id, initialize, version): ``initialize`` is True when this worker
@@ -254,6 +299,7 @@ class ParameterServerState(SyncRounds, DurableState):
             if self.journal is not None:  # durable before the worker learns its id
                 self.journal.log_join(worker_id, name, initialize, manifest if replace else None)
             self._register_locked(worker_id, name, initialize, manifest if replace else None, now)
+            self._rates.report(worker_id, steps_per_s)
             log.info("worker %d (%s) joined at version %d%s", worker_id, name, self.version,
                      " and initializes the global model" if initialize else "")  # fmt: skip
             return worker_id, initialize, self.version
@@ -280,11 +326,13 @@ class ParameterServerState(SyncRounds, DurableState):
             self._initializer = worker_id
         return self._initializer == worker_id
 
-    def heartbeat(self, worker_id: int) -> tuple[int, float, bool]:
-        """Renew the lease. Returns (version, seconds until the lease expires, whether
-        this worker must now push the initial parameters)."""
+    def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> tuple[int, float, bool]:
+        """Renew the lease (and take the worker's measured inner-step rate, if > 0).
+        Returns (version, seconds until the lease expires, whether this worker must now
+        push the initial parameters)."""
         with self._lock:
             self._touch_locked(worker_id)
+            self._rates.report(worker_id, steps_per_s)
             return self.version, self.config.lease_s, self._claim_initializer_locked(worker_id)
 
     def leave(self, worker_id: int) -> None:
@@ -292,7 +340,10 @@ class ParameterServerState(SyncRounds, DurableState):
             rec = self._workers.get(worker_id)
             if rec is not None:
                 rec.alive = False
+                self._rates.forget(worker_id)
                 log.info("worker %d (%s) left", worker_id, rec.name)
+            live = {w for w, r in self._workers.items() if r.alive}
+        self.groups.recheck(live)  # the open group may now hold every live worker
         if self.quorum is not None:  # outside our lock: the quorum calls live_worker_ids
             self.quorum.withdraw(worker_id)
             self.quorum.notify()
@@ -579,6 +630,7 @@ class ParameterServerState(SyncRounds, DurableState):
         """Check and apply a decoded push: ``delta`` (N,) fp32 (used as scratch by the
         outer step); ``payload`` is what the journal logs, as received."""
         largest = _largest_magnitude(delta)  # NaN/Inf propagate
+        norm = float(torch.linalg.vector_norm(delta)) if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else 0.0
         if not math.isfinite(largest):
             bad = int((~torch.isfinite(delta)).sum())
             raise InvalidPayloadError(
@@ -611,12 +663,19 @@ class ParameterServerState(SyncRounds, DurableState):
                 if snap is not None:
                     self._snapshots.publish(snap)
                 if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
-                    self._rates.record(header.worker_id, header.num_local_steps, self._clock())
-                    outcome = dataclasses.replace(outcome, local_steps=self._local_steps_locked(header.worker_id))
+                    self._rates.record(header.worker_id, header.num_local_steps, self._clock(), header.compute_s)
+                    live = {w for w, r in self._workers.items() if r.alive}
+                    group_id = self.groups.arrive(
+                        header.worker_id, live, self._group_max_wait_s_locked(),
+                        buffer_complete=isinstance(self.outer, DelayedNesterov) and self.outer.arrivals == 0,
+                    )  # fmt: skip
+                    outcome = dataclasses.replace(
+                        outcome, local_steps=self._local_steps_locked(header.worker_id), group_id=group_id
+                    )
                     rec.outcomes[header.push_id] = outcome
+                    self.monitor.observe(norm, header.worker_id, self.version)
         if self.journal is not None:
             self.journal.maybe_checkpoint()
-        self.grace.arrive()
         return outcome
 
     def _check_staleness_locked(self, header: pb.PushHeader) -> tuple[int, float, int]:
@@ -651,7 +710,7 @@ class ParameterServerState(SyncRounds, DurableState):
         fp32 may be scaled in place (the outer step uses it as scratch)."""
         if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
             params = delta.clone()
-            outer = make_outer_optimizer(params, self.config.outer)
+            outer = make_outer_optimizer(params, self.config.outer, self.manifest.block_sizes())
             self.params, self.outer = params, outer
             log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
         else:
@@ -687,6 +746,7 @@ class ParameterServerState(SyncRounds, DurableState):
         num_local_steps: int = 0,
         num_tokens: int = 0,
         kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+        compute_s: float = 0.0,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut
         into chunks exactly as the wire carries it and goes through ``receive_push``,
@@ -703,7 +763,7 @@ class ParameterServerState(SyncRounds, DurableState):
         header = pb.PushHeader(
             worker_id=worker_id, push_id=push_id, base_version=base_version, num_local_steps=num_local_steps,
             num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
-            crc32=crc32_of(payload), kind=kind,
+            crc32=crc32_of(payload), kind=kind, compute_s=compute_s,
         )  # fmt: skip
         def fill(assembler: PayloadAssembler) -> None:
             for index, offset, data in chunk_views(payload, chunk_bytes):
@@ -722,21 +782,26 @@ class ParameterServerState(SyncRounds, DurableState):
         with self._lock:
             self.duplicate_pushes += 1
 
-    def finish_push(self, outcome: PushOutcome) -> pb.PushReply:
+    def finish_push(self, outcome: PushOutcome, worker_id: int = 0) -> pb.PushReply:
         """The reply to a push that was applied or answered as a retry (gRPC and bulk):
-        counts a duplicate, or holds an applied push for the grace window (Liu et al.
-        2024, Alg. 2) so that workers whose pushes landed together pull the same model."""
+        counts a duplicate, or holds an applied push until its group is released
+        (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
+        together pull the same model. H_w is taken after the wait, when the group's
+        rates are in."""
+        local_steps = outcome.local_steps
         if outcome.duplicate:
             self.record_duplicate()
-        else:
-            self.grace.wait()
+        elif outcome.group_id:
+            self.groups.wait(outcome.group_id)
+            if worker_id:
+                local_steps = self.local_steps_for(worker_id)
         return pb.PushReply(
             applied=outcome.applied,
             duplicate=outcome.duplicate,
             version=outcome.version,
             staleness=outcome.staleness,
             staleness_weight=outcome.staleness_weight,
-            local_steps=outcome.local_steps,
+            local_steps=local_steps,
         )
 
     # ---------------------------------------------------------------- status
@@ -778,4 +843,6 @@ class ParameterServerState(SyncRounds, DurableState):
                 pulls=self.pulls,
                 rounds_committed=self.quorum.rounds_committed if self.quorum else 0,
                 rounds_failed=self.quorum.rounds_failed if self.quorum else 0,
+                group_size_histogram=self.groups.size_histogram(),
+                divergence_warnings=self.monitor.warnings,
             )

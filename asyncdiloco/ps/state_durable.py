@@ -100,7 +100,7 @@ class DurableState:
             if meta["initialized"]:
                 flat = self._named_to_flat(tensors, "param")
                 self.params = flat
-                self.outer = make_outer_optimizer(self.params, self.config.outer)
+                self.outer = make_outer_optimizer(self.params, self.config.outer, self.manifest.block_sizes())
                 buffers = self._outer_buffers()
                 for kind, vec in buffers.items():
                     vec.copy_(self._named_to_flat(tensors, kind))
