@@ -173,3 +173,43 @@ def test_delayed_nesterov_with_c_by_hand():
 def test_dn_c_bound_is_checked():
     with pytest.raises(ConfigError, match="dn_c=0.6"):
         OuterConfig(optimizer="delayed_nesterov", dn_buffer=2, dn_c=0.6)
+
+
+def test_delayed_nesterov_buffer_takes_the_mean_of_its_arrivals_when_n_shrinks():
+    # N = live workers: 4 when two pushes arrived, then two workers left (N = 2). The buffer
+    # completes with the mean of the two pushes it holds, not their sum over N = 2 ... of 4.
+    from asyncdiloco.outer import DelayedNesterov
+
+    cfg = OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5)
+    theta = torch.zeros(3)
+    dn = DelayedNesterov(theta, cfg)
+    dn.step(torch.full((3,), 1.0), num_workers=4)
+    dn.step(torch.full((3,), 3.0), num_workers=2)
+    assert dn.arrivals == 0
+    assert torch.equal(dn.momentum_buffer, torch.full((3,), 2.0))  # (1 + 3) / 2 arrivals
+
+
+def test_block_check_damps_only_the_tensors_that_oppose_the_momentum():
+    from asyncdiloco.outer import DelayedNesterov
+
+    cfg = OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5, dn_buffer=1, block_check=True)
+    dn = DelayedNesterov(torch.zeros(4), cfg, block_sizes=[2, 2])
+    dn.momentum_buffer.copy_(torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    g = torch.tensor([1.0, 0.0, -1.0, 0.0])  # block 0 agrees, block 1 points the other way (cos = -1)
+    dn._damp_against_momentum(g)
+    assert torch.equal(g, torch.tensor([1.0, 0.0, -0.0, 0.0]))
+    g = torch.tensor([0.0, 1.0, -1.0, 1.0])  # block 1: cos = -1/sqrt(2)
+    dn._damp_against_momentum(g)
+    assert g[2].item() == pytest.approx(-(1 - 2**-0.5)) and g[0].item() == 0.0 and g[1].item() == 1.0
+
+
+def test_monitor_warns_when_pseudo_gradients_grow_tenfold(caplog):
+    from asyncdiloco.outer import PseudoGradientMonitor
+
+    mon = PseudoGradientMonitor()
+    for v in range(20):
+        assert not mon.observe(1.0 + 0.1 * (v % 3), worker_id=1, version=v)
+    with caplog.at_level("WARNING"):
+        assert mon.observe(50.0, worker_id=2, version=20)
+    assert mon.warnings == 1 and "may be diverging" in caplog.text and "--outer-lr" in caplog.text
+    assert not mon.observe(1.1, worker_id=1, version=21)

@@ -35,8 +35,9 @@ W_TRUE = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
 
 @pytest.fixture
 def make_server(start_server):
-    """Servers whose outer step is plain SGD η = 1 unless ``outer`` is given."""
-    return functools.partial(start_server, outer=SGD1)
+    """Servers whose outer step is plain SGD η = 1 unless ``outer`` is given, with a fixed
+    H (no DyLU): these tests count pushes and steps."""
+    return functools.partial(start_server, outer=SGD1, dylu=False)
 
 
 def flat(model: nn.Module) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DyLU (Liu et al. 2024, Eq. 6) and the grace window (Alg. 2), alone and in the server."""
+"""DyLU (Liu et al. 2024, Eq. 6) and grouping (Alg. 2), alone and in the server."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import torch
 
 from asyncdiloco._proto import parameter_server_pb2 as pb
 from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.schedule import GraceWindow, StepRateMeter, dylu_local_steps
+from asyncdiloco.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
 from asyncdiloco.tensors import Manifest
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
 
 
 def test_dylu_follows_eq6():
@@ -24,69 +33,183 @@ def test_dylu_follows_eq6():
     assert dylu_local_steps({}, 10) == {}
 
 
-def test_step_rate_meter_uses_intervals_between_pushes():
+def test_step_rate_meter_prefers_the_workers_own_compute_time():
     meter = StepRateMeter(alpha=0.5)
     meter.start(7, now=0.0)
-    meter.record(7, 10, now=2.0)  # 5 steps/s
+    meter.record(7, 10, now=2.0)  # no compute_s: the interval since the join, 5 steps/s
     assert meter.rates[7] == 5.0
-    meter.record(7, 10, now=3.0)  # sample 10 → EMA 7.5
+    meter.record(7, 10, now=30.0, compute_s=1.0)  # 10 steps/s of compute; the wait does not count
+    assert meter.rates[7] == 7.5
+    meter.report(7, 7.5)
+    assert meter.rates[7] == 7.5
+    meter.report(7, float("nan"))  # ignored
+    meter.report(7, 0.0)
     assert meter.rates[7] == 7.5
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def _push(state, manifest, wid, push_id, steps):
-    payload = manifest.pack([torch.full((4,), 0.01)])
-    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps)
-
-
-def test_server_tells_each_worker_its_dylu_local_steps():
+def _state(**kw):
     clock = FakeClock()
-    state = ParameterServerState(ServerConfig(port=0, local_steps=20, dylu=True), clock=clock)
+    state = ParameterServerState(ServerConfig(port=0, local_steps=20, **kw), clock=clock)
     manifest = Manifest.from_named_tensors([("w", torch.zeros(4))])
+    return state, manifest, clock
+
+
+def _init(state, manifest, wid):
+    state.push(manifest.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+
+
+def _push(state, manifest, wid, push_id, steps, compute_s=0.0):
+    payload = manifest.pack([torch.full((4,), 0.01)])
+    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps,
+                      compute_s=compute_s)
+
+
+def test_reported_rates_balance_the_first_round_before_any_push():
+    state, manifest, _ = _state()
+    slow, _, _ = state.join(manifest, "slow", steps_per_s=1 / 3.33)  # measured first: not the fastest for long
+    assert state.local_steps_for(slow) == 20  # alone, it is the fastest
     fast, _, _ = state.join(manifest, "fast")
-    slow, _, _ = state.join(manifest, "slow")
-    state.push(manifest.pack([torch.zeros(4)]), worker_id=fast, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
-    assert state.run_config(slow).local_steps == 20  # no rate measured yet
-    for k in range(4):  # fast: 20 steps per second; slow: 20 steps per 4 seconds
-        clock.t = k + 1.0
-        out_fast = _push(state, manifest, fast, 2 + k, 20)
-    clock.t = 4.0
-    out_slow = _push(state, manifest, slow, 2, 20)
-    assert out_fast.local_steps == 20
-    assert out_slow.local_steps == 5  # floor(5 / 20 · 20)
-    assert state.run_config(slow).local_steps == 5
+    state.heartbeat(fast, steps_per_s=1 / 0.58)  # timed over its first inner steps
+    assert state.local_steps_for(fast) == 20
+    assert state.local_steps_for(slow) == 3  # floor(0.58 / 3.33 · 20), before its first push
+    assert state.run_config(slow).local_steps == 3 and state.run_config(slow).dylu
+
+
+def test_dylu_takes_the_fastest_live_worker_and_follows_changing_speeds():
+    state, manifest, _ = _state()
+    a, _, _ = state.join(manifest, "a", steps_per_s=10.0)
+    b, _, _ = state.join(manifest, "b", steps_per_s=5.0)
+    _init(state, manifest, a)
+    assert state.local_steps_for(b) == 10
+    state.leave(a)  # the fastest left: b is now the fastest
+    assert state.local_steps_for(b) == 20
+    c, _, _ = state.join(manifest, "c", steps_per_s=5.0)
+    for k in range(6):  # c speeds up to 20 steps/s of compute: its pushes say so
+        _push(state, manifest, c, 2 + k, 20, compute_s=1.0)
+    assert state.local_steps_for(c) == 20
+    assert state.local_steps_for(b) == 5  # floor(5 / ~20 · 20)
     by_id = {w.worker_id: w for w in state.status().workers}
-    assert by_id[slow].local_steps_per_round == 5 and by_id[slow].steps_per_s == pytest.approx(5.0)
+    assert by_id[b].local_steps_per_round == 5 and by_id[c].steps_per_s == pytest.approx(20.0, rel=0.05)
 
 
-def test_grace_window_holds_a_reply_until_the_window_closes():
-    window = GraceWindow(grace_s=1.0, clock=time.monotonic)
+def test_dylu_off_gives_everyone_h():
+    state, manifest, _ = _state(dylu=False)
+    slow, _, _ = state.join(manifest, "slow", steps_per_s=0.1)
+    state.join(manifest, "fast", steps_per_s=10.0)
+    assert state.local_steps_for(slow) == 20
+
+
+def test_window_is_anchored_at_the_first_arrival_and_never_chains():
+    w = GroupWindow("window")
+    live = {1, 2, 3}
+    g1 = w.arrive(1, 0.0, live, window_s=1.0)
+    assert w.arrive(2, 0.9, live, window_s=1.0) == g1  # inside the window
+    assert not w.released(g1, 0.95)
+    g2 = w.arrive(3, 1.8, live, window_s=1.0)  # a chained window would still hold g1
+    assert g2 != g1 and w.release_time(g1) == 1.0 and w.released(g1, 1.8)
+    assert w.deadline(g2) == pytest.approx(2.8)
+    assert w.size_histogram == [0, 1]
+
+
+def test_window_releases_as_soon_as_every_live_worker_arrived():
+    w = GroupWindow("window")
+    live = {1, 2}
+    g = w.arrive(1, 0.0, live, window_s=5.0)
+    assert not w.released(g, 0.1)
+    assert w.arrive(2, 0.3, live, window_s=5.0) == g
+    assert w.released(g, 0.3) and w.release_time(g) == 0.3
+    # a worker that left is not waited for
+    g = w.arrive(1, 1.0, live, window_s=5.0)
+    w.recheck(1.2, {1})
+    assert w.release_time(g) == 1.2
+
+
+def test_barrier_releases_when_the_buffer_is_complete_or_at_its_cap():
+    w = GroupWindow("barrier")
+    g = w.arrive(1, 0.0, {1, 2}, window_s=30.0)
+    assert w.arrive(1, 1.0, {1, 2}, window_s=30.0) == g  # the same worker twice: arrivals, not workers
+    assert not w.released(g, 2.0)
+    w.arrive(2, 3.0, {1, 2}, window_s=30.0, buffer_complete=True)
+    assert w.release_time(g) == 3.0
+    g = w.arrive(2, 4.0, {1, 2}, window_s=30.0)  # the other worker died: the cap releases it
+    assert not w.released(g, 33.9) and w.released(g, 34.0) and w.release_time(g) == 34.0
+    assert w.size_histogram == [1, 0, 1]
+
+
+def test_off_releases_every_push_alone():
+    w = GroupWindow("off")
+    g = w.arrive(1, 0.0, {1, 2}, window_s=10.0)
+    assert w.released(g, 0.0)
+    with pytest.raises(ValueError, match="grouping 'ring' is unknown"):
+        GroupWindow("ring")
+
+
+def test_auto_window_is_one_and_a_half_steps_of_the_slowest_worker():
+    assert auto_window_s([1 / 0.58, 1 / 3.33]) == pytest.approx(1.5 * 3.33)
+    assert auto_window_s([]) == 1.0
+    assert auto_window_s([1000.0]) == 0.05  # floor
+
+
+def test_gate_holds_a_reply_until_the_last_live_worker_pushed():
+    gate = GroupGate("window", time.monotonic)
     events = []
-    window.arrive()  # push A applied
+    g = gate.arrive(1, {1, 2}, window_s=60.0)
+    started = threading.Event()
 
-    def reply_a():
-        window.wait()
-        events.append("A replied")
+    def reply_1():
+        started.set()
+        gate.wait(g)
+        events.append("1 replied")
 
-    t = threading.Thread(target=reply_a)
+    t = threading.Thread(target=reply_1)
     t.start()
-    window.arrive()  # push B lands inside A's window
-    events.append("B arrived")
+    started.wait(10)
+    events.append("2 arrives")
+    assert gate.arrive(2, {1, 2}, window_s=60.0) == g
     t.join(timeout=10)
-    assert events == ["B arrived", "A replied"]
-    assert GraceWindow(grace_s=0.0, clock=time.monotonic).wait() == 0.0
+    assert not t.is_alive() and events == ["2 arrives", "1 replied"]
 
 
-def test_grace_config_is_validated():
-    from asyncdiloco.errors import ConfigError
+def test_gate_does_not_stall_past_the_cap_when_a_worker_died():
+    gate = GroupGate("barrier", time.monotonic)
+    g = gate.arrive(1, {1, 2}, window_s=0.2)  # worker 2 never pushes
+    done = []
+    t = threading.Thread(target=lambda: done.append(gate.wait(g)))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and done[0] >= 0.0 and gate.window.release_time(g) == gate.window.deadline(g)
 
+
+def test_server_groups_replies_and_a_leave_releases_the_group():
+    state, manifest, clock = _state(grace_s=100.0)
+    a, _, _ = state.join(manifest, "a", steps_per_s=1.0)
+    b, _, _ = state.join(manifest, "b", steps_per_s=1.0)
+    _init(state, manifest, a)
+    out = _push(state, manifest, a, 2, 20)
+    assert out.group_id and not state.groups.window.released(out.group_id, clock.t)
+    state.leave(b)  # nobody else to wait for
+    assert state.groups.window.released(out.group_id, clock.t)
+    reply = state.finish_push(out, a)
+    assert reply.applied and reply.local_steps == 20
+    assert list(state.status().group_size_histogram) == [1]
+
+
+def test_sync_mode_never_groups():
+    state, _, _ = _state(mode="sync")
+    assert state.groups.window.mode == "off"
+
+
+def test_grouping_config_is_validated():
     with pytest.raises(ConfigError, match="grace_s=-1"):
         ServerConfig(grace_s=-1)
+    with pytest.raises(ConfigError, match="grouping='ring'"):
+        ServerConfig(grouping="ring")
+    with pytest.raises(ConfigError, match="group_max_wait_s=0"):
+        ServerConfig(group_max_wait_s=0)
     OuterConfig()  # defaults stay valid
+
+
+def test_server_defaults_are_the_suites_winner():
+    d = ServerConfig()
+    assert (d.outer.optimizer, d.dylu, d.grouping, d.grace_s) == ("delayed_nesterov", True, "window", None)
+    assert ServerConfig(mode="sync").outer.optimizer == "nesterov"

@@ -77,7 +77,7 @@ def init_server(srv, model):
 
 # --------------------------------------------------------------------- training
 def test_two_in_process_workers_train_the_global_model(make_server):
-    srv = make_server(local_steps=5, outer=OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0))
+    srv = make_server(local_steps=5, outer=OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0), dylu=False)  # fixed H
     errors = []
 
     def run(seed):

@@ -8,7 +8,7 @@ import pytest
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job import JobConfig
-from asyncdiloco.sim import SimConfig, simulate
+from asyncdiloco.sim import METHODS, SimConfig, simulate
 from asyncdiloco.suite import SuiteConfig, run_suite
 
 TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8, eval_batches=2)
@@ -31,12 +31,43 @@ def test_async_dn_with_grace_on_equal_speeds_is_sync_diloco():
     # Liu et al. 2024: with c = 0 and a grace window, N simultaneous arrivals under Delayed
     # Nesterov are one synchronous Nesterov step on their mean, and every worker restarts
     # from the same model — so the async server code reproduces sync DiLoCo.
-    kw = dict(speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=60, local_steps=5, job=TINY, eval_every_steps=15)
+    kw = dict(speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=60, local_steps=5, job=TINY, eval_every_steps=15,
+              outer_lr=0.7, outer_momentum=0.9)
     sync = simulate(SimConfig(method="sync_diloco", **kw))
-    dn = simulate(SimConfig(method="async_dn", grace_s=1e-6, **kw))
+    dn = simulate(SimConfig(method="async_dn", **kw))  # the server's auto window
     assert losses(dn) == pytest.approx(losses(sync), abs=1e-4)
+    assert dn.group_size_histogram == [0, 0, 4] == sync.group_size_histogram
     no_grace = simulate(SimConfig(method="async_dn", grace_s=0.0, **kw))
     assert losses(no_grace) != pytest.approx(losses(sync), abs=1e-4)
+    assert no_grace.group_size_histogram == [12]
+
+
+def test_every_method_trains_exactly_the_budget():
+    # 70 is no multiple of K·H = 3·8: the last round is cut to what remains
+    kw = dict(speeds_s_per_step=(0.58, 0.75, 1.51), total_steps=70, local_steps=8, job=TINY, eval_every_steps=35)
+    for method in METHODS:
+        r = simulate(SimConfig(method=method, **kw))
+        assert r.steps == 70, method
+        assert r.curve[-1]["steps"] == 70, method
+
+
+def test_dn_dylu_forms_full_groups_on_uneven_speeds():
+    # DyLU knows the rates before the first push, and the window waits for every live
+    # worker: every Delayed Nesterov buffer holds one push per worker from one model.
+    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(0.58, 0.75, 1.51, 3.33), total_steps=450,
+                    local_steps=20, job=TINY, eval_every_steps=450)
+    r = simulate(cfg)
+    assert r.group_size_histogram == [0, 0, 0, 10]  # 450 = 10 groups of H_w = 20 + 15 + 7 + 3
+    assert r.staleness_histogram[:4] == [10, 10, 10, 10] and sum(r.staleness_histogram) == 40
+    assert r.utilisation > 0.9
+
+
+def test_leave_and_rejoin_changes_the_live_workers():
+    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=150, local_steps=5,
+                    job=TINY, eval_every_steps=150, leave_rejoin=(2, 10.0, 30.0))
+    r = simulate(cfg)
+    assert r.steps == 150
+    assert r.group_size_histogram[1] > 0 and r.group_size_histogram[2] > 0  # groups of 2 while worker 2 is away
 
 
 def test_uneven_speeds_make_async_faster_and_stale():
@@ -62,13 +93,17 @@ def test_bad_method_is_refused():
 
 def test_suite_writes_runs_report_and_plots(tmp_path):
     cfg = SuiteConfig(profiles=("uneven",), methods=("sync_localsgd", "sync_diloco", "async_nesterov", "async_dn_dylu"),
-                      seeds=(0, 1), total_steps=40, local_steps=5, eval_every_steps=20, job=TINY)
+                      seeds=(0, 1), total_steps=40, local_steps=5, eval_every_steps=20, job=TINY, processes=2)
     records = run_suite(cfg, str(tmp_path), progress=False)
     assert len(records) == 8
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
     assert len(lines) == 8 and all("target_loss" in json.loads(x) for x in lines)
     report = (tmp_path / "report.md").read_text()
     assert "| async_dn_dylu |" in report and "(a) [uneven]" in report and "(c) [uneven]" in report
+    claims = json.loads((tmp_path / "claims.json").read_text())
+    assert set(claims["uneven"]) >= {"a", "b", "c", "utilisation"}
+    for key in ("a", "b", "c"):
+        assert isinstance(claims["uneven"][key]["shown"], bool) and "value" in claims["uneven"][key]
     for name in ("loss_vs_tokens.png", "loss_vs_time.png", "utilisation.png", "staleness.png"):
         assert (tmp_path / name).stat().st_size > 1000
 

@@ -669,10 +669,8 @@ class ParameterServerState(SyncRounds, DurableState):
                         header.worker_id, live, self._group_max_wait_s_locked(),
                         buffer_complete=isinstance(self.outer, DelayedNesterov) and self.outer.arrivals == 0,
                     )  # fmt: skip
-                    outcome = dataclasses.replace(
-                        outcome, local_steps=self._local_steps_locked(header.worker_id), group_id=group_id
-                    )
-                    rec.outcomes[header.push_id] = outcome
+                    # (the remembered outcome stays as replay rebuilds it; H_w is recomputed per reply)
+                    outcome = dataclasses.replace(outcome, group_id=group_id)
                     self.monitor.observe(norm, header.worker_id, self.version)
         if self.journal is not None:
             self.journal.maybe_checkpoint()
@@ -788,13 +786,11 @@ class ParameterServerState(SyncRounds, DurableState):
         (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
         together pull the same model. H_w is taken after the wait, when the group's
         rates are in."""
-        local_steps = outcome.local_steps
         if outcome.duplicate:
             self.record_duplicate()
         elif outcome.group_id:
             self.groups.wait(outcome.group_id)
-            if worker_id:
-                local_steps = self.local_steps_for(worker_id)
+        local_steps = self.local_steps_for(worker_id) if worker_id else outcome.local_steps
         return pb.PushReply(
             applied=outcome.applied,
             duplicate=outcome.duplicate,
