@@ -58,6 +58,9 @@ class WorkerBase:
         )  # fmt: skip
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
+        #: Overlap under a grouping server: the step count (since the last push) at which this
+        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
+        self._round_steps: int | None = None
         self._lease_s = 60.0
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
@@ -242,7 +245,7 @@ class WorkerBase:
         self.stats.tokens += self.tokens_per_step
         if not self._rate_known:
             self._report_rate()
-        if self._steps_since_sync >= self.local_steps:
+        if self._steps_since_sync >= (self._round_steps or self.local_steps):
             self.sync()
 
     #: Inner steps timed before the first rate report (after the first, untimed, step:

@@ -41,6 +41,9 @@ class Method:
     outer: OuterConfig = ASYNC_OUTER
     dylu: bool = False
     grouping: str = "off"
+    #: Workers sync in the background and train on while their reply is held (the
+    #: worker's ``--overlap``; merge rule in overlap.py).
+    overlap: bool = False
     #: One line for reports.
     doc: str = ""
 
@@ -59,6 +62,9 @@ METHODS: dict[str, Method] = {
                             doc="the server's default: Delayed Nesterov + DyLU + grouping window"),
     "async_dn_dylu_barrier": Method(outer=ASYNC_OUTER, dylu=True, grouping="barrier",
                                     doc="Delayed Nesterov + DyLU, replies held until the buffer is complete"),
+    "async_dn_dylu_overlap": Method(outer=ASYNC_OUTER, dylu=True, grouping="window", overlap=True,
+                                    doc="beyond the paper: the default with workers that train on while their "
+                                    "group forms (`asyncdiloco worker --overlap`), the steps merged into the next push"),
     "async_dn_dylu_blockcheck": Method(outer=dataclasses.replace(ASYNC_OUTER, block_check=True), dylu=True,
                                        grouping="window", doc="beyond the paper: the default, each tensor of a "
                                        "pseudo-gradient that opposes the outer momentum damped by 1 + cos"),
@@ -168,6 +174,11 @@ class _Replica:
                 pos += p.numel()
         self.base.copy_(flat)
         self.base_version = version
+
+    def merge(self, theta_g: torch.Tensor, version: int, snapshot: torch.Tensor) -> None:
+        """Overlap's merge (overlap.py): θ ← θ_g' + (θ_now − θ_snapshot), θ_base ← θ_g'."""
+        self.load(theta_g + (self.flat() - snapshot), version)
+        self.base.copy_(theta_g)
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
@@ -295,22 +306,41 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
     curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
-    events: list[tuple[float, int, int, float]] = []  # (finish time, worker, steps (0 = a rejoin), compute s)
+    # (push time, worker, steps still to train, their compute s, steps in the push; 0 = a rejoin)
+    events: list[tuple[float, int, int, float, int]] = []
     held: dict[int, list[int]] = {}  # group id -> workers whose replies wait for its release
+    pushed_at: dict[int, float] = {}  # overlap: when a held worker pushed
+    snapshots: dict[int, torch.Tensor] = {}  # overlap: θ_local when it pushed
     unallotted = [cfg.total_steps]
+    overlap = METHODS[cfg.method].overlap
+
+    def allot(h: int) -> int:
+        h = min(h, unallotted[0])
+        unallotted[0] -= h
+        return h
 
     def start(i: int, t: float) -> None:
+        """Worker i's reply (or join) arrives at ``t``: it pulls and starts a round."""
+        r, s = replicas[i], _speed(cfg, i, t)
         if not _present(cfg, i, t):  # away: leave now, come back at the rejoin time
             state.leave(ids[i])
-            heapq.heappush(events, (cfg.leave_rejoin[2], i, 0, 0.0))
+            heapq.heappush(events, (cfg.leave_rejoin[2], i, 0, 0.0, 0))
             return
-        h = min(state.local_steps_for(ids[i]), unallotted[0])
-        if h == 0:  # the budget is spent: this worker is done (it stays registered, so the
-            return  # last pushes keep Delayed Nesterov's N, as a run that is stopped would)
-        unallotted[0] -= h
-        replicas[i].load(state.params, state.version)
-        compute = h * _speed(cfg, i, t)
-        heapq.heappush(events, (t + compute, i, h, compute))
+        h_w = state.local_steps_for(ids[i])
+        ahead, began = 0, t
+        if overlap and i in pushed_at:  # it trained on while its group formed, then merges
+            began = pushed_at.pop(i)  # its round began at its push: the wait's steps (and the
+            ahead = allot(min(h_w, math.floor((t - began) / s + 1e-9)))  # one in progress) count
+            r.train(ahead)
+            r.merge(state.params, state.version, snapshots.pop(i))
+        else:
+            r.load(state.params, state.version)
+        rest = allot(h_w)  # H_w more after the merge: the round ends with the group's next one
+        if ahead + rest == 0:  # the budget is spent: this worker is done (it stays registered, so
+            return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
+        finish = began + (ahead + rest) * s
+        r.busy_s += (ahead + rest) * s
+        heapq.heappush(events, (finish, i, rest, 0.0, ahead + rest))
 
     def release_due(until: float) -> None:
         """Start the workers of every group released by ``until`` (in release order)."""
@@ -332,21 +362,25 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             clock.t = max(clock.t, deadline)
             release_due(deadline)
             continue
-        finish, i, h, compute = heapq.heappop(events)
+        finish, i, h, compute, h_push = heapq.heappop(events)
         clock.t = finish
-        if h == 0:  # a rejoin: a new registration that reports its rate, then a pull
+        if h_push == 0:  # a rejoin: a new registration that reports its rate, then a pull
             ids[i] = state.join(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))[0]
             push_ids[i] = 2
             start(i, finish)
             continue
         r = replicas[i]
         r.train(h)
-        r.busy_s += compute
-        delta = r.base - r.flat()  # Δ = θ_base − θ_local, (N,)
+        local = r.flat()
+        delta = r.base - local  # Δ = θ_base − θ_local, (N,)
         outcome = state.push(manifest.pack_flat(delta), worker_id=ids[i], push_id=push_ids[i],
-                             base_version=r.base_version, num_local_steps=h, compute_s=compute)  # fmt: skip
+                             base_version=r.base_version, num_local_steps=h_push,
+                             compute_s=h_push * _speed(cfg, i, finish))  # fmt: skip
         push_ids[i] += 1
         held.setdefault(outcome.group_id, []).append(i)
+        h = h_push
+        if overlap:
+            pushed_at[i], snapshots[i] = finish, local
         steps += h
         last_push_s = finish
         release_due(finish)

@@ -240,7 +240,7 @@ UTILISATION_TARGET = 0.93
 #: The async default (what ``asyncdiloco server`` runs with no flags) and the method
 #: beyond the paper, judged beside it.
 DEFAULT_METHOD = "async_dn_dylu"
-BEYOND_METHOD = "async_dn_dylu_blockcheck"
+BEYOND_METHOD = "async_dn_dylu_overlap"
 
 
 def _num(x: float) -> float | None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import torch
@@ -294,18 +295,28 @@ class AsyncDiLoCoWorker(WorkerBase):
         if out.error is not None:
             raise out.error
         theta_g = self._scratch  # θ_g', decoded by the background thread
+        self.local_steps = out.run_config.local_steps or self.local_steps
         if out.stale is not None:  # restart from the global model, as without overlap
             self._load_flat_into_model(theta_g)
             self._steps_since_sync = 0
             self._tokens_since_sync = 0
             self._round_started = time.monotonic()
+            self._round_steps = None
         else:
             self._add_into_model(self._overlap.snapshot)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
+            held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
+            if held_s > 0 and out.pending is not None and out.pending.compute_s > 0:
+                # The reply was held while the push's group formed and this worker trained on:
+                # the steps of that wait come on top of H_w, so its next push lands with the
+                # group's next one (counted from the snapshot, every round would end earlier
+                # by the wait and the workers would drift out of their groups).
+                step_s = out.pending.compute_s / max(1, out.pending.num_local_steps)
+                held_steps = min(self._steps_since_sync, math.floor(held_s / step_s))
+                self._round_steps = self.local_steps + held_steps
         self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
         self._carry_residual = False  # the correction already kept it (overlap.py)
         self._set_codec(out.run_config)
         self.version = out.version
-        self.local_steps = out.run_config.local_steps or self.local_steps
         self.stats.pulls += 1
         self.stats.bytes_pulled += out.bytes_pulled
         self._backoff_s = self.config.initial_backoff_s
@@ -371,6 +382,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
         self._round_started = time.monotonic()
+        self._round_steps = None
 
     def _push_acknowledged(self, reply: pb.PushReply, pending: _PendingPush, *, lower_base: bool) -> None:
         self._pending = None
@@ -412,6 +424,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
         self._round_started = time.monotonic()
+        self._round_steps = None
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
 

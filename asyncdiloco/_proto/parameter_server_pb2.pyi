@@ -192,20 +192,22 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps")
+    __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps", "held_s")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     duplicate: bool
     version: int
     staleness: int
     staleness_weight: float
     local_steps: int
-    def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ...) -> None: ...
+    held_s: float
+    def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "steps_per_s")

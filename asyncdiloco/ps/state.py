@@ -786,10 +786,11 @@ class ParameterServerState(SyncRounds, DurableState):
         (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
         together pull the same model. H_w is taken after the wait, when the group's
         rates are in."""
+        held_s = 0.0
         if outcome.duplicate:
             self.record_duplicate()
         elif outcome.group_id:
-            self.groups.wait(outcome.group_id)
+            held_s = self.groups.wait(outcome.group_id)
         local_steps = self.local_steps_for(worker_id) if worker_id else outcome.local_steps
         return pb.PushReply(
             applied=outcome.applied,
@@ -798,6 +799,7 @@ class ParameterServerState(SyncRounds, DurableState):
             staleness=outcome.staleness,
             staleness_weight=outcome.staleness_weight,
             local_steps=local_steps,
+            held_s=held_s,
         )
 
     # ---------------------------------------------------------------- status
