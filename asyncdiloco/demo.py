@@ -278,6 +278,16 @@ def _watch(
     return curve, (training_since - started) if training_since is not None else 0.0
 
 
+def _run_config(rc) -> dict:
+    """What the server dictated (RunConfig): the outer step, H, DyLU and grouping."""
+    return {
+        "mode": rc.mode, "outer_optimizer": rc.outer_optimizer, "outer_lr": rc.outer_lr,
+        "outer_momentum": rc.outer_momentum, "local_steps": rc.local_steps, "dylu": rc.dylu,
+        "grouping": rc.grouping, "group_window_s": round(rc.group_window_s, 3),
+        "group_max_wait_s": round(rc.group_max_wait_s, 3), "wire_codec": rc.wire_codec or "raw",
+    }  # fmt: skip
+
+
 def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, exit_codes, address) -> dict:
     hist = list(status.staleness_histogram)
     while len(hist) > 1 and hist[-1] == 0:
@@ -339,6 +349,9 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
         "outer_optimizer": status.outer_optimizer,
         "staleness_weighting": status.staleness_weighting,
         "local_steps": status.run_config.local_steps,
+        "run_config": _run_config(status.run_config),
+        "group_size_histogram": list(status.group_size_histogram),
+        "divergence_warnings": status.divergence_warnings,
         "num_parameters": sum(math.prod(t.shape) for t in status.manifest.tensors),
         "job": dataclasses.asdict(cfg.job),
         "max_seconds_per_worker": cfg.max_seconds,
