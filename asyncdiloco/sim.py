@@ -207,7 +207,7 @@ def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             r.busy_s += compute
             round_s = max(round_s, compute)
             deltas.add_(r.base - r.flat())
-        outer.step(deltas.div_(len(members)))  # mean pseudo-gradient, the server's outer code
+        outer.step(deltas.div_(len(members)), version=rounds)  # mean pseudo-gradient, the server's outer code
         t += round_s
         steps += cfg.local_steps * len(members)
         rounds += 1
