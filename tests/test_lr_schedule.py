@@ -1,10 +1,14 @@
-"""lr_factor against hand-computed values, and LRSchedule's validation."""
+"""lr_factor against hand-computed values, LRSchedule's validation, and the inner schedule
+in the CLI worker's loop and the simulator's replicas (in-process)."""
 
 import math
 
 import pytest
+import torch
 
+from asyncdiloco.config import WorkerConfig
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.job import JobConfig, run_worker
 from asyncdiloco.lr_schedule import LRSchedule, lr_factor
 
 COSINE = LRSchedule(kind="cosine", warmup=10, total=110, min_ratio=0.1)
@@ -66,3 +70,64 @@ def test_negative_step_is_refused():
 def test_invalid_schedules_name_the_value_and_the_limit(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LRSchedule(**kwargs)
+
+
+# ------------------------------------------------------------------ inner: the worker's loop
+
+TINY = dict(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8, eval_batches=1)
+
+
+def record_inner_lrs(monkeypatch) -> list[float]:
+    """The lr each inner ``step()`` runs at, for every inner optimizer JobConfig builds."""
+    used: list[float] = []
+    build = JobConfig.build_inner
+
+    def recording(self, params):
+        inner, scheduler = build(self, params)
+        inner.register_step_pre_hook(lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+        return inner, scheduler
+
+    monkeypatch.setattr(JobConfig, "build_inner", recording)
+    return used
+
+
+@pytest.mark.timeout(60)
+def test_cli_worker_loop_runs_inner_step_k_at_peak_times_lr_factor_k(start_server, monkeypatch):
+    job = JobConfig(**TINY, inner_lr=2e-3, inner_lr_schedule="cosine", inner_warmup_steps=3, inner_total_steps=9,
+                    inner_min_ratio=0.2)
+    used = record_inner_lrs(monkeypatch)
+    srv = start_server(local_steps=4)  # syncs at steps 4, 8, 12 do not touch the inner lr
+    stats = run_worker(worker_config=WorkerConfig(server=srv.address), job=job, max_steps=12)
+    assert stats.inner_steps == 12 and stats.pushes_applied >= 2
+    assert used == [2e-3 * lr_factor(job.inner_schedule(), k) for k in range(12)]
+    assert used[0] == pytest.approx(2e-3 / 3) and used[3] == 2e-3 and used[9:] == [pytest.approx(4e-4)] * 3
+
+
+def test_default_inner_schedule_keeps_inner_lr_exactly():
+    job = JobConfig(**TINY)
+    inner, scheduler = job.build_inner([torch.nn.Parameter(torch.zeros(2))])
+    for _ in range(3):
+        inner.step()
+        scheduler.step()
+        assert inner.param_groups[0]["lr"] == job.inner_lr
+
+
+def test_simulator_replicas_follow_the_same_inner_schedule(monkeypatch):
+    from asyncdiloco.dataset import CharCorpus
+    from asyncdiloco.sim import SimConfig, _Replica
+
+    job = JobConfig(**TINY, inner_lr=1e-3, inner_lr_schedule="cosine", inner_warmup_steps=2, inner_total_steps=6)
+    used = record_inner_lrs(monkeypatch)
+    cfg = SimConfig(method="async_nesterov", speeds_s_per_step=(1.0,), total_steps=8, job=job)
+    replica = _Replica(cfg, CharCorpus.default(), 0)
+    replica.train(3)
+    replica.load(replica.base)  # a pull does not restart the schedule: it is keyed by the replica's steps
+    replica.train(5)
+    assert used == [1e-3 * lr_factor(job.inner_schedule(), k) for k in range(8)]
+
+
+def test_job_config_schedule_errors_name_the_flag():
+    with pytest.raises(ConfigError, match=r"inner lr schedule total=4 is invalid.*--inner-total-steps"):
+        JobConfig(inner_lr_schedule="cosine", inner_warmup_steps=4, inner_total_steps=4)
+    with pytest.raises(ConfigError, match=r"inner lr schedule min_ratio=-1.0 is invalid.*--inner-min-lr-ratio"):
+        JobConfig(inner_min_ratio=-1.0)
