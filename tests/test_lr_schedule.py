@@ -1,12 +1,13 @@
 """lr_factor against hand-computed values, LRSchedule's validation, and the inner schedule
-in the CLI worker's loop and the simulator's replicas (in-process)."""
+in the CLI worker's loop and the simulator's replicas (in-process), and the CLI flags."""
 
 import math
 
 import pytest
 import torch
 
-from asyncdiloco.config import WorkerConfig
+from asyncdiloco import cli
+from asyncdiloco.config import OuterConfig, WorkerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job import JobConfig, run_worker
 from asyncdiloco.lr_schedule import LRSchedule, lr_factor
@@ -131,3 +132,40 @@ def test_job_config_schedule_errors_name_the_flag():
         JobConfig(inner_lr_schedule="cosine", inner_warmup_steps=4, inner_total_steps=4)
     with pytest.raises(ConfigError, match=r"inner lr schedule min_ratio=-1.0 is invalid.*--inner-min-lr-ratio"):
         JobConfig(inner_min_ratio=-1.0)
+
+
+# ------------------------------------------------------------------ the CLI's flags
+
+
+def test_server_flags_build_the_outer_schedule_and_survive_the_demo_argv():
+    args = cli.build_parser().parse_args([
+        "server", "--outer-lr-schedule", "cosine", "--outer-warmup-versions", "5", "--outer-total-versions", "50",
+        "--outer-min-lr-ratio", "0.25",
+    ])  # fmt: skip
+    outer = cli._server_config(args, "127.0.0.1", 0).outer
+    assert outer.schedule() == LRSchedule(kind="cosine", warmup=5, total=50, min_ratio=0.25)
+    again = cli.build_parser().parse_args(["server", *cli._server_flags(args)])  # what the demo's server gets
+    assert cli._server_config(again, "127.0.0.1", 0).outer == outer
+
+
+def test_no_schedule_flag_is_the_old_outer_config():
+    args = cli.build_parser().parse_args(["server"])
+    assert cli._server_config(args, "127.0.0.1", 0).outer == OuterConfig()
+
+
+def test_worker_flags_reach_the_job_config(monkeypatch):
+    import asyncdiloco._malloc
+    import asyncdiloco.job
+    from asyncdiloco.worker import WorkerStats
+
+    seen = {}
+    monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
+    monkeypatch.setattr(asyncdiloco.job, "run_worker", lambda **kw: seen.update(kw) or WorkerStats())
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
+    args = cli.build_parser().parse_args([
+        "worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--inner-lr-schedule", "cosine",
+        "--inner-warmup-steps", "10", "--inner-total-steps", "100", "--inner-min-lr-ratio", "0.05",
+    ])  # fmt: skip
+    assert args.func(args) == 0
+    assert seen["job"].inner_schedule() == LRSchedule(kind="cosine", warmup=10, total=100, min_ratio=0.05)
