@@ -174,7 +174,7 @@ def run_worker(
                 loss = lm_loss(model(x), y)
                 loss.backward()
                 inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
-                inner_lr.step()  # the lr of inner step k + 1
+                inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
                 inner.zero_grad(set_to_none=True)
                 step += 1
                 if step % log_every == 0:
