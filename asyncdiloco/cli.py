@@ -36,6 +36,7 @@ from asyncdiloco.config import (
 from asyncdiloco.codec import WIRE_CODECS
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.schedule import GROUPINGS
+from asyncdiloco.lr_schedule import LR_SCHEDULES
 
 log = logging.getLogger("asyncdiloco.cli")
 
@@ -73,6 +74,15 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, default=o.max_staleness, help="refuse pushes staler than this many versions (default %(default)s)")
     p.add_argument("--dn-buffer", type=int, default=o.dn_buffer, help="delayed_nesterov: N arrivals per momentum update (0 = number of workers)")
     p.add_argument("--dn-c", type=float, default=o.dn_c, help="delayed_nesterov: c in [0, 1/N] (default %(default)s)")
+    p.add_argument("--outer-lr-schedule", choices=LR_SCHEDULES, default=o.lr_schedule,
+                   help="schedule of η by version (updates applied so far): constant, or cosine decay to "
+                        "--outer-min-lr-ratio·η at --outer-total-versions; both after a linear warmup (default %(default)s)")
+    p.add_argument("--outer-warmup-versions", type=int, default=o.lr_warmup_versions,
+                   help="versions of linear warmup of η, 0 = none (default %(default)s)")
+    p.add_argument("--outer-total-versions", type=int, default=o.lr_total_versions,
+                   help="cosine: the version from which η stays at its floor; must exceed the warmup (default %(default)s)")
+    p.add_argument("--outer-min-lr-ratio", type=float, default=o.lr_min_ratio,
+                   help="cosine: η's floor as a fraction of --outer-lr (default %(default)s)")
     p.add_argument("--chunk-bytes", type=int, default=d.chunk_bytes, help="payload chunk size in bytes (default %(default)s)")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="seconds of silence before a worker is dropped (default %(default)s)")
     p.add_argument("--max-payload-bytes", type=int, default=d.max_payload_bytes, help="largest model accepted, bytes (default %(default)s)")
@@ -130,6 +140,10 @@ def _server_config(args: argparse.Namespace, host: str, port: int) -> ServerConf
         dn_buffer=args.dn_buffer,
         dn_c=args.dn_c,
         block_check=args.block_check,
+        lr_schedule=args.outer_lr_schedule,
+        lr_warmup_versions=args.outer_warmup_versions,
+        lr_total_versions=args.outer_total_versions,
+        lr_min_ratio=args.outer_min_lr_ratio,
     )
     durability = security = None
     if getattr(args, "checkpoint_dir", None):
@@ -221,6 +235,23 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed (default %(default)s)")
 
 
+def _add_inner_schedule_args(p: argparse.ArgumentParser) -> None:
+    """The inner lr's schedule, keyed by this worker's own inner step (worker only)."""
+    from asyncdiloco.job import JobConfig
+
+    d = JobConfig()
+    p.add_argument("--inner-lr-schedule", choices=LR_SCHEDULES, default=d.inner_lr_schedule,
+                   help="schedule of --inner-lr by inner step: constant, or cosine decay to --inner-min-lr-ratio·lr "
+                        "at --inner-total-steps; both after a linear warmup (default %(default)s)")
+    p.add_argument("--inner-warmup-steps", type=int, default=d.inner_warmup_steps,
+                   help="inner steps of linear warmup, 0 = none (default %(default)s)")
+    p.add_argument("--inner-total-steps", type=int, default=d.inner_total_steps,
+                   help="cosine: the inner step from which the lr stays at its floor; must exceed the warmup "
+                        "(default %(default)s)")
+    p.add_argument("--inner-min-lr-ratio", type=float, default=d.inner_min_ratio,
+                   help="cosine: the floor as a fraction of --inner-lr (default %(default)s)")
+
+
 def _job_config(args: argparse.Namespace):
     from asyncdiloco.job import JobConfig
 
@@ -306,9 +337,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
             fail_mode=args.fail_mode,
             fail_min_world_size=args.fail_min_world_size,
         )
+    job = dataclasses.replace(
+        _job_config(args), inner_lr_schedule=args.inner_lr_schedule, inner_warmup_steps=args.inner_warmup_steps,
+        inner_total_steps=args.inner_total_steps, inner_min_ratio=args.inner_min_lr_ratio,
+    )  # fmt: skip
     stats = run_worker(
         worker_config=wcfg,
-        job=_job_config(args),
+        job=job,
         worker_index=args.worker_index,
         slowdown=args.slowdown,
         max_steps=args.max_steps,
@@ -409,6 +444,10 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
         "--max-staleness", str(args.max_staleness),
         "--dn-buffer", str(args.dn_buffer),
         "--dn-c", str(args.dn_c),
+        "--outer-lr-schedule", args.outer_lr_schedule,
+        "--outer-warmup-versions", str(args.outer_warmup_versions),
+        "--outer-total-versions", str(args.outer_total_versions),
+        "--outer-min-lr-ratio", str(args.outer_min_lr_ratio),
         "--chunk-bytes", str(args.chunk_bytes),
         "--lease-s", str(args.lease_s),
         "--grouping", args.grouping,
@@ -480,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--fail-mode", choices=FAIL_MODES, default=sw.fail_mode,
                     help="sync, fault injection: kill (SIGKILL mid-allreduce), hang or raise (default %(default)s)")
     _add_job_args(pw)
+    _add_inner_schedule_args(pw)
     pw.set_defaults(func=cmd_worker)
 
     pd = sub.add_parser("demo", help="server + N workers of different speeds on loopback, with a report")

@@ -13,6 +13,7 @@ import os
 from asyncdiloco.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.schedule import GROUPINGS
+from asyncdiloco.lr_schedule import LRSchedule
 from asyncdiloco.tensors import DEFAULT_CHUNK_BYTES
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
@@ -61,6 +62,20 @@ class OuterConfig:
     #: against the outer momentum by (1 + cos(g, m)) (1 when they agree); in the spirit of
     #: HeLoCo's per-block momentum check (arXiv 2606.00271). Off in Liu et al.'s DN.
     block_check: bool = False
+    #: η's schedule, keyed by the version v an update is applied at (updates applied
+    #: before it): η_v = lr · lr_factor(v) (lr_schedule.py). "constant" or "cosine".
+    lr_schedule: str = "constant"
+    #: Versions of linear warmup of η (0 = none).
+    lr_warmup_versions: int = 0
+    #: cosine: the version from which η stays at its floor (must exceed the warmup).
+    lr_total_versions: int = 0
+    #: cosine: the floor as a fraction of lr, in [0, 1].
+    lr_min_ratio: float = 0.1
+
+    def schedule(self) -> LRSchedule:
+        """η's schedule as an ``LRSchedule`` (its counter is the version)."""
+        return LRSchedule(kind=self.lr_schedule, warmup=self.lr_warmup_versions, total=self.lr_total_versions,
+                          min_ratio=self.lr_min_ratio)  # fmt: skip
 
     def __post_init__(self) -> None:
         _require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
@@ -79,6 +94,14 @@ class OuterConfig:
             self.dn_c,
             f"must lie in [0, 1/N] with N = dn_buffer = {self.dn_buffer or 'workers'} (0 is Liu et al.'s default)",
         )
+        try:
+            self.schedule()
+        except ConfigError as exc:
+            raise ConfigError(
+                f"outer {exc} [kind: lr_schedule, --outer-lr-schedule; warmup: lr_warmup_versions, "
+                f"--outer-warmup-versions; total: lr_total_versions, --outer-total-versions; "
+                f"min_ratio: lr_min_ratio, --outer-min-lr-ratio]"
+            ) from None
 
 
 def _require_file(path: str | None, field: str) -> None:

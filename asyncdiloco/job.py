@@ -1,7 +1,8 @@
 """The embedded default job: a char-level transformer on Tiny Shakespeare.
 
 ``run_worker`` is what ``asyncdiloco worker`` runs: a plain PyTorch training loop
-(AdamW inner optimizer, as in DiLoCo) wrapped by ``AsyncDiLoCoWorker``. Every worker
+(AdamW inner optimizer, as in DiLoCo, its lr scheduled by the worker's inner step with
+torch's ``LambdaLR``) wrapped by ``AsyncDiLoCoWorker``. Every worker
 builds the model from the same seed, so whichever worker initializes the server starts
 it from the same parameters; each worker draws its own batch order (by worker index).
 """
@@ -9,15 +10,17 @@ it from the same parameters; each worker draws its own batch order (by worker in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from asyncdiloco.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.lr_schedule import LRSchedule, lr_factor
 from asyncdiloco.models import CharTransformer, CharTransformerConfig, build_model, lm_loss
 from asyncdiloco.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
 from asyncdiloco.worker import AsyncDiLoCoWorker, WorkerStats
@@ -40,6 +43,15 @@ class JobConfig:
     inner_lr: float = 3e-3
     #: AdamW weight decay.
     weight_decay: float = 0.01
+    #: The inner lr's schedule, keyed by the worker's inner step k (0 = its first):
+    #: lr_k = inner_lr · lr_factor(k) (lr_schedule.py). "constant" or "cosine".
+    inner_lr_schedule: str = "constant"
+    #: Inner steps of linear warmup (0 = none).
+    inner_warmup_steps: int = 0
+    #: cosine: the inner step from which the lr stays at its floor (must exceed the warmup).
+    inner_total_steps: int = 0
+    #: cosine: the floor as a fraction of inner_lr, in [0, 1].
+    inner_min_ratio: float = 0.1
     #: Seed of the model initialization and of the data order.
     seed: int = 0
     #: Held-out evaluation: number of fixed validation batches of ``batch_size``.
@@ -51,6 +63,34 @@ class JobConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if not self.inner_lr > 0:
             raise ConfigError(f"inner_lr={self.inner_lr} is invalid: must be > 0 (3e-3 is a good start)")
+        try:
+            self.inner_schedule()
+        except ConfigError as exc:
+            raise ConfigError(
+                f"inner {exc} [kind: inner_lr_schedule, --inner-lr-schedule; warmup: inner_warmup_steps, "
+                f"--inner-warmup-steps; total: inner_total_steps, --inner-total-steps; "
+                f"min_ratio: inner_min_ratio, --inner-min-lr-ratio]"
+            ) from None
+
+    def inner_schedule(self) -> LRSchedule:
+        """The inner lr's schedule as an ``LRSchedule`` (its counter is the inner step)."""
+        return LRSchedule(kind=self.inner_lr_schedule, warmup=self.inner_warmup_steps, total=self.inner_total_steps,
+                          min_ratio=self.inner_min_ratio)  # fmt: skip
+
+    def build_inner(self, params: Iterable) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+        """The inner optimizer (AdamW, as in DiLoCo) and its lr scheduler.
+
+        Call ``scheduler.step()`` after every ``inner.step()``: inner step k (0-based)
+        then runs at inner_lr · lr_factor(k), warmup and cosine decay as in DiLoCo's
+        inner optimizer (lr_schedule.py). The default schedule keeps inner_lr exactly.
+
+        Args:
+            params: the model's parameters (an iterable of tensors or parameter groups).
+        Returns:
+            (inner optimizer, ``torch.optim.lr_scheduler.LambdaLR`` over it).
+        """
+        inner = torch.optim.AdamW(params, lr=self.inner_lr, weight_decay=self.weight_decay)
+        return inner, torch.optim.lr_scheduler.LambdaLR(inner, functools.partial(lr_factor, self.inner_schedule()))
 
     @property
     def tokens_per_step(self) -> int:
@@ -116,7 +156,7 @@ def run_worker(
         raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
     corpus = CharCorpus.default()
     model = job.build(corpus)
-    inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
+    inner, inner_lr = job.build_inner(model.parameters())
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
     if sync is not None:
         worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
@@ -134,6 +174,7 @@ def run_worker(
                 loss = lm_loss(model(x), y)
                 loss.backward()
                 inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+                inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
                 inner.zero_grad(set_to_none=True)
                 step += 1
                 if step % log_every == 0:

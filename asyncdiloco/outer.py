@@ -22,6 +22,12 @@ Staleness weights (τ = versions applied since the worker's base version):
 ``polynomial`` (1+τ)^−a and ``hinge`` 1 if τ ≤ b else 1/(a(τ−b)+1)
 (FedAsync, Xie et al. 2019, arXiv 1903.03934, Sec. 5.2).
 
+η may follow a schedule keyed by the version v an update is applied at (the number of
+updates applied before it, so the first update is v = 0): every η above is then
+η_v = η · lr_factor(v) (``OuterConfig.lr_schedule``; warmup and cosine decay as in
+lr_schedule.py). The caller passes v; the async server, its log replay, the sync-mode
+server and every sync member pass the same v for the same update.
+
 All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
 """
 
@@ -36,6 +42,7 @@ import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
 from asyncdiloco.config import OuterConfig
+from asyncdiloco.lr_schedule import LRSchedule, lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +73,13 @@ def staleness_weight(config: OuterConfig, staleness: int) -> float:
 
 
 def describe(config: OuterConfig) -> tuple[str, str]:
-    """Human-readable (outer optimizer, staleness weighting) for status and reports."""
+    """Human-readable (outer optimizer, staleness weighting) for status and reports; the
+    lr schedule is named when there is one."""
     opt = f"{config.optimizer}(lr={config.lr:g}, momentum={config.momentum:g}"
     opt += f", N={config.dn_buffer or 'workers'}, c={config.dn_c:g})" if config.optimizer == "delayed_nesterov" else ")"
+    schedule = config.schedule()
+    if schedule != LRSchedule():  # the default (constant, no warmup) keeps the old text
+        opt += f", lr schedule {schedule.describe()} by version"
     stal = {
         "constant": "constant",
         "inverse": "inverse 1/(1+tau)",
@@ -83,7 +94,8 @@ class OuterOptimizer:
 
     Args:
         params: θ, 1-D float32 tensor (N,), updated in place.
-        config: optimizer kind, η (``lr``) and μ (``momentum``).
+        config: optimizer kind, η (``lr``), its schedule (``lr_schedule``, ...) and μ
+            (``momentum``).
     Attributes:
         momentum_buffer: m, float32 (N,), zero at start (allocated only when μ > 0).
     """
@@ -93,7 +105,13 @@ class OuterOptimizer:
             raise ValueError(f"global parameters must be a 1-D float32 vector; got {params.dtype} {tuple(params.shape)}")
         self.params = params
         self.config = config
+        self.schedule = config.schedule()
         self.momentum_buffer = torch.zeros_like(params) if config.momentum > 0 else None
+
+    def lr_at(self, version: int) -> float:
+        """η_v = η · lr_factor(v): the outer learning rate of the update applied at
+        version ``version`` (updates applied before it); exactly η without a schedule."""
+        return self.config.lr * lr_factor(self.schedule, version)
 
     def _check(self, delta: torch.Tensor) -> None:
         if delta.shape != self.params.shape or delta.dtype != torch.float32:
@@ -103,8 +121,8 @@ class OuterOptimizer:
             )
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor, weight: float = 1.0, *, num_workers: int = 1) -> None:
-        """θ ← update(θ, s·Δ) as in the module docstring, in one fused pass.
+    def step(self, delta: torch.Tensor, weight: float = 1.0, *, version: int, num_workers: int = 1) -> None:
+        """θ ← update(θ, s·Δ) with η_v as in the module docstring, in one fused pass.
 
         The update is ``torch.optim.SGD``'s fused kernel (``torch.optim.sgd.sgd`` with
         ``fused=True``) run on the flat θ, Δ and m, so it reads and writes each
@@ -114,11 +132,15 @@ class OuterOptimizer:
             delta: Δ = θ_base − θ_local, float32 (N,) on θ's device. It is the caller's
                 scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ).
             weight: s(τ), the staleness weight.
+            version: v, the version this update is applied at (updates applied before
+                it); keys η's schedule.
             num_workers: live workers (used only by delayed_nesterov with dn_buffer=0).
         Raises:
-            ValueError: ``delta`` has another shape or dtype (nothing is changed).
+            ValueError: ``delta`` has another shape or dtype, or ``version`` < 0
+                (nothing is changed).
         """
         self._check(delta)
+        lr = self.lr_at(version)
         if weight != 1.0:
             delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
         _torch_sgd(
@@ -128,7 +150,7 @@ class OuterOptimizer:
             fused=self.params.device.type in ("cpu", "cuda"),
             weight_decay=0.0,
             momentum=self.config.momentum,
-            lr=self.config.lr,
+            lr=lr,
             dampening=0.0,
             nesterov=self.config.optimizer == "nesterov" and self.config.momentum > 0,
             maximize=False,
@@ -177,14 +199,15 @@ class DelayedNesterov(OuterOptimizer):
                     g_b.mul_(max(0.0, 1.0 + dot / norms))
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor, weight: float = 1.0, *, num_workers: int = 1) -> None:
-        """Apply one arrival g_t = s·Δ (``delta`` is scaled in place when s ≠ 1)."""
+    def step(self, delta: torch.Tensor, weight: float = 1.0, *, version: int, num_workers: int = 1) -> None:
+        """Apply one arrival g_t = s·Δ at version ``version`` with η_v (``delta`` is scaled
+        in place when s ≠ 1)."""
         self._check(delta)
         if weight != 1.0:
             delta.mul_(weight)
         if self.config.block_check:
             self._damp_against_momentum(delta)
-        lr, mu, c = self.config.lr, self.config.momentum, self.config.dn_c
+        lr, mu, c = self.lr_at(version), self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
         m, b = self.momentum_buffer, self.delta_buffer
         b.add_(delta)  # b ← b + g_t

@@ -157,7 +157,7 @@ class _Replica:
         self.index = index
         self.model = cfg.job.build(corpus)
         self.params = list(self.model.parameters())
-        self.inner = torch.optim.AdamW(self.params, lr=cfg.job.inner_lr, weight_decay=cfg.job.weight_decay)
+        self.inner, self.inner_lr = cfg.job.build_inner(self.params)  # the CLI worker's, keyed by this replica's step
         self.batches = BatchStream(corpus, cfg.job.batch_size, cfg.job.context_len, cfg.seed, index)
         self.base = torch.zeros(sum(p.numel() for p in self.params))
         self.base_version = 0
@@ -185,6 +185,7 @@ class _Replica:
             x, y = next(self.batches)
             lm_loss(self.model(x), y).backward()
             self.inner.step()
+            self.inner_lr.step()
             self.inner.zero_grad(set_to_none=True)
 
 
@@ -255,7 +256,7 @@ def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             r.busy_s += compute
             round_s = max(round_s, compute)
             deltas.add_(r.base - r.flat())
-        outer.step(deltas.div_(len(members)))  # mean pseudo-gradient, the server's outer code
+        outer.step(deltas.div_(len(members)), version=rounds)  # mean pseudo-gradient, the server's outer code
         t += round_s
         steps += allotted
         rounds += 1

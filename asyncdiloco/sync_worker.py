@@ -259,7 +259,8 @@ class SyncDiLoCoWorker(WorkerBase):
 
         if decision.committed:
             if total_weight > 0:
-                self.outer.step(delta)  # the same step on every member and on the server
+                # the same step on every member and on the server, at the round it started from
+                self.outer.step(delta, version=decision.round - 1)
             self.round = decision.round
             self.stats.rounds_committed += total_weight > 0  # an all-healing round applies nothing
         else:
@@ -323,7 +324,11 @@ class SyncDiLoCoWorker(WorkerBase):
         n = self._numel
         self._base.copy_(state[:n])
         if self.outer is None:
-            cfg = OuterConfig(optimizer=rc.outer_optimizer, lr=rc.outer_lr, momentum=rc.outer_momentum)
+            cfg = OuterConfig(
+                optimizer=rc.outer_optimizer, lr=rc.outer_lr, momentum=rc.outer_momentum,
+                lr_schedule=rc.outer_lr_schedule or "constant", lr_warmup_versions=rc.outer_lr_warmup_versions,
+                lr_total_versions=rc.outer_lr_total_versions, lr_min_ratio=rc.outer_lr_min_ratio,
+            )  # the server's, so that every member's outer step equals the server's bit for bit
             self.outer = OuterOptimizer(self._base, cfg)
         if with_momentum:
             self.outer.momentum_buffer.copy_(state[n : 2 * n])

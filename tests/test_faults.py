@@ -154,7 +154,7 @@ def test_kill_9_the_server_repeatedly_and_every_acknowledged_push_survives_exact
     outer = OuterOptimizer(theta, OUTER)
     for v in range(1, final.version + 1):
         _, _, payload, weight = acks[v]
-        outer.step(MANIFEST.unpack_flat(payload), weight)
+        outer.step(MANIFEST.unpack_flat(payload), weight, version=v - 1)
     assert torch.equal(theta, MANIFEST.unpack_flat(final.payload))
     print(f"6 kills at versions {kill_versions}; final version {final.version}; "
           f"{len(duplicates)} pushes answered as duplicates after a restart")

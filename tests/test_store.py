@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -263,3 +265,63 @@ def test_a_worker_that_left_before_the_checkpoint_stays_gone(tmp_path):
     state2, store2 = open_server(tmp_path)
     assert {w.worker_id: w.alive for w in state2._workers.values()} == {a: True, b: False}
     store2.close()
+
+
+# ------------------------------------------------------------- outer lr schedule
+COSINE_OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse", lr_schedule="cosine",
+                           lr_warmup_versions=3, lr_total_versions=12, lr_min_ratio=0.1)
+
+
+@pytest.mark.parametrize("outer", [
+    COSINE_OUTER,
+    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=3, dn_c=0.1, lr_schedule="cosine",
+                lr_warmup_versions=2, lr_total_versions=9, lr_min_ratio=0.0),
+    OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, lr_schedule="constant", lr_warmup_versions=20),
+], ids=["nesterov_cosine", "dn_cosine", "sgd_warmup"])
+def test_scheduled_outer_lr_after_a_crash_equals_the_uninterrupted_run(tmp_path, outer):
+    # 7 logged pushes (the initial parameters and 6 pseudo-gradients): a checkpoint at
+    # version 3, the updates at versions 3, 4, 5 only in the log. The replay must key each
+    # η_v by the version it was applied at, and so must the pushes after the restart.
+    state, store = open_server(tmp_path, every=4, outer=outer)
+    run(state, n_pushes=6)
+    crash(store)  # ``state`` goes on in memory: the uninterrupted run
+    state2, store2 = open_server(tmp_path, every=4, outer=outer)
+    assert_same(fingerprint(state), fingerprint(state2))
+    b = max(state2._workers)
+    for k in range(3):  # the same pushes to both, at versions 6, 7, 8
+        for s in (state, state2):
+            push(s, b, 100 + k, rand_tensors(20 + k))
+        assert_same(fingerprint(state), fingerprint(state2))  # θ, m (and DN's b) bit for bit
+    crash(store2)
+
+
+def test_push_after_a_restart_moves_theta_by_the_scheduled_lr_of_its_version(tmp_path):
+    state, store = open_server(tmp_path, every=4, outer=COSINE_OUTER)
+    run(state, n_pushes=6)  # versions 4-6 come back from the log
+    crash(store)
+    state, store = open_server(tmp_path, every=4, outer=COSINE_OUTER)
+    v = state.version
+    assert v == 6
+    theta, m = state.params.clone().double(), state.outer.momentum_buffer.clone().double()
+    delta = [t * 0.1 for t in rand_tensors(42)]
+    push(state, max(state._workers), 100, delta, base_version=v)  # τ = 0: s = 1
+    d = MANIFEST.unpack_flat(MANIFEST.pack(delta)).double()
+    # Nesterov with η_v = η · f(v): m ← μm + Δ; θ ← θ − η_v (Δ + μm), f(6) = 0.1 + 0.9·½(1 + cos(π·3/9))
+    eta_v = 0.7 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (v - 3) / (12 - 3))))
+    assert state.outer.lr_at(v) == pytest.approx(eta_v, rel=1e-12)
+    m_new = 0.9 * m + d
+    torch.testing.assert_close(state.outer.momentum_buffer.double(), m_new, rtol=0, atol=1e-6)
+    expected = theta - eta_v * (d + 0.9 * m_new)
+    torch.testing.assert_close(state.params.double(), expected, rtol=0, atol=1e-6)
+    for wrong in (0.7, state.outer.lr_at(v - 1), state.outer.lr_at(v + 1)):  # η itself, or a neighbour's η_v
+        assert (state.params.double() - (theta - wrong * (d + 0.9 * m_new))).abs().max() > 1e-4
+    crash(store)
+
+
+def test_checkpoint_written_with_another_lr_schedule_is_refused(tmp_path):
+    state, store = open_server(tmp_path, outer=COSINE_OUTER)
+    run(state, n_pushes=2)
+    store.close()
+    other = dataclasses.replace(COSINE_OUTER, lr_total_versions=20)
+    with pytest.raises(CheckpointError, match=r"outer lr_total_versions=12 .* configured with 20"):
+        open_server(tmp_path, outer=other)

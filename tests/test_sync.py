@@ -127,9 +127,14 @@ def committed_checksums(workers) -> dict[int, set[int]]:
     return by_round
 
 
-def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server):
+@pytest.mark.parametrize("outer", [
+    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
+    # η_v keyed by the round each update starts from, on the server and on every member (via RunConfig)
+    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, lr_schedule="cosine", lr_warmup_versions=1,
+                lr_total_versions=4, lr_min_ratio=0.1),
+], ids=["constant", "cosine"])
+def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server, outer):
     H, K = 3, 4
-    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
     srv = make_server(outer=outer, local_steps=H, min_workers=2)
     workers = [new_worker(srv), new_worker(srv)]
     workers[0].join()  # worker 0 initializes the server, so its rank is 0
@@ -146,7 +151,7 @@ def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server):
     data = [batches(0), batches(1)]
     theta = flat(models[0]).clone()
     ref_outer = OuterOptimizer(theta, outer)
-    for _ in range(K):
+    for k in range(K):
         deltas = []
         for m, opt, d in zip(models, opts, data):
             for _ in range(H):
@@ -155,7 +160,7 @@ def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server):
                 opt.step()
                 opt.zero_grad()
             deltas.append(theta - flat(m))
-        ref_outer.step((deltas[0] + deltas[1]) / 2)
+        ref_outer.step((deltas[0] + deltas[1]) / 2, version=k)
         for m in models:
             load(m, theta)
 
@@ -389,7 +394,7 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
     assert reply.decided and reply.committed and reply.round == 1
 
     expected = theta0.clone()
-    OuterOptimizer(expected, outer).step(delta)
+    OuterOptimizer(expected, outer).step(delta, version=0)
     assert torch.equal(srv.state.params, expected)
     pulled = other.pull_sync_state(manifest, w2.worker_id, with_momentum=True)
     state = pulled.payload.view(torch.float32)

@@ -50,7 +50,7 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port", "dylu", "grouping", "group_window_s", "group_max_wait_s")
+    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port", "dylu", "grouping", "group_window_s", "group_max_wait_s", "outer_lr_schedule", "outer_lr_warmup_versions", "outer_lr_total_versions", "outer_lr_min_ratio")
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,10 @@ class RunConfig(_message.Message):
     GROUPING_FIELD_NUMBER: _ClassVar[int]
     GROUP_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     GROUP_MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_WARMUP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_MIN_RATIO_FIELD_NUMBER: _ClassVar[int]
     local_steps: int
     chunk_bytes: int
     lease_s: float
@@ -89,7 +93,11 @@ class RunConfig(_message.Message):
     grouping: str
     group_window_s: float
     group_max_wait_s: float
-    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
+    outer_lr_schedule: str
+    outer_lr_warmup_versions: int
+    outer_lr_total_versions: int
+    outer_lr_min_ratio: float
+    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ..., outer_lr_schedule: _Optional[str] = ..., outer_lr_warmup_versions: _Optional[int] = ..., outer_lr_total_versions: _Optional[int] = ..., outer_lr_min_ratio: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("manifest", "worker_name", "steps_per_s")

@@ -190,6 +190,10 @@ class ParameterServerState(SyncRounds, DurableState):
             outer_optimizer=outer.optimizer,
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,
+            outer_lr_schedule=outer.lr_schedule,
+            outer_lr_warmup_versions=outer.lr_warmup_versions,
+            outer_lr_total_versions=outer.lr_total_versions,
+            outer_lr_min_ratio=outer.lr_min_ratio,
             wire_codec=self.config.wire_codec,
             codec_block_size=self.config.codec_block_size,
             bulk_port=self.bulk_port,
@@ -653,7 +657,7 @@ class ParameterServerState(SyncRounds, DurableState):
                 live = sum(r.alive for r in self._workers.values())  # N for delayed_nesterov with dn_buffer=0
                 if self.journal is not None:  # durable before it is applied and acknowledged
                     self.journal.log_push(header, payload, tau, weight, version_after, live)
-            self._apply_delta(header, delta, weight, live)  # the tensor math: _lock is free meanwhile
+            self._apply_delta(header, delta, weight, live, version_after)  # the tensor math: _lock is free meanwhile
             snap = None
             pulls_follow = self._snapshots.wanted and header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT
             if pulls_follow and self._snapshots.has_room():  # encode it now: the pulls will not wait
@@ -702,17 +706,20 @@ class ParameterServerState(SyncRounds, DurableState):
             )
         return tau, staleness_weight(self.config.outer, tau), self.version + 1
 
-    def _apply_delta(self, header: pb.PushHeader, delta: torch.Tensor, weight: float, num_workers: int) -> None:
+    def _apply_delta(self, header: pb.PushHeader, delta: torch.Tensor, weight: float, num_workers: int,
+                     version_after: int) -> None:
         """The tensor math of a checked push (``_apply_lock`` held): the initial
         parameters become θ, or the outer optimizer steps on s(τ)·Δ. ``delta`` (N,)
-        fp32 may be scaled in place (the outer step uses it as scratch)."""
+        fp32 may be scaled in place (the outer step uses it as scratch). The step that
+        produces ``version_after`` is applied at version ``version_after − 1`` (the
+        updates applied before it), which keys η's schedule, live and in log replay."""
         if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
             params = delta.clone()
             outer = make_outer_optimizer(params, self.config.outer, self.manifest.block_sizes())
             self.params, self.outer = params, outer
             log.info("global model initialized by worker %d (%d parameters)", header.worker_id, delta.numel())
         else:
-            self.outer.step(delta, weight, num_workers=num_workers)
+            self.outer.step(delta, weight, version=version_after - 1, num_workers=num_workers)
 
     def _record_push_locked(self, rec: WorkerRecord, header: pb.PushHeader, tau: int, weight: float) -> PushOutcome:
         """The bookkeeping of an applied push (``_lock`` held): version, counters and the

@@ -171,7 +171,7 @@ class DurableState:
                     f"does not follow the checkpoint (version {self.version}); the log belongs to another run: "
                     f"restore the folder from a backup"
                 )
-            self._apply_delta(header, delta, weight, num_workers)
+            self._apply_delta(header, delta, weight, num_workers, version_after)  # the logged version keys η
             self._record_push_locked(rec, header, tau, weight)
             self._snapshots.clear()
 

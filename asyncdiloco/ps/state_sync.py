@@ -49,7 +49,8 @@ class SyncRounds:
         """Apply a committed round (called by the QuorumManager, its lock held)."""
         with self._apply_lock, self._lock:
             if done.result is not None:
-                self.outer.step(done.result)  # the same step every member applies to θ_base
+                # the same step every member applies to θ_base, at the round it started from
+                self.outer.step(done.result, version=done.round - 1)
                 self.version = done.round
             for worker_id, steps in done.steps_by_worker.items():
                 if steps <= 0:  # a healing member contributed nothing
