@@ -103,15 +103,24 @@ class StepRateMeter:
         self.rates.pop(worker_id, None)
 
 
-def auto_window_s(rates: Iterable[float], floor_s: float = 0.05) -> float:
-    """The grouping window when ``grace_s`` is auto: 1.5 inner steps of the slowest live
-    worker (DyLU's rounding down leaves the workers of a round less than one of their
-    own inner steps apart; the rest absorbs jitter), at least ``floor_s`` seconds; 1 s
-    while no rate is known."""
+def auto_window_s(rates: Iterable[float], local_steps: int, floor_s: float = 0.05) -> float:
+    """The grouping window when ``grace_s`` is auto: one round of the fastest live worker
+    (H / max v), and at least 1.5 inner steps of the slowest one, in seconds.
+
+    DyLU leaves the workers of a released group less than one of their own inner steps
+    apart, but on a real clock their rounds also start apart (processes that start at
+    different times, pulls of different lengths) and their rates are estimates. A window
+    of one round lets a worker that missed its group catch the next one: the others'
+    next pushes land in the window its own push opened, and the group is whole again
+    (with a window of one slow step, measured on 2 CPU cores, the offsets of the first
+    round persisted and most groups held one or two pushes). Every group is released as
+    soon as all expected workers are in, so the window costs time only when one is late.
+    1 s while no rate is known.
+    """
     rates = [v for v in rates if v > 0]
     if not rates:
         return 1.0
-    return max(floor_s, 1.5 / min(rates))
+    return max(floor_s, local_steps / max(rates), 1.5 / min(rates))
 
 
 @dataclasses.dataclass

@@ -144,10 +144,11 @@ def test_off_releases_every_push_alone():
         GroupWindow("ring")
 
 
-def test_auto_window_is_one_and_a_half_steps_of_the_slowest_worker():
-    assert auto_window_s([1 / 0.58, 1 / 3.33]) == pytest.approx(1.5 * 3.33)
-    assert auto_window_s([]) == 1.0
-    assert auto_window_s([1000.0]) == 0.05  # floor
+def test_auto_window_is_one_round_of_the_fastest_worker():
+    assert auto_window_s([1 / 0.58, 1 / 3.33], local_steps=20) == pytest.approx(20 * 0.58)
+    assert auto_window_s([1 / 0.58, 1 / 3.33], local_steps=2) == pytest.approx(1.5 * 3.33)  # 1.5 slow steps
+    assert auto_window_s([], local_steps=20) == 1.0
+    assert auto_window_s([1e6], local_steps=1) == 0.05  # floor
 
 
 def test_gate_holds_a_reply_until_the_last_live_worker_pushed():
@@ -213,3 +214,17 @@ def test_server_defaults_are_the_suites_winner():
     d = ServerConfig()
     assert (d.outer.optimizer, d.dylu, d.grouping, d.grace_s) == ("delayed_nesterov", True, "window", None)
     assert ServerConfig(mode="sync").outer.optimizer == "nesterov"
+
+
+def test_a_worker_that_stopped_pushing_stops_holding_groups_before_its_lease_lapses():
+    state, manifest, clock = _state(lease_s=3600)
+    a, _, _ = state.join(manifest, "a", steps_per_s=20.0)  # rounds of 1 s
+    dead, _, _ = state.join(manifest, "dead", steps_per_s=20.0)
+    _init(state, manifest, a)
+    out = _push(state, manifest, a, 2, 20, compute_s=1.0)
+    assert not state.groups.window.released(out.group_id, clock.t)  # "dead" may still come
+    clock.t = 10.0  # more than two of its rounds plus the window without a push: not expected
+    out = _push(state, manifest, a, 3, 20, compute_s=1.0)
+    assert state.groups.window.released(out.group_id, clock.t)  # a group of one, released at once
+    assert state.outer.config.dn_buffer == 0 and state.outer.arrivals == 0  # N = 1 expected worker
+    assert {w.worker_id for w in state.status().workers if w.alive} == {a, dead}  # still leased

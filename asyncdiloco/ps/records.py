@@ -32,4 +32,7 @@ class WorkerRecord:
     rejected_pushes: int = 0
     tokens: int = 0
     local_steps: int = 0
+    #: Server clock of the last applied pseudo-gradient (0: none yet; grouping expects a
+    #: worker that pushed within about two of its rounds, or joined since).
+    last_push: float = 0.0
     outcomes: "OrderedDict[int, PushOutcome]" = dataclasses.field(default_factory=OrderedDict)

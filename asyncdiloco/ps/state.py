@@ -212,7 +212,25 @@ class ParameterServerState(SyncRounds, DurableState):
             return 0.0
         if self.config.grace_s is not None:
             return self.config.grace_s
-        return auto_window_s(self._live_rates_locked().values())
+        return auto_window_s(self._live_rates_locked().values(), self.config.local_steps)
+
+    def _expected_locked(self, now: float) -> set[int]:
+        """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
+        those that pushed within two of their own rounds (H_w / v_w) plus the window, or
+        joined since. A worker that stopped pushing without leaving (killed, hung) stops
+        holding groups after that, long before its lease lapses."""
+        window = self._group_window_s_locked()
+        rates = self._live_rates_locked()
+        steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
+        expected = set()
+        for w, rec in self._workers.items():
+            if not rec.alive:
+                continue
+            v = rates.get(w)
+            round_s = steps.get(w, self.config.local_steps) / v if v else math.inf
+            if now - max(rec.joined_at, rec.last_push) <= 2 * round_s + window:
+                expected.add(w)
+        return expected
 
     def _group_max_wait_s_locked(self) -> float:
         """The longest a push reply is held: the window, or the barrier's cap."""
@@ -346,8 +364,8 @@ class ParameterServerState(SyncRounds, DurableState):
                 rec.alive = False
                 self._rates.forget(worker_id)
                 log.info("worker %d (%s) left", worker_id, rec.name)
-            live = {w for w, r in self._workers.items() if r.alive}
-        self.groups.recheck(live)  # the open group may now hold every live worker
+            expected = self._expected_locked(self._clock())
+        self.groups.recheck(expected)  # the open group may now hold every expected worker
         if self.quorum is not None:  # outside our lock: the quorum calls live_worker_ids
             self.quorum.withdraw(worker_id)
             self.quorum.notify()
@@ -654,7 +672,8 @@ class ParameterServerState(SyncRounds, DurableState):
                     return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
                 rec = self._touch_locked(header.worker_id)
                 tau, weight, version_after = self._check_staleness_locked(header)
-                live = sum(r.alive for r in self._workers.values())  # N for delayed_nesterov with dn_buffer=0
+                expected = self._expected_locked(self._clock())
+                live = max(1, len(expected))  # N for delayed_nesterov with dn_buffer=0
                 if self.journal is not None:  # durable before it is applied and acknowledged
                     self.journal.log_push(header, payload, tau, weight, version_after, live)
             self._apply_delta(header, delta, weight, live, version_after)  # the tensor math: _lock is free meanwhile
@@ -668,9 +687,9 @@ class ParameterServerState(SyncRounds, DurableState):
                     self._snapshots.publish(snap)
                 if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
                     self._rates.record(header.worker_id, header.num_local_steps, self._clock(), header.compute_s)
-                    live = {w for w, r in self._workers.items() if r.alive}
+                    rec.last_push = self._clock()
                     group_id = self.groups.arrive(
-                        header.worker_id, live, self._group_max_wait_s_locked(),
+                        header.worker_id, expected | {header.worker_id}, self._group_max_wait_s_locked(),
                         buffer_complete=isinstance(self.outer, DelayedNesterov) and self.outer.arrivals == 0,
                     )  # fmt: skip
                     # (the remembered outcome stays as replay rebuilds it; H_w is recomputed per reply)
