@@ -114,6 +114,8 @@ class _Evaluator:
         self.manifest = Manifest.from_module(self.model)
         self.client = ParameterServerClient(address)
         self.initial_loss = evaluate(self.model, self.batches)  # the seed's model = the server's version 0
+        #: The run config the server dictated while workers trained (auto values need their rates).
+        self.run_config = None
 
     def evaluate_global(self) -> tuple[int, float]:
         pulled = self.client.pull(self.manifest)
@@ -218,6 +220,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         evaluator.client.close()
     finally:
         _reap(procs)
+    if evaluator.run_config is not None:
+        status.run_config.CopyFrom(evaluator.run_config)
     report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, speeds, exit_codes, address)
     report["train_start_s"] = train_start_s  # when the global model existed: training time is wall_s − this
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -251,6 +255,8 @@ def _watch(
             time.sleep(1.0 if cfg.token_budget is None else 0.25)
             try:
                 st = ev.client.status()
+                if sum(w.alive for w in st.workers) == len(workers):
+                    ev.run_config = st.run_config
                 if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
                     for w in workers:  # budget spent: workers stop (their final push may land)
                         if w.poll() is None:

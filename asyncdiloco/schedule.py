@@ -255,6 +255,8 @@ class GroupGate:
         """Block until group ``group_id`` is released; returns the seconds waited."""
         start = self._clock()
         with self._cond:
+            if self.window.released(group_id, start):
+                return 0.0  # not held
             while True:
                 now = self._clock()
                 if self.window.released(group_id, now):

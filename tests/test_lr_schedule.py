@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncdiloco import cli
-from asyncdiloco.config import OuterConfig, WorkerConfig
+from asyncdiloco.config import ASYNC_OUTER, SYNC_OUTER, OuterConfig, WorkerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job import JobConfig, run_worker
 from asyncdiloco.lr_schedule import LRSchedule, lr_factor
@@ -148,9 +148,11 @@ def test_server_flags_build_the_outer_schedule_and_survive_the_demo_argv():
     assert cli._server_config(again, "127.0.0.1", 0).outer == outer
 
 
-def test_no_schedule_flag_is_the_old_outer_config():
+def test_no_schedule_flag_is_the_servers_default_outer_config():
     args = cli.build_parser().parse_args(["server"])
-    assert cli._server_config(args, "127.0.0.1", 0).outer == OuterConfig()
+    assert cli._server_config(args, "127.0.0.1", 0).outer == ASYNC_OUTER
+    args = cli.build_parser().parse_args(["server", "--mode", "sync"])
+    assert cli._server_config(args, "127.0.0.1", 0).outer == SYNC_OUTER
 
 
 def test_worker_flags_reach_the_job_config(monkeypatch):
