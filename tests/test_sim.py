@@ -124,3 +124,15 @@ def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
         assert r["updates"] > 0 and 0 < r["utilisation"] <= 1
     report = (tmp_path / "report.md").read_text()
     assert "(real clock)" in report and "| async_dn_dylu |" in report
+
+
+def test_overlap_under_grouping_keeps_groups_whole_and_workers_busy():
+    # Workers train on while their group forms and run H_w more steps after the merge, so
+    # their pushes stay in groups, and the group's early arrivals are no longer idle.
+    kw = dict(speeds_s_per_step=(0.58, 0.75, 1.51, 3.33), total_steps=450, local_steps=20, job=TINY,
+              eval_every_steps=450)
+    plain = simulate(SimConfig(method="async_dn_dylu", **kw))
+    eager = simulate(SimConfig(method="async_dn_dylu_overlap", **kw))
+    assert eager.steps == plain.steps == 450
+    assert eager.group_size_histogram[-1] >= sum(eager.group_size_histogram) - 2  # whole groups (the budget's end aside)
+    assert eager.utilisation > plain.utilisation and eager.utilisation > 0.97
