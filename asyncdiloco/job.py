@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -150,6 +151,8 @@ def run_worker(
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    wait_to_join: Callable[[], bool] | None = None,
     log_every: int = 100,
     sync: SyncWorkerConfig | None = None,
 ) -> WorkerStats | SyncWorkerStats:
@@ -170,6 +173,12 @@ def run_worker(
         on_step: called after every inner step with (step, loss in nats/char).
         on_start: called once training begins (joined, global model pulled): the
             moment ``slowdown_changes`` and ``max_seconds`` count from.
+        stop: once set, training ends after the current inner step (never in the middle
+            of a sync); the worker then pushes its last steps and leaves. Set before
+            training began, it ends right after the join (still with a Leave).
+        wait_to_join: called once the model and data are ready, before the join; it
+            blocks until the worker may join and returns False to give up (nothing is
+            trained and the server never hears of this worker).
         log_every: log the training loss every this many inner steps (INFO).
         sync: run as a sync-mode worker with these settings (the server must run
             ``--mode sync``); None: asynchronous.
@@ -196,15 +205,19 @@ def run_worker(
         worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
     else:
         worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    if wait_to_join is not None and not wait_to_join():
+        return worker.stats
     with worker:
         started = time.monotonic()
-        if on_start is not None:
-            on_start()
         step = 0
         factor = slowdown
         try:
-            while (max_steps is None or step < max_steps) and (
-                max_seconds is None or time.monotonic() - started < max_seconds
+            if on_start is not None:
+                on_start()
+            while (
+                (max_steps is None or step < max_steps)
+                and (max_seconds is None or time.monotonic() - started < max_seconds)
+                and not (stop is not None and stop.is_set())
             ):
                 t0, blocked0 = time.monotonic(), worker.stats.blocked_s
                 x, y = next(batches)  # (B, T) int64 each
@@ -230,6 +243,8 @@ def run_worker(
                     time.sleep((factor - 1.0) * max(compute_s, 0.0))
                 if on_step is not None:
                     on_step(step, float(loss))
-        except KeyboardInterrupt:  # SIGINT / SIGTERM: stop training; close() still pushes and leaves
+        except KeyboardInterrupt:  # SIGINT: stop training; close() still pushes and leaves
             log.info("interrupted after %d inner steps; leaving", step)
+        if stop is not None and stop.is_set():
+            log.info("stopped after %d inner steps; leaving", step)
     return worker.stats
