@@ -20,8 +20,9 @@ pushes its last pseudo-gradient and calls Leave), and a fresh process with the s
 ``--worker-index`` joins at ``rejoin_at_s`` (a new worker id; it pulls the global model).
 The fresh process is started with the others and holds its Join until the demo releases
 it (``--join-when-file``) at ``rejoin_at_s``, once the server shows the old one left, so
-its start-up (seconds on a loaded machine) is not added to the time away. Seconds of training count from ``train_start_s`` in the report: the moment the
-demo's status poll first saw the global model initialized (the first worker's push of its
+its start-up (seconds on a loaded machine) is not added to the time away. Seconds of
+training count from ``train_start_s`` in the report: the moment the demo's status poll
+(every 0.25 s) first saw the global model initialized (the first worker's push of its
 initial parameters). ``workers[]`` then has one entry per process, with ``index`` and
 ``rejoin``.
 """
@@ -84,8 +85,9 @@ class DemoConfig:
     token_budget: int | None = None
     #: (worker index, leave at s, rejoin at s), seconds of training (from ``train_start_s``):
     #: that worker's process is stopped (SIGTERM: last push, then Leave) at the first time,
-    #: or once it has joined if later, and a fresh process with the same index starts at
-    #: the second (once the first has exited). None: nobody leaves.
+    #: or once it has joined if later, and a fresh process with the same index (started
+    #: with the others, held back) joins at the second, or once the server shows the
+    #: first gone if later. None: nobody leaves.
     leave_rejoin: tuple[int, float, float] | None = None
 
     def __post_init__(self) -> None:
