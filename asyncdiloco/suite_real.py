@@ -23,10 +23,12 @@ a short calibration demo per profile with events (``calibrate_real_s_per_step``:
 profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
 since on 2 shared cores r is 2-3× the step time of a lone process. Each record says
 which r and scale it ran with (``schedule``) and the r measured in the run itself
-(``measured_real_s_per_step``). Not mapped: process start-up (the workers begin training
-a few seconds apart, and a rejoining process needs seconds to start and join; the
-report's ``workers[].train_started_s`` says when each did), and the time a worker away
-does not train counts as neither busy nor idle in ``utilisation``.
+(``measured_real_s_per_step``). A speed change counts from its worker's own start of
+training, the leave and rejoin from the demo's ``train_start_s``; the workers begin
+training within about a second of each other (``workers[].train_started_s`` in each run's
+report.json says when each did), which is not mapped; a rejoining process is started early
+and held back, so its start-up is not added to the time away. The time a worker is away
+counts as neither busy nor idle in ``utilisation``.
 
     asyncdiloco bench --suite quick --clock real --out DIR   # uneven, 3 seeds
     asyncdiloco bench --suite full --clock real --out DIR    # all five profiles
