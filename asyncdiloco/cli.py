@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from asyncdiloco.config import (
     ASYNC_OUTER,
@@ -308,11 +309,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from asyncdiloco._malloc import keep_large_blocks
 
-    from asyncdiloco.job import run_worker
+    from asyncdiloco.job import parse_slowdown_changes, run_worker
 
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM stops training; the worker leaves cleanly
+    began: list[float] = []  # when training began (wall clock), once it has
+    stop = threading.Event()
+
+    def on_sigterm(*_: object) -> None:
+        # The first SIGTERM ends training after the current inner step (an interrupt in the
+        # middle of a push or pull could leave the client half-way; it hung close() after
+        # Leave); the worker then pushes its last Δ and leaves. A second one interrupts.
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def wait_for_file() -> bool:  # started early, its start-up done: join once the file appears
+        while not os.path.exists(args.join_when_file) and not stop.is_set():
+            time.sleep(0.05)
+        return not stop.is_set()
     torch.set_num_threads(args.threads)
     keep_large_blocks()
     wcfg = WorkerConfig(
@@ -346,12 +363,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
         job=job,
         worker_index=args.worker_index,
         slowdown=args.slowdown,
+        slowdown_changes=parse_slowdown_changes(args.slowdown_changes),
         max_steps=args.max_steps,
         max_seconds=args.max_seconds,
         sync=sync,
+        on_start=lambda: began.append(time.time()),
+        stop=stop,
+        wait_to_join=wait_for_file if args.join_when_file else None,
     )
     summary = dataclasses.asdict(stats)
-    summary.update(worker_index=args.worker_index, slowdown=args.slowdown, name=wcfg.worker_name)
+    summary.update(worker_index=args.worker_index, slowdown=args.slowdown, slowdown_changes=args.slowdown_changes,
+                   name=wcfg.worker_name)
+    if began:  # when it began training, on the wall clock (the demo's report aligns processes by it)
+        summary["train_started_unix_s"] = began[0]
     if args.stats_file:
         with open(args.stats_file, "w") as f:
             json.dump(summary, f)
@@ -495,6 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order (default %(default)s)")
     pw.add_argument("--name", default="", help="name in the server's status (default worker-I@host)")
     pw.add_argument("--slowdown", type=float, default=1.0, help="run F times slower, to emulate a weaker machine (default %(default)s)")
+    pw.add_argument("--slowdown-changes", default="", metavar="T1:F1,T2:F2",
+                    help="from T seconds of training on, run F times slower instead (times increasing, F >= 1); "
+                         "emulates a machine whose speed changes (default: none)")
+    pw.add_argument("--join-when-file", default=None, metavar="PATH",
+                    help="start up, then wait until PATH exists before joining (the demo starts a rejoining "
+                         "worker early this way, so its start-up is not part of the time away)")
     pw.add_argument("--max-steps", type=int, help="stop after N inner steps")
     pw.add_argument("--max-seconds", type=float, help="stop after S seconds of training")
     pw.add_argument("--join-timeout", type=float, default=30.0, help="seconds to keep trying to join (default 30)")

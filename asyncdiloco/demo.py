@@ -13,6 +13,18 @@ per worker, ``idle_s`` (time waiting for the quorum, in the allreduce and for th
 in async mode ``idle_s`` is the time blocked in push and pull). Per async worker the report
 also gives ``blocked_s`` and ``blocked_fraction`` (blocked_s ÷ the worker's wall time);
 ``--overlap`` workers (``worker_args``) bring that fraction down.
+
+``leave_rejoin=(i, leave_at_s, rejoin_at_s)`` emulates a worker that goes away and comes
+back: at ``leave_at_s`` seconds of training the demo sends worker i's process SIGTERM (it
+pushes its last pseudo-gradient and calls Leave), and a fresh process with the same
+``--worker-index`` joins at ``rejoin_at_s`` (a new worker id; it pulls the global model).
+The fresh process is started with the others and holds its Join until the demo releases
+it (``--join-when-file``) at ``rejoin_at_s``, once the server shows the old one left, so
+its start-up (seconds on a loaded machine) is not added to the time away. Seconds of
+training count from ``train_start_s`` in the report: the moment the demo's status poll
+(every 0.25 s) first saw the global model initialized (the first worker's push of its
+initial parameters). ``workers[]`` then has one entry per process, with ``index`` and
+``rejoin``.
 """
 
 from __future__ import annotations
@@ -71,6 +83,12 @@ class DemoConfig:
     #: Stop every worker (SIGTERM) once the server has applied this many tokens, for
     #: comparisons at equal tokens; None: each worker trains ``max_seconds``.
     token_budget: int | None = None
+    #: (worker index, leave at s, rejoin at s), seconds of training (from ``train_start_s``):
+    #: that worker's process is stopped (SIGTERM: last push, then Leave) at the first time,
+    #: or once it has joined if later, and a fresh process with the same index (started
+    #: with the others, held back) joins at the second, or once the server shows the
+    #: first gone if later. None: nobody leaves.
+    leave_rejoin: tuple[int, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -85,6 +103,17 @@ class DemoConfig:
             )
         if self.slowdowns is not None and any(not f >= 1 for f in self.slowdowns):
             raise ConfigError(f"slowdowns={self.slowdowns} are invalid: each must be >= 1")
+        if self.leave_rejoin is not None:
+            index, leave_s, rejoin_s = self.leave_rejoin
+            if not 0 <= index < self.num_workers:
+                raise ConfigError(
+                    f"leave_rejoin worker index {index} is invalid: give 0..{self.num_workers - 1} (one of the workers)"
+                )
+            if not 0 <= leave_s < rejoin_s < self.max_seconds:
+                raise ConfigError(
+                    f"leave_rejoin times (leave at {leave_s} s, rejoin at {rejoin_s} s) are invalid: need "
+                    f"0 <= leave < rejoin < max_seconds={self.max_seconds:g} s of training"
+                )
 
     def speed_factors(self) -> tuple[float, ...]:
         if self.slowdowns is not None:
@@ -92,8 +121,35 @@ class DemoConfig:
         return tuple(DEFAULT_SLOWDOWNS[i % len(DEFAULT_SLOWDOWNS)] for i in range(self.num_workers))
 
 
-def _worker_name(index: int, speed_factor: float) -> str:
-    return f"worker-{index}(x{speed_factor:g})"
+def _worker_name(index: int, speed_factor: float, rejoin: bool = False) -> str:
+    return f"worker-{index}(x{speed_factor:g})" + ("+rejoin" if rejoin else "")
+
+
+@dataclasses.dataclass
+class _WorkerProcess:
+    """One worker process; a rejoin is a second process with the same index."""
+
+    index: int
+    speed_factor: float
+    rejoin: bool
+    popen: subprocess.Popen
+    #: A rejoin: seconds of training at which the demo released it to join (None: never).
+    join_at_s: float | None = None
+    #: Seconds of training when the demo stopped it to leave (None: it did not leave).
+    left_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return _worker_name(self.index, self.speed_factor, self.rejoin)
+
+    @property
+    def stem(self) -> str:
+        return _file_stem(self.index, self.rejoin)
+
+
+def _file_stem(index: int, rejoin: bool) -> str:
+    """Of a worker process's log and stats files: worker-I, or worker-I-rejoin."""
+    return f"worker-{index}" + ("-rejoin" if rejoin else "")
 
 
 def _job_flags(job: JobConfig) -> list[str]:
@@ -192,21 +248,32 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         )
         procs.append(server)
         address = f"127.0.0.1:{_wait_for_port(server, port_file, cfg.startup_timeout_s, out / 'server.log')}"
-        workers = []
-        for i, f in enumerate(speeds):
+
+        def spawn_worker(
+            i: int, rejoin: bool = False, max_seconds: float = cfg.max_seconds, extra: tuple[str, ...] = ()
+        ) -> _WorkerProcess:
+            name, stem = _worker_name(i, speeds[i], rejoin), _file_stem(i, rejoin)
             cmd = [
-                *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(f),
-                "--max-seconds", str(cfg.max_seconds), "--stats-file", str(out / f"worker-{i}.json"),
-                "--name", _worker_name(i, f), "--mode", cfg.mode, *_job_flags(cfg.job), *cfg.worker_args,
-                *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
+                *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(speeds[i]),
+                "--max-seconds", str(max_seconds), "--stats-file", str(out / f"{stem}.json"),
+                "--name", name, "--mode", cfg.mode, *_job_flags(cfg.job), *cfg.worker_args,
+                *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra,
             ]  # fmt: skip
-            workers.append(_spawn(cmd, out / f"worker-{i}.log"))
-        procs.extend(workers)
+            (out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
+            procs.append(_spawn(cmd, out / f"{stem}.log"))
+            return _WorkerProcess(i, speeds[i], rejoin, procs[-1])
+
+        workers = [spawn_worker(i) for i in range(len(speeds))]
+        if cfg.leave_rejoin is not None:  # started now, joins when released (_leave_or_rejoin)
+            i, _, rejoin_s = cfg.leave_rejoin
+            go = out / f"{_file_stem(i, True)}.go"
+            go.unlink(missing_ok=True)
+            workers.append(spawn_worker(i, True, max(1.0, cfg.max_seconds - rejoin_s), ("--join-when-file", str(go))))
         evaluator = _Evaluator(address, cfg.job)
         curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
-        watched, train_start_s = _watch(cfg, evaluator, workers, started, progress)
+        watched, train_start_s, train_start_unix_s = _watch(cfg, evaluator, workers, started, progress)
         curve += watched
-        exit_codes = [_stop(w) for w in workers]  # overdue workers (hung, stopped) are terminated
+        exit_codes = [_stop(w.popen) for w in workers]  # overdue workers (hung, stopped) are terminated
         status = evaluator.client.status()
         if not status.initialized:
             raise AsyncDiLoCoError(
@@ -222,7 +289,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         _reap(procs)
     if evaluator.run_config is not None:
         status.run_config.CopyFrom(evaluator.run_config)
-    report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, speeds, exit_codes, address)
+    report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, workers, exit_codes, address,
+                     train_start_unix_s)
     report["train_start_s"] = train_start_s  # when the global model existed: training time is wall_s − this
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
@@ -231,13 +299,19 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
 
 
 def _watch(
-    cfg: DemoConfig, ev: _Evaluator, workers: list[subprocess.Popen], started: float, progress: bool
-) -> tuple[list[dict], float]:
-    """Poll status every second, evaluate every ``eval_every_s``, until workers exit (or
-    the token budget is spent). Returns the eval curve and when training started (s)."""
+    cfg: DemoConfig, ev: _Evaluator, workers: list[_WorkerProcess], started: float, progress: bool
+) -> tuple[list[dict], float, float | None]:
+    """Poll status every second, evaluate every ``eval_every_s``, stop the
+    ``leave_rejoin`` worker and release its fresh process (the last in ``workers``),
+    until workers exit (or the token budget is spent). Returns the eval curve and when
+    training started (s since ``started``; and on the wall clock, None if it never did)."""
     from tqdm import tqdm
 
     curve: list[dict] = []
+    leaver = workers[cfg.leave_rejoin[0]] if cfg.leave_rejoin is not None else None
+    rejoiner = workers[-1] if cfg.leave_rejoin is not None else None
+    rejoined = False
+    training_since_unix: float | None = None
     last_eval = time.monotonic()
     loss = ev.initial_loss
     training_since: float | None = None  # when the global model was first there
@@ -245,23 +319,25 @@ def _watch(
     bar = tqdm(total=round(cfg.max_seconds), unit="s", disable=not progress, dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}")  # fmt: skip
     try:
-        while any(w.poll() is None for w in workers):
+        while any(w.popen.poll() is None for w in workers) or (leaver is not None and not rejoined):
             if time.monotonic() > deadline:
                 log.warning(
                     "workers still running %.0f s after the demo started (budget %g s of training + 120 s); "
                     "stopping them", time.monotonic() - started, cfg.max_seconds,
                 )  # fmt: skip
                 break
-            time.sleep(1.0 if cfg.token_budget is None else 0.25)
+            time.sleep(1.0 if cfg.token_budget is None and cfg.leave_rejoin is None else 0.25)
             try:
                 st = ev.client.status()
-                if sum(w.alive for w in st.workers) == len(workers):
+                if sum(w.alive for w in st.workers) >= cfg.num_workers:  # the auto values need every rate
                     ev.run_config = st.run_config
                 if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
                     for w in workers:  # budget spent: workers stop (their final push may land)
-                        if w.poll() is None:
-                            w.terminate()
+                        if w.popen.poll() is None:
+                            w.popen.terminate()
                     break
+                if leaver is not None and training_since is not None and not rejoined:
+                    rejoined = _leave_or_rejoin(cfg, leaver, rejoiner, st, time.monotonic() - training_since)
                 if st.initialized and time.monotonic() - last_eval >= cfg.eval_every_s:
                     version, loss = ev.evaluate_global()
                     last_eval = time.monotonic()
@@ -272,7 +348,7 @@ def _watch(
             hist = list(st.staleness_histogram)
             mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
             if st.initialized and training_since is None:
-                training_since = time.monotonic()
+                training_since, training_since_unix = time.monotonic(), time.time()
             bar.n = min(bar.total, time.monotonic() - training_since) if training_since else 0
             what = (
                 f"round {st.version} | aborted {st.rounds_failed}" if cfg.mode == "sync"
@@ -281,7 +357,41 @@ def _watch(
             bar.set_postfix_str(f"{what} | eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}")
     finally:
         bar.close()
-    return curve, (training_since - started) if training_since is not None else 0.0
+    return curve, (training_since - started) if training_since is not None else 0.0, training_since_unix
+
+
+#: Seconds a leaving worker gets for its last push and Leave before it is stopped.
+_LEAVE_GRACE_S = 30.0
+
+
+def _leave_or_rejoin(
+    cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st, train_s: float
+) -> bool:
+    """One poll's step of ``cfg.leave_rejoin`` at ``train_s`` seconds of training: stop
+    the leaver once it is due and has joined; release the waiting fresh process once
+    the rejoin is due and the server shows the leaver gone. True when nothing is left."""
+    index, leave_s, rejoin_s = cfg.leave_rejoin
+    if leaver.left_s is None:
+        if leaver.popen.poll() is not None:  # it ended (or crashed) before its leave: nothing to rejoin
+            log.warning("worker %d exited (status %s) before its leave at %g s", index, leaver.popen.returncode, leave_s)
+            rejoiner.popen.terminate()  # still waiting: it exits without joining
+            return True
+        joined = any(w.worker_name == leaver.name and w.alive for w in st.workers)
+        if train_s >= leave_s and joined:
+            leaver.popen.terminate()  # SIGTERM: the worker pushes its last Δ and calls Leave
+            leaver.left_s = train_s
+            log.info("worker %d leaves at %.2f s of training", index, train_s)
+        return False
+    if leaver.popen.poll() is None and train_s - leaver.left_s > _LEAVE_GRACE_S:
+        log.warning("worker %d still running %g s after it was asked to leave; stopping it", index, _LEAVE_GRACE_S)
+        _reap([leaver.popen])  # a second SIGTERM interrupts it, then SIGKILL
+    gone = not any(w.worker_name == leaver.name and w.alive for w in st.workers)  # it called Leave
+    if train_s >= rejoin_s and gone:
+        pathlib.Path(cfg.out_dir, f"{rejoiner.stem}.go").touch()
+        rejoiner.join_at_s = train_s
+        log.info("worker %d rejoins at %.2f s of training (a new process)", index, train_s)
+        return True
+    return False
 
 
 def _run_config(rc) -> dict:
@@ -294,27 +404,36 @@ def _run_config(rc) -> dict:
     }  # fmt: skip
 
 
-def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, exit_codes, address) -> dict:
+def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, workers, exit_codes, address,
+            train_start_unix_s=None) -> dict:
     hist = list(status.staleness_histogram)
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
-    server_view: dict[str, dict[str, int]] = {}  # by name, summed over rejoins
+    server_view: dict[str, dict] = {}  # by name, summed over a process's own rejoins (lapsed leases)
     for w in status.workers:
-        agg = server_view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0})
+        agg = server_view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0, "worker_ids": []})
         agg["pushes"] += w.applied_pushes
         agg["tokens"] += w.tokens
+        agg["worker_ids"].append(w.worker_id)
     per_worker = []
-    for i, f in enumerate(speeds):
-        stats_path = out / f"worker-{i}.json"
+    for p, code in zip(workers, exit_codes):
+        stats_path = out / f"{p.stem}.json"
         stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-        name = _worker_name(i, f)
-        seen = server_view.get(name, {"pushes": 0, "tokens": 0})
+        name = p.name
+        seen = server_view.get(name, {"pushes": 0, "tokens": 0, "worker_ids": []})
+        began = stats.get("train_started_unix_s")
         per_worker.append(
             {
-                "index": i,
+                "index": p.index,
+                "rejoin": p.rejoin,
                 "name": name,
-                "speed_factor": f,
-                "exit_code": exit_codes[i],
+                "worker_ids": seen["worker_ids"],
+                "speed_factor": p.speed_factor,
+                "slowdown_changes": stats.get("slowdown_changes", ""),
+                "exit_code": code,
+                "train_started_s": round(began - train_start_unix_s, 3) if began and train_start_unix_s else None,
+                "left_s": None if p.left_s is None else round(p.left_s, 3),
+                "join_at_s": None if p.join_at_s is None else round(p.join_at_s, 3),
                 "pushes": seen["pushes"],
                 "tokens": stats.get("tokens", seen["tokens"]),  # a crashed worker wrote no stats file
                 "inner_steps": stats.get("inner_steps", 0),
@@ -335,7 +454,7 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
         "overlap": "--overlap" in cfg.worker_args,
         "rounds_committed": status.rounds_committed if cfg.mode == "sync" else None,
         "rounds_failed": status.rounds_failed if cfg.mode == "sync" else None,
-        "round_time_s": _round_times(out, len(speeds)) if cfg.mode == "sync" else None,
+        "round_time_s": _round_times([out / f"{p.stem}.json" for p in workers]) if cfg.mode == "sync" else None,
         "server": address,
         "initial_eval_loss": initial_loss,
         "final_eval_loss": final_loss,
@@ -361,17 +480,17 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, speeds, e
         "num_parameters": sum(math.prod(t.shape) for t in status.manifest.tensors),
         "job": dataclasses.asdict(cfg.job),
         "max_seconds_per_worker": cfg.max_seconds,
+        "leave_rejoin": list(cfg.leave_rejoin) if cfg.leave_rejoin is not None else None,
         "workers": per_worker,
         "eval_curve": curve,
     }
 
 
-def _round_times(out: pathlib.Path, num_workers: int) -> dict | None:
+def _round_times(stats_paths: list[pathlib.Path]) -> dict | None:
     """Medians over the workers' round logs, seconds: wall time between two committed
     rounds (``round``), waiting for the quorum, collective plus upload, commit wait."""
     between, quorum, collective, commit = [], [], [], []
-    for i in range(num_workers):
-        path = out / f"worker-{i}.json"
+    for path in stats_paths:
         if not path.exists():
             continue
         rounds = json.loads(path.read_text()).get("rounds", [])

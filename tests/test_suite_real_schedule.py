@@ -1,0 +1,60 @@
+"""suite_real maps a profile's virtual schedule onto the real clock as its docstring says:
+speeds ÷ v_min become slowdowns, virtual times × r / v_min become real seconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.suite import PROFILES
+from asyncdiloco.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
+from asyncdiloco.sim import SimConfig
+
+
+def test_changing_profile_maps_times_by_r_over_the_fastest_speed():
+    r = 0.02  # real s per step at --slowdown 1
+    sched = real_schedule(PROFILES["changing"], r)  # speeds (0.58, 0.75, 1.51, 3.33); at t=100: w0 -> 3.33, w3 -> 0.58
+    assert sched.real_s_per_virtual_s == pytest.approx(r / 0.58)
+    assert sched.slowdowns == pytest.approx((1.0, 0.75 / 0.58, 1.51 / 0.58, 3.33 / 0.58))
+    t_real = 100.0 * r / 0.58
+    (c0,), (), (), (c3,) = sched.slowdown_changes
+    assert c0 == pytest.approx((t_real, 3.33 / 0.58)) and c3 == pytest.approx((t_real, 1.0))
+    assert sched.leave_rejoin is None
+    # a worker of speed v takes r·v/v_min real s per step, so the change lands after the same number of its steps
+    assert t_real / (r * sched.slowdowns[0]) == pytest.approx(100.0 / 0.58)
+
+
+def test_leave_rejoin_profile_maps_both_times():
+    sched = real_schedule(PROFILES["leave_rejoin"], 0.01)  # speeds all 1.0; worker 3 away from 60 to 200
+    assert sched.slowdowns == (1.0, 1.0, 1.0, 1.0)
+    assert sched.leave_rejoin == pytest.approx((3, 0.6, 2.0))
+    assert sched.slowdown_changes == ((), (), (), ())
+
+
+def test_the_fastest_speed_counts_changed_speeds_too():
+    sched = real_schedule({"speeds": (2.0, 4.0), "changes": ((10.0, 1, 1.0),)}, 0.1)
+    assert sched.slowdowns == (2.0, 4.0)  # relative to 1.0, the fastest speed anyone reaches
+    assert sched.slowdown_changes == ((), ((1.0, 1.0),))
+
+
+def test_changes_become_the_worker_flag():
+    assert _changes_flag(((1.5, 5.741379), (3.0, 1.0))) == ("--slowdown-changes", "1.5000:5.74138,3.0000:1")
+    assert _changes_flag(()) == ()
+
+
+@pytest.mark.parametrize("r", [0.0, -1.0, float("nan")])
+def test_bad_step_time_is_refused(r):
+    with pytest.raises(ConfigError, match="real_s_per_step=.* is invalid"):
+        real_schedule(PROFILES["uneven"], r)
+
+
+def test_full_real_suite_covers_every_profile_and_quick_stays_uneven():
+    assert REAL_SUITES["full"].profiles == ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")
+    assert REAL_SUITES["quick"].profiles == ("uneven",) and len(REAL_SUITES["quick"].seeds) == 3
+
+
+def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
+    prof = PROFILES["leave_rejoin"]
+    cfg = SimConfig(method="sync_diloco", speeds_s_per_step=prof["speeds"], total_steps=100, leave_rejoin=prof["leave_rejoin"])
+    _, flags = server_flags(cfg, 0.05)
+    assert flags[flags.index("--min-workers") + 1] == "3"
