@@ -44,16 +44,23 @@ import time
 
 from asyncdiloco.demo import DemoConfig, run_demo
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
-from asyncdiloco.sim import SimConfig, staleness_mean
-from asyncdiloco.suite import PROFILES, SuiteConfig, _add_targets, peer_section, plot, report_markdown
+from asyncdiloco.sim import METHODS, SimConfig, staleness_mean
+from asyncdiloco.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
 
+#: The methods the real clock runs: what claims (b) and (c) and the method beyond the
+#: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
+#: of a server and four worker processes.
+REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
 #: Real-clock suites: ``quick`` runs the one profile the claims are about, so it fits in
 #: about 10 minutes; ``full`` runs all five (homogeneous, uneven, straggler, changing,
-#: leave_rejoin).
+#: leave_rejoin). The budget is the virtual suite's.
 REAL_SUITES = {
-    "quick": SuiteConfig(profiles=("uneven",), total_steps=600, eval_every_steps=100),
-    "full": SuiteConfig(profiles=tuple(PROFILES), total_steps=2400, eval_every_steps=200),
+    "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
+    "full": SuiteConfig(profiles=tuple(PROFILES), methods=("sync_localsgd", *REAL_METHODS)),
 }
+#: Seconds between the demo's evaluations of the global model: fine enough that the time
+#: to the target resolves a 3x speed-up of runs that train for tens of seconds.
+REAL_EVAL_EVERY_S = 0.5
 
 #: Token budget of a calibration demo, in inner steps summed over workers.
 CALIBRATION_STEPS = 300
@@ -117,10 +124,11 @@ def calibrate_real_s_per_step(profile: str, cfg: SuiteConfig, out_dir: pathlib.P
     speeds = PROFILES[profile]["speeds"]
     sim_cfg = SimConfig(method=CALIBRATION_METHOD, speeds_s_per_step=speeds, total_steps=CALIBRATION_STEPS,
                         local_steps=cfg.local_steps, job=cfg.job)  # fmt: skip
-    mode, flags = server_flags(sim_cfg, REAL_GRACE_S)
+    mode, flags, worker_args = server_flags(sim_cfg)
     demo = DemoConfig(
         num_workers=len(speeds), max_seconds=600.0, out_dir=str(out_dir), slowdowns=tuple(s / min(speeds) for s in speeds),
         server_args=flags, job=cfg.job, eval_every_s=60.0, mode=mode, token_budget=CALIBRATION_STEPS * cfg.job.tokens_per_step,
+        worker_args=worker_args,
     )  # fmt: skip
     run_demo(demo, progress=False)
     r = measured_real_s_per_step(out_dir)
@@ -141,27 +149,24 @@ def measured_real_s_per_step(run_dir: pathlib.Path) -> float | None:
         steps += st["inner_steps"] * st["slowdown"]
     return busy_s / steps if steps else None
 
-#: Grace window of the DN methods on the real clock, seconds (about one fast inner step
-#: of the suite's small model on this kind of machine, as 0.5 virtual s is half a step).
-REAL_GRACE_S = 0.05
-
-
-def server_flags(cfg: SimConfig, grace_s: float) -> tuple[str, tuple[str, ...]]:
-    """(mode, ``asyncdiloco server`` flags) of a method: the outer settings sim.py uses."""
+def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
+    settings the simulator gives the server (``sim.METHODS``); the grouping window is the
+    server's own auto window, as in the simulator."""
+    spec = METHODS[cfg.method]
     o = cfg.outer()
     flags = [
         "--local-steps", str(cfg.local_steps), "--outer-optimizer", o.optimizer, "--outer-lr", str(o.lr),
         "--outer-momentum", str(o.momentum), "--staleness", o.staleness, "--staleness-a", str(o.staleness_a),
+        "--dn-buffer", str(o.dn_buffer), "--grouping", spec.grouping, "--dylu" if spec.dylu else "--no-dylu",
+        *(("--block-check",) if o.block_check else ()),
     ]  # fmt: skip
-    if o.optimizer == "delayed_nesterov":
-        flags += ["--dn-buffer", str(o.dn_buffer), "--grace-s", str(grace_s)]
-    if cfg.method == "async_dn_dylu":
-        flags.append("--dylu")
-    if cfg.method.startswith("sync"):
+    worker_args = ("--overlap",) if spec.overlap else ()
+    if spec.mode == "sync":
         present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
         flags += ["--mode", "sync", "--min-workers", str(present), "--join-timeout-s", "30"]
-        return "sync", tuple(flags)
-    return "async", tuple(flags)
+        return "sync", tuple(flags), worker_args
+    return "async", tuple(flags), worker_args
 
 
 def run_real_suite(
@@ -196,12 +201,12 @@ def run_real_suite(
         sim_cfg = SimConfig(method=method, speeds_s_per_step=speeds, total_steps=cfg.total_steps,
                             local_steps=cfg.local_steps, seed=seed, job=cfg.job,
                             speed_changes=prof.get("changes", ()), leave_rejoin=prof.get("leave_rejoin"))  # fmt: skip
-        mode, flags = server_flags(sim_cfg, REAL_GRACE_S)
+        mode, flags, worker_args = server_flags(sim_cfg)
         job = dataclasses.replace(cfg.job, seed=seed)
         run_dir = out / "runs" / f"{profile}-{method}-{seed}"
         demo = DemoConfig(
             num_workers=len(speeds), max_seconds=600.0, out_dir=str(run_dir),
-            slowdowns=sched.slowdowns, server_args=flags, job=job, eval_every_s=2.0,
+            slowdowns=sched.slowdowns, server_args=flags, job=job, eval_every_s=REAL_EVAL_EVERY_S, worker_args=worker_args,
             mode=mode, token_budget=cfg.total_steps * job.tokens_per_step, leave_rejoin=sched.leave_rejoin,
             per_worker_args=tuple(_changes_flag(c) for c in sched.slowdown_changes),
         )  # fmt: skip
@@ -221,16 +226,7 @@ def run_real_suite(
         with open(jsonl, "a") as f:
             f.write(json.dumps(rec) + "\n")
     _add_targets(records, cfg.target_margin)
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "report.md").write_text(
-        report_markdown(records, cfg).replace("(virtual clock)", "(real clock)").replace(
-            "Time is virtual seconds (workers scheduled by their seconds per step).",
-            "Time is real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by "
-            "per-step delays relative to the fastest worker).",
-        )
-        + peer_section(cfg, out, progress)
-    )
-    plot(records, out)
+    write_outputs(records, cfg, out, "real", peer_section(cfg, out, progress))
     return records
 
 
@@ -264,6 +260,8 @@ def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: di
         "updates": report["version"],
         "staleness_histogram": hist,
         "mean_staleness": staleness_mean(hist),
+        "group_size_histogram": report.get("group_size_histogram") or [],
+        "run_config": report.get("run_config"),
         "bytes_up": report["bytes_pushed"],
         "bytes_down": report["bytes_pulled"],
         "curve": curve,

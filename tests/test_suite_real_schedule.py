@@ -56,5 +56,21 @@ def test_full_real_suite_covers_every_profile_and_quick_stays_uneven():
 def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
     prof = PROFILES["leave_rejoin"]
     cfg = SimConfig(method="sync_diloco", speeds_s_per_step=prof["speeds"], total_steps=100, leave_rejoin=prof["leave_rejoin"])
-    _, flags = server_flags(cfg, 0.05)
+    _, flags, _ = server_flags(cfg)
     assert flags[flags.index("--min-workers") + 1] == "3"
+
+
+def test_real_methods_get_the_simulators_server_settings():
+    from asyncdiloco import cli
+
+    kw = dict(speeds_s_per_step=(1.0, 2.0), total_steps=100)
+    mode, flags, worker_args = server_flags(SimConfig(method="async_dn_dylu", **kw))
+    assert mode == "async" and worker_args == ()
+    args = cli.build_parser().parse_args(["server", *flags])
+    server = cli._server_config(args, "127.0.0.1", 0)
+    sim = SimConfig(method="async_dn_dylu", **kw).server_config()
+    assert (server.outer, server.dylu, server.grouping, server.grace_s) == (sim.outer, sim.dylu, sim.grouping, sim.grace_s)
+    assert server_flags(SimConfig(method="async_dn_dylu_overlap", **kw))[2] == ("--overlap",)
+    _, flags, _ = server_flags(SimConfig(method="async_nesterov", **kw))
+    server = cli._server_config(cli.build_parser().parse_args(["server", *flags]), "127.0.0.1", 0)
+    assert (server.outer.optimizer, server.dylu, server.grouping) == ("nesterov", False, "off")
