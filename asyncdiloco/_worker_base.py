@@ -61,6 +61,9 @@ class WorkerBase:
         #: Overlap under a grouping server: the step count (since the last push) at which this
         #: round's sync point falls, H_w after the merge (None: ``local_steps``).
         self._round_steps: int | None = None
+        #: The server groups push replies (RunConfig.grouping): overlap trains on while a
+        #: reply is held, up to a round more, instead of blocking at the next sync point.
+        self._grouped = False
         self._lease_s = 60.0
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
@@ -197,6 +200,7 @@ class WorkerBase:
         self._set_codec(reply.run_config)
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
+        self._grouped = reply.run_config.grouping not in ("", "off")
         self._rate_known = self.mode != "async" or not reply.run_config.dylu
         self._rate_t0 = None
         return reply

@@ -234,6 +234,7 @@ class ParameterServerClient:
         compute_s: float = 0.0,
         kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
         quorum_id: int = 0,
+        last: bool = False,
     ) -> pb.PushReply:
         """Stream one payload (pseudo-gradient or initial parameters).
 
@@ -256,6 +257,7 @@ class ParameterServerClient:
             kind=kind,
             compute_s=compute_s,
             quorum_id=quorum_id,
+            last=last,
         )
 
         if self._bulk is not None and payload.is_contiguous():

@@ -103,6 +103,8 @@ class _PendingPush:
     num_local_steps: int
     num_tokens: int
     compute_s: float
+    #: Sent while the worker closes: the server does not hold its reply for a group.
+    last: bool = False
 
     def send(self, client, worker_id: int, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
         """Push ``payload`` with this push's id, base version and counts (``client.push``,
@@ -117,6 +119,7 @@ class _PendingPush:
             num_tokens=self.num_tokens,
             compute_s=self.compute_s,
             kind=kind,
+            last=self.last,
         )
 
 
@@ -159,6 +162,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._round_started = time.monotonic()
         self._overlap = BackgroundSync(n, pin_memory=on_cuda) if config.overlap else None
         self._joined_at: float | None = None
+        self._closing = False
 
     # ------------------------------------------------------------ lifecycle
     def _mode_mismatch_message(self, server_mode: str) -> str:
@@ -212,6 +216,9 @@ class AsyncDiLoCoWorker(WorkerBase):
                 log.warning("the sync in flight at close failed: %s", exc)
             self.stats.blocked_s += time.monotonic() - started
         if self.worker_id and not self._needs_rejoin and self.config.push_on_close:
+            self._closing = True  # the final pushes' replies are not held for a group
+            if self._pending is not None:
+                self._pending.last = True
             for _ in range(2):  # a pending retry, then the steps taken since it was packed
                 if not (self._steps_since_sync > 0 or self._pending):
                     break
@@ -244,6 +251,8 @@ class AsyncDiLoCoWorker(WorkerBase):
     # ------------------------------------------------------------- overlap
     def _overlapped_sync_point(self) -> bool | None:
         merged = False
+        if self._overlap.in_flight and self._grouped and self._steps_since_sync < 2 * self.local_steps:
+            return None  # its reply is held while the group forms: train on, merge when it comes
         if self._overlap.in_flight:  # the previous sync is late: wait for it (blocked time)
             merged = self._wait_and_merge()
             if self._pending is None and self._steps_since_sync < self.local_steps:
@@ -377,6 +386,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
             compute_s=time.monotonic() - self._round_started,
+            last=self._closing,
         )
         self._next_push_id += 1
         self._steps_since_sync = 0

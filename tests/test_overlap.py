@@ -36,8 +36,9 @@ W_TRUE = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
 @pytest.fixture
 def make_server(start_server):
     """Servers whose outer step is plain SGD η = 1 unless ``outer`` is given, with a fixed
-    H (no DyLU): these tests count pushes and steps."""
-    return functools.partial(start_server, outer=SGD1, dylu=False)
+    H (no DyLU) and replies not grouped: these tests count pushes and steps, and pin
+    overlap's own rule (a sync still in flight at the next sync point is waited for)."""
+    return functools.partial(start_server, outer=SGD1, dylu=False, grouping="off")
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -420,3 +421,31 @@ def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent
                          encode=lambda d: d.view(torch.uint8))  # fmt: skip
     assert isinstance(out.error, InvalidPayloadError) and "non-finite" in str(out.error)
     assert pending.payload is None and out.push_reply is None and not out.pulled
+
+
+# ------------------------------------------------------------ under grouping
+def test_a_held_reply_does_not_block_training_and_nothing_is_lost(start_server):
+    # The server holds the reply until the other expected worker pushes; the overlapping
+    # worker trains past its next sync point instead of waiting, merges once the group is
+    # released, and every step still reaches the server exactly once.
+    srv = start_server(outer=SGD1, dylu=False, grouping="window", grace_s=120.0, local_steps=3)
+    model, opt, disp, worker = make_worker(srv)
+    steps = stepper(model, opt)
+    worker.join()
+    assert worker._grouped
+    theta_init = srv.state.params.clone()
+    other = ParameterServerClient(srv.address)
+    other_id = other.join(worker.manifest, "other").worker_id  # expected: it joined just now
+    steps(3)  # sync point: push in the background, its reply held for "other"
+    steps(3)  # the next sync point comes while the reply is held: no wait
+    assert worker._overlap.in_flight and worker.stats.pulls == 0 and worker.stats.inner_steps == 6
+    delta_o = torch.full_like(theta_init, 0.01)
+    reply = other.push(worker.manifest.pack_flat(delta_o), worker_id=other_id, push_id=2, base_version=0)
+    assert reply.applied  # the group is whole: both replies go out
+    wait_background(worker)
+    steps(1)  # merged in the post-step hook
+    assert worker.stats.pulls == 1 and worker._round_steps is not None and worker._round_steps >= 3
+    worker.close()  # pushes the steps since the snapshot
+    other.close()
+    torch.testing.assert_close(srv.state.params, theta_init + disp.total - delta_o, rtol=0, atol=1e-5)
+    assert srv.state.status().tokens == worker.stats.inner_steps * 16

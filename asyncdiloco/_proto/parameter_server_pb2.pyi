@@ -166,7 +166,7 @@ class PullMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id")
+    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id", "last")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class PushHeader(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     push_id: int
     base_version: int
@@ -189,7 +190,8 @@ class PushHeader(_message.Message):
     kind: PushKind
     compute_s: float
     quorum_id: int
-    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ...) -> None: ...
+    last: bool
+    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -252,7 +252,8 @@ class BulkServer:
                 drain(conn, total)
             self._reply(conn, exc.grpc_code, str(exc))
             return
-        self._reply(conn, grpc.StatusCode.OK, push=self.state.finish_push(outcome, header.worker_id))
+        reply = self.state.finish_push(outcome, header.worker_id, hold=not header.last)  # a last push is not held
+        self._reply(conn, grpc.StatusCode.OK, push=reply)
 
     def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:
         try:

@@ -91,7 +91,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
-        return self.state.finish_push(outcome, worker_id)
+        return self.state.finish_push(outcome, worker_id, hold=not first.header.last)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:

@@ -806,16 +806,17 @@ class ParameterServerState(SyncRounds, DurableState):
         with self._lock:
             self.duplicate_pushes += 1
 
-    def finish_push(self, outcome: PushOutcome, worker_id: int = 0) -> pb.PushReply:
+    def finish_push(self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True) -> pb.PushReply:
         """The reply to a push that was applied or answered as a retry (gRPC and bulk):
         counts a duplicate, or holds an applied push until its group is released
         (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
-        together pull the same model. H_w is taken after the wait, when the group's
-        rates are in."""
+        together pull the same model (not when ``hold`` is False: the worker's last
+        push, ``PushHeader.last``). H_w is taken after the wait, when the group's rates
+        are in."""
         held_s = 0.0
         if outcome.duplicate:
             self.record_duplicate()
-        elif outcome.group_id:
+        elif outcome.group_id and hold:
             held_s = self.groups.wait(outcome.group_id)
         local_steps = self.local_steps_for(worker_id) if worker_id else outcome.local_steps
         return pb.PushReply(
