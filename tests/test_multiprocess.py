@@ -65,10 +65,32 @@ def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join():
     assert f"could not join the parameter server at 127.0.0.1:{port}" in proc.stderr
 
 
-def test_worker_without_a_bound_is_refused():
-    proc = subprocess.run([*CLI, "-q", "worker", "--server", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "give --max-steps N or --max-seconds S" in proc.stderr
+@pytest.fixture
+def cli_exit(monkeypatch, capsys):
+    """``asyncdiloco ARGV`` in-process (refusals happen before anything starts) -> (exit
+    status, standard error); the worker's process-wide settings (signal handler, torch
+    threads, allocator) are not applied to the test process."""
+    import torch
+
+    import asyncdiloco._malloc
+    from asyncdiloco import cli
+
+    monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
+
+    def run(argv) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["-q", *argv])
+        return exc.value.code, capsys.readouterr().err
+
+    return run
+
+
+def test_worker_without_a_bound_is_refused(cli_exit):
+    code, err = cli_exit(["worker", "--server", "127.0.0.1:1"])
+    assert code == 2
+    assert "give --max-steps N or --max-seconds S" in err
 
 
 def test_server_on_a_busy_port_exits_with_a_clear_message():
@@ -114,7 +136,7 @@ def test_server_prints_the_chosen_port_and_stops_on_sigterm(tmp_path):
         (["worker", "--server", "127.0.0.1:1", "--max-steps", "-5"], "max_steps=-5 is invalid"),
     ],
 )
-def test_bad_cli_values_get_one_line_errors(argv, needle):
-    proc = subprocess.run([*CLI, "-q", *argv], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert needle in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_cli_values_get_one_line_errors(argv, needle, cli_exit):
+    code, err = cli_exit(argv)
+    assert code == 2, err
+    assert needle in err and "Traceback" not in err
