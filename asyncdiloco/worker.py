@@ -83,6 +83,9 @@ class WorkerStats:
     #: the whole sync without overlap; with overlap the snapshot, Δ, packing, waits for a
     #: sync still in flight, the merge and rejoins.
     blocked_s: float = 0.0
+    #: Seconds the server held this worker's push replies while their groups formed
+    #: (``PushReply.held_s``; part of ``comm_s``).
+    held_s: float = 0.0
     #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
     wall_s: float = 0.0
     #: τ of every applied push, in order.
@@ -402,6 +405,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._base.sub_(self._decode_payload(pending.payload, self._scratch))
             self._carry_residual = self.codec.name != "raw"
         self.stats.pushes_applied += 1
+        self.stats.held_s += reply.held_s
         self.stats.staleness.append(reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
         self._rate_known = True  # from now on each push's compute_s carries the rate
