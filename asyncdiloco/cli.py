@@ -94,11 +94,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="Dynamic Local Updates: H_w = floor(v_w / max v * H) per worker, from the rates the workers "
                         "report from their first round on (default: on)")
     p.add_argument("--grouping", choices=GROUPINGS, default=d.grouping,
-                   help="hold push replies until every live worker pushed or the window ends (window), until the "
+                   help="hold push replies until every expected worker pushed or the window ends (window), until the "
                         "Delayed Nesterov buffer is complete (barrier), or not at all (off) (default %(default)s)")
     p.add_argument("--grace-s", type=_seconds_or_auto, default=d.grace_s,
-                   help="grouping window in seconds from a group's first push, or auto: 1.5 inner steps of the "
-                        "slowest live worker (default auto)")
+                   help="grouping window in seconds from a group's first push, or auto: one round of the fastest "
+                        "worker, at least 1.5 inner steps of the slowest (default auto)")
     p.add_argument("--group-max-wait-s", type=_seconds_or_auto, default=d.group_max_wait_s,
                    help="barrier: the longest a push reply is held, seconds, or auto: the longest round (default auto)")
     p.add_argument("--block-check", action="store_true",

@@ -263,17 +263,22 @@ class ParameterServerClient:
         if self._bulk is not None and payload.is_contiguous():
             reply = self._bulk.push(header, payload, self._payload_timeout(total) + self.group_wait_s)
             if reply is not None:
+                self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
                 return reply
         def messages():
             yield pb.PushMessage(header=header)
             yield from chunk_messages(payload, self.chunk_bytes)
 
-        return self._call(self._push, messages(), self._payload_timeout(total) + self.group_wait_s)
+        reply = self._call(self._push, messages(), self._payload_timeout(total) + self.group_wait_s)
+        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        return reply
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
         """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker
         measured (DyLU). The reply's ``local_steps`` is H_w for the current round."""
-        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, steps_per_s=steps_per_s))
+        reply = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, steps_per_s=steps_per_s))
+        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        return reply
 
     def leave(self, worker_id: int) -> None:
         self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))

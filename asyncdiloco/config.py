@@ -262,12 +262,12 @@ class ServerConfig:
     #: from its inner-step rate v_w (reported by the worker from its first round on).
     dylu: bool = True
     #: How push replies are grouped (schedule.py; Liu et al. 2024, Alg. 2): "window" holds
-    #: them until every live worker has pushed or ``grace_s`` after the group's first
+    #: them until every expected worker has pushed or ``grace_s`` after the group's first
     #: arrival; "barrier" until the Delayed Nesterov buffer of N arrivals is complete or
     #: ``group_max_wait_s``; "off" replies at once.
     grouping: str = "window"
-    #: The window, seconds from a group's first arrival; None = auto: 1.5 inner steps of
-    #: the slowest live worker (``schedule.auto_window_s``).
+    #: The window, seconds from a group's first arrival; None = auto: one round of the
+    #: fastest live worker, at least 1.5 inner steps of the slowest (``schedule.auto_window_s``).
     grace_s: float | None = None
     #: "barrier": the longest a reply is held, seconds; None = auto: the longest round
     #: (H_w / v_w) of a live worker plus the window.
@@ -322,8 +322,11 @@ class ServerConfig:
         _require(self.pull_snapshots >= 1, "pull_snapshots", self.pull_snapshots, "must be >= 1 version")
         _require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
         _require(self.grouping in GROUPINGS, "grouping", self.grouping, f"choose one of {GROUPINGS}")
+        _require(self.grouping != "barrier" or self.outer.optimizer == "delayed_nesterov", "grouping", self.grouping,
+                 f"a barrier waits for the Delayed Nesterov buffer, which {self.outer.optimizer!r} has none of: "
+                 "use --outer-optimizer delayed_nesterov, or --grouping window")  # fmt: skip
         _require(self.grace_s is None or 0 <= self.grace_s <= 600, "grace_s", self.grace_s,
-                 "must be in [0, 600] seconds, or None (auto: 1.5 inner steps of the slowest worker)")  # fmt: skip
+                 "must be in [0, 600] seconds, or None (auto: one round of the fastest worker)")  # fmt: skip
         _require(self.group_max_wait_s is None or 0 < self.group_max_wait_s <= 3600, "group_max_wait_s",
                  self.group_max_wait_s, "must be in (0, 3600] seconds, or None (auto: the longest round)")  # fmt: skip
         _require(self.wire_codec in WIRE_CODECS, "wire_codec", self.wire_codec, f"choose one of {WIRE_CODECS}")

@@ -18,9 +18,9 @@ the virtual-clock simulator, so the two run the same logic.
   arrivals then holds N pseudo-gradients from one starting model (N arrivals from one
   model with c = 0 are exactly one synchronous Nesterov step on their mean).
   ``GroupWindow`` decides when a group is released: the window opens at the group's
-  first arrival and is released as soon as every live worker has arrived in it
-  (``"window"``) or the Delayed Nesterov buffer is complete (``"barrier"``), and at
-  the latest when the window ends. Anchoring the window at the first arrival (instead
+  first arrival and is released as soon as every expected worker (alive, and pushing:
+  the server's ``_expected_locked``) has arrived in it, or (``"barrier"``) the Delayed
+  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the window at the first arrival (instead
   of restarting it at every arrival) bounds every wait and never chains groups.
 """
 
@@ -31,9 +31,13 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-#: Grouping modes: "off" (replies at once), "window" (all live workers, or the window),
+#: Grouping modes: "off" (replies at once), "window" (all expected workers, or the window),
 #: "barrier" (the Delayed Nesterov buffer complete, or the cap).
 GROUPINGS = ("off", "window", "barrier")
+#: The longest auto window, seconds (a rate reported absurdly low cannot hold replies longer).
+MAX_WINDOW_S = 600.0
+#: Reported or measured rates are clamped to this range, inner steps per second.
+RATE_RANGE = (1e-4, 1e7)
 
 
 def dylu_local_steps(steps_per_s: Mapping[int, float], local_steps: int) -> dict[int, int]:
@@ -95,6 +99,7 @@ class StepRateMeter:
             self._sample(worker_id, num_local_steps / (now - last))
 
     def _sample(self, worker_id: int, sample: float) -> None:
+        sample = min(max(sample, RATE_RANGE[0]), RATE_RANGE[1])
         old = self.rates.get(worker_id)
         self.rates[worker_id] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
@@ -120,7 +125,7 @@ def auto_window_s(rates: Iterable[float], local_steps: int, floor_s: float = 0.0
     rates = [v for v in rates if v > 0]
     if not rates:
         return 1.0
-    return max(floor_s, local_steps / max(rates), 1.5 / min(rates))
+    return min(MAX_WINDOW_S, max(floor_s, local_steps / max(rates), 1.5 / min(rates)))
 
 
 @dataclasses.dataclass
@@ -141,8 +146,9 @@ class GroupWindow:
     simulator asks the same object on its virtual clock. A group opens at its first
     arrival with a deadline ``window_s`` later and is released at the first of:
 
-    - ``"window"``: every live worker has arrived in it;
-    - ``"barrier"``: the Delayed Nesterov buffer is complete (the caller says so);
+    - ``"window"``: every expected worker has arrived in it;
+    - ``"barrier"``: the Delayed Nesterov buffer is complete (the caller says so), or
+      every expected worker has arrived (a buffer larger than the workers never fills);
     - the deadline (a dead or late worker never holds the others longer).
 
     An arrival after its group's release opens the next group.
@@ -181,16 +187,14 @@ class GroupWindow:
         return group.group_id
 
     def recheck(self, now: float, live: set[int]) -> None:
-        """A worker left or lapsed: the open group may now hold every live worker."""
+        """A worker left or lapsed: the open group may now hold every expected worker."""
         if self._open is not None and self._open.released_at is None:
             self._check_complete(self._open, now, live, False)
 
     def _check_complete(self, group: _Group, now: float, live: set[int], buffer_complete: bool) -> None:
         if self.mode == "off":
             self._release(group, now)
-        elif self.mode == "window" and live <= group.members:
-            self._release(group, now)
-        elif self.mode == "barrier" and buffer_complete:
+        elif live <= group.members or (self.mode == "barrier" and buffer_complete):
             self._release(group, now)
 
     def _expire(self, group: _Group, now: float) -> None:
@@ -204,6 +208,11 @@ class GroupWindow:
         self.size_histogram[group.arrivals - 1] += 1
         for old in [g for g in self._groups if g < group.group_id - 64]:  # keep the recent ones only
             del self._groups[old]
+
+    def release_all(self, now: float) -> None:
+        """Release the open group now (the server is stopping)."""
+        if self._open is not None and self._open.released_at is None:
+            self._release(self._open, now)
 
     def released(self, group_id: int, now: float) -> bool:
         """Whether the group is released at ``now`` (releases it at its deadline)."""
@@ -251,17 +260,25 @@ class GroupGate:
             self.window.recheck(self._clock(), live)
             self._cond.notify_all()
 
-    def wait(self, group_id: int) -> float:
-        """Block until group ``group_id`` is released; returns the seconds waited."""
+    def wait(self, group_id: int, max_wait_s: float = math.inf) -> float:
+        """Block until group ``group_id`` is released, or ``max_wait_s`` (the caller's
+        deadline); returns the seconds waited."""
         start = self._clock()
         with self._cond:
             if self.window.released(group_id, start):
                 return 0.0  # not held
             while True:
                 now = self._clock()
-                if self.window.released(group_id, now):
+                if self.window.released(group_id, now) or now - start >= max_wait_s:
                     return now - start
-                self._cond.wait(max(1e-3, self.window.deadline(group_id) - now))
+                until = min(self.window.deadline(group_id), start + max_wait_s)
+                self._cond.wait(min(threading.TIMEOUT_MAX, max(1e-3, until - now)))
+
+    def close(self) -> None:
+        """Release every held reply (the server is stopping)."""
+        with self._cond:
+            self.window.release_all(self._clock())
+            self._cond.notify_all()
 
     def size_histogram(self) -> list[int]:
         with self._cond:

@@ -245,6 +245,9 @@ def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     groups: list[int] = []
     while steps < cfg.total_steps:
         members = [r for r in replicas if _present(cfg, r.index, t)]
+        if not members:  # everyone away: the round starts when the worker is back
+            t = cfg.leave_rejoin[2]
+            continue
         allotted = min(cfg.local_steps * len(members), cfg.total_steps - steps)
         deltas = torch.zeros_like(theta)
         round_s = 0.0
@@ -323,8 +326,10 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     def start(i: int, t: float) -> None:
         """Worker i's reply (or join) arrives at ``t``: it pulls and starts a round."""
         r, s = replicas[i], _speed(cfg, i, t)
-        if not _present(cfg, i, t):  # away: leave now, come back at the rejoin time
+        if not _present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
             state.leave(ids[i])
+            pushed_at.pop(i, None)
+            snapshots.pop(i, None)
             heapq.heappush(events, (cfg.leave_rejoin[2], i, 0, 0.0, 0))
             return
         h_w = state.local_steps_for(ids[i])
@@ -339,7 +344,7 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
         rest = allot(h_w)  # H_w more after the merge: the round ends with the group's next one
         if ahead + rest == 0:  # the budget is spent: this worker is done (it stays registered, so
             return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
-        finish = began + (ahead + rest) * s
+        finish = max(t, began + (ahead + rest) * s)  # it trains on from its push: no step is idle
         r.busy_s += (ahead + rest) * s
         heapq.heappush(events, (finish, i, rest, 0.0, ahead + rest))
 
@@ -364,7 +369,7 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             release_due(deadline)
             continue
         finish, i, h, compute, h_push = heapq.heappop(events)
-        clock.t = finish
+        clock.t = max(clock.t, finish)
         if h_push == 0:  # a rejoin: a new registration that reports its rate, then a pull
             ids[i] = state.join(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))[0]
             push_ids[i] = 2

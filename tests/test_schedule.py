@@ -228,3 +228,50 @@ def test_a_worker_that_stopped_pushing_stops_holding_groups_before_its_lease_lap
     assert state.groups.window.released(out.group_id, clock.t)  # a group of one, released at once
     assert state.outer.config.dn_buffer == 0 and state.outer.arrivals == 0  # N = 1 expected worker
     assert {w.worker_id for w in state.status().workers if w.alive} == {a, dead}  # still leased
+
+
+def test_a_reply_is_never_held_past_the_callers_deadline():
+    gate = GroupGate("window", time.monotonic)
+    g = gate.arrive(1, {1, 2}, window_s=600.0)
+    done = []
+    t = threading.Thread(target=lambda: done.append(gate.wait(g, max_wait_s=0.05)))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and not gate.window.released(g, time.monotonic())
+
+
+def test_stopping_releases_every_held_reply():
+    gate = GroupGate("window", time.monotonic)
+    g = gate.arrive(1, {1, 2}, window_s=600.0)
+    t = threading.Thread(target=gate.wait, args=(g,))
+    t.start()
+    gate.close()
+    t.join(timeout=30)
+    assert not t.is_alive() and gate.window.released(g, time.monotonic())
+
+
+def test_a_worker_without_a_rate_stops_holding_groups_after_the_longest_known_round():
+    state, manifest, clock = _state(lease_s=3600)
+    a, _, _ = state.join(manifest, "a", steps_per_s=20.0)  # rounds of 1 s
+    ghost, _, _ = state.join(manifest, "ghost")  # joined, never steps, keeps its lease
+    _init(state, manifest, a)
+    clock.t = 10.0
+    out = _push(state, manifest, a, 2, 20, compute_s=1.0)
+    assert state.groups.window.released(out.group_id, clock.t)
+
+
+def test_absurd_rates_are_clamped_and_the_auto_window_bounded():
+    state, manifest, _ = _state()
+    a, _, _ = state.join(manifest, "a", steps_per_s=1e-12)
+    b, _, _ = state.join(manifest, "b", steps_per_s=1e300)
+    assert state.run_config(a).group_window_s <= 600.0
+    assert state.local_steps_for(b) == 20 and state.local_steps_for(a) == 1
+
+
+def test_barrier_needs_delayed_nesterov_and_releases_once_every_expected_worker_pushed():
+    with pytest.raises(ConfigError, match="grouping='barrier'.*delayed_nesterov"):
+        ServerConfig(grouping="barrier", outer=OuterConfig(optimizer="nesterov"))
+    w = GroupWindow("barrier")
+    g = w.arrive(1, 0.0, {1, 2}, window_s=30.0)
+    w.arrive(2, 1.0, {1, 2}, window_s=30.0)  # a buffer of 4 would never fill with 2 workers
+    assert w.release_time(g) == 1.0

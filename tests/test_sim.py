@@ -136,3 +136,13 @@ def test_overlap_under_grouping_keeps_groups_whole_and_workers_busy():
     assert eager.steps == plain.steps == 450
     assert eager.group_size_histogram[-1] >= sum(eager.group_size_histogram) - 2  # whole groups (the budget's end aside)
     assert eager.utilisation > plain.utilisation and eager.utilisation > 0.97
+
+
+def test_overlap_with_a_worker_that_leaves_keeps_time_moving_forward():
+    cfg = SimConfig(method="async_dn_dylu_overlap", speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=150, local_steps=5,
+                    job=TINY, eval_every_steps=15, leave_rejoin=(2, 10.0, 30.0))
+    r = simulate(cfg)
+    times = [p["time_s"] for p in r.curve]
+    assert r.steps == 150 and times == sorted(times)
+    assert all(b <= r.wall_s + 1e-9 for b in r.busy_s)
+    assert r.busy_s[2] <= r.wall_s - 20.0 + 5.0  # away for 20 s: not busy then (one round of slack)

@@ -202,7 +202,7 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps", "held_s")
+    __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps", "held_s", "group_max_wait_s")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class PushReply(_message.Message):
     STALENESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     HELD_S_FIELD_NUMBER: _ClassVar[int]
+    GROUP_MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     duplicate: bool
     version: int
@@ -217,7 +218,8 @@ class PushReply(_message.Message):
     staleness_weight: float
     local_steps: int
     held_s: float
-    def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
+    group_max_wait_s: float
+    def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ..., held_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "steps_per_s")
@@ -228,16 +230,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "lease_remaining_s", "initialize", "local_steps")
+    __slots__ = ("version", "lease_remaining_s", "initialize", "local_steps", "group_max_wait_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     INITIALIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     lease_remaining_s: float
     initialize: bool
     local_steps: int
-    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ..., local_steps: _Optional[int] = ...) -> None: ...
+    group_max_wait_s: float
+    def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ..., local_steps: _Optional[int] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id",)

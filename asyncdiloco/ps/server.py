@@ -199,6 +199,7 @@ class ParameterServer:
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
+        self.state.groups.close()  # held push replies go out now, not at their deadlines
         if self.bulk is not None:
             self.bulk.stop(grace_s)
             self.bulk = None

@@ -91,7 +91,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                         worker_id)
             self.state.record_rejected(worker_id)
             raise
-        return self.state.finish_push(outcome, worker_id, hold=not first.header.last)
+        remaining = context.time_remaining()  # never hold a reply past the client's deadline
+        max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
+        return self.state.finish_push(outcome, worker_id, hold=not first.header.last, max_wait_s=max_wait_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
@@ -99,7 +101,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         return pb.HeartbeatReply(version=version, lease_remaining_s=remaining, initialize=initialize,
-                                 local_steps=self.state.local_steps_for(request.worker_id))
+                                 local_steps=self.state.local_steps_for(request.worker_id),
+                                 group_max_wait_s=self.state.group_max_wait_s())
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.state.leave(request.worker_id)

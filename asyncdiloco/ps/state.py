@@ -222,12 +222,13 @@ class ParameterServerState(SyncRounds, DurableState):
         window = self._group_window_s_locked()
         rates = self._live_rates_locked()
         steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
+        rounds = {w: steps.get(w, self.config.local_steps) / v for w, v in rates.items()}
+        unknown_s = max(rounds.values(), default=math.inf)  # no rate yet: the longest known round
         expected = set()
         for w, rec in self._workers.items():
             if not rec.alive:
                 continue
-            v = rates.get(w)
-            round_s = steps.get(w, self.config.local_steps) / v if v else math.inf
+            round_s = rounds.get(w, unknown_s)
             if now - max(rec.joined_at, rec.last_push) <= 2 * round_s + window:
                 expected.add(w)
         return expected
@@ -242,7 +243,7 @@ class ParameterServerState(SyncRounds, DurableState):
         rates = self._live_rates_locked()
         steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
         rounds = [steps.get(w, self.config.local_steps) / v for w, v in rates.items()]
-        return max(rounds, default=30.0) + self._group_window_s_locked()
+        return min(3600.0, max(rounds, default=30.0) + self._group_window_s_locked())
 
     def _wire_codec(self) -> WireCodec:
         """The run's wire codec for the current manifest (rebuilt if the provisional
@@ -672,8 +673,8 @@ class ParameterServerState(SyncRounds, DurableState):
                     return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
                 rec = self._touch_locked(header.worker_id)
                 tau, weight, version_after = self._check_staleness_locked(header)
-                expected = self._expected_locked(self._clock())
-                live = max(1, len(expected))  # N for delayed_nesterov with dn_buffer=0
+                expected = self._expected_locked(self._clock()) | {header.worker_id}
+                live = len(expected)  # N for delayed_nesterov with dn_buffer=0
                 if self.journal is not None:  # durable before it is applied and acknowledged
                     self.journal.log_push(header, payload, tau, weight, version_after, live)
             self._apply_delta(header, delta, weight, live, version_after)  # the tensor math: _lock is free meanwhile
@@ -689,7 +690,7 @@ class ParameterServerState(SyncRounds, DurableState):
                     self._rates.record(header.worker_id, header.num_local_steps, self._clock(), header.compute_s)
                     rec.last_push = self._clock()
                     group_id = self.groups.arrive(
-                        header.worker_id, expected | {header.worker_id}, self._group_max_wait_s_locked(),
+                        header.worker_id, expected, self._group_max_wait_s_locked(),
                         buffer_complete=isinstance(self.outer, DelayedNesterov) and self.outer.arrivals == 0,
                     )  # fmt: skip
                     # (the remembered outcome stays as replay rebuilds it; H_w is recomputed per reply)
@@ -806,18 +807,21 @@ class ParameterServerState(SyncRounds, DurableState):
         with self._lock:
             self.duplicate_pushes += 1
 
-    def finish_push(self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True) -> pb.PushReply:
+    def finish_push(self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True,
+                    max_wait_s: float = math.inf) -> pb.PushReply:
         """The reply to a push that was applied or answered as a retry (gRPC and bulk):
         counts a duplicate, or holds an applied push until its group is released
         (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
         together pull the same model (not when ``hold`` is False: the worker's last
         push, ``PushHeader.last``). H_w is taken after the wait, when the group's rates
-        are in."""
+        are in. The wait ends by ``max_wait_s`` (the caller's deadline) in any case.
+        ``group_max_wait_s`` in the reply is the current bound on that wait, for the
+        worker's next push deadline."""
         held_s = 0.0
         if outcome.duplicate:
             self.record_duplicate()
         elif outcome.group_id and hold:
-            held_s = self.groups.wait(outcome.group_id)
+            held_s = self.groups.wait(outcome.group_id, max_wait_s)
         local_steps = self.local_steps_for(worker_id) if worker_id else outcome.local_steps
         return pb.PushReply(
             applied=outcome.applied,
@@ -827,7 +831,13 @@ class ParameterServerState(SyncRounds, DurableState):
             staleness_weight=outcome.staleness_weight,
             local_steps=local_steps,
             held_s=held_s,
+            group_max_wait_s=self.group_max_wait_s(),
         )
+
+    def group_max_wait_s(self) -> float:
+        """The longest a push reply may be held now, seconds (RunConfig.group_max_wait_s)."""
+        with self._lock:
+            return self._group_max_wait_s_locked()
 
     # ---------------------------------------------------------------- status
     def status(self) -> pb.StatusReply:
