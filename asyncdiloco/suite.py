@@ -300,8 +300,9 @@ def claims(summary: dict) -> list[str]:
         verdict = lambda ok: "**shown**" if ok else "**NOT shown**"  # noqa: E731
         if a["value"] is not None:
             why = "" if a["shown"] else (
-                " At this scale (a 1-layer model, H small, tens of outer steps) plain averaging is as good as "
-                "Nesterov's outer step; DiLoCo's gain is reported for long runs of large models with H in the hundreds."
+                " At this scale (a 1-layer model, H = 20, 50 outer steps) plain averaging matched or beat "
+                "Nesterov's outer step with DiLoCo's η 0.7, μ 0.9; DiLoCo's gain is reported for long runs of large "
+                "models with H in the hundreds."
             )  # fmt: skip
             lines.append(f"- (a) [{p}] sync DiLoCo {a['sync_diloco']:.3f} vs sync LocalSGD {a['sync_localsgd']:.3f}: "
                          f"gain {pct(a['value'])} (target {a['target']}): {verdict(a['shown'])}.{why}")  # fmt: skip
@@ -309,7 +310,7 @@ def claims(summary: dict) -> list[str]:
             lines.append(f"- (b) [{p}] naive async Nesterov {b['async_nesterov']:.3f} vs sync DiLoCo: {pct(b['value'])} "
                          f"(target {b['target']}): {verdict(b['shown'])}.")  # fmt: skip
         if cc["value"] is not None:
-            sp = "never on every seed" if cc["speedup"] is None else f"{cc['speedup']:.2f}x sooner"
+            sp = "not on every seed (of either)" if cc["speedup"] is None else f"{cc['speedup']:.2f}x sooner"
             lines.append(f"- (c) [{p}] {DEFAULT_METHOD} {cc[DEFAULT_METHOD]:.3f} vs sync DiLoCo: {pct(cc['value'])}, "
                          f"to the target {sp} (target {cc['target']}): {verdict(cc['shown'])}.")  # fmt: skip
         if u["value"] is not None:
