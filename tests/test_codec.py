@@ -313,6 +313,7 @@ def test_in_process_workers_train_through_a_codec(server, name):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["int8", "bf16"])
 def test_demo_run_with_a_wire_codec_lowers_the_loss(tmp_path, name):

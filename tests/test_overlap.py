@@ -437,6 +437,10 @@ def test_a_held_reply_does_not_block_training_and_nothing_is_lost(start_server):
     other = ParameterServerClient(srv.address)
     other_id = other.join(worker.manifest, "other").worker_id  # expected: it joined just now
     steps(3)  # sync point: push in the background, its reply held for "other"
+    deadline = time.monotonic() + 30
+    while srv.state.applied_pushes < 1 and time.monotonic() < deadline:  # the push reached the server
+        time.sleep(0.01)
+    assert srv.state.applied_pushes == 1
     steps(3)  # the next sync point comes while the reply is held: no wait
     assert worker._overlap.in_flight and worker.stats.pulls == 0 and worker.stats.inner_steps == 6
     delta_o = torch.full_like(theta_init, 0.01)

@@ -109,6 +109,7 @@ def test_suite_writes_runs_report_and_plots(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
     from asyncdiloco.suite_real import run_real_suite
