@@ -3,15 +3,15 @@
 Workers are scheduled on a virtual clock by their seconds per inner step, but every
 inner step is real training (the default job's model and data), and every algorithm is
 the server's own code: asynchronous pushes go through ``ParameterServerState`` (outer
-optimizer, staleness weights, Delayed Nesterov, DyLU's step-rate meter, push
-accounting) with the virtual clock injected; synchronous rounds apply the mean
-pseudo-gradient with the same ``OuterOptimizer``; the grace window uses the server's
-rule (``schedule.in_grace_window``). Runs are deterministic for a given seed, and
-noise-free in time.
+optimizer, staleness weights, Delayed Nesterov, DyLU's rates, the grouping of replies by
+``schedule.GroupWindow``, push accounting) with the virtual clock injected; synchronous
+rounds apply the mean pseudo-gradient with the same ``OuterOptimizer``. Runs are
+deterministic for a given seed, and noise-free in time.
 
-Methods (Liu et al. 2024, arXiv 2401.09135, Table 1): ``sync_localsgd``,
-``sync_diloco``, ``async_nesterov``, ``async_nesterov_poly``, ``async_dn``,
-``async_dn_dylu``.
+Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and two beyond it):
+``sync_localsgd``, ``sync_diloco``, ``async_nesterov``, ``async_nesterov_poly``,
+``async_dn``, ``async_dn_dylu`` (the server's default), ``async_dn_dylu_barrier``,
+``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``.
 """
 
 from __future__ import annotations
