@@ -237,10 +237,12 @@ def make_outer_optimizer(params: torch.Tensor, config: OuterConfig,
 class PseudoGradientMonitor:
     """Warns when the pushed pseudo-gradients say the global model is diverging.
 
-    A healthy run's ‖Δ‖₂ changes slowly; a model that overshoots (outer η or μ too
+    A healthy run's ‖Δ‖ changes slowly; a model that overshoots (outer η or μ too
     large for the number of workers, a worker whose inner learning rate blows up) makes
     its workers' pseudo-gradients grow by orders of magnitude within a few pushes. Each
-    push's norm is compared with the median of the previous ``window`` pushes; one over
+    push's norm (the server passes ‖Δ‖∞, which its finiteness check already computes, so
+    the monitor adds no pass over the payload) is compared with the median of the
+    previous ``window`` pushes; one over
     ``factor`` times that median (after ``min_samples`` pushes) is logged as a warning
     and counted in ``warnings`` (StatusReply.divergence_warnings).
     """
@@ -252,7 +254,7 @@ class PseudoGradientMonitor:
         self.warnings = 0
 
     def observe(self, norm: float, worker_id: int, version: int) -> bool:
-        """Record ‖Δ‖₂ of a push applied at ``version``; True when it warned."""
+        """Record the norm of a push applied at ``version``; True when it warned."""
         warned = False
         if len(self._norms) >= self.min_samples and math.isfinite(norm):
             median = statistics.median(self._norms)

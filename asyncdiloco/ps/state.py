@@ -220,9 +220,7 @@ class ParameterServerState(SyncRounds, DurableState):
         joined since. A worker that stopped pushing without leaving (killed, hung) stops
         holding groups after that, long before its lease lapses."""
         window = self._group_window_s_locked()
-        rates = self._live_rates_locked()
-        steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
-        rounds = {w: steps.get(w, self.config.local_steps) / v for w, v in rates.items()}
+        rounds = self._rounds_s_locked()
         unknown_s = max(rounds.values(), default=math.inf)  # no rate yet: the longest known round
         expected = set()
         for w, rec in self._workers.items():
@@ -240,10 +238,14 @@ class ParameterServerState(SyncRounds, DurableState):
             return self._group_window_s_locked()
         if self.config.group_max_wait_s is not None:
             return self.config.group_max_wait_s
+        longest = max(self._rounds_s_locked().values(), default=30.0)
+        return min(3600.0, longest + self._group_window_s_locked())
+
+    def _rounds_s_locked(self) -> dict[int, float]:
+        """Seconds of a round of each live worker with a known rate: H_w / v_w."""
         rates = self._live_rates_locked()
         steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
-        rounds = [steps.get(w, self.config.local_steps) / v for w, v in rates.items()]
-        return min(3600.0, max(rounds, default=30.0) + self._group_window_s_locked())
+        return {w: steps.get(w, self.config.local_steps) / v for w, v in rates.items()}
 
     def _wire_codec(self) -> WireCodec:
         """The run's wire codec for the current manifest (rebuilt if the provisional
@@ -652,8 +654,7 @@ class ParameterServerState(SyncRounds, DurableState):
     def _apply_decoded(self, header: pb.PushHeader, payload: torch.Tensor, delta: torch.Tensor) -> PushOutcome:
         """Check and apply a decoded push: ``delta`` (N,) fp32 (used as scratch by the
         outer step); ``payload`` is what the journal logs, as received."""
-        largest = _largest_magnitude(delta)  # NaN/Inf propagate
-        norm = float(torch.linalg.vector_norm(delta)) if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else 0.0
+        largest = _largest_magnitude(delta)  # NaN/Inf propagate; also ‖Δ‖∞ for the divergence monitor
         if not math.isfinite(largest):
             bad = int((~torch.isfinite(delta)).sum())
             raise InvalidPayloadError(
@@ -695,7 +696,7 @@ class ParameterServerState(SyncRounds, DurableState):
                     )  # fmt: skip
                     # (the remembered outcome stays as replay rebuilds it; H_w is recomputed per reply)
                     outcome = dataclasses.replace(outcome, group_id=group_id)
-                    self.monitor.observe(norm, header.worker_id, self.version)
+                    self.monitor.observe(largest, header.worker_id, self.version)
         if self.journal is not None:
             self.journal.maybe_checkpoint()
         return outcome
