@@ -187,9 +187,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             )
             self._must_initialize = False
             self.version = 0
-            self._steps_since_sync = 0  # the steps so far are in the initial parameters
-            self._tokens_since_sync = 0
-            self._round_started = time.monotonic()
+            self._start_round()  # the steps so far are in the initial parameters
             log.info("worker %d initialized the global model", self.worker_id)
             return
         try:
@@ -310,10 +308,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.local_steps = out.run_config.local_steps or self.local_steps
         if out.stale is not None:  # restart from the global model, as without overlap
             self._load_flat_into_model(theta_g)
-            self._steps_since_sync = 0
-            self._tokens_since_sync = 0
-            self._round_started = time.monotonic()
-            self._round_steps = None
+            self._start_round()
         else:
             self._add_into_model(self._overlap.snapshot)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
             held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
@@ -392,6 +387,11 @@ class AsyncDiLoCoWorker(WorkerBase):
             last=self._closing,
         )
         self._next_push_id += 1
+        self._start_round()
+
+    def _start_round(self) -> None:
+        """A new round starts now: no steps or tokens since the last push, its compute
+        timed from here, its sync point at H_w."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
         self._round_started = time.monotonic()
@@ -435,10 +435,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._load_into_model(self._flat_views(self._base))
         self.version = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
-        self._round_started = time.monotonic()
-        self._round_steps = None
+        self._start_round()
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
 
