@@ -5,33 +5,62 @@ Workers train replicas with an inner optimizer for H steps and push pseudo-gradi
 each as it arrives, weighted by its staleness (DiLoCo: Douillard et al. 2023,
 arXiv 2311.08105; asynchronous: Liu et al. 2024, arXiv 2401.09135). ``SyncDiLoCoWorker``
 runs the same job synchronously (LocalSGD / synchronous DiLoCo over a quorum-gated allreduce).
+
+The names below are the public API. They are loaded on first use, so importing a worker
+does not load the server (and the other way round); docs/architecture.md has the layers.
 """
 
-from asyncdiloco.config import OuterConfig, ServerConfig, SyncConfig, SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import (
-    AsyncDiLoCoError,
-    ConfigError,
-    InvalidPayloadError,
-    ManifestMismatchError,
-    ModeMismatchError,
-    NotInitializedError,
-    PayloadTooLargeError,
-    RoundRefusedError,
-    ServerUnavailableError,
-    StalePushError,
-    UnknownWorkerError,
-)
-from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest
-from asyncdiloco.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
-from asyncdiloco.worker import AsyncDiLoCoWorker, WorkerStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "OuterConfig": "asyncdiloco.algo.config",
+    "ServerConfig": "asyncdiloco.ps.config",
+    "SyncConfig": "asyncdiloco.ps.config",
+    "DurabilityConfig": "asyncdiloco.ps.config",
+    "WorkerConfig": "asyncdiloco.worker.config",
+    "SyncWorkerConfig": "asyncdiloco.worker.config",
+    "ServerSecurityConfig": "asyncdiloco.wire.security",
+    "ClientSecurityConfig": "asyncdiloco.wire.security",
+    "ParameterServer": "asyncdiloco.ps.server",
+    "Manifest": "asyncdiloco.wire.tensors",
+    "AsyncDiLoCoWorker": "asyncdiloco.worker.async_worker",
+    "WorkerStats": "asyncdiloco.worker.async_worker",
+    "SyncDiLoCoWorker": "asyncdiloco.worker.sync_worker",
+    "SyncWorkerStats": "asyncdiloco.worker.sync_worker",
+    **{
+        name: "asyncdiloco.errors"
+        for name in (
+            "AsyncDiLoCoError",
+            "CheckpointError",
+            "ConfigError",
+            "InvalidPayloadError",
+            "ManifestMismatchError",
+            "ModeMismatchError",
+            "NotInitializedError",
+            "PayloadTooLargeError",
+            "RoundRefusedError",
+            "ServerBusyError",
+            "ServerUnavailableError",
+            "StalePushError",
+            "UnauthenticatedError",
+            "UnknownWorkerError",
+        )
+    },
+}
 
 __all__ = [
     "AsyncDiLoCoError",
     "AsyncDiLoCoWorker",
+    "CheckpointError",
+    "ClientSecurityConfig",
     "ConfigError",
+    "DurabilityConfig",
     "InvalidPayloadError",
     "Manifest",
     "ManifestMismatchError",
@@ -41,14 +70,57 @@ __all__ = [
     "ParameterServer",
     "PayloadTooLargeError",
     "RoundRefusedError",
+    "ServerBusyError",
     "ServerConfig",
+    "ServerSecurityConfig",
     "ServerUnavailableError",
     "StalePushError",
     "SyncConfig",
     "SyncDiLoCoWorker",
     "SyncWorkerConfig",
     "SyncWorkerStats",
+    "UnauthenticatedError",
     "UnknownWorkerError",
     "WorkerConfig",
     "WorkerStats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncdiloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from asyncdiloco.algo.config import OuterConfig
+    from asyncdiloco.errors import (
+        AsyncDiLoCoError,
+        CheckpointError,
+        ConfigError,
+        InvalidPayloadError,
+        ManifestMismatchError,
+        ModeMismatchError,
+        NotInitializedError,
+        PayloadTooLargeError,
+        RoundRefusedError,
+        ServerBusyError,
+        ServerUnavailableError,
+        StalePushError,
+        UnauthenticatedError,
+        UnknownWorkerError,
+    )
+    from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
+    from asyncdiloco.ps.server import ParameterServer
+    from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
+    from asyncdiloco.wire.tensors import Manifest
+    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+    from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats

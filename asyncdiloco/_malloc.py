@@ -13,7 +13,7 @@ RSS stays at its peak (the server's peak is bounded by its receive budget anyway
 8 per core), and memory freed in one arena is not reused by threads of another, so the
 payload-sized blocks that gRPC's threads allocate piled up: 8 workers pushing then
 pulling a 256 MiB model grew the server by 3.6× (parameters + momentum) with default
-arenas, 2.3× with two and 2.1× with one (benchmarks/bench_server.py). The GIL serialises
+arenas, 2.3× with two and 2.1× with one (asyncdiloco/bench/perf/bench_server.py). The GIL serialises
 most allocations anyway. Equivalent to the environment ``MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=... MALLOC_ARENA_MAX=1`` (which must be set before the process starts).
 """

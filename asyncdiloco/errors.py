@@ -8,6 +8,8 @@ exception, so library users and remote workers see the same words.
 
 from __future__ import annotations
 
+import os
+
 import grpc
 
 
@@ -136,3 +138,18 @@ def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
     if cls is ServerUnavailableError:
         return cls(f"{code.name}: {details}")
     return cls(details) if cls is not AsyncDiLoCoError else cls(f"{code.name}: {details}")
+
+
+def require(ok: bool, field: str, value: object, rule: str) -> None:
+    """Raise ``ConfigError("<field>=<value> is invalid: <rule>")`` unless ``ok``.
+
+    The configuration dataclasses' ``__post_init__`` checks; ``rule`` states the allowed
+    range and the fix.
+    """
+    if not ok:
+        raise ConfigError(f"{field}={value!r} is invalid: {rule}")
+
+
+def require_file(path: str | None, field: str) -> None:
+    """Raise ``ConfigError`` unless ``path`` is None or names an existing file."""
+    require(path is None or os.path.isfile(path), field, path, "no such file; give the path of an existing file")

@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC/protobuf stubs in ``asyncdiloco/_proto/``.
+"""Regenerate the committed gRPC/protobuf stubs in ``asyncdiloco/wire/_proto/``.
 
 Usage: ``python scripts/gen_proto.py [--out DIR]`` (needs the ``test`` extra, which pins
 grpcio-tools so the output is reproducible). ``tests/test_proto_stubs.py`` runs this into
@@ -6,7 +6,7 @@ a temporary folder and fails when the committed stubs differ.
 
 protoc names the generated modules after the proto's package path
 (``asyncdiloco/v1/...``), which would clash with this library's own package, so the
-stubs are written flat into ``asyncdiloco/_proto/`` and the one cross-module import is
+stubs are written flat into ``asyncdiloco/wire/_proto/`` and the one cross-module import is
 rewritten to point there.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import shutil
 import sys
 import tempfile
 
@@ -44,14 +43,14 @@ def generate(out_dir: pathlib.Path) -> None:
             text = (generated / name).read_text()
             text = text.replace(
                 "from asyncdiloco.v1 import parameter_server_pb2",
-                "from asyncdiloco._proto import parameter_server_pb2",
+                "from asyncdiloco.wire._proto import parameter_server_pb2",
             )
             (out_dir / name).write_text(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "asyncdiloco" / "_proto")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "asyncdiloco" / "wire" / "_proto")
     args = parser.parse_args()
     generate(args.out)
     print(f"wrote {', '.join(STUBS)} to {args.out}", file=sys.stderr)

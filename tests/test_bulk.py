@@ -13,14 +13,15 @@ import pytest
 import torch
 from test_security import pki  # noqa: F401 - the certificate fixture
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.bulk_client import BulkChannel
-from asyncdiloco.bulk_wire import code_value, recv_frame, send_frame
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import ClientSecurityConfig, OuterConfig, ServerSecurityConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.bulk_client import BulkChannel
+from asyncdiloco.wire.bulk_framing import code_value, recv_frame, send_frame
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, StalePushError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest, crc32_of, num_chunks_for
+from asyncdiloco.wire.tensors import Manifest, crc32_of, num_chunks_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,7 +282,7 @@ def test_the_client_falls_back_to_grpc_when_the_bulk_port_is_unreachable(servers
     client, w = _initialized_client(srv)
     srv.bulk.stop(None)  # the port now refuses connections
     client._bulk.close()  # noqa: SLF001 - drop the kept-alive connection too
-    with caplog.at_level(logging.WARNING, logger="asyncdiloco.bulk_client"):
+    with caplog.at_level(logging.WARNING, logger="asyncdiloco.worker.bulk_client"):
         reply = client.push(_payload(1, 1e-2), worker_id=w, push_id=2, base_version=0)
         assert reply.applied and reply.version == 1
         client._bulk._retry_at = 0.0  # noqa: SLF001 - skip the backoff: try (and fail) the bulk port again
@@ -357,7 +358,7 @@ def test_a_connection_the_server_closed_is_replaced_within_the_call(servers, cap
     for conn, _ in list(srv.bulk._connections.values()):  # noqa: SLF001 - as an idle timeout would
         conn.shutdown(socket.SHUT_RDWR)
     _wait_for(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
-    with caplog.at_level(logging.WARNING, logger="asyncdiloco.bulk_client"):
+    with caplog.at_level(logging.WARNING, logger="asyncdiloco.worker.bulk_client"):
         assert client.push(_payload(1, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
     assert client._bulk._sock is not old and client._bulk.fallbacks == 0  # noqa: SLF001
     assert not [r for r in caplog.records if "bulk" in r.getMessage()]

@@ -11,14 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
-from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig, WorkerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import CheckpointError, ConfigError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.tensors import Manifest
-from asyncdiloco.worker import AsyncDiLoCoWorker
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -317,8 +319,8 @@ def test_in_process_workers_train_through_a_codec(server, name):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", ["int8", "bf16"])
 def test_demo_run_with_a_wire_codec_lowers_the_loss(tmp_path, name):
-    from asyncdiloco.demo import DemoConfig, run_demo
-    from asyncdiloco.job import JobConfig
+    from asyncdiloco.bench.demo import DemoConfig, run_demo
+    from asyncdiloco.job.config import JobConfig
 
     job = JobConfig(n_embd=64, n_head=4)
     cfg = DemoConfig(
@@ -329,7 +331,7 @@ def test_demo_run_with_a_wire_codec_lowers_the_loss(tmp_path, name):
     report = run_demo(cfg, progress=False)
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.3
     assert [w["exit_code"] for w in report["workers"]] == [0, 0]
-    from asyncdiloco.dataset import CharCorpus
+    from asyncdiloco.job.dataset import CharCorpus
 
     manifest = Manifest.from_module(job.build(CharCorpus.default()))
     assert report["applied_pushes"] > 0

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from asyncdiloco.demo import DemoConfig, run_demo
+from asyncdiloco.bench.demo import DemoConfig, run_demo
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.job import JobConfig
+from asyncdiloco.job.config import JobConfig
 
 TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8)
 

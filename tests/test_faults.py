@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ServerUnavailableError
-from asyncdiloco.outer import OuterOptimizer
+from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest
+from asyncdiloco.wire.tensors import Manifest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.heavy]
 
@@ -250,7 +251,7 @@ def test_a_worker_is_recognised_by_a_restarted_server_and_nothing_is_reinitialis
     from torch import nn
 
     from asyncdiloco import AsyncDiLoCoWorker, WorkerConfig
-    from asyncdiloco.config import DurabilityConfig
+    from asyncdiloco.ps.config import DurabilityConfig
 
     def config(port: int) -> ServerConfig:
         return ServerConfig(port=port, local_steps=2, outer=OUTER,

@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 
-from asyncdiloco import cli
-from asyncdiloco.config import ASYNC_OUTER, SYNC_OUTER, OuterConfig, WorkerConfig
+from asyncdiloco.cli import app as cli
+from asyncdiloco.algo.config import ASYNC_OUTER, SYNC_OUTER
+from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.job import JobConfig, run_worker
-from asyncdiloco.lr_schedule import LRSchedule, lr_factor
+from asyncdiloco.cli.train import run_worker
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 
 COSINE = LRSchedule(kind="cosine", warmup=10, total=110, min_ratio=0.1)
 
@@ -114,8 +116,8 @@ def test_default_inner_schedule_keeps_inner_lr_exactly():
 
 
 def test_simulator_replicas_follow_the_same_inner_schedule(monkeypatch):
-    from asyncdiloco.dataset import CharCorpus
-    from asyncdiloco.sim import SimConfig, _Replica
+    from asyncdiloco.job.dataset import CharCorpus
+    from asyncdiloco.bench.sim import SimConfig, _Replica
 
     job = JobConfig(**TINY, inner_lr=1e-3, inner_lr_schedule="cosine", inner_warmup_steps=2, inner_total_steps=6)
     used = record_inner_lrs(monkeypatch)
@@ -157,12 +159,12 @@ def test_no_schedule_flag_is_the_servers_default_outer_config():
 
 def test_worker_flags_reach_the_job_config(monkeypatch):
     import asyncdiloco._malloc
-    import asyncdiloco.job
-    from asyncdiloco.worker import WorkerStats
+    import asyncdiloco.cli.train
+    from asyncdiloco.worker.async_worker import WorkerStats
 
     seen = {}
     monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
-    monkeypatch.setattr(asyncdiloco.job, "run_worker", lambda **kw: seen.update(kw) or WorkerStats())
+    monkeypatch.setattr(asyncdiloco.cli.train, "run_worker", lambda **kw: seen.update(kw) or WorkerStats())
     monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
     args = cli.build_parser().parse_args([

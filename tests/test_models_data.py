@@ -1,12 +1,12 @@
-"""Unit tests for asyncdiloco.dataset and asyncdiloco.models (CPU, seconds in all)."""
+"""Unit tests for asyncdiloco.job.dataset and asyncdiloco.job.models (CPU, seconds in all)."""
 
 import math
 
 import pytest
 import torch
 
-from asyncdiloco.dataset import BatchStream, CharCorpus, eval_batches, load_text, sample_batch
-from asyncdiloco.models import CharTransformerConfig, build_model, evaluate, lm_loss
+from asyncdiloco.job.dataset import BatchStream, CharCorpus, eval_batches, load_text, sample_batch
+from asyncdiloco.job.models import CharTransformerConfig, build_model, evaluate, lm_loss
 
 B, T = 4, 16  # small batches for the shape tests
 

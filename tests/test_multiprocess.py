@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from asyncdiloco.demo import DemoConfig, run_demo
-from asyncdiloco.job import JobConfig
+from asyncdiloco.bench.demo import DemoConfig, run_demo
+from asyncdiloco.job.config import JobConfig
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -73,7 +73,7 @@ def cli_exit(monkeypatch, capsys):
     import torch
 
     import asyncdiloco._malloc
-    from asyncdiloco import cli
+    from asyncdiloco.cli import app as cli
 
     monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
     monkeypatch.setattr(cli.signal, "signal", lambda *_: None)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from asyncdiloco.config import OuterConfig
+from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.lr_schedule import lr_factor
-from asyncdiloco.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.algo.lr_schedule import lr_factor
+from asyncdiloco.algo.outer import OuterOptimizer, describe, staleness_weight
 
 
 def test_nesterov_two_steps_by_hand():
@@ -180,7 +180,7 @@ def test_weighted_nesterov_step_equals_torch_sgd_on_the_weighted_delta():
 
 
 # ------------------------------------------------------------------ Delayed Nesterov
-from asyncdiloco.outer import DelayedNesterov, make_outer_optimizer  # noqa: E402
+from asyncdiloco.algo.outer import DelayedNesterov, make_outer_optimizer  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -232,7 +232,7 @@ def test_dn_c_bound_is_checked():
 def test_delayed_nesterov_buffer_takes_the_mean_of_its_arrivals_when_n_shrinks():
     # N = live workers: 4 when two pushes arrived, then two workers left (N = 2). The buffer
     # completes with the mean of the two pushes it holds, not their sum over N = 2 ... of 4.
-    from asyncdiloco.outer import DelayedNesterov
+    from asyncdiloco.algo.outer import DelayedNesterov
 
     cfg = OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5)
     theta = torch.zeros(3)
@@ -244,7 +244,7 @@ def test_delayed_nesterov_buffer_takes_the_mean_of_its_arrivals_when_n_shrinks()
 
 
 def test_block_check_damps_only_the_tensors_that_oppose_the_momentum():
-    from asyncdiloco.outer import DelayedNesterov
+    from asyncdiloco.algo.outer import DelayedNesterov
 
     cfg = OuterConfig(optimizer="delayed_nesterov", lr=1.0, momentum=0.5, dn_buffer=1, block_check=True)
     dn = DelayedNesterov(torch.zeros(4), cfg, block_sizes=[2, 2])
@@ -258,7 +258,7 @@ def test_block_check_damps_only_the_tensors_that_oppose_the_momentum():
 
 
 def test_monitor_warns_when_pseudo_gradients_grow_tenfold(caplog):
-    from asyncdiloco.outer import PseudoGradientMonitor
+    from asyncdiloco.algo.outer import PseudoGradientMonitor
 
     mon = PseudoGradientMonitor()
     for v in range(20):

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from asyncdiloco import AsyncDiLoCoWorker, ConfigError, SyncDiLoCoWorker, WorkerConfig
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import DurabilityConfig, OuterConfig
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import DurabilityConfig
 from asyncdiloco.ps import ParameterServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,8 +227,8 @@ def test_two_overlapping_workers_lose_nothing_and_count_nothing_twice(make_serve
 
 # ------------------------------------------------------------ real server, loss
 def test_overlap_trains_the_global_model_with_a_real_server_process(tmp_path):
-    from asyncdiloco.demo import DemoConfig, run_demo
-    from asyncdiloco.job import JobConfig
+    from asyncdiloco.bench.demo import DemoConfig, run_demo
+    from asyncdiloco.job.config import JobConfig
 
     cfg = DemoConfig(
         num_workers=2,
@@ -405,7 +406,7 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
 
 def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
     from asyncdiloco import InvalidPayloadError
-    from asyncdiloco.overlap import push_then_pull
+    from asyncdiloco.worker.overlap import push_then_pull
 
     class NoNetwork:
         def push(self, *a, **k):

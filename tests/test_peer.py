@@ -2,12 +2,12 @@
 
 import pytest
 
-from asyncdiloco.peer_torchft import run_peer, torchft_available
-from asyncdiloco.suite import SuiteConfig, peer_section
+from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
+from asyncdiloco.bench.suite import SuiteConfig, peer_section
 
 
 def test_the_report_says_why_the_peer_row_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr("asyncdiloco.peer_torchft.torchft_available", lambda: False)
+    monkeypatch.setattr("asyncdiloco.bench.peer_torchft.torchft_available", lambda: False)
     text = peer_section(SuiteConfig(profiles=("uneven",)), tmp_path, progress=False)
     assert "torchft is not installed" in text and "asyncdiloco[peer]" in text
 

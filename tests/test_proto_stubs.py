@@ -1,4 +1,4 @@
-"""The committed stubs in asyncdiloco/_proto/ are what scripts/gen_proto.py makes now."""
+"""The committed stubs in asyncdiloco/wire/_proto/ are what scripts/gen_proto.py makes now."""
 
 import importlib.util
 import pathlib
@@ -13,5 +13,5 @@ def test_committed_stubs_are_fresh(tmp_path):
     gen.generate(tmp_path)
     for name in gen.STUBS:
         fresh = (tmp_path / name).read_text()
-        committed = (ROOT / "asyncdiloco" / "_proto" / name).read_text()
-        assert fresh == committed, f"asyncdiloco/_proto/{name} is stale: run `python scripts/gen_proto.py` and commit"
+        committed = (ROOT / "asyncdiloco" / "wire" / "_proto" / name).read_text()
+        assert fresh == committed, f"asyncdiloco/wire/_proto/{name} is stale: run `python scripts/gen_proto.py` and commit"

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from asyncdiloco.config import SyncConfig
+from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.quorum import QuorumManager
 

@@ -11,14 +11,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import PayloadTooLargeError
 from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.service import ParameterServerService
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,12 +8,13 @@ import time
 import pytest
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.tensors import Manifest
+from asyncdiloco.algo.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
+from asyncdiloco.wire.tensors import Manifest
 
 
 class FakeClock:

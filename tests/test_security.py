@@ -15,13 +15,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import ClientSecurityConfig, ServerConfig, ServerSecurityConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.errors import ConfigError, ServerUnavailableError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest
+from asyncdiloco.wire.tensors import Manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,8 +224,9 @@ def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp
 
 def test_a_sync_worker_rounds_through_a_token_protected_server(pki):
     # Quorum and Commit carry the token like every other call.
-    from asyncdiloco.config import SyncConfig, WorkerConfig
-    from asyncdiloco.sync_worker import SyncDiLoCoWorker
+    from asyncdiloco.ps.config import SyncConfig
+    from asyncdiloco.worker.config import WorkerConfig
+    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
     srv = ParameterServer(ServerConfig(port=0, mode="sync", local_steps=2, sync=SyncConfig(min_workers=1),
                                        security=ServerSecurityConfig(token_file=pki["token"]))).start()

@@ -10,14 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import OuterConfig, ServerConfig, WorkerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import ConfigError, ManifestMismatchError, ServerUnavailableError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
-from asyncdiloco.worker import AsyncDiLoCoWorker
+from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.job import JobConfig
-from asyncdiloco.sim import METHODS, SimConfig, simulate
-from asyncdiloco.suite import SuiteConfig, run_suite
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.bench.sim import METHODS, SimConfig, simulate
+from asyncdiloco.bench.suite import SuiteConfig, run_suite
 
 TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8, eval_batches=2)
 
@@ -112,7 +112,7 @@ def test_suite_writes_runs_report_and_plots(tmp_path):
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
-    from asyncdiloco.suite_real import run_real_suite
+    from asyncdiloco.bench.suite_real import run_real_suite
 
     cfg = SuiteConfig(profiles=("uneven",), methods=("sync_diloco", "async_dn_dylu"), seeds=(0,), total_steps=160,
                       local_steps=5, eval_every_steps=80, job=TINY)

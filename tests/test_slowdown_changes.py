@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.job import check_slowdown_changes, parse_slowdown_changes, slowdown_at
+from asyncdiloco.job.slowdown import check_slowdown_changes, parse_slowdown_changes, slowdown_at
 
 
 def test_parse_gives_time_factor_pairs():

@@ -10,12 +10,13 @@ import os
 import pytest
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.config import DurabilityConfig, OuterConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.tensors import Manifest
+from asyncdiloco.wire.tensors import Manifest
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.suite import PROFILES
-from asyncdiloco.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
-from asyncdiloco.sim import SimConfig
+from asyncdiloco.bench.suite import PROFILES
+from asyncdiloco.bench.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
+from asyncdiloco.bench.sim import SimConfig
 
 
 def test_changing_profile_maps_times_by_r_over_the_fastest_speed():
@@ -61,7 +61,7 @@ def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
 
 
 def test_real_methods_get_the_simulators_server_settings():
-    from asyncdiloco import cli
+    from asyncdiloco.cli import app as cli
 
     kw = dict(speeds_s_per_step=(1.0, 2.0), total_steps=100)
     mode, flags, worker_args = server_flags(SimConfig(method="async_dn_dylu", **kw))

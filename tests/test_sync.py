@@ -10,15 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.client import ParameterServerClient
-from asyncdiloco.config import OuterConfig, ServerConfig, SyncConfig, SyncWorkerConfig, WorkerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig, SyncConfig
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, RoundRefusedError
-from asyncdiloco.outer import OuterOptimizer
+from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.sync_worker import SyncDiLoCoWorker
-from asyncdiloco.tensors import Manifest
-from asyncdiloco.worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from asyncdiloco.demo import DemoConfig, run_demo
-from asyncdiloco.job import JobConfig
+from asyncdiloco.bench.demo import DemoConfig, run_demo
+from asyncdiloco.job.config import JobConfig
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
-from asyncdiloco.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -178,7 +178,7 @@ def test_unsupported_dtype_refused():
 def test_the_payload_crc32_is_zlibs_whichever_implementation_is_installed():
     import zlib
 
-    from asyncdiloco.tensors import _crc32
+    from asyncdiloco.wire.tensors import _crc32
 
     data = torch.randint(0, 256, (3 * 1024 * 1024 + 7,), dtype=torch.uint8)
     view = memoryview(data.numpy())

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps import ParameterServer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]

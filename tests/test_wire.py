@@ -12,13 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.config import OuterConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ServerBusyError
 from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.tensors import Manifest, crc32_of
-from asyncdiloco.wire import (
+from asyncdiloco.wire.tensors import Manifest, crc32_of
+from asyncdiloco.wire.grpc_chunks import (
     WireChunk,
     _handlers,
     decode_pull_message,

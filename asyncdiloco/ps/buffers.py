@@ -25,8 +25,8 @@ import time
 import torch
 
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.tensors import chunk_views, crc32_update
-from asyncdiloco.wire import chunk_messages, encode_chunk
+from asyncdiloco.wire.tensors import chunk_views, crc32_update
+from asyncdiloco.wire.grpc_chunks import chunk_messages, encode_chunk
 
 
 class ReceivePool:

@@ -30,11 +30,11 @@ import threading
 
 import grpc
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.bulk_wire import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.security import token_matches
+from asyncdiloco.wire.security import token_matches
 
 log = logging.getLogger(__name__)
 

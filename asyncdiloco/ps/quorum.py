@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.config import SyncConfig
+from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.errors import RoundRefusedError
 
 log = logging.getLogger(__name__)

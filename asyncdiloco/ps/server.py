@@ -27,46 +27,16 @@ from concurrent import futures
 
 import grpc
 
-from asyncdiloco.config import ServerConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.service import ParameterServerService
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.security import server_credentials, server_interceptors
-from asyncdiloco.wire import add_parameter_server
+from asyncdiloco.wire.security import server_credentials, server_interceptors
+from asyncdiloco.wire.channel import grpc_channel_options
+from asyncdiloco.wire.grpc_chunks import add_parameter_server
 
 log = logging.getLogger(__name__)
-
-#: Room for the non-payload fields of a chunk message, in bytes.
-_MESSAGE_OVERHEAD_BYTES = 64 * 1024
-
-
-def grpc_channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options shared by the server and clients: message limits just above one
-    chunk, keepalive pings that survive long pushes, and no SO_REUSEPORT (so a port in
-    use is an error instead of two servers sharing it).
-
-    Keepalive: each side pings after 30 s without traffic and drops the connection when
-    a ping is not answered within 20 s, so a dead peer is noticed in under a minute,
-    while a long push or pull (data flowing) or a long idle wait (pings answered) keeps
-    its connection. The server accepts pings every 10 s even without calls, so a
-    client's 30 s pings are never answered with GOAWAY "too_many_pings"."""
-    limit = chunk_bytes + _MESSAGE_OVERHEAD_BYTES
-    return [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        # A client reconnects within seconds of a restarted server (gRPC's default backoff grows to 2 min).
-        ("grpc.initial_reconnect_backoff_ms", 500),
-        ("grpc.min_reconnect_backoff_ms", 500),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
-    ]
-
 
 class ParameterServer:
     """A gRPC parameter server around a ``ParameterServerState``.
@@ -176,7 +146,7 @@ class ParameterServer:
 
     def _start_bulk(self) -> None:
         from asyncdiloco.ps.bulk import BulkServer
-        from asyncdiloco.security import read_token, server_ssl_context
+        from asyncdiloco.wire.security import read_token, server_ssl_context
 
         security = self.config.security
         token = read_token(security.token_file) if security is not None and security.token_file else None

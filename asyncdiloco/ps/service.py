@@ -10,12 +10,12 @@ import logging
 
 import grpc
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.tensors import Manifest
-from asyncdiloco.wire import is_chunk
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.wire.grpc_chunks import is_chunk
 
 log = logging.getLogger(__name__)
 

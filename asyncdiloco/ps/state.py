@@ -51,9 +51,9 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.codec import DecodeBuffers, WireCodec, make_codec
-from asyncdiloco.config import ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import DecodeBuffers, WireCodec, make_codec
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import (
     InvalidPayloadError,
     ModeMismatchError,
@@ -62,7 +62,7 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.outer import (
+from asyncdiloco.algo.outer import (
     DelayedNesterov,
     OuterOptimizer,
     PseudoGradientMonitor,
@@ -82,9 +82,9 @@ from asyncdiloco.ps.records import PUSH_MEMORY as _PUSH_MEMORY
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.state_durable import DurableState
 from asyncdiloco.ps.state_sync import SyncRounds
-from asyncdiloco.schedule import GroupGate, StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
-from asyncdiloco.wire import WireChunk
+from asyncdiloco.algo.schedule import GroupGate, StepRateMeter, auto_window_s, dylu_local_steps
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
+from asyncdiloco.wire.grpc_chunks import WireChunk
 
 log = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import (
     CheckpointError,
 )
-from asyncdiloco.outer import make_outer_optimizer
+from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
-from asyncdiloco.schedule import StepRateMeter
-from asyncdiloco.tensors import Manifest
+from asyncdiloco.algo.schedule import StepRateMeter
+from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import (
     InvalidPayloadError,
     ManifestMismatchError,

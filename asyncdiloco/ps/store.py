@@ -31,7 +31,7 @@ So the global model after a restart equals the replay, in version order, of ever
 the server acknowledged (plus possibly pushes logged but not yet acknowledged when it
 died; their workers resend them with the same push_id and get the original outcome, as
 the dedup table is part of the durable state). Cost: one fsync per push; measured in
-benchmarks/wal_cost.py.
+asyncdiloco/bench/perf/wal_cost.py.
 
 Folder layout: ``ckpt-<LSN>.pt`` / ``ckpt-<LSN>.json``, ``wal-<first LSN>.log``, and a
 ``LOCK`` file (flock) so two servers never share a folder.
@@ -53,10 +53,10 @@ import zlib
 
 import torch
 
-from asyncdiloco._proto import parameter_server_pb2 as pb
-from asyncdiloco.config import DurabilityConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.tensors import WIRE_DTYPES, Manifest, TensorSpec
+from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,163 @@
+"""Peer row of the benchmark suite: torchft's synchronous DiLoCo on the same job.
+
+Runs only when torchft is installed (``pip install torchft==0.2.0`` after torch; see
+PEERS.md): a torchft lighthouse and N replica-group processes, each training the default
+job (same model, data order by replica index, H, outer Nesterov η=0.7 μ=0.9) with
+``torchft.local_sgd.DiLoCo``. Every socket stays on 127.0.0.1: the lighthouse and the
+manager servers bind 127.0.0.1, replicas advertise 127.0.0.1, gloo uses ``lo``, and
+healing goes through the process group (``PGTransport``) instead of torchft's HTTP
+transport, which binds every interface and advertises the host name.
+
+    python -m asyncdiloco.bench.peer_torchft --replicas 2 --steps 200 --local-steps 20 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+
+def torchft_available() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _replica(args: argparse.Namespace) -> None:
+    """One replica group (world size 1): train ``steps`` inner steps under torchft DiLoCo."""
+    import torch
+    import torchft.manager as tfm
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.local_sgd import DiLoCo
+
+    from asyncdiloco.job.dataset import BatchStream, CharCorpus
+    from asyncdiloco.job.config import JobConfig
+    from asyncdiloco.job.models import evaluate, lm_loss
+
+    server_cls = tfm.ManagerServer
+
+    def loopback_manager_server(**kw):  # torchft binds "[::]:port"; keep it on loopback
+        kw["bind"] = "127.0.0.1:" + kw["bind"].rsplit(":", 1)[1]
+        return server_cls(**kw)
+
+    tfm.ManagerServer = loopback_manager_server
+    torch.set_num_threads(1)
+    job = JobConfig(n_layer=args.n_layer, n_embd=args.n_embd, context_len=args.context_len,
+                    batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+    corpus = CharCorpus.default()
+    model = job.build(corpus)
+    inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, args.replica_index)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    manager = Manager(
+        pg=pg, min_replica_size=args.replicas, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
+        use_async_quorum=False, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
+        replica_id=f"replica-{args.replica_index}", rank=0, world_size=1, hostname="127.0.0.1",
+        checkpoint_transport=PGTransport(pg, timedelta(seconds=30), torch.device("cpu")),
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    sync_times, last = [], None
+    started = time.monotonic()
+    with DiLoCo(manager, [model], inner, outer, sync_every=args.local_steps):
+        for step in range(1, args.steps + 1):
+            x, y = next(batches)
+            lm_loss(model(x), y).backward()
+            inner.step()  # every H-th step: torchft quorum, allreduce, outer step
+            inner.zero_grad(set_to_none=True)
+            if step % args.local_steps == 0:
+                now = time.monotonic()
+                if last is not None:
+                    sync_times.append(now - last)
+                last = now
+    wall = time.monotonic() - started
+    loss = evaluate(model, job.eval_set(corpus))
+    out = {"replica": args.replica_index, "steps": args.steps, "wall_s": wall, "round_s": sync_times,
+           "final_eval_loss": loss, "outer_steps": manager.current_step()}  # fmt: skip
+    pathlib.Path(args.out).write_text(json.dumps(out))
+    manager.shutdown(wait=False)
+
+
+def run_peer(*, replicas: int, steps: int, local_steps: int, out_dir: str, seed: int = 0, n_layer: int = 1,
+             n_embd: int = 64, context_len: int = 32, batch_size: int = 16, timeout_s: float = 600) -> dict:
+    """Run torchft DiLoCo with ``replicas`` replica groups; returns median round time and
+    the replicas' final held-out loss. Raises RuntimeError when torchft is missing or a
+    replica fails."""
+    if not torchft_available():
+        raise RuntimeError("torchft is not installed: pip install torchft==0.2.0 (after torch)")
+    from torchft._torchft import LighthouseServer
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=replicas, join_timeout_ms=5000, quorum_tick_ms=100)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs = []
+    try:
+        for i in range(replicas):
+            cmd = [sys.executable, "-m", "asyncdiloco.bench.peer_torchft", "--replica-index", str(i), "--replicas",
+                   str(replicas), "--lighthouse", lighthouse.address(), "--steps", str(steps), "--local-steps",
+                   str(local_steps), "--seed", str(seed), "--n-layer", str(n_layer), "--n-embd", str(n_embd),
+                   "--context-len", str(context_len), "--batch-size", str(batch_size),
+                   "--out", str(out / f"replica-{i}.json")]  # fmt: skip
+            with open(out / f"replica-{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.shutdown()
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"a torchft replica failed (exit codes {[p.returncode for p in procs]}); see {out}/replica-*.log")
+    results = [json.loads((out / f"replica-{i}.json").read_text()) for i in range(replicas)]
+    rounds = sorted(t for r in results for t in r["round_s"])
+    return {
+        "peer": "torchft 0.2.0 DiLoCo (sync)",
+        "replicas": replicas,
+        "local_steps": local_steps,
+        "tokens": replicas * steps * batch_size * context_len,
+        "median_round_s": rounds[len(rounds) // 2] if rounds else None,
+        "final_eval_loss": sum(r["final_eval_loss"] for r in results) / len(results),
+        "wall_s": max(r["wall_s"] for r in results),
+        "outer_steps": min(r["outer_steps"] for r in results),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replica-index", type=int, help="internal: run one replica group")
+    p.add_argument("--lighthouse", help="internal: lighthouse address")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200, help="inner steps per replica")
+    p.add_argument("--local-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=int, default=1)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--context-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--out", default="peer-out")
+    args = p.parse_args()
+    if args.replica_index is not None:
+        _replica(args)
+        return
+    print(json.dumps(run_peer(replicas=args.replicas, steps=args.steps, local_steps=args.local_steps,
+                              out_dir=args.out, seed=args.seed, n_layer=args.n_layer, n_embd=args.n_embd,
+                              context_len=args.context_len, batch_size=args.batch_size)))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

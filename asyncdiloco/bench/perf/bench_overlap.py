@@ -1,0 +1,129 @@
+"""The worker's time blocked on communication, with and without overlap (target ≤ 0.05 with).
+
+A real server process (``asyncdiloco server`` on 127.0.0.1) and one ``AsyncDiLoCoWorker``
+in this process training an MLP with AdamW on random regression batches, sized so that
+one push + pull is a noticeable fraction of H inner steps. The same number of rounds runs
+with ``overlap`` off and on, alternating, ``--repeats`` times; medians are reported.
+
+ratio = blocked_s / wall_s over a window of ``--rounds`` rounds that starts after the
+first sync point (warm-up) and ends at the last one: ``blocked_s`` is the training
+thread's time in sync points and merges (``WorkerStats.blocked_s``: the whole push +
+pull without overlap; snapshot, Δ, packing, waits and merges with it), ``wall_s`` the
+window's wall time. Also recorded: ``comm_s`` (push + pull time, on any thread), the
+inner steps per second and the speed-up in steps per second of overlap over no overlap.
+
+    python -m asyncdiloco.bench.perf.bench_overlap [--rounds 10] [--repeats 3] [--local-steps 8] [--out FILE]
+
+Timings on a shared 2-core machine are noisy: the background sync, the server and the
+inner steps compete for the same cores (which also slows the inner steps with overlap on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch import nn
+
+from asyncdiloco.bench.perf._harness import MIB, emit, median, server_process
+
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.config import WorkerConfig
+
+
+def build_mlp(width: int, depth: int, d_in: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(d_in, width), nn.GELU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    layers.append(nn.Linear(width, d_in))
+    return nn.Sequential(*layers)
+
+
+def run_once(address: str, *, overlap: bool, h: int, rounds: int, width: int, depth: int, batch: int) -> dict:
+    d_in = 256
+    model = build_mlp(width, depth, d_in, seed=0)  # same init every run: the manifest matches the server's
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, d_in, generator=gen), torch.randn(batch, d_in, generator=gen)) for _ in range(4)]
+    cfg = WorkerConfig(server=address, overlap=overlap, worker_name=f"bench-overlap-{overlap}", timeout_s_per_mib=2.0)
+    worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=batch)
+    worker.join()
+
+    def steps(n: int) -> None:
+        for i in range(n):
+            x, y = data[i % len(data)]  # (B, d_in) each
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()  # every H-th step also syncs
+            opt.zero_grad(set_to_none=True)
+
+    try:
+        steps(h)  # warm-up round; its sync point starts the window
+        st = worker.stats
+        t0, blocked0, comm0, pushes0 = time.perf_counter(), st.blocked_s, st.comm_s, st.pushes_applied
+        steps(rounds * h)
+        wall_s = time.perf_counter() - t0
+        blocked_s, comm_s = st.blocked_s - blocked0, st.comm_s - comm0
+    finally:
+        worker.close()
+    return {
+        "wall_s": wall_s,
+        "blocked_s": blocked_s,
+        "comm_s": comm_s,
+        "ratio": blocked_s / wall_s,
+        "steps_per_s": rounds * h / wall_s,
+        "pushes": worker.stats.pushes_applied - pushes0,
+        "model_bytes": worker.manifest.total_bytes,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=10, help="rounds measured per run (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per setting (default %(default)s)")
+    p.add_argument("--local-steps", type=int, default=8, help="H, inner steps per round (default %(default)s)")
+    p.add_argument("--width", type=int, default=1024, help="MLP width (default %(default)s)")
+    p.add_argument("--depth", type=int, default=3, help="MLP hidden layers (default %(default)s)")
+    p.add_argument("--batch", type=int, default=64, help="rows per inner step (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the worker (default %(default)s)")
+    p.add_argument("--sizes", default="", help="ignored (the perf suite passes it); the model is sized by --width/--depth")
+    p.add_argument("--out", default=None, help="append the JSON lines to this file")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = ("--local-steps", str(args.local_steps), "--outer-optimizer", "sgd", "--outer-lr", "0.5",
+             "--outer-momentum", "0")  # fmt: skip
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    with server_process(*flags) as (_, address):
+        for _ in range(args.repeats):
+            for overlap in (False, True):  # alternating, so drift in the machine's load hits both
+                runs[overlap].append(run_once(address, overlap=overlap, h=args.local_steps, rounds=args.rounds,
+                                              width=args.width, depth=args.depth, batch=args.batch))  # fmt: skip
+    base_rate = median([r["steps_per_s"] for r in runs[False]])
+    for overlap in (False, True):
+        rs = runs[overlap]
+        record = {
+            "bench": "overlap",
+            "measure": "worker blocked on communication / worker wall time",
+            "overlap": overlap,
+            "ratio": median([r["ratio"] for r in rs]),
+            "model_mib": rs[0]["model_bytes"] / MIB,
+            "local_steps": args.local_steps,
+            "rounds": args.rounds,
+            "repeats": args.repeats,
+            "blocked_s": median([r["blocked_s"] for r in rs]),
+            "comm_s": median([r["comm_s"] for r in rs]),
+            "wall_s": median([r["wall_s"] for r in rs]),
+            "comm_per_round_s": median([r["comm_s"] for r in rs]) / args.rounds,
+            "steps_per_s": median([r["steps_per_s"] for r in rs]),
+            "speedup_vs_no_overlap": median([r["steps_per_s"] for r in rs]) / base_rate,
+            "ratios": [round(r["ratio"], 4) for r in rs],
+        }
+        if overlap:
+            record["target"] = 0.05
+        emit(record, args.out)
+
+
+if __name__ == "__main__":
+    main()

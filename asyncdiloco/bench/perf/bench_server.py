@@ -1,0 +1,203 @@
+"""The parameter server's own costs, each against a baseline in the same run.
+
+- ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
+  ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.2).
+- ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
+  momentum) bytes (target ≤ 2.0); once with pushes only, once with each worker pulling
+  right after its push, as workers do. Growth = peak VmHWM during the pushes − RSS of
+  the idle server process before the model arrived. By design the server holds θ, m,
+  the receive budget (at least one payload) and up to --pull-snapshots encoded versions.
+- ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
+  (2 processes × 8 threads) (target ≥ 200).
+
+    python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import threading
+import time
+
+import torch
+
+from asyncdiloco.bench.perf._harness import MIB, emit, median_seconds, parse_sizes, reset_peak_rss, rss_bytes, server_process
+
+from asyncdiloco._malloc import keep_large_blocks
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.wire.tensors import Manifest
+
+
+def bench_outer_step(n_bytes: int, repeats: int) -> dict:
+    n = n_bytes // 4
+    delta = torch.randn(n)
+    ours = OuterOptimizer(torch.zeros(n), OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = delta.clone()
+    fused = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True, fused=True)
+
+    t_ours = median_seconds(lambda: ours.step(delta, 1.0, version=0), repeats)
+    t_fused = median_seconds(fused.step, repeats)  # the warm-up call allocates torch's momentum buffer
+    return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused,
+            "ours_gb_s": n_bytes / t_ours / 1e9}  # fmt: skip
+
+
+def _join_and_init(address: str, manifest: Manifest, name: str) -> tuple[ParameterServerClient, int]:
+    client = ParameterServerClient(address, timeout_s_per_mib=4.0)
+    reply = client.join(manifest, name)
+    if reply.initialize:
+        payload = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+        client.push(payload, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    return client, reply.worker_id
+
+
+def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt, count_q) -> None:
+    torch.set_num_threads(1)
+    keep_large_blocks()  # as the worker CLI does
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    payload = manifest.pack([torch.full((numel,), 1e-6)])
+    counts = []
+
+    def run(k: int) -> None:
+        client, wid = _join_and_init(address, manifest, f"pusher-{k}")
+        start_evt.wait()
+        deadline = time.monotonic() + seconds
+        n, push_id, version = 0, 2, client.status().version
+        while time.monotonic() < deadline:  # each push's base is the version its last push made
+            reply = client.push(payload, worker_id=wid, push_id=push_id, base_version=version)
+            push_id, version = push_id + 1, reply.version
+            n += reply.applied
+        counts.append(n)
+        client.close()
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    count_q.put(sum(counts))
+
+
+def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
+    """Pushes per second ``ParameterServerState.push`` applies in this process, no
+    network (chunk copies, CRC-32 on both sides, validation, nesterov outer step)."""
+    state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="nesterov")))
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    wid, _, _ = state.join(manifest, "bench")
+    state.push(torch.zeros(numel * 4, dtype=torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    payload = manifest.pack([torch.full((numel,), 1e-6)])
+    state.push(payload, worker_id=wid, push_id=2, base_version=0)  # warm: momentum, pooled buffer
+    t0 = time.perf_counter()
+    for i in range(pushes):
+        state.push(payload, worker_id=wid, push_id=3 + i, base_version=state.version)
+    return pushes / (time.perf_counter() - t0)
+
+
+def bench_push_rate(numel: int, procs: int, threads: int, seconds: float, bulk: bool = False) -> dict:
+    ctx = mp.get_context("spawn")
+    flags = ("--outer-optimizer", "nesterov", "--max-staleness", "1000", *(("--bulk-port", "0") if bulk else ()))
+    with server_process(*flags) as (_, address):
+        manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+        client, _ = _join_and_init(address, manifest, "init")
+        start_evt, q = ctx.Event(), ctx.Queue()
+        ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+        for p in ps:
+            p.start()
+        time.sleep(5.0)  # let every client join (spawned interpreters import torch)
+        v0 = client.status().version
+        t0 = time.monotonic()
+        start_evt.set()
+        applied = sum(q.get(timeout=seconds + 120) for _ in ps)
+        wall = time.monotonic() - t0
+        v1 = client.status().version
+        for p in ps:
+            p.join(timeout=30)
+        client.close()
+    return {"path": "bulk-tcp" if bulk else "grpc-stream", "pushes_applied": applied, "versions": v1 - v0,
+            "wall_s": wall, "pushes_per_s": (v1 - v0) / wall}
+
+
+def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: int = 2) -> dict:
+    """Peak server RSS growth while ``pushers`` workers push at once (each then pulls
+    when ``then_pull``), over the RSS of the idle server before the model arrived."""
+    numel = n_bytes // 4
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    with server_process("--outer-optimizer", "nesterov", "--pull-snapshots", str(pull_snapshots)) as (proc, address):
+        time.sleep(1.0)
+        idle = rss_bytes(proc.pid)
+        clients = [_join_and_init(address, manifest, f"w{k}") for k in range(pushers)]
+        payload = manifest.pack([torch.full((numel,), 1e-6)])
+        clients[0][0].push(payload, worker_id=clients[0][1], push_id=2, base_version=0)  # momentum allocated
+        steady = rss_bytes(proc.pid)
+        reset_peak_rss(proc.pid)
+        barrier = threading.Barrier(pushers)
+
+        def push(k: int) -> None:
+            client, wid = clients[k]
+            barrier.wait()
+            client.push(payload, worker_id=wid, push_id=3, base_version=1)
+            if then_pull:  # as workers do: push, then pull the new global model
+                client.pull(manifest, wid)
+
+        ts = [threading.Thread(target=push, args=(k,)) for k in range(pushers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        peak = rss_bytes(proc.pid, "VmHWM")
+        for c, _ in clients:
+            c.close()
+    state = 2 * n_bytes  # parameters + momentum, fp32
+    pattern = ("push, then pull" if then_pull else "push") + ("" if pull_snapshots == 2 else f", --pull-snapshots {pull_snapshots}")
+    held = 2 * n_bytes + max(64 * MIB, n_bytes) + (pull_snapshots * n_bytes if then_pull else 0)
+    note = (f"by design θ + m + receive budget max(64 MiB, 1 payload){' + ' + str(pull_snapshots) + ' pull snapshot(s)' if then_pull else ''} "
+            f"= {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
+            f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)")
+    return {"pattern": pattern, "pushers": pushers, "idle_rss_mib": idle / MIB,
+            "after_one_push_mib": steady / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
+            "ratio": (peak - idle) / state, "note": note}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
+    p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as the server runs
+    keep_large_blocks()
+    sizes = parse_sizes(args.sizes)
+    if args.only in (None, "outer_step"):
+        for n in sizes:
+            r = bench_outer_step(n, args.repeats)
+            emit({"bench": "server", "measure": "outer step / fused torch SGD(nesterov)", "model_mib": n / MIB,
+                  "target": 1.2, **r}, args.out)  # fmt: skip
+    if args.only in (None, "peak_rss"):
+        for n in sizes:
+            runs = [(False, 2), (True, 2)] + ([(True, 1)] if n == max(sizes) else [])
+            for then_pull, snapshots in runs:
+                r = bench_peak_rss(n, pushers=8, then_pull=then_pull, pull_snapshots=snapshots)
+                emit({"bench": "server", "measure": "peak RSS growth / (params + momentum), 8 pushers",
+                      "model_mib": n / MIB, "target": 2.0, **r}, args.out)  # fmt: skip
+    if args.only in (None, "push_rate"):
+        alone = in_process_pushes_per_s(1_000_000)
+        for bulk in (False, True):
+            r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
+            note = (f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
+                    f"here 16 clients (2 processes) and the server share the same 2 cores")
+            emit({"bench": "server", "measure": "pushes applied per second, 1M params, 16 workers",
+                  "model_mib": 4e6 / MIB, "target": 200, "in_process_pushes_per_s": alone, "note": note, **r},
+                 args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The performance suite: bench_transport.py, bench_server.py, bench_codec.py and
+bench_overlap.py, one JSON-lines file and a markdown summary of each target met or
+missed, with what the measurement says about the gap.
+
+    python -m asyncdiloco.bench.perf.perf_suite --out DIR [--sizes 4,64,256]   (or: asyncdiloco bench --suite perf)
+
+Writes DIR/perf.jsonl (one line per measurement) and DIR/perf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap")
+
+#: measure -> (how to read it, whether larger is better)
+_TARGETS = {
+    "push+pull throughput / raw TCP loopback throughput": ("≥", True),
+    "outer step / fused torch SGD(nesterov)": ("≤", False),
+    "peak RSS growth / (params + momentum), 8 pushers": ("≤", False),
+    "pushes applied per second, 1M params, 16 workers": ("≥", True),
+    "worker blocked on communication / worker wall time": ("≤", False),
+}
+
+
+def _value(rec: dict) -> float:
+    return rec["pushes_per_s"] if "pushes_per_s" in rec else rec["ratio"]
+
+
+def _variant(rec: dict) -> str:
+    """What distinguishes rows of one measure: the path, pattern, codec or overlap."""
+    parts = [str(rec[k]) for k in ("path", "pattern", "codec") if k in rec]
+    if "overlap" in rec:
+        parts.append("overlap on" if rec["overlap"] else "overlap off")
+    return ", ".join(parts) or "—"
+
+
+def summarize(records: list[dict]) -> str:
+    lines = [
+        "# asyncdiloco performance suite",
+        "",
+        "Each value is a ratio against a baseline measured in the same run (or a rate); medians of repeats.",
+        "The machine's cores are shared by the client and server processes of each benchmark, and by",
+        "whatever else runs: compare ratios, not absolute speeds.",
+        "",
+        "| measure | variant | model | value | target | met | what the measurement says |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if "measure" not in r or not ("ratio" in r or "pushes_per_s" in r):  # a diagnostic line; in perf.jsonl
+            continue
+        sign, larger = _TARGETS.get(r["measure"], ("?", True))
+        v = _value(r)
+        note = r.get("note", "")
+        head = f"| {r['measure']} | {_variant(r)} | {r['model_mib']:.0f} MiB | {v:.3g}"
+        if "target" not in r:  # a baseline row (overlap off, the codecs): measured, no target
+            lines.append(f"{head} | — | — | {note} |")
+            continue
+        met = v >= r["target"] if larger else v <= r["target"]
+        lines.append(f"{head} | {sign} {r['target']} | {'yes' if met else 'no'} | {note} |")
+    lines += ["", "Raw records (with every baseline and breakdown): perf.jsonl."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="perf-out", help="output folder (default perf-out)")
+    p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB")
+    args = p.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "perf.jsonl"
+    jsonl.unlink(missing_ok=True)
+    started = time.monotonic()
+    for script in SCRIPTS:
+        subprocess.run([sys.executable, "-m", f"asyncdiloco.bench.perf.{script}", "--sizes", args.sizes, "--out", str(jsonl)], check=True)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    summary = summarize(records) + f"\nWhole suite: {time.monotonic() - started:.0f} s.\n"
+    (out / "perf.md").write_text(summary)
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The sync-vs-async suite on the real clock: a real server and worker processes.
+
+Each run is ``asyncdiloco demo`` (demo.py) on 127.0.0.1 with the method's server flags,
+the profile's speeds as per-step slowdowns (``--slowdown``, relative to the fastest
+worker) and a token budget: the workers are stopped once the server has applied the
+budget, so every method trains on the same number of tokens and the protocol, queuing
+and staleness are real. Records have the fields of the virtual-clock suite (suite.py),
+so ``report.md`` and the plots are made by the same code.
+
+Every profile of ``suite.PROFILES`` runs, including the two with events in time
+(``real_schedule``): a speed change becomes the worker's ``--slowdown-changes``, a leave
+and rejoin the demo's ``leave_rejoin``. Virtual seconds are mapped onto real seconds of
+training by the same scale that maps the speeds::
+
+    real_s = virtual_s × r / v_min
+
+where v_min is the profile's fastest speed (virtual s per inner step, over its initial
+speeds and its changes) and r the measured real seconds per inner step of a full-speed
+worker (``--slowdown 1``) under the profile's load: a worker of speed v runs
+``--slowdown v/v_min``, so it takes r·v/v_min real s per step, and an event at virtual time
+t lands after the same number of that worker's steps as on the virtual clock. r comes from
+a short calibration demo per profile with events (``calibrate_real_s_per_step``: the
+profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
+since on 2 shared cores r is 2-3× the step time of a lone process. Each record says
+which r and scale it ran with (``schedule``) and the r measured in the run itself
+(``measured_real_s_per_step``). A speed change counts from its worker's own start of
+training, the leave and rejoin from the demo's ``train_start_s``; the workers begin
+training within about a second of each other (``workers[].train_started_s`` in each run's
+report.json says when each did), which is not mapped; a rejoining process is started early
+and held back, so its start-up is not added to the time away. The time a worker is away
+counts as neither busy nor idle in ``utilisation``.
+
+    asyncdiloco bench --suite quick --clock real --out DIR   # uneven, 3 seeds
+    asyncdiloco bench --suite full --clock real --out DIR    # all five profiles
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+
+from asyncdiloco.bench.demo import DemoConfig, run_demo
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
+from asyncdiloco.bench.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
+
+#: The methods the real clock runs: what claims (b) and (c) and the method beyond the
+#: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
+#: of a server and four worker processes.
+REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
+#: Real-clock suites: ``quick`` runs the one profile the claims are about, so it fits in
+#: about 10 minutes; ``full`` runs all five (homogeneous, uneven, straggler, changing,
+#: leave_rejoin). The budget is the virtual suite's.
+REAL_SUITES = {
+    "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
+    "full": SuiteConfig(profiles=tuple(PROFILES), methods=("sync_localsgd", *REAL_METHODS)),
+}
+#: Seconds between the demo's evaluations of the global model: fine enough that the time
+#: to the target resolves a 3x speed-up of runs that train for tens of seconds.
+REAL_EVAL_EVERY_S = 0.5
+
+#: Token budget of a calibration demo, in inner steps summed over workers.
+CALIBRATION_STEPS = 300
+#: The method a calibration demo runs (its r hardly depends on the method).
+CALIBRATION_METHOD = "async_nesterov_poly"
+
+
+@dataclasses.dataclass(frozen=True)
+class RealSchedule:
+    """A profile on the real clock (times in seconds of training, from each worker's
+    start for the speed changes and from the demo's ``train_start_s`` for the leave)."""
+
+    #: ``--slowdown`` per worker: speed ÷ the fastest speed v_min.
+    slowdowns: tuple[float, ...]
+    #: Per worker, ``((t_s, F), ...)`` for ``--slowdown-changes``.
+    slowdown_changes: tuple[tuple[tuple[float, float], ...], ...]
+    #: (worker index, leave at s, rejoin at s) for ``DemoConfig.leave_rejoin``, or None.
+    leave_rejoin: tuple[int, float, float] | None
+    #: Real seconds per virtual second, r / v_min.
+    real_s_per_virtual_s: float
+
+
+def real_schedule(profile: dict, real_s_per_step: float) -> RealSchedule:
+    """Map a ``suite.PROFILES`` entry onto the real clock: speeds become slowdowns
+    relative to v_min (the fastest speed, initial or changed), virtual times t become
+    t × real_s_per_step / v_min.
+
+    Args:
+        profile: ``{"speeds": (v_i s/step, ...), "changes": ((t, worker, v), ...),
+            "leave_rejoin": (worker, leave t, rejoin t)}``, virtual seconds.
+        real_s_per_step: r, real seconds per inner step of a worker at ``--slowdown 1``.
+    Raises:
+        ConfigError: r is not a positive number.
+    """
+    if not (math.isfinite(real_s_per_step) and real_s_per_step > 0):
+        raise ConfigError(f"real_s_per_step={real_s_per_step} is invalid: give the measured seconds per step, > 0")
+    speeds = tuple(profile["speeds"])
+    changes = tuple(profile.get("changes", ()))
+    v_min = min(speeds + tuple(v for _, _, v in changes))
+    scale = real_s_per_step / v_min
+    per_worker: list[list[tuple[float, float]]] = [[] for _ in speeds]
+    for t, w, v in sorted(changes):
+        per_worker[w].append((t * scale, v / v_min))
+    lr = profile.get("leave_rejoin")
+    return RealSchedule(
+        slowdowns=tuple(v / v_min for v in speeds),
+        slowdown_changes=tuple(tuple(c) for c in per_worker),
+        leave_rejoin=(lr[0], lr[1] * scale, lr[2] * scale) if lr is not None else None,
+        real_s_per_virtual_s=scale,
+    )
+
+
+def _changes_flag(changes: tuple[tuple[float, float], ...]) -> tuple[str, ...]:
+    return ("--slowdown-changes", ",".join(f"{t:.4f}:{f:.6g}" for t, f in changes)) if changes else ()
+
+
+def calibrate_real_s_per_step(profile: str, cfg: SuiteConfig, out_dir: pathlib.Path) -> float:
+    """r: real seconds per inner step at ``--slowdown 1``, measured by a short demo of
+    ``profile``'s initial speeds (``CALIBRATION_METHOD``, ``CALIBRATION_STEPS``) on this
+    machine, pooled over its workers: Σ (wall − blocked) ÷ Σ inner steps × slowdown."""
+    speeds = PROFILES[profile]["speeds"]
+    sim_cfg = SimConfig(method=CALIBRATION_METHOD, speeds_s_per_step=speeds, total_steps=CALIBRATION_STEPS,
+                        local_steps=cfg.local_steps, job=cfg.job)  # fmt: skip
+    mode, flags, worker_args = server_flags(sim_cfg)
+    demo = DemoConfig(
+        num_workers=len(speeds), max_seconds=600.0, out_dir=str(out_dir), slowdowns=tuple(s / min(speeds) for s in speeds),
+        server_args=flags, job=cfg.job, eval_every_s=60.0, mode=mode, token_budget=CALIBRATION_STEPS * cfg.job.tokens_per_step,
+        worker_args=worker_args,
+    )  # fmt: skip
+    run_demo(demo, progress=False)
+    r = measured_real_s_per_step(out_dir)
+    if r is None:
+        raise AsyncDiLoCoError(f"the calibration demo in {out_dir} trained no steps; see its worker-*.log")
+    return r
+
+
+def measured_real_s_per_step(run_dir: pathlib.Path) -> float | None:
+    """Real seconds per inner step at slowdown 1 in a finished async demo, from its
+    workers' stats files (those without speed changes); None if none trained."""
+    busy_s = steps = 0.0
+    for path in sorted(pathlib.Path(run_dir).glob("worker-*.json")):
+        st = json.loads(path.read_text())
+        if st.get("slowdown_changes") or "wall_s" not in st or not st.get("inner_steps"):
+            continue  # changing speeds or a sync worker (no wall_s): no single factor to divide by
+        busy_s += st["wall_s"] - st["blocked_s"]
+        steps += st["inner_steps"] * st["slowdown"]
+    return busy_s / steps if steps else None
+
+def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
+    settings the simulator gives the server (``sim.METHODS``); the grouping window is the
+    server's own auto window, as in the simulator."""
+    spec = METHODS[cfg.method]
+    o = cfg.outer()
+    flags = [
+        "--local-steps", str(cfg.local_steps), "--outer-optimizer", o.optimizer, "--outer-lr", str(o.lr),
+        "--outer-momentum", str(o.momentum), "--staleness", o.staleness, "--staleness-a", str(o.staleness_a),
+        "--dn-buffer", str(o.dn_buffer), "--grouping", spec.grouping, "--dylu" if spec.dylu else "--no-dylu",
+        *(("--block-check",) if o.block_check else ()),
+    ]  # fmt: skip
+    worker_args = ("--overlap",) if spec.overlap else ()
+    if spec.mode == "sync":
+        present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
+        flags += ["--mode", "sync", "--min-workers", str(present), "--join-timeout-s", "30"]
+        return "sync", tuple(flags), worker_args
+    return "async", tuple(flags), worker_args
+
+
+def run_real_suite(
+    cfg: SuiteConfig, out_dir: str, progress: bool = True, real_s_per_step: float | None = None
+) -> list[dict]:
+    """Run every (profile, method, seed) with real processes; write runs.jsonl, report.md, plots.
+
+    Args:
+        real_s_per_step: r of ``real_schedule`` for the profiles with speed changes or a
+            leave; None: measured per such profile by ``calibrate_real_s_per_step``.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "runs.jsonl"
+    jsonl.unlink(missing_ok=True)
+    records = []
+    runs = [(p, m, s) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
+    schedules: dict[str, tuple[RealSchedule, float, str]] = {}  # profile -> (schedule, r, where r came from)
+    for k, (profile, method, seed) in enumerate(runs, 1):
+        prof = PROFILES[profile]
+        speeds = prof["speeds"]
+        if profile not in schedules:
+            r, source = real_s_per_step, "given"
+            if r is None and ("changes" in prof or "leave_rejoin" in prof):
+                if progress:
+                    print(f"calibrating {profile}: real seconds per step at slowdown 1", flush=True)
+                r, source = calibrate_real_s_per_step(profile, cfg, out / "runs" / f"{profile}-calibration"), "calibration"
+            elif r is None:
+                r, source = 1.0, "unused"  # fixed speeds: only the slowdowns matter
+            schedules[profile] = (real_schedule(prof, r), r, source)
+        sched, r, source = schedules[profile]
+        sim_cfg = SimConfig(method=method, speeds_s_per_step=speeds, total_steps=cfg.total_steps,
+                            local_steps=cfg.local_steps, seed=seed, job=cfg.job,
+                            speed_changes=prof.get("changes", ()), leave_rejoin=prof.get("leave_rejoin"))  # fmt: skip
+        mode, flags, worker_args = server_flags(sim_cfg)
+        job = dataclasses.replace(cfg.job, seed=seed)
+        run_dir = out / "runs" / f"{profile}-{method}-{seed}"
+        demo = DemoConfig(
+            num_workers=len(speeds), max_seconds=600.0, out_dir=str(run_dir),
+            slowdowns=sched.slowdowns, server_args=flags, job=job, eval_every_s=REAL_EVAL_EVERY_S, worker_args=worker_args,
+            mode=mode, token_budget=cfg.total_steps * job.tokens_per_step, leave_rejoin=sched.leave_rejoin,
+            per_worker_args=tuple(_changes_flag(c) for c in sched.slowdown_changes),
+        )  # fmt: skip
+        if progress:
+            print(f"[{k}/{len(runs)}] {profile} {method} seed {seed}", flush=True)
+        started = time.monotonic()
+        report = run_demo(demo, progress=False)
+        rec = _record(profile, method, seed, sim_cfg, report, time.monotonic() - started)
+        rec["schedule"] = {
+            "real_s_per_step": r if source != "unused" else None, "real_s_per_step_from": source,
+            "real_s_per_virtual_s": sched.real_s_per_virtual_s if source != "unused" else None,
+            "slowdowns": list(sched.slowdowns), "slowdown_changes": [list(map(list, c)) for c in sched.slowdown_changes],
+            "leave_rejoin": list(sched.leave_rejoin) if sched.leave_rejoin else None,
+        }  # fmt: skip
+        rec["measured_real_s_per_step"] = measured_real_s_per_step(run_dir) if mode == "async" else None
+        records.append(rec)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    _add_targets(records, cfg.target_margin)
+    write_outputs(records, cfg, out, "real", peer_section(cfg, out, progress))
+    return records
+
+
+def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: dict, real_s: float) -> dict:
+    t0 = report["train_start_s"]
+    train_s = max(report["wall_s"] - t0, 1e-9)
+    curve = [
+        {"steps": c["tokens"] // sim_cfg.job.tokens_per_step, "tokens": c["tokens"], "time_s": max(c["wall_s"] - t0, 0.0),
+         "version": c["version"], "eval_loss": c["eval_loss"]}
+        for c in report["eval_curve"]
+    ]  # fmt: skip
+    idle_by_index: dict[int, float] = {}  # a worker that left and rejoined: its processes' idle time summed
+    for w in report["workers"]:
+        idle_by_index[w["index"]] = idle_by_index.get(w["index"], 0.0) + (w.get("idle_s") or 0.0)
+    idle = list(idle_by_index.values())
+    hist = report["staleness_histogram"]
+    return {
+        "clock": "real",
+        "profile": profile,
+        "method": method,
+        "seed": seed,
+        "workers": len(sim_cfg.speeds_s_per_step),
+        "worker_processes": len(report["workers"]),
+        "speeds_s_per_step": list(sim_cfg.speeds_s_per_step),
+        "local_steps": sim_cfg.local_steps,
+        "total_steps": sim_cfg.total_steps,
+        "tokens": report["tokens_applied"],
+        "final_eval_loss": report["final_eval_loss"],
+        "virtual_wall_s": train_s,  # the suite's column name; here real training seconds
+        "utilisation": sum(max(0.0, 1 - i / train_s) for i in idle) / len(idle),
+        "updates": report["version"],
+        "staleness_histogram": hist,
+        "mean_staleness": staleness_mean(hist),
+        "group_size_histogram": report.get("group_size_histogram") or [],
+        "run_config": report.get("run_config"),
+        "bytes_up": report["bytes_pushed"],
+        "bytes_down": report["bytes_pulled"],
+        "curve": curve,
+        "real_s": real_s,
+        "median_round_s": (report.get("round_time_s") or {}).get("round"),  # sync runs
+    }

@@ -1,0 +1,132 @@
+"""What ``asyncdiloco worker`` runs: the default job's plain PyTorch training loop wrapped
+by an ``AsyncDiLoCoWorker`` (or a ``SyncDiLoCoWorker`` in sync mode)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import BatchStream, CharCorpus
+from asyncdiloco.job.models import lm_loss
+from asyncdiloco.job.slowdown import SlowdownChanges, check_slowdown_changes, slowdown_at
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(
+    *,
+    worker_config: WorkerConfig,
+    job: JobConfig,
+    worker_index: int = 0,
+    slowdown: float = 1.0,
+    slowdown_changes: SlowdownChanges = (),
+    max_steps: int | None = None,
+    max_seconds: float | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+    on_start: Callable[[], None] | None = None,
+    stop: threading.Event | None = None,
+    wait_to_join: Callable[[], bool] | None = None,
+    log_every: int = 100,
+    sync: SyncWorkerConfig | None = None,
+) -> WorkerStats | SyncWorkerStats:
+    """Train the default job as one DiLoCo worker until a bound is hit: asynchronous,
+    or synchronous (``SyncDiLoCoWorker``) when ``sync`` is given.
+
+    Args:
+        worker_config: server address and client settings.
+        job: model, data and inner optimizer settings.
+        worker_index: selects this worker's batch order.
+        slowdown: F ≥ 1; after each inner step the worker sleeps (F − 1) × the step's
+            compute time, so it runs F times slower (emulates a weaker machine).
+        slowdown_changes: ((t_s, F), ...): from t_s seconds after the worker began
+            training (joined and holds the global model) it runs F times slower instead;
+            times strictly increasing, each F ≥ 1 (``slowdown_at``).
+        max_steps: stop after this many inner steps (None: no bound).
+        max_seconds: stop after this many seconds of training (None: no bound).
+        on_step: called after every inner step with (step, loss in nats/char).
+        on_start: called once training begins (joined, global model pulled): the
+            moment ``slowdown_changes`` and ``max_seconds`` count from.
+        stop: once set, training ends after the current inner step (never in the middle
+            of a sync); the worker then pushes its last steps and leaves. Set before
+            training began, it ends right after the join (still with a Leave).
+        wait_to_join: called once the model and data are ready, before the join; it
+            blocks until the worker may join and returns False to give up (nothing is
+            trained and the server never hears of this worker).
+        log_every: log the training loss every this many inner steps (INFO).
+        sync: run as a sync-mode worker with these settings (the server must run
+            ``--mode sync``); None: asynchronous.
+    Returns:
+        The worker's counters.
+    Raises:
+        ConfigError: slowdown < 1, a bad ``slowdown_changes`` or no bound given.
+        ServerUnavailableError / ManifestMismatchError: joining failed.
+    """
+    if not slowdown >= 1.0:
+        raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
+    slowdown_changes = check_slowdown_changes(slowdown_changes)
+    if max_steps is None and max_seconds is None:
+        raise ConfigError("give max_steps or max_seconds, or the worker would train forever")
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError(f"max_steps={max_steps} is invalid: give 1 or more inner steps")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
+    corpus = CharCorpus.default()
+    model = job.build(corpus)
+    inner, inner_lr = job.build_inner(model.parameters())
+    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
+    if sync is not None:
+        worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
+    else:
+        worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    if wait_to_join is not None and not wait_to_join():
+        return worker.stats
+    with worker:
+        started = time.monotonic()
+        step = 0
+        factor = slowdown
+        try:
+            if on_start is not None:
+                on_start()
+            while (
+                (max_steps is None or step < max_steps)
+                and (max_seconds is None or time.monotonic() - started < max_seconds)
+                and not (stop is not None and stop.is_set())
+            ):
+                t0, blocked0 = time.monotonic(), worker.stats.blocked_s
+                x, y = next(batches)  # (B, T) int64 each
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+                inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
+                inner.zero_grad(set_to_none=True)
+                step += 1
+                if step % log_every == 0:
+                    st = worker.stats
+                    done = (
+                        f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed" if sync is not None
+                        else f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
+                    )  # fmt: skip
+                    log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
+                if slowdown_changes:
+                    now_factor = slowdown_at(time.monotonic() - started, slowdown, slowdown_changes)
+                    if now_factor != factor:
+                        log.info("step %d, %.1f s: slowdown %g -> %g", step, time.monotonic() - started, factor, now_factor)
+                        factor = now_factor
+                if factor > 1.0:
+                    compute_s = time.monotonic() - t0 - (worker.stats.blocked_s - blocked0)  # the sync is not slowed
+                    time.sleep((factor - 1.0) * max(compute_s, 0.0))
+                if on_step is not None:
+                    on_step(step, float(loss))
+        except KeyboardInterrupt:  # SIGINT: stop training; close() still pushes and leaves
+            log.info("interrupted after %d inner steps; leaving", step)
+        if stop is not None and stop.is_set():
+            log.info("stopped after %d inner steps; leaving", step)
+    return worker.stats

@@ -1,0 +1,307 @@
+"""Character-level corpus: the embedded default data set and its batches.
+
+This module owns the text the demo trains on and how it is cut into batches:
+
+- ``load_text`` reads a text file, or the embedded Tiny Shakespeare
+  (``asyncdiloco/job/data/tinyshakespeare.txt``, 1,115,394 characters, 65 distinct;
+  from Karpathy's char-rnn, https://github.com/karpathy/char-rnn).
+- ``CharCorpus`` maps characters to ids and splits the ids deterministically:
+  the first ``1 - val_fraction`` of the text is the training split, the rest
+  is the held-out validation split.
+- ``sample_batch`` draws random windows (x, y) with y = x shifted by one.
+- ``BatchStream`` is one worker's infinite stream of training batches; each
+  worker index has its own reproducible order.
+- ``eval_batches`` is a fixed set of validation batches, identical across calls
+  and processes, so that held-out losses measured at different times (and by
+  different processes) are comparable.
+
+All ids are int64 (``torch.long``) on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncdiloco.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEXT_NAME = "tinyshakespeare.txt"
+# Multiplier that combines (seed, worker_index) into one generator seed.
+_WORKER_SEED_STRIDE = 1_000_003
+_MAX_SEED = 2**63 - 1
+
+
+def load_text(path: str | os.PathLike | None = None) -> str:
+    """Read a UTF-8 text corpus.
+
+    Args:
+        path: File to read. ``None`` reads the embedded Tiny Shakespeare
+            (1,115,394 characters) shipped as package data in
+            ``asyncdiloco/job/data/``.
+
+    Returns:
+        The whole file as one string.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        UnicodeDecodeError: the file is not UTF-8.
+    """
+    if path is None:
+        resource = importlib.resources.files("asyncdiloco.job") / "data" / DEFAULT_TEXT_NAME
+        return resource.read_text(encoding="utf-8")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CharCorpus:
+    """A character vocabulary and the train/validation split of one text.
+
+    Build it with ``CharCorpus.from_text(text)`` or ``CharCorpus.default()``.
+
+    Attributes:
+        vocab: The sorted distinct characters of the text; id ``i`` is ``vocab[i]``.
+        train: Training ids, shape (N_train,), int64: the first
+            ``1 - val_fraction`` of the text.
+        val: Held-out validation ids, shape (N_val,), int64: the rest of the text.
+    """
+
+    vocab: str
+    train: torch.Tensor
+    val: torch.Tensor
+    _stoi: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.vocab) == 0:
+            raise ConfigError("CharCorpus: vocab is empty; build the corpus from a non-empty text.")
+        if len(set(self.vocab)) != len(self.vocab) or list(self.vocab) != sorted(self.vocab):
+            raise ConfigError(
+                f"CharCorpus: vocab {self.vocab!r} must be sorted distinct characters; "
+                "build it with CharCorpus.from_text."
+            )
+        for name in ("train", "val"):
+            ids = getattr(self, name)
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long:
+                got = f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+                raise ConfigError(
+                    f"CharCorpus: {name} must be a 1-D int64 tensor, got {got}; "
+                    "build the corpus with CharCorpus.from_text."
+                )
+            if ids.numel() == 0:
+                raise ConfigError(f"CharCorpus: the {name} split is empty; use a longer text.")
+        object.__setattr__(self, "_stoi", {ch: i for i, ch in enumerate(self.vocab)})
+
+    @classmethod
+    def from_text(cls, text: str, val_fraction: float = 0.1) -> CharCorpus:
+        """Build the vocabulary from ``text`` and split it deterministically.
+
+        Args:
+            text: The whole corpus.
+            val_fraction: Share of characters, at the end of the text, held out
+                for validation; in (0, 0.5].
+
+        Returns:
+            The corpus; ``len(train) + len(val) == len(text)``.
+
+        Raises:
+            ValueError: ``val_fraction`` is outside (0, 0.5], or ``text`` is too
+                short to leave at least one character in each split.
+        """
+        if not 0.0 < val_fraction <= 0.5:
+            raise ConfigError(
+                f"val_fraction={val_fraction!r} is outside (0, 0.5]; "
+                "pass e.g. 0.1 to hold out the last 10% of the text."
+            )
+        n_train = int(len(text) * (1.0 - val_fraction))
+        if n_train < 1 or n_train >= len(text):
+            raise ConfigError(
+                f"text of {len(text)} characters is too short to split with "
+                f"val_fraction={val_fraction}; use a text of at least a few hundred characters."
+            )
+        vocab = "".join(sorted(set(text)))
+        stoi = {ch: i for i, ch in enumerate(vocab)}
+        ids = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
+        logger.debug("corpus: %d chars, vocab %d, %d train / %d val", len(text), len(vocab), n_train, len(text) - n_train)
+        return cls(vocab=vocab, train=ids[:n_train].clone(), val=ids[n_train:].clone())
+
+    @classmethod
+    def default(cls, val_fraction: float = 0.1) -> CharCorpus:
+        """The embedded Tiny Shakespeare corpus (65 characters in the vocabulary).
+
+        Args:
+            val_fraction: As in ``from_text``.
+
+        Returns:
+            The corpus.
+        """
+        return cls.from_text(load_text(), val_fraction=val_fraction)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct characters, V."""
+        return len(self.vocab)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Map characters to ids.
+
+        Args:
+            text: Characters, each of which must be in ``vocab``.
+
+        Returns:
+            Ids, shape (len(text),), int64.
+
+        Raises:
+            ValueError: ``text`` holds a character outside the vocabulary.
+        """
+        try:
+            return torch.tensor([self._stoi[ch] for ch in text], dtype=torch.long)
+        except KeyError as e:
+            raise ConfigError(
+                f"character {e.args[0]!r} is not in the corpus vocabulary of {self.vocab_size} "
+                "characters; encode only text drawn from the same corpus."
+            ) from None
+
+    def decode(self, ids: torch.Tensor) -> str:
+        """Map ids back to characters.
+
+        Args:
+            ids: Ids of any shape (flattened in row-major order), integer dtype,
+                each in [0, vocab_size).
+
+        Returns:
+            The decoded string.
+
+        Raises:
+            ValueError: an id is outside [0, vocab_size).
+        """
+        flat = ids.reshape(-1).tolist()
+        bad = [i for i in flat if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ConfigError(
+                f"id {bad[0]} is outside [0, {self.vocab_size}); decode only ids made by this corpus."
+            )
+        return "".join(self.vocab[i] for i in flat)
+
+
+def sample_batch(
+    data: torch.Tensor, batch_size: int, context_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw ``batch_size`` random windows of ``context_len`` ids and their next ids.
+
+    Args:
+        data: A split of ids, shape (N,), int64.
+        batch_size: B, windows per batch, >= 1.
+        context_len: T, ids per window, >= 1; needs N > T.
+        generator: CPU generator the window starts are drawn from (advanced).
+
+    Returns:
+        x: Inputs, shape (B, T), int64: ``data[s : s + T]`` for each start s.
+        y: Targets, shape (B, T), int64: ``data[s + 1 : s + T + 1]``, x shifted by one.
+
+    Raises:
+        ValueError: ``data`` is not 1-D int64, ``batch_size`` or ``context_len``
+            is below 1, or the split is not longer than one context window.
+    """
+    if data.dim() != 1 or data.dtype != torch.long:
+        raise ConfigError(f"data must be a 1-D int64 tensor, got {data.dtype} of shape {tuple(data.shape)}.")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be >= 1.")
+    if context_len < 1:
+        raise ConfigError(f"context_len={context_len} must be >= 1.")
+    n = data.numel()
+    if n <= context_len:
+        raise ConfigError(
+            f"split of {n} ids is not longer than context_len={context_len}; "
+            "use a shorter context_len, a longer text or a larger val_fraction."
+        )
+    starts = torch.randint(0, n - context_len, (batch_size,), generator=generator)  # (B,)
+    offsets = torch.arange(context_len)  # (T,)
+    idx = starts[:, None] + offsets[None, :]  # (B, T)
+    return data[idx], data[idx + 1]  # (B, T), (B, T)
+
+
+def _check_non_negative(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEED:
+        raise ConfigError(f"{name}={value!r} must be an int in [0, 2**63 - 1].")
+
+
+class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
+    """One worker's infinite, reproducible stream of training batches.
+
+    The window order is drawn from a generator seeded with
+    ``(seed * 1_000_003 + worker_index) mod 2**63``: the same arguments give the
+    same stream in any process, and different worker indices give different streams.
+
+    Args:
+        corpus: The corpus; batches come from ``corpus.train``.
+        batch_size: B, windows per batch, >= 1.
+        context_len: T, ids per window, >= 1 and < len(corpus.train).
+        seed: Run seed, >= 0.
+        worker_index: This worker's index, >= 0.
+
+    Raises:
+        ValueError: an argument is out of range (see ``sample_batch``).
+
+    Yields:
+        (x, y), each of shape (B, T), int64, y = x shifted by one.
+    """
+
+    def __init__(self, corpus: CharCorpus, batch_size: int, context_len: int, seed: int, worker_index: int) -> None:
+        _check_non_negative("seed", seed)
+        _check_non_negative("worker_index", worker_index)
+        if batch_size < 1 or context_len < 1 or corpus.train.numel() <= context_len:
+            sample_batch(corpus.train, batch_size, context_len, torch.Generator())  # raises the clear error
+        self.corpus = corpus
+        self.batch_size = batch_size
+        self.context_len = context_len
+        self.seed = seed
+        self.worker_index = worker_index
+        self.num_batches_drawn = 0
+        self._generator = torch.Generator()
+        self._generator.manual_seed((seed * _WORKER_SEED_STRIDE + worker_index) % (_MAX_SEED + 1))
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.num_batches_drawn += 1
+        return sample_batch(self.corpus.train, self.batch_size, self.context_len, self._generator)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchStream(batch_size={self.batch_size}, context_len={self.context_len}, "
+            f"seed={self.seed}, worker_index={self.worker_index}, drawn={self.num_batches_drawn})"
+        )
+
+
+def eval_batches(
+    corpus: CharCorpus, batch_size: int, context_len: int, num_batches: int, seed: int = 1234
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of held-out batches from the validation split.
+
+    The same arguments give bit-identical batches in every call and process
+    (same torch version), so losses measured at different times are comparable.
+
+    Args:
+        corpus: The corpus; batches come from ``corpus.val``.
+        batch_size: B, windows per batch, >= 1.
+        context_len: T, ids per window, >= 1 and < len(corpus.val).
+        num_batches: How many batches, >= 1.
+        seed: Seed of the generator the windows are drawn from, >= 0.
+
+    Returns:
+        ``num_batches`` pairs (x, y), each of shape (B, T), int64.
+
+    Raises:
+        ValueError: an argument is out of range (see ``sample_batch``).
+    """
+    if num_batches < 1:
+        raise ConfigError(f"num_batches={num_batches} must be >= 1.")
+    _check_non_negative("seed", seed)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return [sample_batch(corpus.val, batch_size, context_len, generator) for _ in range(num_batches)]

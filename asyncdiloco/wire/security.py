@@ -1,0 +1,251 @@
+"""Authentication and transport security: a shared token and TLS through gRPC credentials.
+
+- **Token.** When the server has a token (``--token-file``), every RPC must carry the
+  metadata ``authorization: Bearer <token>``; ``TokenAuthInterceptor`` compares it in
+  constant time (``hmac.compare_digest``) and answers anything else with
+  ``UNAUTHENTICATED`` before the servicer runs, so a refused call changes nothing.
+- **TLS.** ``server_credentials`` builds ``grpc.ssl_server_credentials`` from a PEM
+  certificate chain and key; with a client CA the server requires client certificates
+  (mutual TLS) and refuses others during the handshake. ``channel_credentials`` is
+  the client side (``grpc.ssl_channel_credentials``).
+
+- **Bulk data channel** (ps/bulk.py): the same token travels in every BulkRequest and
+  is compared with ``token_matches`` (constant time); ``server_ssl_context`` /
+  ``client_ssl_context`` build Python ``ssl`` contexts from the same PEM files.
+
+A token sent over plaintext can be read by anyone on the path: use TLS whenever the
+server listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import os
+import ssl
+import stat
+
+import grpc
+
+from asyncdiloco.errors import ConfigError, require, require_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerSecurityConfig:
+    """Shared-token authentication and TLS for the server (security.py)."""
+
+    #: File holding the shared token (first line); every RPC must carry it. None: no token.
+    token_file: str | None = None
+    #: PEM server certificate chain and private key; both or neither (None: plaintext).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: PEM CA bundle that client certificates must chain to; set = mutual TLS (clients
+    #: without a valid certificate are refused during the handshake).
+    tls_client_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+            require_file(getattr(self, name), name)
+        require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
+                 "give both --tls-cert and --tls-key, or neither")
+        require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca", self.tls_client_ca,
+                 "mutual TLS needs the server's own --tls-cert and --tls-key too")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientSecurityConfig:
+    """Token and TLS settings of a worker or other client (security.py)."""
+
+    #: File holding the shared token the server expects (first line). None: send none.
+    token_file: str | None = None
+    #: PEM CA bundle to verify the server's certificate with; set = connect over TLS.
+    tls_ca: str | None = None
+    #: PEM client certificate and key, for a server that requires mutual TLS.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Expected name in the server's certificate when it differs from the host in the
+    #: address (e.g. "localhost" when connecting to an IP); None = the address's host.
+    tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
+            require_file(getattr(self, name), name)
+        require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
+                 "give both --tls-cert and --tls-key, or neither")
+        require(self.tls_cert is None or self.tls_ca is not None, "tls_cert", self.tls_cert,
+                 "a client certificate is only sent over TLS: also give --tls-ca")
+
+
+#: Metadata key carrying the token (gRPC metadata keys are lower case).
+AUTH_METADATA_KEY = "authorization"
+_SCHEME = "Bearer "
+
+
+def read_token(path: str) -> str:
+    """The token in the first line of ``path``, without surrounding whitespace.
+
+    Raises:
+        ConfigError: the file cannot be read or holds an empty token.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(f"token file {path!r} cannot be read ({exc.strerror}); give a readable file") from None
+    if not token:
+        raise ConfigError(f"token file {path!r} holds an empty first line; write the token there "
+                          f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`)")
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("token file %s is readable by other users; chmod 600 it", path)
+    return token
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path!r} cannot be read ({exc.strerror}); give a readable PEM file") from None
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying ``token`` (empty when there is none)."""
+    return () if token is None else ((AUTH_METADATA_KEY, _SCHEME + token),)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses, with ``UNAUTHENTICATED``, every call whose token differs from ``token``.
+
+    Args:
+        token: the shared secret; compared in constant time.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = (_SCHEME + token).encode()
+
+    def _authorized(self, metadata) -> bool:
+        sent = b""
+        for key, value in metadata or ():
+            if key == AUTH_METADATA_KEY:
+                sent = value.encode() if isinstance(value, str) else value
+        return hmac.compare_digest(sent, self._expected)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        method = handler_call_details.method
+        log.warning("refused %s: missing or wrong token", method)
+        message = (
+            f"{method}: missing or wrong token (metadata '{AUTH_METADATA_KEY}: Bearer ...'); "
+            f"start the client with the server's --token-file"
+        )
+
+        def deny(request_or_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        def deny_stream(request_or_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - makes this a generator, as a streaming handler must be
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def server_interceptors(config: ServerSecurityConfig | None) -> list[grpc.ServerInterceptor]:
+    """The interceptors ``config`` asks for (a token check, or none)."""
+    if config is None or config.token_file is None:
+        return []
+    return [TokenAuthInterceptor(read_token(config.token_file))]
+
+
+def server_credentials(config: ServerSecurityConfig | None) -> grpc.ServerCredentials | None:
+    """TLS credentials for the listening port, or None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be read.
+    """
+    if config is None or config.tls_cert is None:
+        return None
+    cert = _read_bytes(config.tls_cert, "TLS certificate")
+    key = _read_bytes(config.tls_key, "TLS key")
+    client_ca = _read_bytes(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def client_token(config: ClientSecurityConfig | None) -> str | None:
+    return None if config is None or config.token_file is None else read_token(config.token_file)
+
+
+def channel_credentials(config: ClientSecurityConfig | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a channel (server verified against ``tls_ca``; a client
+    certificate when given), or None for plaintext."""
+    if config is None or config.tls_ca is None:
+        return None
+    ca = _read_bytes(config.tls_ca, "TLS CA")
+    cert = _read_bytes(config.tls_cert, "TLS certificate") if config.tls_cert else None
+    key = _read_bytes(config.tls_key, "TLS key") if config.tls_key else None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+# ---------------------------------------------------------- bulk data channel
+def token_matches(sent: str, expected: str) -> bool:
+    """Constant-time comparison of a token sent on the bulk channel with the server's."""
+    return hmac.compare_digest(sent.encode(), expected.encode())
+
+
+def server_ssl_context(config: ServerSecurityConfig | None) -> "ssl.SSLContext | None":
+    """The bulk channel's TLS, from the same PEM files as ``server_credentials``: the
+    server certificate, and with a client CA, required client certificates (mutual TLS).
+    None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be loaded.
+    """
+
+    if config is None or config.tls_cert is None:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+        if config.tls_client_ca:
+            ctx.load_verify_locations(cafile=config.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS certificate {config.tls_cert!r} / key / client CA cannot be loaded ({exc}); "
+                          f"give readable PEM files") from None
+    return ctx
+
+
+def client_ssl_context(config: ClientSecurityConfig | None) -> "ssl.SSLContext | None":
+    """The bulk channel's TLS for a client, from the same PEM files as
+    ``channel_credentials`` (server verified against ``tls_ca``, host name checked; a
+    client certificate when given). None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be loaded.
+    """
+
+    if config is None or config.tls_ca is None:
+        return None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=config.tls_ca)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if config.tls_cert:
+            ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"TLS CA {config.tls_ca!r} / client certificate cannot be loaded ({exc}); "
+                          f"give readable PEM files") from None
+    return ctx

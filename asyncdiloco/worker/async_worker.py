@@ -1,0 +1,444 @@
+"""The asynchronous DiLoCo worker: wraps a model and its inner optimizer.
+
+The user's loop stays a plain PyTorch loop::
+
+    worker = AsyncDiLoCoWorker(model, inner_opt, WorkerConfig(server="10.0.0.5:29500"),
+                               tokens_per_step=batch * context)
+    with worker:                       # joins; pulls (or initializes) the global model
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            inner_opt.step()           # every H-th step also syncs with the server
+            inner_opt.zero_grad()
+
+A post-step hook on the inner optimizer counts inner steps; every H steps (H from the
+server) the worker pushes the pseudo-gradient Δ = θ_base − θ_local against the version
+θ_base was pulled at, then pulls the new global parameters into the model (DiLoCo,
+Douillard et al. 2023, arXiv 2311.08105, Alg. 1; asynchronous variant as in Liu et al.
+2024, arXiv 2401.09135, Sec. 3). The inner optimizer's state is kept across rounds.
+
+Faults: if the server is unreachable the worker keeps training locally and retries at
+later sync points with exponential backoff. An unacknowledged push is retried with the
+same ``push_id`` (the server applies it at most once); once a push is acknowledged,
+θ_base is lowered by it, so local progress made while a pull failed is pushed later as
+a residual and never counted twice. A push refused as too stale is dropped and the
+worker restarts from the global model. An expired lease triggers a rejoin.
+
+Wire codec (codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
+and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
+Because θ_base is lowered by decode(encode(Δ)), exactly what the server received, the
+quantisation error stays in θ_base − θ_local and is pushed next round: error feedback
+for free (Seide et al. 2014; Karimireddy et al. 2019, arXiv 1901.09847). With bf16 or
+int8 it also survives the pull: the model is loaded with θ_pulled − (θ_base − θ_local),
+so a value too small to register in its block (int8) still accumulates until it does.
+
+Overlap (``WorkerConfig.overlap``): the push and the next pull run in a background
+thread while the next inner steps proceed, and the new global model is merged keeping
+the progress made meanwhile; see overlap.py for the rule and its sources.
+
+Device handling: parameters may live on any device; the worker keeps θ_base and its
+buffers as fp32 on the CPU (pinned when the model is on CUDA) and copies explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+from torch import nn
+
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.base import WorkerBase
+from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.errors import (
+    InvalidPayloadError,
+    NotInitializedError,
+    StalePushError,
+    UnknownWorkerError,
+)
+from asyncdiloco.worker.overlap import BackgroundSync, SyncOutcome, check_finite_delta
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    """Counters of one worker (units in the names)."""
+
+    inner_steps: int = 0
+    tokens: int = 0
+    pushes_applied: int = 0
+    pushes_refused: int = 0
+    sync_failures: int = 0
+    pulls: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    #: Seconds of communication (push, pull, join): the whole sync without overlap; with
+    #: overlap mostly the background thread's time, so it may exceed ``blocked_s``.
+    comm_s: float = 0.0
+    #: Seconds the training thread spent in sync points and merges instead of training:
+    #: the whole sync without overlap; with overlap the snapshot, Δ, packing, waits for a
+    #: sync still in flight, the merge and rejoins.
+    blocked_s: float = 0.0
+    #: Seconds the server held this worker's push replies while their groups formed
+    #: (``PushReply.held_s``; part of ``comm_s``).
+    held_s: float = 0.0
+    #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
+    wall_s: float = 0.0
+    #: τ of every applied push, in order.
+    staleness: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def mean_staleness(self) -> float:
+        return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
+
+
+@dataclasses.dataclass
+class _PendingPush:
+    """A pseudo-gradient push until the server acknowledged or refused it."""
+
+    payload: torch.Tensor | None  # uint8, from _encode_delta (None until overlap's background thread encodes it)
+    push_id: int
+    base_version: int
+    num_local_steps: int
+    num_tokens: int
+    compute_s: float
+    #: Sent while the worker closes: the server does not hold its reply for a group.
+    last: bool = False
+
+    def send(self, client, worker_id: int, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+        """Push ``payload`` with this push's id, base version and counts (``client.push``,
+        with its exceptions); the blocking path and overlap's background thread both send
+        through here."""
+        return client.push(
+            self.payload,
+            worker_id=worker_id,
+            push_id=self.push_id,
+            base_version=self.base_version,
+            num_local_steps=self.num_local_steps,
+            num_tokens=self.num_tokens,
+            compute_s=self.compute_s,
+            kind=kind,
+            last=self.last,
+        )
+
+
+class AsyncDiLoCoWorker(WorkerBase):
+    """Asynchronous DiLoCo around ``model`` and ``inner_optimizer``.
+
+    Args:
+        model: any ``nn.Module`` with float32/bfloat16/float16 parameters, on any device.
+        inner_optimizer: the optimizer the user steps (e.g. AdamW); the worker hooks
+            its ``step`` to count inner steps and sync every H of them.
+        config: server address, deadlines, backoff, ``overlap``.
+        tokens_per_step: tokens consumed per inner step, reported to the server (0 if
+            unknown); ``add_tokens`` adds more.
+    Raises:
+        ServerUnavailableError (from ``join``): the server could not be reached within
+            ``config.join_timeout_s``.
+        ManifestMismatchError (from ``join``): the model differs from the server's.
+        ModeMismatchError (from ``join``): the server runs ``--mode sync``.
+    """
+
+    mode = "async"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: WorkerConfig,
+        *,
+        tokens_per_step: int = 0,
+    ) -> None:
+        super().__init__(model, inner_optimizer, config, tokens_per_step)
+        on_cuda, n = self._on_cuda, self.manifest.numel
+        self._base = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_base, (N,) fp32
+        self._scratch = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_local, then Δ
+        self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
+        self.stats = WorkerStats()
+        self.version = 0  # the version θ_base was pulled at
+        self._next_push_id = 1
+        self._pending: _PendingPush | None = None
+        self._round_started = time.monotonic()
+        self._overlap = BackgroundSync(n, pin_memory=on_cuda) if config.overlap else None
+        self._joined_at: float | None = None
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+    def _mode_mismatch_message(self, server_mode: str) -> str:
+        return (
+            f"mode mismatch: the server at {self.config.server} runs mode {server_mode!r}; use SyncDiLoCoWorker "
+            f"(`asyncdiloco worker --mode sync`), or start the server with --mode async"
+        )
+
+    def _join_once(self) -> None:
+        if not self.worker_id:
+            self._register()
+            self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
+        if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
+            self._copy_model_into(self._base)
+            payload = self.manifest.pack_flat(self._base)  # always raw, exact
+            self._send_payload(
+                _PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
+                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            )
+            self._must_initialize = False
+            self.version = 0
+            self._start_round()  # the steps so far are in the initial parameters
+            log.info("worker %d initialized the global model", self.worker_id)
+            return
+        try:
+            self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+        except NotInitializedError:
+            self._take_over_initialization_if_told()
+            raise
+
+    def join(self) -> None:
+        super().join()
+        if self._joined_at is None:
+            self._joined_at = time.monotonic()
+
+    def close(self) -> None:
+        """Wait for and merge a sync in flight (overlap), push the steps since the last
+        sync (if ``push_on_close``: an unacknowledged push first, then the residual),
+        leave, release."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._hook.remove()
+        if self._overlap is not None and self._overlap.in_flight:
+            started = time.monotonic()
+            try:
+                self._guarded(self._wait_and_merge)
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.warning("the sync in flight at close failed: %s", exc)
+            self.stats.blocked_s += time.monotonic() - started
+        if self.worker_id and not self._needs_rejoin and self.config.push_on_close:
+            self._closing = True  # the final pushes' replies are not held for a group
+            if self._pending is not None:
+                self._pending.last = True
+            for _ in range(2):  # a pending retry, then the steps taken since it was packed
+                if not (self._steps_since_sync > 0 or self._pending):
+                    break
+                try:
+                    self._push_round()
+                except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                    log.warning("final push failed: %s", exc)
+                    break
+        self._close_connection()
+        if self._overlap is not None:
+            self._overlap.close()
+        if self._joined_at is not None:
+            self.stats.wall_s = time.monotonic() - self._joined_at
+
+    # ---------------------------------------------------------------- sync
+    def _sync_once(self) -> bool | None:
+        """Push the pseudo-gradient, then pull the global model (the model holds it after).
+        With overlap: merge the sync in flight (waiting for it), then start the next one
+        in the background and return None.
+
+        Raises:
+            InvalidPayloadError: this worker's pseudo-gradient is not finite (diverged).
+        """
+        if self._overlap is not None:
+            return self._overlapped_sync_point()
+        self._push_round()
+        self._pull_and_load()
+        return True
+
+    # ------------------------------------------------------------- overlap
+    def _overlapped_sync_point(self) -> bool | None:
+        merged = False
+        if self._overlap.in_flight and self._grouped and self._steps_since_sync < 2 * self.local_steps:
+            return None  # its reply is held while the group forms: train on, merge when it comes
+        if self._overlap.in_flight:  # the previous sync is late: wait for it (blocked time)
+            merged = self._wait_and_merge()
+            if self._pending is None and self._steps_since_sync < self.local_steps:
+                return merged  # restarted from the global model (stale push): nothing to push yet
+        if self._pending is None:
+            if self._steps_since_sync > 0:  # θ_local(t0) -> snapshot; Δ is taken and encoded in the background
+                self._new_pending(self._overlap.snapshot, encode=False)
+            else:
+                self._copy_model_into(self._overlap.snapshot)  # a pull only
+        # else: a retry: the snapshot still holds θ_local at the time the pending Δ was taken
+        self._overlap.submit(
+            client=self.client, manifest=self.manifest, worker_id=self.worker_id, pending=self._pending,
+            pull_buffer=self._wire_buffer("pull"), decode=self._decode_payload, theta_g=self._scratch,
+            snapshot=self._overlap.snapshot, base=self._base, encode=self._encode_delta,
+            carry_residual=self.codec.name != "raw",
+        )  # fmt: skip
+        return None
+
+    def _after_inner_step(self) -> None:
+        super()._after_inner_step()  # counts the step (it belongs to the next round); may sync
+        if self._overlap is not None and self._overlap.done():  # non-blocking check
+            started = time.monotonic()
+            try:
+                self._guarded(self._wait_and_merge)
+            finally:
+                self.stats.blocked_s += time.monotonic() - started
+
+    def _wait_and_merge(self) -> bool:
+        return self._merge(self._overlap.wait())
+
+    def _merge(self, out: SyncOutcome) -> bool:
+        """Training thread: apply a finished background sync (rule in overlap.py).
+
+        Raises:
+            whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
+            NotInitializedError, InvalidPayloadError, ...), after recording what the
+            server acknowledged before it.
+        """
+        self.stats.comm_s += out.comm_s
+        if isinstance(out.error, InvalidPayloadError) and out.pending is not None and out.pending.payload is None:
+            self._pending = None  # Δ was not finite: nothing was sent (the error says the model diverged)
+        if out.push_reply is not None:
+            self.stats.bytes_pushed += out.pending.payload.numel()
+            self._push_acknowledged(out.push_reply, out.pending, lower_base=not out.pulled)
+        elif out.stale is not None:
+            self._push_refused(out.pending, out.stale)
+        elif isinstance(out.error, UnknownWorkerError):
+            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
+        if out.error is not None:
+            raise out.error
+        theta_g = self._scratch  # θ_g', decoded by the background thread
+        self.local_steps = out.run_config.local_steps or self.local_steps
+        if out.stale is not None:  # restart from the global model, as without overlap
+            self._load_flat_into_model(theta_g)
+            self._start_round()
+        else:
+            self._add_into_model(self._overlap.snapshot)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
+            held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
+            if held_s > 0 and out.pending is not None and out.pending.compute_s > 0:
+                # The reply was held while the push's group formed and this worker trained on:
+                # the steps of that wait come on top of H_w, so its next push lands with the
+                # group's next one (counted from the snapshot, every round would end earlier
+                # by the wait and the workers would drift out of their groups).
+                step_s = out.pending.compute_s / max(1, out.pending.num_local_steps)
+                held_steps = min(self._steps_since_sync, math.floor(held_s / step_s))
+                self._round_steps = self.local_steps + held_steps
+        self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
+        self._carry_residual = False  # the correction already kept it (overlap.py)
+        self._set_codec(out.run_config)
+        self.version = out.version
+        self.stats.pulls += 1
+        self.stats.bytes_pulled += out.bytes_pulled
+        self._backoff_s = self.config.initial_backoff_s
+        return True
+
+    def _count_sync_time(self, elapsed_s: float) -> None:
+        if self._overlap is None:
+            super()._count_sync_time(elapsed_s)
+        else:  # comm_s comes from the background thread's clock (at the merge) and rejoins
+            self.stats.blocked_s += elapsed_s
+
+    def _rejoin(self) -> bool:
+        if self._overlap is None:
+            return super()._rejoin()
+        if self._overlap.in_flight:  # the pull buffer is the background thread's until it returns
+            try:
+                self._wait_and_merge()
+            except UnknownWorkerError:
+                pass  # expected: this worker is being rejoined
+        started = time.monotonic()
+        try:
+            return super()._rejoin()
+        finally:
+            self.stats.comm_s += time.monotonic() - started
+
+    # ------------------------------------------------------------- internals
+    def _push_round(self) -> None:
+        """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local."""
+        if self._pending is None:
+            if self._steps_since_sync == 0:
+                return
+            self._new_pending(self._scratch)
+        pending = self._pending
+        try:
+            reply = self._send_payload(pending)
+        except StalePushError as exc:
+            self._push_refused(pending, exc)
+            return
+        except UnknownWorkerError:
+            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
+            raise
+        self._push_acknowledged(reply, pending, lower_base=True)
+
+    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> None:
+        """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
+        pending push carrying the steps and tokens since the last one (with ``encode``
+        False, Δ and its payload are left to overlap's background thread)."""
+        self._copy_model_into(local)  # θ_local, (N,) fp32
+        payload = None
+        if encode:
+            delta = torch.sub(self._base, local, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
+            check_finite_delta(delta, self.worker_id, self._steps_since_sync)
+            payload = self._encode_delta(delta)
+        self._pending = _PendingPush(
+            payload=payload,
+            push_id=self._next_push_id,
+            base_version=self.version,
+            num_local_steps=self._steps_since_sync,
+            num_tokens=self._tokens_since_sync,
+            compute_s=time.monotonic() - self._round_started,
+            last=self._closing,
+        )
+        self._next_push_id += 1
+        self._start_round()
+
+    def _start_round(self) -> None:
+        """A new round starts now: no steps or tokens since the last push, its compute
+        timed from here, its sync point at H_w."""
+        self._steps_since_sync = 0
+        self._tokens_since_sync = 0
+        self._round_started = time.monotonic()
+        self._round_steps = None
+
+    def _push_acknowledged(self, reply: pb.PushReply, pending: _PendingPush, *, lower_base: bool) -> None:
+        self._pending = None
+        if lower_base:
+            # The server now holds this Δ: lower θ_base by exactly what it received, so
+            # steps taken before the next successful pull are pushed later as a residual.
+            self._base.sub_(self._decode_payload(pending.payload, self._scratch))
+            self._carry_residual = self.codec.name != "raw"
+        self.stats.pushes_applied += 1
+        self.stats.held_s += reply.held_s
+        self.stats.staleness.append(reply.staleness)
+        self.local_steps = reply.local_steps or self.local_steps
+        self._rate_known = True  # from now on each push's compute_s carries the rate
+
+    def _push_refused(self, pending: _PendingPush, exc: StalePushError) -> None:
+        self._pending = None
+        self._carry_residual = False  # Δ is dropped: restart from the global model
+        self.stats.pushes_refused += 1
+        log.warning("push %d refused (%s); restarting from the global model", pending.push_id, exc)
+
+    def _send_payload(self, pending: _PendingPush, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+        reply = pending.send(self.client, self.worker_id, kind)
+        self.stats.bytes_pushed += pending.payload.numel()
+        return reply
+
+    def _pull_and_load(self) -> None:
+        pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
+        self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
+        if self._carry_residual:  # keep what the server has not received (θ_base − θ_local)
+            self._copy_model_into(self._scratch)
+            torch.sub(self._base, self._scratch, out=self._scratch)  # residual, (N,)
+        self._decode_payload(pulled.payload, self._base)
+        if self._carry_residual:
+            self._load_into_model(self._flat_views(torch.sub(self._base, self._scratch, out=self._scratch)))
+            self._carry_residual = False
+        else:
+            self._load_into_model(self._flat_views(self._base))
+        self.version = pulled.version
+        self.local_steps = pulled.run_config.local_steps or self.local_steps
+        self._start_round()
+        self.stats.pulls += 1
+        self.stats.bytes_pulled += pulled.payload.numel()
+
+    def _forget_unsent(self) -> None:
+        self._pending = None  # not applied (the server did not know this worker): Δ is recomputed
+        self._carry_residual = False

@@ -1,0 +1,384 @@
+"""What the asynchronous and the synchronous worker share.
+
+``WorkerBase`` owns the plumbing around the user's model and inner optimizer: the
+post-step hook that counts inner steps and calls ``sync()`` every H of them, joining
+with retries (and taking over initialization from an initializer that vanished), the
+heartbeat thread, copies between the model and flat fp32 vectors, the wire codec the
+server dictates (``_encode_delta`` / ``_decode_payload``, codec.py), and the context
+manager. ``AsyncDiLoCoWorker`` (worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py)
+add what a sync point does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from torch import nn
+
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
+from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
+from asyncdiloco.wire.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerBase:
+    """Base of the workers; see the subclasses for the algorithms.
+
+    Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
+    ``self.stats`` ``inner_steps`` and ``tokens`` counters, and implement ``_join_once``
+    (register, initialize or load the global model) and ``sync``.
+    """
+
+    mode = "async"
+
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, config: WorkerConfig, tokens_per_step: int
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.config = config
+        self.tokens_per_step = tokens_per_step
+        self.manifest = Manifest.from_module(model)
+        self._params = [p for _, p in model.named_parameters()]
+        self._on_cuda = any(p.is_cuda for p in self._params)
+        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
+        self.codec: WireCodec = make_codec("raw", self.manifest)
+        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
+        self._pull_wire: torch.Tensor | None = None
+        self.client = ParameterServerClient(
+            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security, bulk_channel=config.bulk_channel,
+        )  # fmt: skip
+        self.worker_id = 0
+        self.local_steps = 1  # H (H_w under DyLU), set by the server
+        #: Overlap under a grouping server: the step count (since the last push) at which this
+        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
+        self._round_steps: int | None = None
+        #: The server groups push replies (RunConfig.grouping): overlap trains on while a
+        #: reply is held, up to a round more, instead of blocking at the next sync point.
+        self._grouped = False
+        self._lease_s = 60.0
+        self._steps_since_sync = 0
+        self._tokens_since_sync = 0
+        self._backoff_s = config.initial_backoff_s
+        self._next_attempt = 0.0
+        self._needs_rejoin = False
+        self._rejoining = False
+        self._must_initialize = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        # DyLU from the first round: the inner-step rate is timed over the first steps of a
+        # registration and reported until the first push's reply takes over.
+        self._rate_known = self.mode != "async"
+        self._rate_t0: float | None = None  # end of the first timed step
+        self._rate_steps = 0
+        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+
+    # ------------------------------------------------------------ lifecycle
+    def join(self) -> None:
+        """Register with the server, then initialize the global model (first worker of
+        a fresh server) or load it into ``model``. Retries until ``join_timeout_s``
+        (plus one lease while waiting for another worker's initial parameters).
+
+        Raises:
+            ServerUnavailableError: no server, or no initial parameters, in time.
+            ManifestMismatchError / ModeMismatchError: refused by the server.
+        """
+        started = time.monotonic()
+        delay = self.config.initial_backoff_s
+        while True:
+            try:
+                self._join_once()
+                break
+            except (ServerUnavailableError, NotInitializedError) as exc:
+                # The initial parameters are a push away: poll for them quickly. Waiting for
+                # them may take a lease longer (until a dead initializer's lease lapses).
+                waiting = isinstance(exc, NotInitializedError)
+                wait_s = 0.1 if waiting else delay
+                limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
+                if time.monotonic() + wait_s > started + limit:
+                    server = "asyncdiloco server --mode sync" if self.mode == "sync" else "asyncdiloco server"
+                    raise ServerUnavailableError(
+                        f"could not join the parameter server at {self.config.server} within "
+                        f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `{server}` runs "
+                        f"there and that host and port are right, or raise --join-timeout"
+                    ) from None
+                log.info("join: %s; retrying in %.1f s", exc, wait_s)
+                time.sleep(wait_s)
+                if wait_s == delay:
+                    delay = min(2 * delay, self.config.max_backoff_s)
+        if self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _join_once(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> bool:
+        """Sync with the server now (normally called by the inner optimizer hook every H
+        steps): ``_sync_once``, or a rejoin after the server forgot this worker.
+
+        Returns:
+            True when the model now holds a new global model; False when the sync did
+            not complete (see the subclass), runs on in the background (overlap), or
+            the server was unreachable: training goes on locally and a later sync point
+            retries, with exponential backoff.
+        """
+        if self._stop.is_set() or time.monotonic() < self._next_attempt:
+            return False
+        started = time.monotonic()
+        try:
+            return self._guarded(self._rejoin if self._needs_rejoin else self._sync_once)
+        finally:
+            self._count_sync_time(time.monotonic() - started)
+
+    def _guarded(self, step) -> bool:
+        """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
+        policy: an unreachable server backs off, a forgotten worker rejoins next time.
+
+        ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
+        now runs in the background: its outcome resets or grows the backoff later).
+        """
+        try:
+            done = step()
+        except (ServerUnavailableError, NotInitializedError) as exc:
+            self.stats.sync_failures += 1
+            self._next_attempt = time.monotonic() + self._backoff_s
+            log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
+            self._backoff_s = min(2 * self._backoff_s, self.config.max_backoff_s)
+            return False
+        except UnknownWorkerError as exc:
+            log.warning("%s; rejoining", exc)
+            self._needs_rejoin = True
+            return False
+        if done is None:
+            return False
+        self._backoff_s = self.config.initial_backoff_s
+        return done
+
+    def _count_sync_time(self, elapsed_s: float) -> None:
+        """Seconds the training thread spent in ``sync``: without overlap all of it is
+        communication (``comm_s``) and all of it keeps training waiting (``blocked_s``)."""
+        self.stats.comm_s += elapsed_s
+        self.stats.blocked_s += elapsed_s
+
+    def _sync_once(self) -> bool:
+        raise NotImplementedError
+
+    def _rejoin(self) -> bool:
+        """Register again (the lease lapsed, or the server restarted without this worker)
+        and load the global model; local steps since the last sync are dropped."""
+        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
+            self.worker_id = 0
+            self._forget_unsent()
+            self._rejoining = True
+        self._join_once()
+        self._rejoining = False
+        self._needs_rejoin = False
+        log.info("rejoined as worker %d", self.worker_id)
+        return True
+
+    def _forget_unsent(self) -> None:
+        """Drop what was meant for the old registration (subclasses that keep some)."""
+
+    def _register(self) -> pb.JoinReply:
+        """Join: take the worker id, H and lease the server dictates; refuse a server
+        of the other mode (and leave it again)."""
+        reply = self.client.join(self.manifest, self.config.worker_name)
+        if reply.run_config.mode != self.mode:
+            self.client.leave(reply.worker_id)
+            raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
+        self.worker_id = reply.worker_id
+        self._must_initialize = reply.initialize
+        self._set_codec(reply.run_config)
+        self.local_steps = reply.run_config.local_steps
+        self._lease_s = reply.run_config.lease_s
+        self._grouped = reply.run_config.grouping not in ("", "off")
+        self._rate_known = self.mode != "async" or not reply.run_config.dylu
+        self._rate_t0 = None
+        return reply
+
+    def _mode_mismatch_message(self, server_mode: str) -> str:
+        raise NotImplementedError
+
+    def _take_over_initialization_if_told(self) -> None:
+        """While the global model is missing: ask whether the chosen initializer is gone
+        and this worker must push its parameters instead (the next attempt does)."""
+        if self.client.heartbeat(self.worker_id).initialize:
+            self._must_initialize = True
+            log.info("worker %d takes over initializing the global model", self.worker_id)
+
+    def _close_connection(self) -> None:
+        """Leave (best effort), stop the heartbeat, close the channel."""
+        if self.worker_id and not self._needs_rejoin:
+            try:
+                self.client.leave(self.worker_id)
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.info("leave failed: %s", exc)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        self.client.close()
+
+    def __enter__(self):
+        self.join()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- steps
+    def add_tokens(self, num_tokens: int) -> None:
+        """Count ``num_tokens`` more training tokens toward the next sync."""
+        self._tokens_since_sync += num_tokens
+        self.stats.tokens += num_tokens
+
+    def _after_inner_step(self) -> None:
+        self.stats.inner_steps += 1
+        self._steps_since_sync += 1
+        self._tokens_since_sync += self.tokens_per_step
+        self.stats.tokens += self.tokens_per_step
+        if not self._rate_known:
+            self._report_rate()
+        if self._steps_since_sync >= (self._round_steps or self.local_steps):
+            self.sync()
+
+    #: Inner steps timed before the first rate report (after the first, untimed, step:
+    #: it carries one-off costs); reported again every this many steps until the first push.
+    RATE_PROBE_STEPS = 2
+
+    def _report_rate(self) -> None:
+        """Before the first push of a registration: time the inner steps and report the
+        rate v_w (steps per second, this worker's own clock) with a heartbeat, taking H_w
+        from its reply (DyLU, Liu et al. 2024 Eq. 6), so the first round is already
+        balanced across workers of different speeds. Reported every
+        ``RATE_PROBE_STEPS`` steps: workers that join later change everybody's H_w."""
+        now = time.monotonic()
+        if self._rate_t0 is None or not self.worker_id:
+            self._rate_t0, self._rate_steps = now, 0
+            return
+        self._rate_steps += 1
+        if self._rate_steps % self.RATE_PROBE_STEPS or now <= self._rate_t0:
+            return
+        rate = self._rate_steps / (now - self._rate_t0)
+        try:
+            reply = self.client.heartbeat(self.worker_id, steps_per_s=rate)
+        except Exception as exc:  # noqa: BLE001 - the sync point reports real trouble
+            log.debug("rate report failed: %s", exc)
+            return
+        if reply.local_steps and reply.local_steps != self.local_steps:
+            log.info("worker %d: %.2f inner steps/s; H_w %d -> %d", self.worker_id, rate, self.local_steps,
+                     reply.local_steps)  # fmt: skip
+            self.local_steps = reply.local_steps
+
+    # --------------------------------------------------------------- copies
+    def _copy_model_into(self, dst: torch.Tensor) -> None:
+        """The model's parameters, flattened to fp32, into ``dst`` (N,) (CPU)."""
+        pos = 0
+        with torch.no_grad():
+            for p in self._params:
+                k = p.numel()
+                dst[pos : pos + k].copy_(p.detach().reshape(-1))
+                pos += k
+
+    def _add_into_model(self, flat: torch.Tensor) -> None:
+        """Add a flat fp32 vector ``flat`` (N,) (CPU, pinned when the model is on CUDA)
+        to the model's parameters, slice by slice in manifest order (θ ← θ + flat)."""
+        pos = 0
+        with torch.no_grad():
+            for p in self._params:
+                k = p.numel()
+                p.add_(flat[pos : pos + k].view(p.shape).to(p.device, non_blocking=p.is_cuda))
+                pos += k
+        if self._on_cuda:
+            torch.cuda.synchronize()
+
+    def _load_flat_into_model(self, flat: torch.Tensor) -> None:
+        """Copy a flat fp32 vector (N,) into the model's parameters (manifest order)."""
+        sizes = [p.numel() for p in self._params]
+        self._load_into_model(list(torch.split(flat, sizes)))
+
+    def _load_into_model(self, tensors: list[torch.Tensor]) -> None:
+        """Copy one tensor per parameter (manifest order, CPU) into the model."""
+        with torch.no_grad():
+            for p, t in zip(self._params, tensors):
+                p.copy_(t.view(p.shape), non_blocking=p.is_cuda)
+        if self._on_cuda:
+            torch.cuda.synchronize()
+
+    # ---------------------------------------------------------- wire codec
+    def _set_codec(self, run_config: pb.RunConfig) -> None:
+        """Adopt the wire codec ``run_config`` dictates; the wire buffers follow its size."""
+        codec = codec_for(run_config, self.manifest)
+        if (codec.name, codec.wire_bytes) != (self.codec.name, self.codec.wire_bytes):
+            log.info("wire codec %s: %d bytes per push/pull (raw: %d)", codec.describe(), codec.wire_bytes,
+                     self.manifest.total_bytes)
+            self.codec = codec
+            self._push_wire = self._pull_wire = None
+
+    def _wire_buffer(self, which: str) -> torch.Tensor:
+        """The reusable ``"push"`` or ``"pull"`` payload buffer: uint8 (codec.wire_bytes,),
+        pinned when the model is on CUDA."""
+        name = f"_{which}_wire"
+        buf = getattr(self, name)
+        if buf is None:
+            buf = torch.empty(self.codec.wire_bytes, dtype=torch.uint8, pin_memory=self._on_cuda)
+            setattr(self, name, buf)
+        return buf
+
+    def _encode_delta(self, delta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode a pseudo-gradient for a push with the server's wire codec.
+
+        Args:
+            delta: Δ = θ_base − θ_local, float32 (N,) CPU.
+            out: uint8 (codec.wire_bytes,) to write; default the worker's push buffer
+                (which the next call overwrites).
+        Returns:
+            The payload (``out``).
+        Raises:
+            InvalidPayloadError: Δ holds non-finite values (or ones the codec cannot represent).
+        """
+        return self.codec.encode(delta, self._wire_buffer("push") if out is None else out)
+
+    def _decode_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Decode a push payload (exactly what the server received) or a pulled one.
+
+        Args:
+            payload: uint8 (codec.wire_bytes,) CPU.
+            out: float32 (N,) CPU to write.
+        Returns:
+            ``out``.
+        """
+        return self.codec.decode(payload, out)
+
+    def _flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat fp32 (N,) vector, in manifest order."""
+        views, pos = [], 0
+        for p in self._params:
+            views.append(flat[pos : pos + p.numel()])
+            pos += p.numel()
+        return views
+
+    # ------------------------------------------------------------ heartbeat
+    def _heartbeat_loop(self) -> None:
+        period = self.config.heartbeat_s or self._lease_s / 3
+        while not self._stop.wait(period):
+            worker_id = self.worker_id
+            if not worker_id or self._needs_rejoin:
+                continue
+            try:
+                self.client.heartbeat(worker_id)
+            except UnknownWorkerError:
+                if worker_id == self.worker_id:
+                    self._needs_rejoin = True
+            except Exception as exc:  # noqa: BLE001 - the next sync reports real trouble
+                log.debug("heartbeat failed: %s", exc)

@@ -1,0 +1,256 @@
+"""The client side of the optional bulk data channel: one persistent TCP (or TLS)
+connection that carries Push and Pull payloads as raw bytes beside gRPC.
+
+The wire format is in ``proto/asyncdiloco/v1/parameter_server.proto`` (BulkRequest /
+BulkReply); the server is ps/bulk.py. ``ParameterServerClient`` (client.py) uses a
+``BulkChannel`` after Join when the server offers one (``RunConfig.bulk_port``) and the
+worker allows it (``WorkerConfig.bulk_channel``):
+
+- A push sends the header frame, then the payload with ``sendall`` of a memoryview of
+  the caller's tensor (no copy); a pull receives the payload with ``recv_into`` straight
+  into the caller's buffer, checking size and CRC-32 as the gRPC path does.
+- A refusal from the server (a status code) raises the same library exception the gRPC
+  call would (``errors.from_rpc_error``). A connection failure (refused, reset,
+  timeout, garbled reply) returns None: the caller makes that call over gRPC, and the
+  channel stays off for a backoff (1 s doubling to 60 s) before it connects again; the
+  first failure of an outage is logged as a warning. A retried push is safe: the server
+  applies a ``(worker_id, push_id)`` at most once.
+- A kept-alive connection the server has since closed (idle longer than its lease) is
+  replaced by a fresh one once, within the same call, before falling back.
+- One call at a time uses the connection; a concurrent call uses gRPC.
+
+Deadlines: each call's deadline (``rpc_timeout_s`` + ``timeout_s_per_mib`` per MiB, as
+for gRPC) becomes the socket timeout of every send and receive, shrinking as it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+import ssl
+import threading
+import time
+
+import grpc
+import torch
+
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.bulk_framing import BulkStatus, ConnectionEnded, recv_frame, send_frame
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, from_rpc_error
+from asyncdiloco.wire.tensors import PayloadAssembler
+
+log = logging.getLogger(__name__)
+
+#: Bytes per sendall / per CRC-32 update of a payload.
+_SLICE_BYTES = 4 << 20
+#: Backoff before reconnecting after a failure, seconds (doubles up to the maximum).
+_MIN_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 60.0
+#: Codes after which the server closes the connection (bulk.py).
+_CLOSING_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class _Deadline:
+    """Seconds left of one call; sets them as the socket timeout before each operation."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.end = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the bulk call's deadline passed")
+        return left
+
+    def arm(self, sock: socket.socket) -> socket.socket:
+        sock.settimeout(self.left())
+        return sock
+
+
+class BulkChannel:
+    """A persistent bulk connection to ``host:port``.
+
+    Args:
+        host: the server's host (that of its gRPC address).
+        port: ``RunConfig.bulk_port``.
+        token: the shared token (None: send none).
+        ssl_context: client TLS context (security.client_ssl_context); None = plaintext.
+        server_hostname: name to verify the server's certificate against (TLS only).
+        connect_timeout_s: longest wait for a connection (and TLS handshake), seconds.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.host, self.port = host, port
+        self._token = token or ""
+        self._ssl = ssl_context
+        self._server_hostname = server_hostname or host
+        self._connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._retry_at = 0.0
+        self._backoff_s = _MIN_BACKOFF_S
+        self._down = False
+        #: Calls this channel handed back to gRPC (unusable connection, backoff, or busy).
+        self.fallbacks = 0
+
+    # -------------------------------------------------------------- calls
+    def push(self, header: pb.PushHeader, payload: torch.Tensor, timeout_s: float) -> pb.PushReply | None:
+        """Send one push (header + raw payload) and return the server's reply.
+
+        Args:
+            header: the PushHeader, exactly as the gRPC Push would send it.
+            payload: 1-D contiguous uint8 CPU tensor of ``header.total_bytes``.
+            timeout_s: deadline of the whole call, seconds.
+        Returns:
+            The reply, or None when the channel could not be used (make the call over gRPC).
+        Raises:
+            The library exception for a refusal (StalePushError, InvalidPayloadError, ...).
+        """
+        view = memoryview(payload.numpy())
+        return self._run(lambda sock, deadline: self._push(sock, deadline, header, view), timeout_s)
+
+    def pull(
+        self, request: pb.PullRequest, total: "int | Callable[[pb.PullHeader], int]", buffer: torch.Tensor | None,
+        chunk_bytes: int, timeout_s: float,
+    ) -> tuple[pb.PullHeader, torch.Tensor] | None:  # fmt: skip
+        """Receive the payload of a pull into ``buffer`` (or a new uint8 tensor).
+
+        Args:
+            request: the PullRequest, as for the gRPC Pull.
+            total: expected payload size, bytes, or a function of the header giving it
+                (the size depends on the run's wire codec).
+            buffer: optional 1-D uint8 tensor of ``total`` bytes to fill (ignored when
+                the header says another size).
+            chunk_bytes: the chunk size to check PullHeader.num_chunks against when the
+                header's run config carries none.
+            timeout_s: deadline of the whole call, seconds.
+        Returns:
+            (header, payload), or None when the channel could not be used (use gRPC).
+        Raises:
+            NotInitializedError, InvalidPayloadError (size or CRC-32 differ), ... as gRPC.
+        """
+        return self._run(lambda sock, deadline: self._pull(sock, deadline, request, total, buffer, chunk_bytes),
+                         timeout_s)  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    # ----------------------------------------------------------- plumbing
+    def _run(self, call, timeout_s: float):
+        result = self._run_once(call, timeout_s)
+        if result is None:
+            self.fallbacks += 1
+        return result
+
+    def _run_once(self, call, timeout_s: float):
+        if not self._lock.acquire(blocking=False):  # another thread is using the connection
+            return None
+        try:
+            if time.monotonic() < self._retry_at:
+                return None
+            deadline = _Deadline(timeout_s)
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect(deadline)
+                    result = call(self._sock, deadline)
+                except AsyncDiLoCoError:
+                    raise
+                except (OSError, ConnectionEnded) as exc:  # ssl.SSLError and timeouts are OSErrors
+                    self._drop()
+                    if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                        log.debug("bulk connection to %s:%d was closed (%s); reconnecting", self.host, self.port, exc)
+                        continue
+                    self._mark_down(exc)
+                    return None
+                self._backoff_s, self._down = _MIN_BACKOFF_S, False
+                return result
+            return None  # pragma: no cover - the loop always returns
+        finally:
+            self._lock.release()
+
+    def _connect(self, deadline: _Deadline) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=min(deadline.left(), self._connect_timeout_s))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._server_hostname)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + self._backoff_s
+        (log.debug if self._down else log.warning)(
+            "bulk data channel %s:%d unusable (%s: %s); pushing and pulling over gRPC, trying it again in %.0f s",
+            self.host, self.port, type(exc).__name__, exc, self._backoff_s,
+        )  # fmt: skip
+        self._down = True
+        self._backoff_s = min(2 * self._backoff_s, _MAX_BACKOFF_S)
+
+    def _reply(self, sock: socket.socket, deadline: _Deadline, body: str):
+        """The next BulkReply; its status as the library exception when not OK."""
+        reply = recv_frame(deadline.arm(sock), pb.BulkReply)
+        if reply.code != 0:
+            status = BulkStatus(reply.code, reply.message)
+            if status.code() in _CLOSING_CODES:
+                self._drop()
+            raise from_rpc_error(status)
+        if reply.WhichOneof("body") != body:
+            raise ConnectionEnded(f"the server answered a {body} with a BulkReply carrying {reply.WhichOneof('body')}")
+        return reply
+
+    def _push(self, sock: socket.socket, deadline: _Deadline, header: pb.PushHeader, view: memoryview) -> pb.PushReply:
+        send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, push=header))
+        for start in range(0, len(view), _SLICE_BYTES):
+            deadline.arm(sock).sendall(view[start : start + _SLICE_BYTES])
+        return self._reply(sock, deadline, "push").push
+
+    def _pull(
+        self, sock: socket.socket, deadline: _Deadline, request: pb.PullRequest, total: "int | Callable",
+        buffer: torch.Tensor | None, chunk_bytes: int,
+    ) -> tuple[pb.PullHeader, torch.Tensor]:  # fmt: skip
+        send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, pull=request))
+        header = self._reply(sock, deadline, "pull").pull
+        try:  # from here on the payload is in flight: a refusal here closes the connection
+            if callable(total):
+                total = total(header)
+                if buffer is not None and buffer.numel() != total:
+                    buffer = None  # the server's codec is not the one the buffer was sized for
+            if header.total_bytes != total:
+                raise InvalidPayloadError(
+                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes"
+                )
+            assembler = PayloadAssembler(
+                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32,
+                chunk_bytes=header.run_config.chunk_bytes or chunk_bytes, buffer=buffer,
+            )  # fmt: skip
+        except AsyncDiLoCoError:
+            self._drop()
+            raise
+
+        def readinto(view: memoryview) -> int:
+            got = deadline.arm(sock).recv_into(view)
+            if got == 0:
+                raise ConnectionEnded("the server closed the connection mid-payload")
+            return got
+
+        assembler.fill_with(readinto, _SLICE_BYTES)
+        return header, assembler.finish()  # InvalidPayloadError on a CRC-32 mismatch; the stream is in step

@@ -1,0 +1,311 @@
+"""Typed gRPC client for the parameter server: deadlines, streaming, errors mapped back.
+
+Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB of
+payload for Push and Pull). A ``grpc.RpcError`` is re-raised as the library exception
+for its status code (errors.py), with the server's message. Retrying is the caller's
+policy (the Worker retries with backoff).
+
+With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
+channel uses TLS (optionally with a client certificate), see security.py.
+
+When the server offers a bulk data channel (``RunConfig.bulk_port`` > 0, learnt on Join)
+and ``bulk_channel`` is on, push and pull payloads travel over it (bulk_client.py) and
+fall back to gRPC per call when it cannot be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import torch
+
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.worker.bulk_client import BulkChannel
+from asyncdiloco.wire.codec import wire_bytes_for
+from asyncdiloco.wire.security import ClientSecurityConfig
+from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
+from asyncdiloco.wire.channel import grpc_channel_options
+from asyncdiloco.wire.security import auth_metadata, channel_credentials, client_ssl_context, client_token
+from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulled:
+    """Result of a pull: the global parameters at ``version`` as a uint8 payload, encoded
+    with the wire codec of ``run_config`` (decode with ``codec.codec_for(run_config,
+    manifest)``; sync-state pulls are raw fp32)."""
+
+    version: int
+    payload: torch.Tensor
+    run_config: pb.RunConfig
+
+
+class ParameterServerClient:
+    """One channel to the parameter server at ``address`` ("HOST:PORT").
+
+    Args:
+        address: "HOST:PORT".
+        rpc_timeout_s: deadline for small calls, seconds.
+        timeout_s_per_mib: extra deadline per MiB of payload for Push/Pull, seconds.
+        chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
+        security: token and TLS settings; None = plaintext, no token.
+        bulk_channel: use the server's bulk data channel for push/pull when it offers one.
+    Raises:
+        ConfigError: a token or PEM file cannot be read.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rpc_timeout_s: float = 10.0,
+        timeout_s_per_mib: float = 1.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        security: ClientSecurityConfig | None = None,
+        bulk_channel: bool = True,
+    ) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self.timeout_s_per_mib = timeout_s_per_mib
+        self.chunk_bytes = chunk_bytes
+        #: The longest the server may hold a push reply for its group (RunConfig.group_max_wait_s):
+        #: added to every push's deadline.
+        self.group_wait_s = 0.0
+        # Channel limits follow the largest chunk the library allows, so a server with
+        # any valid chunk_bytes can be talked to before its RunConfig is known.
+        # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
+        # restarted server is found again within seconds.
+        options = grpc_channel_options(64 * _MIB) + [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        self._token = client_token(security)
+        self._metadata = auth_metadata(self._token)
+        self._security = security
+        self._bulk_allowed = bulk_channel
+        self._bulk: BulkChannel | None = None
+        creds = channel_credentials(security)
+        if creds is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if security.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", security.tls_server_name))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        # Push and Pull carry the payload: their chunk messages are (de)serialised by
+        # hand with one copy each (wire.py); the other calls use the generated stub.
+        self._push = push_callable(self._channel)
+        self._pull_stream = pull_callable(self._channel)
+
+    def close(self) -> None:
+        self._use_bulk_port(0)
+        self._channel.close()
+
+    def _use_bulk_port(self, port: int) -> None:
+        """Talk to the bulk data channel on ``port`` from now on (0: none)."""
+        if self._bulk is not None and (port <= 0 or port != self._bulk.port):
+            self._bulk.close()
+            self._bulk = None
+        if port > 0 and self._bulk is None and self._bulk_allowed:
+            host = self.address.rpartition(":")[0].strip("[]")
+            name = self._security.tls_server_name if self._security is not None else None
+            self._bulk = BulkChannel(
+                host, port, token=self._token, ssl_context=client_ssl_context(self._security), server_hostname=name,
+                connect_timeout_s=self.rpc_timeout_s,
+            )  # fmt: skip
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk data channel this client uses for push/pull (0: gRPC only)."""
+        return self._bulk.port if self._bulk is not None else 0
+
+    def __enter__(self) -> "ParameterServerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _payload_timeout(self, num_bytes: int) -> float:
+        return self.rpc_timeout_s + self.timeout_s_per_mib * num_bytes / _MIB
+
+    def _call(self, method, request, timeout_s: float | None = None):
+        """Invoke an RPC with a deadline; a failure becomes the library's exception."""
+        try:
+            return method(
+                request, timeout=self.rpc_timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    # ---------------------------------------------------------------- calls
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> pb.JoinReply:
+        """Register; raises ManifestMismatchError, ServerUnavailableError, ..."""
+        reply = self._call(
+            self._stub.Join,
+            pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
+        )
+        self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
+        self.group_wait_s = reply.run_config.group_max_wait_s
+        self._use_bulk_port(reply.run_config.bulk_port)
+        return reply
+
+    def pull_sync_state(self, manifest: Manifest, worker_id: int, with_momentum: bool) -> Pulled:
+        """Sync mode: stream the server's fp32 master state for healing.
+
+        Returns:
+            ``Pulled`` whose ``version`` is the committed round and whose payload is θ
+            as float32 bytes, then (``with_momentum``) m as float32 bytes: uint8
+            (k · numel · 4,), k = 2 with momentum, else 1.
+        Raises:
+            ModeMismatchError (async server), NotInitializedError, InvalidPayloadError,
+            ServerUnavailableError.
+        """
+        return self._pull(pb.PullRequest(worker_id=worker_id, sync_state=True),
+                          manifest.numel * 4 * (2 if with_momentum else 1), None)  # fmt: skip
+
+    def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
+        """Stream the newest global parameters, encoded with the server's wire codec (the
+        header's RunConfig), into ``buffer`` (or a new uint8 tensor when ``buffer`` is
+        None or not of the encoded size).
+
+        Raises:
+            NotInitializedError: no initial parameters yet. InvalidPayloadError: the
+            stream was malformed or corrupted. ServerUnavailableError: connection lost.
+        """
+        return self._pull(pb.PullRequest(worker_id=worker_id), None, buffer, manifest)
+
+    def _pull(self, request: pb.PullRequest, total: int | None, buffer: torch.Tensor | None,
+              manifest: Manifest | None = None) -> Pulled:  # fmt: skip
+        """``total`` None: the size the header's wire codec gives ``manifest``."""
+        deadline_bytes = total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
+        if self._bulk is not None:
+            size = total if total is not None else (lambda header: wire_bytes_for(header.run_config, manifest))
+            got = self._bulk.pull(request, size, buffer, self.chunk_bytes, self._payload_timeout(deadline_bytes))
+            if got is not None:
+                self.group_wait_s = got[0].run_config.group_max_wait_s
+                return Pulled(got[0].version, got[1], got[0].run_config)
+        try:
+            stream = self._pull_stream(request, timeout=self._payload_timeout(deadline_bytes), metadata=self._metadata)
+            first = next(stream, None)
+            if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
+                raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
+            header = first.header
+            if total is None:
+                total = wire_bytes_for(header.run_config, manifest)
+                if buffer is not None and buffer.numel() != total:
+                    buffer = None  # the server's codec is not the one the buffer was sized for
+            if header.total_bytes != total:
+                raise InvalidPayloadError(
+                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes "
+                    f"(wire codec {header.run_config.wire_codec or 'raw'!r})"
+                )
+            chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
+            self.group_wait_s = header.run_config.group_max_wait_s
+            assembler = PayloadAssembler(
+                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32, chunk_bytes=chunk_bytes,
+                buffer=buffer,
+            )
+            for msg in stream:
+                if not is_chunk(msg):
+                    if msg.WhichOneof("body") != "chunk":
+                        raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
+                    msg = msg.chunk
+                assembler.add(msg)
+            payload = assembler.finish()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return Pulled(header.version, payload, header.run_config)
+
+    def push(
+        self,
+        payload: torch.Tensor,
+        *,
+        worker_id: int,
+        push_id: int,
+        base_version: int,
+        num_local_steps: int = 0,
+        num_tokens: int = 0,
+        compute_s: float = 0.0,
+        kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+        quorum_id: int = 0,
+        last: bool = False,
+    ) -> pb.PushReply:
+        """Stream one payload (pseudo-gradient or initial parameters).
+
+        Args:
+            payload: 1-D uint8 CPU tensor in the manifest's layout.
+        Raises:
+            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
+            ServerUnavailableError (outcome unknown: retry with the same push_id).
+        """
+        total = payload.numel()
+        header = pb.PushHeader(
+            worker_id=worker_id,
+            push_id=push_id,
+            base_version=base_version,
+            num_local_steps=num_local_steps,
+            num_tokens=num_tokens,
+            total_bytes=total,
+            num_chunks=num_chunks_for(total, self.chunk_bytes),
+            crc32=crc32_of(payload),
+            kind=kind,
+            compute_s=compute_s,
+            quorum_id=quorum_id,
+            last=last,
+        )
+
+        if self._bulk is not None and payload.is_contiguous():
+            reply = self._bulk.push(header, payload, self._payload_timeout(total) + self.group_wait_s)
+            if reply is not None:
+                self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+                return reply
+        def messages():
+            yield pb.PushMessage(header=header)
+            yield from chunk_messages(payload, self.chunk_bytes)
+
+        reply = self._call(self._push, messages(), self._payload_timeout(total) + self.group_wait_s)
+        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        return reply
+
+    def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
+        """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker
+        measured (DyLU). The reply's ``local_steps`` is H_w for the current round."""
+        reply = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, steps_per_s=steps_per_s))
+        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        return reply
+
+    def leave(self, worker_id: int) -> None:
+        self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))
+
+    def quorum(self, *, worker_id: int, round: int, manifest_hash: str, timeout_s: float) -> pb.QuorumReply:
+        """Sync mode: ask to join the next round; blocks up to ``timeout_s`` seconds
+        (``formed`` is False when no quorum formed by then)."""
+        return self._call(
+            self._stub.Quorum,
+            pb.QuorumRequest(worker_id=worker_id, round=round, manifest_hash=manifest_hash, timeout_s=timeout_s),
+            timeout_s + self.rpc_timeout_s,
+        )
+
+    def commit(
+        self, *, worker_id: int, quorum_id: int, success: bool, total_weight: float = 0.0, num_tokens: int = 0,
+        num_local_steps: int = 0, reason: str = "", timeout_s: float = 10.0,
+    ) -> pb.CommitReply:  # fmt: skip
+        """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
+        decision (``decided`` is False when it is not there yet)."""
+        return self._call(
+            self._stub.Commit,
+            pb.CommitRequest(
+                worker_id=worker_id, quorum_id=quorum_id, success=success, total_weight=total_weight,
+                num_tokens=num_tokens, num_local_steps=num_local_steps, reason=reason[:1000], timeout_s=timeout_s,
+            ),  # fmt: skip
+            timeout_s + self.rpc_timeout_s,
+        )
+
+    def status(self) -> pb.StatusReply:
+        return self._call(self._stub.Status, pb.StatusRequest())

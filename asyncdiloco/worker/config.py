@@ -1,0 +1,107 @@
+"""A worker's configuration: how it talks to the server (``WorkerConfig``) and, in sync
+mode, its collectives (``SyncWorkerConfig``). The run itself (H, codec, mode) comes from
+the server on Join.
+
+Frozen, keyword-only dataclasses validated in ``__post_init__``: a bad value raises
+``ConfigError`` naming the field, the value, the allowed range and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from asyncdiloco.errors import require
+from asyncdiloco.wire.security import ClientSecurityConfig
+
+FAIL_MODES = ("kill", "hang", "raise")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """How a worker talks to the server (the run config itself comes from the server)."""
+
+    #: "HOST:PORT" of the parameter server.
+    server: str = "127.0.0.1:29500"
+    #: Name shown in the server's status and reports.
+    worker_name: str = ""
+    #: Deadline for small RPCs (join, heartbeat, status), seconds.
+    rpc_timeout_s: float = 10.0
+    #: Extra deadline per MiB of payload for push and pull, seconds (≥ 1 MiB/s assumed).
+    timeout_s_per_mib: float = 1.0
+    #: Give up joining after this many seconds of retries (then ServerUnavailableError).
+    join_timeout_s: float = 30.0
+    #: First retry delay after a failed sync, seconds; doubles up to ``max_backoff_s``.
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    #: Heartbeat period in seconds; None = a third of the server's lease.
+    heartbeat_s: float | None = None
+    #: Push the steps taken since the last sync when the worker closes.
+    push_on_close: bool = True
+    #: Overlap the push and the next pull with the next inner steps (async worker only):
+    #: the sync runs in a background thread and its result is merged when it arrives,
+    #: keeping the local progress made meanwhile (overlap.py; Streaming DiLoCo, arXiv
+    #: 2501.18512; eager updates, arXiv 2502.12996). The sync worker refuses it.
+    overlap: bool = False
+    #: Token and TLS; None talks plaintext without a token.
+    security: ClientSecurityConfig | None = None
+    #: Push and pull over the server's bulk data channel when it offers one
+    #: (RunConfig.bulk_port > 0), falling back to gRPC per call; False = gRPC only.
+    bulk_channel: bool = True
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.server.rpartition(":")
+        require(
+            bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+            "server",
+            self.server,
+            "give HOST:PORT with a port in [1, 65535], e.g. 127.0.0.1:29500",
+        )
+        for name in ("rpc_timeout_s", "timeout_s_per_mib", "initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")
+        require(self.join_timeout_s >= 0, "join_timeout_s", self.join_timeout_s, "must be >= 0 seconds")
+        require(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
+        require(
+            self.max_backoff_s >= self.initial_backoff_s,
+            "max_backoff_s",
+            self.max_backoff_s,
+            f"must be >= initial_backoff_s={self.initial_backoff_s}",
+        )
+        require(
+            self.heartbeat_s is None or 0 < self.heartbeat_s <= 3600, "heartbeat_s", self.heartbeat_s,
+            "must be in (0, 3600] seconds, or None for a third of the server's lease",
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncWorkerConfig:
+    """Sync mode on the worker: collective timeouts, rendezvous, fault injection."""
+
+    #: Seconds a process-group build or allreduce may take before the round fails here
+    #: (a dead peer fails it at once, a hung one after exactly this long).
+    allreduce_timeout_s: float = 10.0
+    #: Seconds to wait for a quorum at one sync point (at least the server's join timeout
+    #: + 1 s); then training goes on locally and the next sync point asks again.
+    quorum_timeout_s: float = 60.0
+    #: Address this worker's gloo device binds and advertises to its peers. None: 127.0.0.1
+    #: when the server address is a loopback one, else torch's default (GLOO_SOCKET_IFNAME
+    #: or the host name).
+    collective_host: str | None = None
+    #: Fault injection for tests (like torchft's ``fail_at``): in this worker's first
+    #: allreduce for round ``fail_at_round`` (1-based) or a later one, do ``fail_mode`` (once).
+    fail_at_round: int | None = None
+    #: Fault injection: only in a round whose quorum has at least this many members.
+    fail_min_world_size: int = 1
+    #: "kill": SIGKILL this process with the allreduce in flight; "hang": stop
+    #: responding before the allreduce (sleep); "raise": fail the collective here.
+    fail_mode: str = "kill"
+
+    def __post_init__(self) -> None:
+        for name in ("allreduce_timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value > 0, name, value, "must be a finite number of seconds > 0")
+        require(self.fail_at_round is None or self.fail_at_round >= 1, "fail_at_round", self.fail_at_round,
+                 "must be >= 1 or None")  # fmt: skip
+        require(self.fail_mode in FAIL_MODES, "fail_mode", self.fail_mode, f"choose one of {FAIL_MODES}")
+        require(self.fail_min_world_size >= 1, "fail_min_world_size", self.fail_min_world_size, "must be >= 1")

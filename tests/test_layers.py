@@ -1,0 +1,114 @@
+"""The package's layers, checked: every import (including those inside functions) points
+down the picture in docs/architecture.md, and importing one side does not load the other.
+
+    errors, _malloc      <- everything
+    wire   (manifest, chunks, codecs, gRPC chunk messages, bulk framing, token/TLS, stubs)
+    algo   (outer optimizers, schedules, DyLU, grouping)
+    ps     (the server)          worker (the workers and clients)      job (model, data)
+    bench  (simulator, suites, demo, perf)
+    cli    (the command)
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "asyncdiloco"
+
+#: layer -> the layers its modules may import (besides their own)
+ALLOWED = {
+    "errors": set(),
+    "_malloc": set(),
+    "wire": {"errors"},
+    "algo": {"errors"},
+    "ps": {"errors", "_malloc", "wire", "algo"},
+    "worker": {"errors", "_malloc", "wire", "algo"},
+    "job": {"errors", "algo"},
+    "bench": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job"},
+    "cli": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "bench"},
+}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "asyncdiloco" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            if node.module == "asyncdiloco":  # the root's lazy exports load whole layers
+                out.append((node.lineno, "asyncdiloco.(root: import from the defining module)"))
+    return out
+
+
+def _modules() -> list[tuple[str, pathlib.Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        out.append((".".join(rel.parts), path))
+    return out
+
+
+def test_every_module_belongs_to_a_layer():
+    stray = [m for m, _ in _modules() if m.count(".") >= 1 and _layer(m) not in ALLOWED and m != "asyncdiloco.__init__"
+             and m != "asyncdiloco.__main__"]  # fmt: skip
+    assert not stray, f"modules outside the layers of ALLOWED (put them in a layer's folder): {stray}"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for module, path in _modules():
+        own = _layer(module)
+        if own not in ALLOWED:  # asyncdiloco/__init__.py (lazy exports) and __main__.py
+            continue
+        for line, target in _imports(path):
+            layer = _layer(target)
+            if layer is None or layer == own:
+                continue
+            if layer not in ALLOWED[own]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} {own} -> {layer} ({target})")
+    assert not wrong, "imports against the layer picture:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "module, forbidden",
+    [
+        ("asyncdiloco.worker.client", "asyncdiloco.ps"),
+        ("asyncdiloco.worker.async_worker", "asyncdiloco.ps"),
+        ("asyncdiloco.worker.sync_worker", "asyncdiloco.ps"),
+        ("asyncdiloco.ps.server", "asyncdiloco.worker"),
+        ("asyncdiloco.wire.grpc_chunks", "asyncdiloco.ps"),
+        ("asyncdiloco.job.config", "asyncdiloco.worker"),
+        ("asyncdiloco", "asyncdiloco.ps"),
+        ("asyncdiloco.ps.server", "matplotlib"),
+    ],
+)
+def test_importing_one_side_does_not_load_the_other(module, forbidden):
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        f"bad = sorted(m for m in sys.modules if m == {forbidden!r} or m.startswith({forbidden!r} + '.')); "
+        f"print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"importing {module} loaded {done.stdout.strip()} {done.stderr[-2000:]}"
+
+
+def test_public_names_resolve():
+    import asyncdiloco
+
+    for name in asyncdiloco.__all__:
+        assert getattr(asyncdiloco, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        asyncdiloco.nonexistent  # noqa: B018
