@@ -39,7 +39,9 @@ def main() -> None:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        print(f"done: {worker.stats.pushes_applied} pushes applied, {worker.stats.sync_failures} failed syncs", flush=True)
+        print(
+            f"done: {worker.stats.pushes_applied} pushes applied, {worker.stats.sync_failures} failed syncs", flush=True
+        )
 
 
 if __name__ == "__main__":

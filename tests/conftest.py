@@ -28,8 +28,8 @@ def start_server():
     """``start_server(**ServerConfig fields) -> ParameterServer``: a started in-process
     server on 127.0.0.1 (port 0, a free one, unless given); every server a test started
     is stopped after it."""
-    from asyncdiloco.ps.config import ServerConfig
     from asyncdiloco.ps import ParameterServer
+    from asyncdiloco.ps.config import ServerConfig
 
     started = []
 

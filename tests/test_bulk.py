@@ -13,15 +13,15 @@ import pytest
 import torch
 from test_security import pki  # noqa: F401 - the certificate fixture
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.bulk_client import BulkChannel
-from asyncdiloco.wire.bulk_framing import code_value, recv_frame, send_frame
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.errors import InvalidPayloadError, StalePushError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.bulk_framing import code_value, recv_frame, send_frame
+from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.wire.tensors import Manifest, crc32_of, num_chunks_for
+from asyncdiloco.worker.bulk_client import BulkChannel
+from asyncdiloco.worker.client import ParameterServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +66,12 @@ def _state(srv: ParameterServer) -> tuple:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and torch.equal(a[1], b[1]) and (a[2] is None) == (b[2] is None) and (a[2] is None or torch.equal(a[2], b[2]))
+    return (
+        a[0] == b[0]
+        and torch.equal(a[1], b[1])
+        and (a[2] is None) == (b[2] is None)
+        and (a[2] is None or torch.equal(a[2], b[2]))
+    )
 
 
 def _wait_for(condition, what: str) -> None:
@@ -130,7 +135,6 @@ def test_a_retried_push_id_is_applied_once(servers):
     client.close()
 
 
-
 @pytest.mark.parametrize("bulk", [True, False])
 def test_every_push_gives_its_receive_buffer_back(servers, bulk):
     """With a receive budget of one payload, push after push (applied, refused, retried)
@@ -149,6 +153,7 @@ def test_every_push_gives_its_receive_buffer_back(servers, bulk):
     assert client.push(_payload(7, 1e-2), worker_id=w, push_id=7, base_version=4).applied
     assert srv.state._receive_pool._in_use == 0
     client.close()
+
 
 # ------------------------------------------------------------------ refusals
 def _header(worker_id: int, push_id: int, payload: torch.Tensor, **kw) -> pb.PushHeader:

@@ -11,16 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import CheckpointError, ConfigError, InvalidPayloadError
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,8 +91,14 @@ def test_int8_values_round_half_to_even_and_decode_is_q_times_scale():
 
 
 def test_raw_codec_is_byte_identical_to_pack_flat():
-    manifest = Manifest.from_named_tensors([("a", torch.zeros(3, 5)), ("b", torch.zeros(7, dtype=torch.bfloat16)),
-                                            ("c", torch.zeros(2, dtype=torch.float16)), ("d", torch.zeros(()))])
+    manifest = Manifest.from_named_tensors(
+        [
+            ("a", torch.zeros(3, 5)),
+            ("b", torch.zeros(7, dtype=torch.bfloat16)),
+            ("c", torch.zeros(2, dtype=torch.float16)),
+            ("d", torch.zeros(())),
+        ]
+    )
     flat = torch.randn(manifest.numel)
     codec = make_codec("raw", manifest)
     assert codec.wire_bytes == manifest.total_bytes
@@ -131,17 +137,27 @@ def test_wrong_buffers_and_settings_are_refused():
     rc = pb.RunConfig(wire_codec="int8", codec_block_size=4)
     assert wire_bytes_for(rc, flat_manifest(10)) == codec.wire_bytes == 22
     assert wire_bytes_for(pb.RunConfig(), flat_manifest(10)) == 40
-    for kw, needle in [({"wire_codec": "int4"}, "wire_codec='int4' is invalid"),
-                       ({"codec_block_size": 0}, "codec_block_size=0 is invalid"),
-                       ({"mode": "sync", "wire_codec": "bf16"}, "use --wire-codec raw with --mode sync")]:
+    for kw, needle in [
+        ({"wire_codec": "int4"}, "wire_codec='int4' is invalid"),
+        ({"codec_block_size": 0}, "codec_block_size=0 is invalid"),
+        ({"mode": "sync", "wire_codec": "bf16"}, "use --wire-codec raw with --mode sync"),
+    ]:
         with pytest.raises(ConfigError, match=needle):
             ServerConfig(**kw)
 
 
 # ------------------------------------------------------------ server state
 def sgd_state(codec: str, block_size: int = DEFAULT_BLOCK_SIZE, **kw) -> ParameterServerState:
-    return ParameterServerState(ServerConfig(port=0, chunk_bytes=1024, wire_codec=codec, codec_block_size=block_size,
-                                             outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), **kw))
+    return ParameterServerState(
+        ServerConfig(
+            port=0,
+            chunk_bytes=1024,
+            wire_codec=codec,
+            codec_block_size=block_size,
+            outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+            **kw,
+        )
+    )
 
 
 def initialize(state: ParameterServerState, theta: torch.Tensor) -> int:
@@ -196,8 +212,11 @@ def test_a_push_of_the_wrong_size_is_refused_and_changes_nothing():
     wid = initialize(state, torch.randn(100))
     before = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
     raw = state.manifest.pack_flat(torch.full((100,), 1e-3))  # a raw push to an int8 server
-    with pytest.raises(InvalidPayloadError, match=r"total_bytes is 400; the model's payload is 128 bytes encoded with "
-                                                  r"this run's wire codec int8 \(block_size 16\) \(raw: 400 bytes\)"):
+    with pytest.raises(
+        InvalidPayloadError,
+        match=r"total_bytes is 400; the model's payload is 128 bytes encoded with "
+        r"this run's wire codec int8 \(block_size 16\) \(raw: 400 bytes\)",
+    ):
         state.push(raw, worker_id=wid, push_id=2, base_version=state.version)
     after = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
@@ -217,9 +236,14 @@ def test_a_decoded_non_finite_push_is_refused_and_changes_nothing():
 
 # ------------------------------------------------------------- durability
 def durable(tmp_path, codec: str, block_size: int = 16):
-    cfg = ServerConfig(port=0, chunk_bytes=1024, wire_codec=codec, codec_block_size=block_size,
-                       outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
-                       durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1000))
+    cfg = ServerConfig(
+        port=0,
+        chunk_bytes=1024,
+        wire_codec=codec,
+        codec_block_size=block_size,
+        outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
+        durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1000),
+    )
     state = ParameterServerState(cfg)
     store = DurableStore(cfg.durability, cfg)
     store.open(state)
@@ -241,11 +265,17 @@ def test_wal_replay_with_a_codec_is_bit_identical_and_another_codec_is_refused(t
     g = torch.Generator().manual_seed(1)
     for k in range(5):
         delta = torch.randn(100, generator=g) * 0.01
-        state.push(codec.encode(delta, torch.empty(codec.wire_bytes, dtype=torch.uint8)), worker_id=wid,
-                   push_id=2 + k, base_version=state.version)
+        state.push(
+            codec.encode(delta, torch.empty(codec.wire_bytes, dtype=torch.uint8)),
+            worker_id=wid,
+            push_id=2 + k,
+            base_version=state.version,
+        )
     expected = (state.params.clone(), state.outer.momentum_buffer.clone(), state.version)
     crash(store)  # the pushes are only in the log: replay must decode them
-    for other, block in (("raw", 16), ("int8" if name == "bf16" else "bf16", 16)) + ((("int8", 32),) if name == "int8" else ()):
+    for other, block in (("raw", 16), ("int8" if name == "bf16" else "bf16", 16)) + (
+        (("int8", 32),) if name == "int8" else ()
+    ):
         with pytest.raises(CheckpointError, match="--wire-codec|--codec-block-size"):
             durable(tmp_path, other, block)
     again, store2 = durable(tmp_path, name)
@@ -277,8 +307,10 @@ def test_error_feedback_moves_a_weight_whose_steps_quantise_to_zero(server, over
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     codec = make_codec("int8", Manifest.from_module(model))
     probe = torch.tensor([-1e-4, 1.0, 0.0, 0.0])
-    assert float(codec.decode(codec.encode(probe, torch.empty(codec.wire_bytes, dtype=torch.uint8)),
-                              torch.empty(4))[0]) == 0.0  # without error feedback the weight would never move
+    assert (
+        float(codec.decode(codec.encode(probe, torch.empty(codec.wire_bytes, dtype=torch.uint8)), torch.empty(4))[0])
+        == 0.0
+    )  # without error feedback the weight would never move
     rounds = 300
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, overlap=overlap)) as worker:
         assert worker.codec.name == "int8"
@@ -296,8 +328,9 @@ def test_error_feedback_moves_a_weight_whose_steps_quantise_to_zero(server, over
 
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_in_process_workers_train_through_a_codec(server, name):
-    srv = server(local_steps=5, wire_codec=name, codec_block_size=64,
-                 outer=OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0))
+    srv = server(
+        local_steps=5, wire_codec=name, codec_block_size=64, outer=OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0)
+    )
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     w_true = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
@@ -324,9 +357,24 @@ def test_demo_run_with_a_wire_codec_lowers_the_loss(tmp_path, name):
 
     job = JobConfig(n_embd=64, n_head=4)
     cfg = DemoConfig(
-        num_workers=2, max_seconds=12.0, out_dir=str(tmp_path), slowdowns=(1.0, 1.5), job=job, eval_every_s=3.0,
-        server_args=("--local-steps", "10", "--outer-optimizer", "sgd", "--outer-lr", "0.5", "--outer-momentum", "0",
-                     "--wire-codec", name),
+        num_workers=2,
+        max_seconds=12.0,
+        out_dir=str(tmp_path),
+        slowdowns=(1.0, 1.5),
+        job=job,
+        eval_every_s=3.0,
+        server_args=(
+            "--local-steps",
+            "10",
+            "--outer-optimizer",
+            "sgd",
+            "--outer-lr",
+            "0.5",
+            "--outer-momentum",
+            "0",
+            "--wire-codec",
+            name,
+        ),
     )
     report = run_demo(cfg, progress=False)
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.3

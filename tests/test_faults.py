@@ -12,21 +12,30 @@ import time
 import pytest
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.errors import ServerUnavailableError
 from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.errors import ServerUnavailableError
 from asyncdiloco.ps import ParameterServer
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.heavy]
 
 CLI = [sys.executable, "-m", "asyncdiloco", "-q"]
 HERE = pathlib.Path(__file__).parent
 OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse")
-OUTER_FLAGS = ["--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--staleness", "inverse"]
+OUTER_FLAGS = [
+    "--outer-optimizer",
+    "nesterov",
+    "--outer-lr",
+    "0.7",
+    "--outer-momentum",
+    "0.9",
+    "--staleness",
+    "inverse",
+]
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(40, 50)), ("b", torch.zeros(50))])
 
 
@@ -44,7 +53,9 @@ class ServerProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [*CLI, "server", "--port", str(self.port), *self.flags],
-            stdout=subprocess.PIPE, stderr=self.log, text=True,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
         )
         line = self.proc.stdout.readline()  # printed once it accepts connections
         if "listening on 127.0.0.1:" not in line:
@@ -95,13 +106,19 @@ def delta_for(worker: int, k: int) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(180)
 def test_kill_9_the_server_repeatedly_and_every_acknowledged_push_survives_exactly_once(tmp_path):
-    server = ServerProcess(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3",
-                           "-H", "1", *OUTER_FLAGS)
+    server = ServerProcess(
+        tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3", "-H", "1", *OUTER_FLAGS
+    )
     init = [torch.randn(t.shape, generator=torch.Generator().manual_seed(7)) for t in MANIFEST.tensors]
     with ParameterServerClient(server.address, rpc_timeout_s=2) as c:
         reply = c.join(MANIFEST, "init")
-        c.push(MANIFEST.pack(init), worker_id=reply.worker_id, push_id=1, base_version=0,
-               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        c.push(
+            MANIFEST.pack(init),
+            worker_id=reply.worker_id,
+            push_id=1,
+            base_version=0,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
     acks: dict[int, tuple] = {}  # version -> (worker, push_id, delta payload, staleness weight)
     lock = threading.Lock()
     kills_done = threading.Event()
@@ -157,18 +174,24 @@ def test_kill_9_the_server_repeatedly_and_every_acknowledged_push_survives_exact
         _, _, payload, weight = acks[v]
         outer.step(MANIFEST.unpack_flat(payload), weight, version=v - 1)
     assert torch.equal(theta, MANIFEST.unpack_flat(final.payload))
-    print(f"6 kills at versions {kill_versions}; final version {final.version}; "
-          f"{len(duplicates)} pushes answered as duplicates after a restart")
+    print(
+        f"6 kills at versions {kill_versions}; final version {final.version}; "
+        f"{len(duplicates)} pushes answered as duplicates after a restart"
+    )
 
 
 @pytest.mark.timeout(120)
 def test_workers_killed_at_random_do_not_stop_the_run(tmp_path):
-    with ParameterServer(ServerConfig(port=0, local_steps=2, lease_s=2.0,
-                                      outer=OuterConfig(optimizer="sgd", lr=0.5, momentum=0.0))) as srv:
+    with ParameterServer(
+        ServerConfig(port=0, local_steps=2, lease_s=2.0, outer=OuterConfig(optimizer="sgd", lr=0.5, momentum=0.0))
+    ) as srv:
+
         def spawn(index: int, steps: int) -> subprocess.Popen:
             return subprocess.Popen(
                 [sys.executable, str(HERE / "_tiny_worker.py"), srv.address, str(index), str(steps)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
 
         procs = [spawn(i, 100) for i in range(4)]
@@ -199,12 +222,19 @@ def test_workers_killed_at_random_do_not_stop_the_run(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_32_concurrent_workers_push_and_pull_without_errors_and_bounded_memory(tmp_path):
-    server = ServerProcess(tmp_path, "-H", "1", "--outer-optimizer", "sgd", "--outer-lr", "0.1", "--outer-momentum", "0")
+    server = ServerProcess(
+        tmp_path, "-H", "1", "--outer-optimizer", "sgd", "--outer-lr", "0.1", "--outer-momentum", "0"
+    )
     manifest = Manifest.from_named_tensors([("w", torch.zeros(50_000))])  # 200 KB per push and per pull
     with ParameterServerClient(server.address) as c:
         wid = c.join(manifest, "init").worker_id
-        c.push(manifest.pack([torch.zeros(50_000)]), worker_id=wid, push_id=1, base_version=0,
-               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        c.push(
+            manifest.pack([torch.zeros(50_000)]),
+            worker_id=wid,
+            push_id=1,
+            base_version=0,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
     errors = []
     clients = [ParameterServerClient(server.address, rpc_timeout_s=60) for _ in range(32)]
     ids = [c.join(manifest, f"w{i}").worker_id for i, c in enumerate(clients)]
@@ -242,7 +272,9 @@ def test_32_concurrent_workers_push_and_pull_without_errors_and_bounded_memory(t
     assert st.version == st.applied_pushes == 32 * 15 and st.rejected_pushes == 0 and st.duplicate_pushes == 0
     assert torch.allclose(theta, torch.full_like(theta, 0.1 * 0.01 * st.version), rtol=1e-4)
     growth = rss_end - rss_warm
-    print(f"server RSS {rss_warm / 2**20:.1f} MiB after warm-up, {rss_end / 2**20:.1f} MiB after 384 more push+pull rounds")
+    print(
+        f"server RSS {rss_warm / 2**20:.1f} MiB after warm-up, {rss_end / 2**20:.1f} MiB after 384 more push+pull rounds"
+    )
     assert growth < 64 * 2**20, f"server RSS grew by {growth / 2**20:.1f} MiB"
 
 
@@ -254,8 +286,9 @@ def test_a_worker_is_recognised_by_a_restarted_server_and_nothing_is_reinitialis
     from asyncdiloco.ps.config import DurabilityConfig
 
     def config(port: int) -> ServerConfig:
-        return ServerConfig(port=port, local_steps=2, outer=OUTER,
-                            durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+        return ServerConfig(
+            port=port, local_steps=2, outer=OUTER, durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt"))
+        )
 
     srv = ParameterServer(config(0)).start()
     port = srv.port
@@ -298,8 +331,13 @@ def test_server_refuses_to_start_from_a_corrupt_checkpoint_unless_told_to_fall_b
     server = ServerProcess(tmp_path, "--checkpoint-dir", str(folder), "--checkpoint-every", "2", *OUTER_FLAGS)
     with ParameterServerClient(server.address) as c:
         wid = c.join(MANIFEST, "w").worker_id
-        c.push(MANIFEST.pack(delta_for(0, 0)), worker_id=wid, push_id=1, base_version=0,
-               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        c.push(
+            MANIFEST.pack(delta_for(0, 0)),
+            worker_id=wid,
+            push_id=1,
+            base_version=0,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
         for k in range(3):
             c.push(MANIFEST.pack(delta_for(1, k)), worker_id=wid, push_id=k + 2, base_version=k)
         theta = c.pull(MANIFEST).payload

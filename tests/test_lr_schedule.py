@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from asyncdiloco.cli import app as cli
 from asyncdiloco.algo.config import ASYNC_OUTER, SYNC_OUTER
-from asyncdiloco.worker.config import WorkerConfig
-from asyncdiloco.errors import ConfigError
-from asyncdiloco.cli.train import run_worker
-from asyncdiloco.job.config import JobConfig
 from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
+from asyncdiloco.cli import app as cli
+from asyncdiloco.cli.train import run_worker
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.worker.config import WorkerConfig
 
 COSINE = LRSchedule(kind="cosine", warmup=10, total=110, min_ratio=0.1)
 
@@ -96,8 +96,14 @@ def record_inner_lrs(monkeypatch) -> list[float]:
 
 @pytest.mark.timeout(60)
 def test_cli_worker_loop_runs_inner_step_k_at_peak_times_lr_factor_k(start_server, monkeypatch):
-    job = JobConfig(**TINY, inner_lr=2e-3, inner_lr_schedule="cosine", inner_warmup_steps=3, inner_total_steps=9,
-                    inner_min_ratio=0.2)
+    job = JobConfig(
+        **TINY,
+        inner_lr=2e-3,
+        inner_lr_schedule="cosine",
+        inner_warmup_steps=3,
+        inner_total_steps=9,
+        inner_min_ratio=0.2,
+    )
     used = record_inner_lrs(monkeypatch)
     srv = start_server(local_steps=4)  # syncs at steps 4, 8, 12 do not touch the inner lr
     stats = run_worker(worker_config=WorkerConfig(server=srv.address), job=job, max_steps=12)
@@ -116,8 +122,8 @@ def test_default_inner_schedule_keeps_inner_lr_exactly():
 
 
 def test_simulator_replicas_follow_the_same_inner_schedule(monkeypatch):
-    from asyncdiloco.job.dataset import CharCorpus
     from asyncdiloco.bench.sim import SimConfig, _Replica
+    from asyncdiloco.job.dataset import CharCorpus
 
     job = JobConfig(**TINY, inner_lr=1e-3, inner_lr_schedule="cosine", inner_warmup_steps=2, inner_total_steps=6)
     used = record_inner_lrs(monkeypatch)

@@ -31,8 +31,19 @@ def test_server_and_three_worker_processes_lower_the_held_out_loss(tmp_path):
     report = run_demo(cfg, progress=False)
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["final_eval_loss"] == report["final_eval_loss"]
-    for key in ("initial_eval_loss", "final_eval_loss", "version", "applied_pushes", "rejected_pushes",
-                "staleness_histogram", "bytes_pushed", "bytes_pulled", "wall_s", "tokens", "workers"):
+    for key in (
+        "initial_eval_loss",
+        "final_eval_loss",
+        "version",
+        "applied_pushes",
+        "rejected_pushes",
+        "staleness_histogram",
+        "bytes_pushed",
+        "bytes_pulled",
+        "wall_s",
+        "tokens",
+        "workers",
+    ):
         assert key in report, key
     assert abs(report["initial_eval_loss"] - math.log(65)) < 0.3
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.7
@@ -59,7 +70,9 @@ def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join():
     port = _closed_port()
     proc = subprocess.run(
         [*CLI, "-q", "worker", "--server", f"127.0.0.1:{port}", "--max-steps", "1", "--join-timeout", "1"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 1
     assert f"could not join the parameter server at 127.0.0.1:{port}" in proc.stderr
@@ -98,9 +111,7 @@ def test_server_on_a_busy_port_exits_with_a_clear_message():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = subprocess.run(
-            [*CLI, "-q", "server", "--port", str(port)], capture_output=True, text=True, timeout=60
-        )
+        proc = subprocess.run([*CLI, "-q", "server", "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
 
@@ -109,7 +120,9 @@ def test_server_prints_the_chosen_port_and_stops_on_sigterm(tmp_path):
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [*CLI, "-q", "server", "--port", "0", "--port-file", str(port_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline()

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.errors import ConfigError
 from asyncdiloco.algo.lr_schedule import lr_factor
 from asyncdiloco.algo.outer import OuterOptimizer, describe, staleness_weight
+from asyncdiloco.errors import ConfigError
 
 
 def test_nesterov_two_steps_by_hand():
@@ -136,8 +136,15 @@ def test_scheduled_step_uses_the_lr_of_its_version():
 def test_scheduled_nesterov_equals_torch_sgd_with_lambda_lr():
     # η_v through torch's own scheduler: the same update, version by version.
     gen = torch.Generator().manual_seed(2)
-    cfg = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, lr_schedule="cosine", lr_warmup_versions=2,
-                      lr_total_versions=6, lr_min_ratio=0.2)
+    cfg = OuterConfig(
+        optimizer="nesterov",
+        lr=0.7,
+        momentum=0.9,
+        lr_schedule="cosine",
+        lr_warmup_versions=2,
+        lr_total_versions=6,
+        lr_min_ratio=0.2,
+    )
     theta = torch.randn(40, generator=gen)
     ref = torch.nn.Parameter(theta.clone())
     ref_opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from asyncdiloco import AsyncDiLoCoWorker, ConfigError, SyncDiLoCoWorker, WorkerConfig
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import DurabilityConfig
 from asyncdiloco.ps import ParameterServer
+from asyncdiloco.ps.config import DurabilityConfig
+from asyncdiloco.worker.client import ParameterServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -365,19 +365,23 @@ def test_a_forgotten_worker_rejoins_on_the_training_thread(make_server):
 # ------------------------------------------------------------------ refusals
 def test_the_sync_worker_refuses_overlap():
     with pytest.raises(ConfigError, match="overlap=True is invalid for the sync worker"):
-        SyncDiLoCoWorker(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1),
-                         WorkerConfig(overlap=True))
+        SyncDiLoCoWorker(
+            nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1), WorkerConfig(overlap=True)
+        )
     with pytest.raises(ConfigError, match="overlap='yes' is invalid"):
         WorkerConfig(overlap="yes")
 
 
 @pytest.mark.parametrize("cmd", [["worker", "--server", "127.0.0.1:1", "--max-steps", "1"], ["demo"]])
 def test_cli_refuses_overlap_in_sync_mode(cmd):
-    proc = subprocess.run([sys.executable, "-m", "asyncdiloco", "-q", *cmd, "--mode", "sync", "--overlap"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncdiloco", "-q", *cmd, "--mode", "sync", "--overlap"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--overlap is invalid with --mode sync" in proc.stderr and "Traceback" not in proc.stderr
-
 
 
 @pytest.mark.parametrize(("value", "refused"), [(3.0e38, False), (float("inf"), True), (float("nan"), True)])
@@ -386,8 +390,9 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
     from asyncdiloco import InvalidPayloadError
 
     model = nn.Linear(4, 1)
-    worker = AsyncDiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               WorkerConfig(server="127.0.0.1:1", overlap=True))
+    worker = AsyncDiLoCoWorker(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), WorkerConfig(server="127.0.0.1:1", overlap=True)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(3.0e38)

@@ -14,4 +14,6 @@ def test_committed_stubs_are_fresh(tmp_path):
     for name in gen.STUBS:
         fresh = (tmp_path / name).read_text()
         committed = (ROOT / "asyncdiloco" / "wire" / "_proto" / name).read_text()
-        assert fresh == committed, f"asyncdiloco/wire/_proto/{name} is stale: run `python scripts/gen_proto.py` and commit"
+        assert fresh == committed, (
+            f"asyncdiloco/wire/_proto/{name} is stale: run `python scripts/gen_proto.py` and commit"
+        )

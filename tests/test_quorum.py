@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.errors import ConfigError, RoundRefusedError
+from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.ps.quorum import QuorumManager
 
 pytestmark = pytest.mark.timeout(30)

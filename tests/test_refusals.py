@@ -11,15 +11,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import PayloadTooLargeError
 from asyncdiloco.ps import ParameterServer, ParameterServerState
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.service import ParameterServerService
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.worker.client import ParameterServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +29,13 @@ MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(600)), ("b", torch.zer
 def fingerprint(state: ParameterServerState) -> tuple:
     mom = state.outer.momentum_buffer if state.outer is not None else None
     return (
-        None if state.params is None else state.params.clone(), None if mom is None else mom.clone(),
-        state.version, state.applied_pushes, state.tokens, state.bytes_pushed, tuple(state.staleness_histogram),
+        None if state.params is None else state.params.clone(),
+        None if mom is None else mom.clone(),
+        state.version,
+        state.applied_pushes,
+        state.tokens,
+        state.bytes_pushed,
+        tuple(state.staleness_histogram),
         tuple((w.applied_pushes, w.tokens, w.local_steps, tuple(w.outcomes)) for w in state._workers.values()),
     )
 
@@ -41,21 +46,37 @@ def assert_same(a: tuple, b: tuple) -> None:
 
 
 def header_for(payload, wid, push_id, base_version, chunk_bytes=1024, **over):
-    fields = dict(worker_id=wid, push_id=push_id, base_version=base_version, num_local_steps=1, num_tokens=1,
-                  total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
-                  crc32=crc32_of(payload), kind=pb.PUSH_KIND_PSEUDO_GRADIENT)
+    fields = dict(
+        worker_id=wid,
+        push_id=push_id,
+        base_version=base_version,
+        num_local_steps=1,
+        num_tokens=1,
+        total_bytes=payload.numel(),
+        num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
+        crc32=crc32_of(payload),
+        kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+    )
     fields.update(over)
     return pb.PushHeader(**fields)
 
 
 @pytest.fixture
 def server():
-    srv = ParameterServer(ServerConfig(port=0, chunk_bytes=1024, max_payload_bytes=MANIFEST.total_bytes,
-                                       outer=OuterConfig(max_staleness=4))).start()
+    srv = ParameterServer(
+        ServerConfig(
+            port=0, chunk_bytes=1024, max_payload_bytes=MANIFEST.total_bytes, outer=OuterConfig(max_staleness=4)
+        )
+    ).start()
     client = ParameterServerClient(srv.address)
     wid = client.join(MANIFEST, "w").worker_id
-    client.push(MANIFEST.pack([torch.ones(600), torch.ones(1)]), worker_id=wid, push_id=1, base_version=0,
-                kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    client.push(
+        MANIFEST.pack([torch.ones(600), torch.ones(1)]),
+        worker_id=wid,
+        push_id=1,
+        base_version=0,
+        kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+    )
     client.push(MANIFEST.pack([torch.full((600,), 0.1), torch.ones(1)]), worker_id=wid, push_id=2, base_version=0)
     yield srv, client, wid
     client.close()
@@ -145,8 +166,13 @@ class FakeContext:
         return True
 
 
-_REFUSAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+_REFUSAL_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+}
 
 _ints = st.one_of(st.integers(-3, 5), st.sampled_from([-(2**63), 2**63 - 1, 2**31, 2404, 1024]))
 
@@ -159,15 +185,41 @@ def push_streams(draw, state: ParameterServerState, wid: int):
     is accepted and can overflow θ to inf; the server checks Δ, not the result. Found by
     this test; see server/README.md "Limits".)"""
     values = torch.randn(601, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16)))) * 0.01
-    for pos, special in draw(st.lists(st.tuples(st.integers(0, 600),
-                                                st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e30])),
-                                      max_size=2)) if draw(st.integers(0, 2)) == 2 else ():
+    for pos, special in (
+        draw(
+            st.lists(
+                st.tuples(st.integers(0, 600), st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e30])),
+                max_size=2,
+            )
+        )
+        if draw(st.integers(0, 2)) == 2
+        else ()
+    ):
         values[pos] = special
     payload = MANIFEST.pack([values[:600], values[600:]])
-    header = header_for(payload, wid, draw(st.one_of(st.integers(1, 40), st.integers(41, 2**40))),
-                        state.version - draw(st.integers(-1, 6)))
-    for field in draw(st.lists(st.sampled_from(["worker_id", "push_id", "base_version", "num_local_steps",
-                                                 "num_tokens", "total_bytes", "num_chunks", "kind"]), max_size=2)):
+    header = header_for(
+        payload,
+        wid,
+        draw(st.one_of(st.integers(1, 40), st.integers(41, 2**40))),
+        state.version - draw(st.integers(-1, 6)),
+    )
+    for field in draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "worker_id",
+                    "push_id",
+                    "base_version",
+                    "num_local_steps",
+                    "num_tokens",
+                    "total_bytes",
+                    "num_chunks",
+                    "kind",
+                ]
+            ),
+            max_size=2,
+        )
+    ):
         setattr(header, field, draw(st.integers(-1, 4) if field == "kind" else _ints))
     if draw(st.integers(0, 3)) == 3:
         header.crc32 = draw(st.integers(0, 2**32 - 1))
@@ -190,13 +242,15 @@ def push_streams(draw, state: ParameterServerState, wid: int):
     return msgs
 
 
-_state = ParameterServerState(ServerConfig(port=0, chunk_bytes=1024, max_payload_bytes=4096,
-                                           outer=OuterConfig(max_staleness=3)))
+_state = ParameterServerState(
+    ServerConfig(port=0, chunk_bytes=1024, max_payload_bytes=4096, outer=OuterConfig(max_staleness=3))
+)
 _wid = _state.join(MANIFEST, "fuzz")[0]
 _service = ParameterServerService(_state)
 _init = MANIFEST.pack([torch.zeros(600), torch.zeros(1)])
-_state.apply_push(pb.PushHeader(worker_id=_wid, push_id=100, total_bytes=_init.numel(),
-                                kind=pb.PUSH_KIND_INITIAL_PARAMETERS), _init)
+_state.apply_push(
+    pb.PushHeader(worker_id=_wid, push_id=100, total_bytes=_init.numel(), kind=pb.PUSH_KIND_INITIAL_PARAMETERS), _init
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -236,7 +290,9 @@ def test_a_worker_checks_its_own_pseudo_gradient_before_sending(server):
     before = fingerprint(srv.state)
     with torch.no_grad():
         named.w[3] = float("nan")
-    with pytest.raises(InvalidPayloadError, match="pseudo-gradient holds non-finite values .* lower the inner learning"):
+    with pytest.raises(
+        InvalidPayloadError, match="pseudo-gradient holds non-finite values .* lower the inner learning"
+    ):
         worker._steps_since_sync = 1  # as if an inner step had run
         worker.sync()
     assert_same(before, fingerprint(srv.state))

@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.errors import ConfigError
-from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.algo.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
 
@@ -61,8 +61,9 @@ def _init(state, manifest, wid):
 
 def _push(state, manifest, wid, push_id, steps, compute_s=0.0):
     payload = manifest.pack([torch.full((4,), 0.01)])
-    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps,
-                      compute_s=compute_s)
+    return state.push(
+        payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps, compute_s=compute_s
+    )
 
 
 def test_reported_rates_balance_the_first_round_before_any_push():

@@ -15,14 +15,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.worker.client import ParameterServerClient
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.errors import ConfigError, ServerUnavailableError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,8 +58,11 @@ def _write(path, cert=None, key=None):
     if cert is not None:
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     else:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return str(path)
 
 
@@ -98,8 +101,9 @@ def _every_rpc(client: ParameterServerClient) -> dict:
         "Status (unary)": client.status,
         "Heartbeat (unary)": lambda: client.heartbeat(1),
         "Pull (server streaming)": lambda: client.pull(MANIFEST, 1),
-        "Push (client streaming)": lambda: client.push(payload, worker_id=1, push_id=1, base_version=0,
-                                                       kind=pb.PUSH_KIND_INITIAL_PARAMETERS),
+        "Push (client streaming)": lambda: client.push(
+            payload, worker_id=1, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+        ),
     }
     out = {}
     for name, call in calls.items():
@@ -134,8 +138,13 @@ def test_the_right_token_is_accepted_for_every_rpc(serve, pki):
     srv = serve(token_file=pki["token"])
     with ParameterServerClient(srv.address, security=ClientSecurityConfig(token_file=pki["token"])) as c:
         wid = c.join(MANIFEST, "ok").worker_id
-        assert c.push(MANIFEST.pack([torch.ones(4)]), worker_id=wid, push_id=1, base_version=0,
-                      kind=pb.PUSH_KIND_INITIAL_PARAMETERS).applied
+        assert c.push(
+            MANIFEST.pack([torch.ones(4)]),
+            worker_id=wid,
+            push_id=1,
+            base_version=0,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        ).applied
         assert torch.equal(MANIFEST.unpack_flat(c.pull(MANIFEST, wid).payload), torch.ones(4))
         c.heartbeat(wid)
         assert c.status().initialized
@@ -162,16 +171,25 @@ def test_tls_server_accepts_clients_that_trust_its_ca_and_refuses_others(serve, 
 
 
 def test_mutual_tls_refuses_clients_without_a_certificate_from_the_client_ca(serve, pki):
-    srv = serve(tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"], tls_client_ca=pki["ca_cert"],
-                token_file=pki["token"])
-    good = ClientSecurityConfig(tls_ca=pki["ca_cert"], tls_cert=pki["ca_client_cert"], tls_key=pki["ca_client_key"],
-                                token_file=pki["token"])
+    srv = serve(
+        tls_cert=pki["ca_server_cert"],
+        tls_key=pki["ca_server_key"],
+        tls_client_ca=pki["ca_cert"],
+        token_file=pki["token"],
+    )
+    good = ClientSecurityConfig(
+        tls_ca=pki["ca_cert"], tls_cert=pki["ca_client_cert"], tls_key=pki["ca_client_key"], token_file=pki["token"]
+    )
     with ParameterServerClient(srv.address, security=good) as c:
         assert c.join(MANIFEST, "mtls").worker_id == 1
     bad = [
         ClientSecurityConfig(tls_ca=pki["ca_cert"], token_file=pki["token"]),  # no client certificate
-        ClientSecurityConfig(tls_ca=pki["ca_cert"], tls_cert=pki["rogue_client_cert"], tls_key=pki["rogue_client_key"],
-                             token_file=pki["token"]),  # signed by another CA
+        ClientSecurityConfig(
+            tls_ca=pki["ca_cert"],
+            tls_cert=pki["rogue_client_cert"],
+            tls_key=pki["rogue_client_key"],
+            token_file=pki["token"],
+        ),  # signed by another CA
     ]
     for sec in bad:
         with ParameterServerClient(srv.address, security=sec, rpc_timeout_s=2) as c:
@@ -196,21 +214,59 @@ def test_half_configured_tls_is_a_config_error(pki):
 def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp_path):
     cli = [sys.executable, "-m", "asyncdiloco", "-q"]
     server = subprocess.Popen(
-        [*cli, "server", "--port", "0", "-H", "2", "--token-file", pki["token"], "--tls-cert", pki["ca_server_cert"],
-         "--tls-key", pki["ca_server_key"], "--checkpoint-dir", str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *cli,
+            "server",
+            "--port",
+            "0",
+            "-H",
+            "2",
+            "--token-file",
+            pki["token"],
+            "--tls-cert",
+            pki["ca_server_cert"],
+            "--tls-key",
+            pki["ca_server_key"],
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = server.stdout.readline()
         address = line.strip().rsplit(" ", 1)[1]
-        job = ["--max-steps", "4", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch-size", "2",
-               "--context-len", "8", "--join-timeout", "20"]
-        ok = subprocess.run([*cli, "worker", "--server", address, "--token-file", pki["token"], "--tls-ca",
-                             pki["ca_cert"], *job], capture_output=True, text=True, timeout=90)
+        job = [
+            "--max-steps",
+            "4",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "16",
+            "--n-head",
+            "2",
+            "--batch-size",
+            "2",
+            "--context-len",
+            "8",
+            "--join-timeout",
+            "20",
+        ]
+        ok = subprocess.run(
+            [*cli, "worker", "--server", address, "--token-file", pki["token"], "--tls-ca", pki["ca_cert"], *job],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert ok.returncode == 0, ok.stderr[-2000:]
         assert "2 pushes applied" in ok.stdout
-        bad = subprocess.run([*cli, "worker", "--server", address, "--token-file", pki["wrong"], "--tls-ca",
-                              pki["ca_cert"], *job], capture_output=True, text=True, timeout=90)
+        bad = subprocess.run(
+            [*cli, "worker", "--server", address, "--token-file", pki["wrong"], "--tls-ca", pki["ca_cert"], *job],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         assert bad.returncode == 1
         assert "missing or wrong token" in bad.stderr
         server.terminate()
@@ -228,8 +284,15 @@ def test_a_sync_worker_rounds_through_a_token_protected_server(pki):
     from asyncdiloco.worker.config import WorkerConfig
     from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
-    srv = ParameterServer(ServerConfig(port=0, mode="sync", local_steps=2, sync=SyncConfig(min_workers=1),
-                                       security=ServerSecurityConfig(token_file=pki["token"]))).start()
+    srv = ParameterServer(
+        ServerConfig(
+            port=0,
+            mode="sync",
+            local_steps=2,
+            sync=SyncConfig(min_workers=1),
+            security=ServerSecurityConfig(token_file=pki["token"]),
+        )
+    ).start()
     try:
         model = torch.nn.Linear(4, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

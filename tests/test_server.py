@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import ConfigError, ManifestMismatchError, ServerUnavailableError
 from asyncdiloco.ps import ParameterServer
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,9 +55,11 @@ def assert_same(a: tuple, b: tuple) -> None:
 def regression_task(seed: int):
     gen = torch.Generator().manual_seed(seed)
     w_true = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+
     def batch():
         x = torch.randn(16, 4, generator=gen)
         return x, x @ w_true.T
+
     return batch
 
 
@@ -142,7 +144,9 @@ def test_manifest_mismatch_refused_and_model_unchanged(make_server):
     client, manifest, wid = init_server(srv, make_model())
     before = fingerprint(srv)
     other = Manifest.from_module(nn.Linear(5, 1))
-    with pytest.raises(ManifestMismatchError, match=r"parameter #0 'weight': shape is \(1, 5\) on the worker but \(1, 4\)"):
+    with pytest.raises(
+        ManifestMismatchError, match=r"parameter #0 'weight': shape is \(1, 5\) on the worker but \(1, 4\)"
+    ):
         client.join(other, "bad")
     assert_same(before, fingerprint(srv))
     # the grpc status code is FAILED_PRECONDITION
@@ -162,8 +166,14 @@ def raw_push(srv, header: pb.PushHeader, chunks):
 def good_push(srv, manifest, wid, payload, **over):
     cb = srv.config.chunk_bytes
     fields = dict(
-        worker_id=wid, push_id=2, base_version=srv.state.version, num_local_steps=1, num_tokens=1,
-        total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), cb), crc32=crc32_of(payload),
+        worker_id=wid,
+        push_id=2,
+        base_version=srv.state.version,
+        num_local_steps=1,
+        num_tokens=1,
+        total_bytes=payload.numel(),
+        num_chunks=num_chunks_for(payload.numel(), cb),
+        crc32=crc32_of(payload),
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(over)
@@ -267,7 +277,8 @@ def test_join_fails_with_a_clear_message_when_no_server():
         address = srv.address  # a port that was free a moment ago
     model = make_model()
     worker = AsyncDiLoCoWorker(
-        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
         WorkerConfig(server=address, join_timeout_s=0.5, initial_backoff_s=0.1, rpc_timeout_s=1.0),
     )
     with pytest.raises(ServerUnavailableError, match=f"could not join the parameter server at {address}"):
@@ -395,8 +406,9 @@ def test_a_waiting_worker_takes_over_when_the_initializer_dies(make_server):
     model = make_model()
     ghost = ParameterServerClient(srv.address)
     assert ghost.join(Manifest.from_module(model), "ghost").initialize  # chosen, then never pushes
-    worker = AsyncDiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               WorkerConfig(server=srv.address, join_timeout_s=10))
+    worker = AsyncDiLoCoWorker(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), WorkerConfig(server=srv.address, join_timeout_s=10)
+    )
     worker.join()  # polls; once the ghost's lease lapses, the heartbeat hands it the job
     assert srv.state.initialized
     assert torch.equal(srv.state.params, flat(model))

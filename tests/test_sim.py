@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from asyncdiloco.errors import ConfigError
-from asyncdiloco.job.config import JobConfig
 from asyncdiloco.bench.sim import METHODS, SimConfig, simulate
 from asyncdiloco.bench.suite import SuiteConfig, run_suite
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job.config import JobConfig
 
 TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8, eval_batches=2)
 
@@ -19,8 +19,14 @@ def losses(result):
 
 
 def test_a_run_is_deterministic():
-    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(0.58, 0.75, 1.51), total_steps=60, local_steps=5,
-                    job=TINY, eval_every_steps=20)
+    cfg = SimConfig(
+        method="async_dn_dylu",
+        speeds_s_per_step=(0.58, 0.75, 1.51),
+        total_steps=60,
+        local_steps=5,
+        job=TINY,
+        eval_every_steps=20,
+    )
     a, b = simulate(cfg), simulate(cfg)
     assert losses(a) == losses(b)
     assert [p["time_s"] for p in a.curve] == [p["time_s"] for p in b.curve]
@@ -31,8 +37,15 @@ def test_async_dn_with_grace_on_equal_speeds_is_sync_diloco():
     # Liu et al. 2024: with c = 0 and a grace window, N simultaneous arrivals under Delayed
     # Nesterov are one synchronous Nesterov step on their mean, and every worker restarts
     # from the same model — so the async server code reproduces sync DiLoCo.
-    kw = dict(speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=60, local_steps=5, job=TINY, eval_every_steps=15,
-              outer_lr=0.7, outer_momentum=0.9)
+    kw = dict(
+        speeds_s_per_step=(1.0, 1.0, 1.0),
+        total_steps=60,
+        local_steps=5,
+        job=TINY,
+        eval_every_steps=15,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
     sync = simulate(SimConfig(method="sync_diloco", **kw))
     dn = simulate(SimConfig(method="async_dn", **kw))  # the server's auto window
     assert losses(dn) == pytest.approx(losses(sync), abs=1e-4)
@@ -54,8 +67,14 @@ def test_every_method_trains_exactly_the_budget():
 def test_dn_dylu_forms_full_groups_on_uneven_speeds():
     # DyLU knows the rates before the first push, and the window waits for every live
     # worker: every Delayed Nesterov buffer holds one push per worker from one model.
-    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(0.58, 0.75, 1.51, 3.33), total_steps=450,
-                    local_steps=20, job=TINY, eval_every_steps=450)
+    cfg = SimConfig(
+        method="async_dn_dylu",
+        speeds_s_per_step=(0.58, 0.75, 1.51, 3.33),
+        total_steps=450,
+        local_steps=20,
+        job=TINY,
+        eval_every_steps=450,
+    )
     r = simulate(cfg)
     assert r.group_size_histogram == [0, 0, 0, 10]  # 450 = 10 groups of H_w = 20 + 15 + 7 + 3
     assert r.staleness_histogram[:4] == [10, 10, 10, 10] and sum(r.staleness_histogram) == 40
@@ -63,8 +82,15 @@ def test_dn_dylu_forms_full_groups_on_uneven_speeds():
 
 
 def test_leave_and_rejoin_changes_the_live_workers():
-    cfg = SimConfig(method="async_dn_dylu", speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=150, local_steps=5,
-                    job=TINY, eval_every_steps=150, leave_rejoin=(2, 10.0, 30.0))
+    cfg = SimConfig(
+        method="async_dn_dylu",
+        speeds_s_per_step=(1.0, 1.0, 1.0),
+        total_steps=150,
+        local_steps=5,
+        job=TINY,
+        eval_every_steps=150,
+        leave_rejoin=(2, 10.0, 30.0),
+    )
     r = simulate(cfg)
     assert r.steps == 150
     assert r.group_size_histogram[1] > 0 and r.group_size_histogram[2] > 0  # groups of 2 while worker 2 is away
@@ -92,8 +118,16 @@ def test_bad_method_is_refused():
 
 
 def test_suite_writes_runs_report_and_plots(tmp_path):
-    cfg = SuiteConfig(profiles=("uneven",), methods=("sync_localsgd", "sync_diloco", "async_nesterov", "async_dn_dylu"),
-                      seeds=(0, 1), total_steps=40, local_steps=5, eval_every_steps=20, job=TINY, processes=2)
+    cfg = SuiteConfig(
+        profiles=("uneven",),
+        methods=("sync_localsgd", "sync_diloco", "async_nesterov", "async_dn_dylu"),
+        seeds=(0, 1),
+        total_steps=40,
+        local_steps=5,
+        eval_every_steps=20,
+        job=TINY,
+        processes=2,
+    )
     records = run_suite(cfg, str(tmp_path), progress=False)
     assert len(records) == 8
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
@@ -114,8 +148,15 @@ def test_suite_writes_runs_report_and_plots(tmp_path):
 def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
     from asyncdiloco.bench.suite_real import run_real_suite
 
-    cfg = SuiteConfig(profiles=("uneven",), methods=("sync_diloco", "async_dn_dylu"), seeds=(0,), total_steps=160,
-                      local_steps=5, eval_every_steps=80, job=TINY)
+    cfg = SuiteConfig(
+        profiles=("uneven",),
+        methods=("sync_diloco", "async_dn_dylu"),
+        seeds=(0,),
+        total_steps=160,
+        local_steps=5,
+        eval_every_steps=80,
+        job=TINY,
+    )
     records = run_real_suite(cfg, str(tmp_path), progress=False)
     assert [r["method"] for r in records] == ["sync_diloco", "async_dn_dylu"]
     for r in records:
@@ -130,18 +171,28 @@ def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
 def test_overlap_under_grouping_keeps_groups_whole_and_workers_busy():
     # Workers train on while their group forms and run H_w more steps after the merge, so
     # their pushes stay in groups, and the group's early arrivals are no longer idle.
-    kw = dict(speeds_s_per_step=(0.58, 0.75, 1.51, 3.33), total_steps=450, local_steps=20, job=TINY,
-              eval_every_steps=450)
+    kw = dict(
+        speeds_s_per_step=(0.58, 0.75, 1.51, 3.33), total_steps=450, local_steps=20, job=TINY, eval_every_steps=450
+    )
     plain = simulate(SimConfig(method="async_dn_dylu", **kw))
     eager = simulate(SimConfig(method="async_dn_dylu_overlap", **kw))
     assert eager.steps == plain.steps == 450
-    assert eager.group_size_histogram[-1] >= sum(eager.group_size_histogram) - 2  # whole groups (the budget's end aside)
+    assert (
+        eager.group_size_histogram[-1] >= sum(eager.group_size_histogram) - 2
+    )  # whole groups (the budget's end aside)
     assert eager.utilisation > plain.utilisation and eager.utilisation > 0.97
 
 
 def test_overlap_with_a_worker_that_leaves_keeps_time_moving_forward():
-    cfg = SimConfig(method="async_dn_dylu_overlap", speeds_s_per_step=(1.0, 1.0, 1.0), total_steps=150, local_steps=5,
-                    job=TINY, eval_every_steps=15, leave_rejoin=(2, 10.0, 30.0))
+    cfg = SimConfig(
+        method="async_dn_dylu_overlap",
+        speeds_s_per_step=(1.0, 1.0, 1.0),
+        total_steps=150,
+        local_steps=5,
+        job=TINY,
+        eval_every_steps=15,
+        leave_rejoin=(2, 10.0, 30.0),
+    )
     r = simulate(cfg)
     times = [p["time_s"] for p in r.curve]
     assert r.steps == 150 and times == sorted(times)

@@ -10,25 +10,29 @@ import os
 import pytest
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.errors import CheckpointError
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
 pytestmark = pytest.mark.timeout(60)
 
-MANIFEST = Manifest.from_named_tensors([("enc.weight", torch.zeros(3, 4)), ("enc.bias", torch.zeros(3)),
-                                        ("head", torch.zeros(5, dtype=torch.bfloat16))])
+MANIFEST = Manifest.from_named_tensors(
+    [("enc.weight", torch.zeros(3, 4)), ("enc.bias", torch.zeros(3)), ("head", torch.zeros(5, dtype=torch.bfloat16))]
+)
 
 
 def open_server(tmp_path, *, every=100, fallback=False, outer=None):
     cfg = ServerConfig(
-        port=0, chunk_bytes=1024, outer=outer or OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse"),
-        durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every,
-                                    fallback_to_previous=fallback),
+        port=0,
+        chunk_bytes=1024,
+        outer=outer or OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse"),
+        durability=DurabilityConfig(
+            checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every, fallback_to_previous=fallback
+        ),
     )
     state = ParameterServerState(cfg)
     store = DurableStore(cfg.durability, cfg)
@@ -47,8 +51,13 @@ def crash(store: DurableStore) -> None:
 
 def push(state, wid, push_id, tensors, *, base_version=None, kind=pb.PUSH_KIND_PSEUDO_GRADIENT):
     return state.push(
-        MANIFEST.pack(tensors), worker_id=wid, push_id=push_id,
-        base_version=state.version if base_version is None else base_version, num_local_steps=3, num_tokens=7, kind=kind,
+        MANIFEST.pack(tensors),
+        worker_id=wid,
+        push_id=push_id,
+        base_version=state.version if base_version is None else base_version,
+        num_local_steps=3,
+        num_tokens=7,
+        kind=kind,
     )
 
 
@@ -65,18 +74,36 @@ def run(state, n_pushes=6, first_seed=1):
     b, _, _ = state.join(MANIFEST, "b")
     for k in range(n_pushes):
         wid = (a, b)[k % 2]
-        push(state, wid, 2 + k, [t * 0.1 for t in rand_tensors(first_seed + k)], base_version=max(0, state.version - k % 3))
+        push(
+            state,
+            wid,
+            2 + k,
+            [t * 0.1 for t in rand_tensors(first_seed + k)],
+            base_version=max(0, state.version - k % 3),
+        )
     return a, b
 
 
 def fingerprint(state):
     mom = state.outer.momentum_buffer
     dn = getattr(state.outer, "delta_buffer", None)
-    workers = {w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
-               for w in state._workers.values()}
-    return (state.params.clone(), None if mom is None else mom.clone(), None if dn is None else dn.clone(),
-            getattr(state.outer, "arrivals", None), state.version, state.applied_pushes,
-            state.tokens, state.bytes_pushed, tuple(state.staleness_histogram), workers, state._next_worker_id)
+    workers = {
+        w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
+        for w in state._workers.values()
+    }
+    return (
+        state.params.clone(),
+        None if mom is None else mom.clone(),
+        None if dn is None else dn.clone(),
+        getattr(state.outer, "arrivals", None),
+        state.version,
+        state.applied_pushes,
+        state.tokens,
+        state.bytes_pushed,
+        tuple(state.staleness_histogram),
+        workers,
+        state._next_worker_id,
+    )
 
 
 def assert_same(a, b):
@@ -97,12 +124,16 @@ def test_clean_shutdown_and_restart_restore_everything(tmp_path):
     store2.close()
 
 
-@pytest.mark.parametrize("outer", [
-    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse"),
-    OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
-    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=0, dn_c=0.1, staleness="polynomial"),
-    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.5, dn_buffer=3),
-], ids=["nesterov", "sgd", "dn_workers", "dn_buffer3"])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse"),
+        OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+        OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=0, dn_c=0.1, staleness="polynomial"),
+        OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.5, dn_buffer=3),
+    ],
+    ids=["nesterov", "sgd", "dn_workers", "dn_buffer3"],
+)
 def test_crash_replays_the_log_bit_identically(tmp_path, outer):
     state, store = open_server(tmp_path, every=4, outer=outer)  # a checkpoint mid-run, then log records after it
     run(state, n_pushes=7)
@@ -269,16 +300,37 @@ def test_a_worker_that_left_before_the_checkpoint_stays_gone(tmp_path):
 
 
 # ------------------------------------------------------------- outer lr schedule
-COSINE_OUTER = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, staleness="inverse", lr_schedule="cosine",
-                           lr_warmup_versions=3, lr_total_versions=12, lr_min_ratio=0.1)
+COSINE_OUTER = OuterConfig(
+    optimizer="nesterov",
+    lr=0.7,
+    momentum=0.9,
+    staleness="inverse",
+    lr_schedule="cosine",
+    lr_warmup_versions=3,
+    lr_total_versions=12,
+    lr_min_ratio=0.1,
+)
 
 
-@pytest.mark.parametrize("outer", [
-    COSINE_OUTER,
-    OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=3, dn_c=0.1, lr_schedule="cosine",
-                lr_warmup_versions=2, lr_total_versions=9, lr_min_ratio=0.0),
-    OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, lr_schedule="constant", lr_warmup_versions=20),
-], ids=["nesterov_cosine", "dn_cosine", "sgd_warmup"])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        COSINE_OUTER,
+        OuterConfig(
+            optimizer="delayed_nesterov",
+            lr=0.7,
+            momentum=0.9,
+            dn_buffer=3,
+            dn_c=0.1,
+            lr_schedule="cosine",
+            lr_warmup_versions=2,
+            lr_total_versions=9,
+            lr_min_ratio=0.0,
+        ),
+        OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, lr_schedule="constant", lr_warmup_versions=20),
+    ],
+    ids=["nesterov_cosine", "dn_cosine", "sgd_warmup"],
+)
 def test_scheduled_outer_lr_after_a_crash_equals_the_uninterrupted_run(tmp_path, outer):
     # 7 logged pushes (the initial parameters and 6 pseudo-gradients): a checkpoint at
     # version 3, the updates at versions 3, 4, 5 only in the log. The replay must key each

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.bench.sim import SimConfig
 from asyncdiloco.bench.suite import PROFILES
 from asyncdiloco.bench.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
-from asyncdiloco.bench.sim import SimConfig
+from asyncdiloco.errors import ConfigError
 
 
 def test_changing_profile_maps_times_by_r_over_the_fastest_speed():
@@ -55,7 +55,9 @@ def test_full_real_suite_covers_every_profile_and_quick_stays_uneven():
 
 def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
     prof = PROFILES["leave_rejoin"]
-    cfg = SimConfig(method="sync_diloco", speeds_s_per_step=prof["speeds"], total_steps=100, leave_rejoin=prof["leave_rejoin"])
+    cfg = SimConfig(
+        method="sync_diloco", speeds_s_per_step=prof["speeds"], total_steps=100, leave_rejoin=prof["leave_rejoin"]
+    )
     _, flags, _ = server_flags(cfg)
     assert flags[flags.index("--min-workers") + 1] == "3"
 
@@ -69,7 +71,12 @@ def test_real_methods_get_the_simulators_server_settings():
     args = cli.build_parser().parse_args(["server", *flags])
     server = cli._server_config(args, "127.0.0.1", 0)
     sim = SimConfig(method="async_dn_dylu", **kw).server_config()
-    assert (server.outer, server.dylu, server.grouping, server.grace_s) == (sim.outer, sim.dylu, sim.grouping, sim.grace_s)
+    assert (server.outer, server.dylu, server.grouping, server.grace_s) == (
+        sim.outer,
+        sim.dylu,
+        sim.grouping,
+        sim.grace_s,
+    )
     assert server_flags(SimConfig(method="async_dn_dylu_overlap", **kw))[2] == ("--overlap",)
     _, flags, _ = server_flags(SimConfig(method="async_nesterov", **kw))
     server = cli._server_config(cli.build_parser().parse_args(["server", *flags]), "127.0.0.1", 0)

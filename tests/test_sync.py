@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig, SyncConfig
-from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, RoundRefusedError
 from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, RoundRefusedError
 from asyncdiloco.ps import ParameterServer
-from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
+from asyncdiloco.ps.config import ServerConfig, SyncConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,7 +42,9 @@ def make_server():
     def make(*, outer: OuterConfig, local_steps: int, **sync) -> ParameterServer:
         sync.setdefault("join_timeout_s", 5.0)
         sync.setdefault("round_timeout_s", 20.0)
-        cfg = ServerConfig(port=0, mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync))
+        cfg = ServerConfig(
+            port=0, mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync)
+        )
         srv = ParameterServer(cfg).start()
         servers.append(srv)
         return srv
@@ -129,12 +131,23 @@ def committed_checksums(workers) -> dict[int, set[int]]:
     return by_round
 
 
-@pytest.mark.parametrize("outer", [
-    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
-    # η_v keyed by the round each update starts from, on the server and on every member (via RunConfig)
-    OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9, lr_schedule="cosine", lr_warmup_versions=1,
-                lr_total_versions=4, lr_min_ratio=0.1),
-], ids=["constant", "cosine"])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
+        # η_v keyed by the round each update starts from, on the server and on every member (via RunConfig)
+        OuterConfig(
+            optimizer="nesterov",
+            lr=0.7,
+            momentum=0.9,
+            lr_schedule="cosine",
+            lr_warmup_versions=1,
+            lr_total_versions=4,
+            lr_min_ratio=0.1,
+        ),
+    ],
+    ids=["constant", "cosine"],
+)
 def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server, outer):
     H, K = 3, 4
     srv = make_server(outer=outer, local_steps=H, min_workers=2)
@@ -188,7 +201,9 @@ def test_local_sgd_round_leaves_every_member_with_the_mean_of_the_members_parame
         opt.register_step_post_hook(
             lambda *_, i=i, m=model, c=counter: local[i].append(flat(m).clone()) if next(c) % H == 0 else None
         )
-        w = SyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address), sync=SyncWorkerConfig(allreduce_timeout_s=10.0))
+        w = SyncDiLoCoWorker(
+            model, opt, WorkerConfig(server=srv.address), sync=SyncWorkerConfig(allreduce_timeout_s=10.0)
+        )
         w.join()
         workers.append(w)
     run_threads([lambda i=i: train(workers[i], i, steps=H * K) for i in range(N)])

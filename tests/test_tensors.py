@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -94,8 +94,12 @@ def _stream(n_bytes=40, chunk_bytes=16):
 
 
 def _assembler(payload, chunk_bytes, **over):
-    kw = dict(total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
-              crc32=crc32_of(payload), chunk_bytes=chunk_bytes)
+    kw = dict(
+        total_bytes=payload.numel(),
+        num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
+        crc32=crc32_of(payload),
+        chunk_bytes=chunk_bytes,
+    )
     kw.update(over)
     return PayloadAssembler(**kw)
 

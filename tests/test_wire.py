@@ -12,13 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ServerBusyError
 from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.wire.tensors import Manifest, crc32_of
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import (
     WireChunk,
     _handlers,
@@ -27,6 +26,7 @@ from asyncdiloco.wire.grpc_chunks import (
     encode_chunk,
     serialize_message,
 )
+from asyncdiloco.wire.tensors import Manifest, crc32_of
 
 pytestmark = pytest.mark.timeout(60)
 int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)

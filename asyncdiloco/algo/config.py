@@ -66,16 +66,24 @@ class OuterConfig:
                           min_ratio=self.lr_min_ratio)  # fmt: skip
 
     def __post_init__(self) -> None:
-        require(self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}")
-        require(math.isfinite(self.lr) and self.lr > 0, "outer lr", self.lr, "must be a finite number > 0 (DiLoCo uses 0.7)")
+        require(
+            self.optimizer in OUTER_OPTIMIZERS, "outer optimizer", self.optimizer, f"choose one of {OUTER_OPTIMIZERS}"
+        )
+        require(
+            math.isfinite(self.lr) and self.lr > 0, "outer lr", self.lr, "must be a finite number > 0 (DiLoCo uses 0.7)"
+        )
         require(0 <= self.momentum < 1, "outer momentum", self.momentum, "must lie in [0, 1) (DiLoCo uses 0.9)")
         require(
             self.staleness in STALENESS_WEIGHTINGS, "staleness", self.staleness, f"choose one of {STALENESS_WEIGHTINGS}"
         )
-        require(math.isfinite(self.staleness_a) and self.staleness_a >= 0, "staleness_a", self.staleness_a, "must be >= 0")
+        require(
+            math.isfinite(self.staleness_a) and self.staleness_a >= 0, "staleness_a", self.staleness_a, "must be >= 0"
+        )
         require(self.staleness_b >= 0, "staleness_b", self.staleness_b, "must be >= 0 versions")
         require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0 versions")
-        require(self.dn_buffer >= 0, "dn_buffer", self.dn_buffer, "must be >= 1 arrivals, or 0 for the number of workers")
+        require(
+            self.dn_buffer >= 0, "dn_buffer", self.dn_buffer, "must be >= 1 arrivals, or 0 for the number of workers"
+        )
         require(
             0 <= self.dn_c <= (1 / self.dn_buffer if self.dn_buffer else 1),
             "dn_c",

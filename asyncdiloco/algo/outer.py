@@ -102,7 +102,9 @@ class OuterOptimizer:
 
     def __init__(self, params: torch.Tensor, config: OuterConfig) -> None:
         if params.dtype != torch.float32 or params.dim() != 1:
-            raise ValueError(f"global parameters must be a 1-D float32 vector; got {params.dtype} {tuple(params.shape)}")
+            raise ValueError(
+                f"global parameters must be a 1-D float32 vector; got {params.dtype} {tuple(params.shape)}"
+            )
         self.params = params
         self.config = config
         self.schedule = config.schedule()
@@ -225,8 +227,9 @@ class DelayedNesterov(OuterOptimizer):
         self.params.sub_(delta, alpha=lr / n)  # the arrival's own g_t/N
 
 
-def make_outer_optimizer(params: torch.Tensor, config: OuterConfig,
-                         block_sizes: list[int] | None = None) -> OuterOptimizer:
+def make_outer_optimizer(
+    params: torch.Tensor, config: OuterConfig, block_sizes: list[int] | None = None
+) -> OuterOptimizer:
     """The outer optimizer ``config.optimizer`` names, over the flat fp32 ``params``
     (``block_sizes``: the model's tensor sizes, for ``block_check``)."""
     if config.optimizer == "delayed_nesterov":
@@ -264,7 +267,12 @@ class PseudoGradientMonitor:
                 log.warning(
                     "pseudo-gradient norm %.3g from worker %d at version %d is %.0fx the running median %.3g: "
                     "the global model may be diverging; lower --outer-lr or --outer-momentum, or the workers' "
-                    "inner learning rate (check the held-out loss)", norm, worker_id, version, norm / median, median,
+                    "inner learning rate (check the held-out loss)",
+                    norm,
+                    worker_id,
+                    version,
+                    norm / median,
+                    median,
                 )
         self._norms.append(norm)
         return warned

@@ -164,8 +164,7 @@ class GroupWindow:
         #: Sizes (arrivals) of the released groups, for status: [n(size 1), n(size 2), …].
         self.size_histogram: list[int] = []
 
-    def arrive(self, worker_id: int, now: float, live: set[int], window_s: float,
-               buffer_complete: bool = False) -> int:
+    def arrive(self, worker_id: int, now: float, live: set[int], window_s: float, buffer_complete: bool = False) -> int:
         """Record an applied push of ``worker_id`` at ``now``; returns its group id.
 
         Args:

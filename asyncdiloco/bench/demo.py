@@ -42,14 +42,14 @@ import time
 
 import torch
 
-from asyncdiloco.worker.client import ParameterServerClient
-from asyncdiloco.wire.codec import codec_for
-from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.bench.plots import pyplot
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.job.models import evaluate
+from asyncdiloco.wire.codec import codec_for
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,19 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         _reap(procs)
     if evaluator.run_config is not None:
         status.run_config.CopyFrom(evaluator.run_config)
-    report = _report(cfg, out, status, curve, evaluator.initial_loss, final_loss, wall_s, workers, exit_codes, address,
-                     train_start_unix_s)
+    report = _report(
+        cfg,
+        out,
+        status,
+        curve,
+        evaluator.initial_loss,
+        final_loss,
+        wall_s,
+        workers,
+        exit_codes,
+        address,
+        train_start_unix_s,
+    )
     report["train_start_s"] = train_start_s  # when the global model existed: training time is wall_s − this
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
@@ -342,7 +353,9 @@ def _watch(
                 if st.initialized and time.monotonic() - last_eval >= cfg.eval_every_s:
                     version, loss = ev.evaluate_global()
                     last_eval = time.monotonic()
-                    curve.append({"wall_s": last_eval - started, "version": version, "tokens": st.tokens, "eval_loss": loss})
+                    curve.append(
+                        {"wall_s": last_eval - started, "version": version, "tokens": st.tokens, "eval_loss": loss}
+                    )
             except AsyncDiLoCoError as exc:
                 log.info("status/eval skipped: %s", exc)
                 continue
@@ -365,16 +378,16 @@ def _watch(
 _LEAVE_GRACE_S = 30.0
 
 
-def _leave_or_rejoin(
-    cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st, train_s: float
-) -> bool:
+def _leave_or_rejoin(cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st, train_s: float) -> bool:
     """One poll's step of ``cfg.leave_rejoin`` at ``train_s`` seconds of training: stop
     the leaver once it is due and has joined; release the waiting fresh process once
     the rejoin is due and the server shows the leaver gone. True when nothing is left."""
     index, leave_s, rejoin_s = cfg.leave_rejoin
     if leaver.left_s is None:
         if leaver.popen.poll() is not None:  # it ended (or crashed) before its leave: nothing to rejoin
-            log.warning("worker %d exited (status %s) before its leave at %g s", index, leaver.popen.returncode, leave_s)
+            log.warning(
+                "worker %d exited (status %s) before its leave at %g s", index, leaver.popen.returncode, leave_s
+            )
             rejoiner.popen.terminate()  # still waiting: it exits without joining
             return True
         joined = any(w.worker_name == leaver.name and w.alive for w in st.workers)
@@ -405,8 +418,9 @@ def _run_config(rc) -> dict:
     }  # fmt: skip
 
 
-def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, workers, exit_codes, address,
-            train_start_unix_s=None) -> dict:
+def _report(
+    cfg, out, status, curve, initial_loss, final_loss, wall_s, workers, exit_codes, address, train_start_unix_s=None
+) -> dict:
     hist = list(status.staleness_histogram)
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
@@ -445,7 +459,9 @@ def _report(cfg, out, status, curve, initial_loss, final_loss, wall_s, workers, 
                 "blocked_s": round(stats.get("blocked_s", 0.0), 3),
                 "held_s": round(stats.get("held_s", 0.0), 3),
                 "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
-                "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])) if stats.get("staleness") else None,
+                "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"]))
+                if stats.get("staleness")
+                else None,
                 "rounds_committed": stats.get("rounds_committed"),
                 "rounds_failed": stats.get("rounds_failed"),
                 "heals": stats.get("heals"),
@@ -539,7 +555,9 @@ def _print_summary(report: dict, out: pathlib.Path) -> None:
         f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"
         + (
             f"  rounds committed {report['rounds_committed']}, aborted {report['rounds_failed']}; "
-            f"median round times (s) {report['round_time_s']}\n" if report["mode"] == "sync" else ""
+            f"median round times (s) {report['round_time_s']}\n"
+            if report["mode"] == "sync"
+            else ""
         )
         + "".join(
             f"  {w['name']}: {w['inner_steps']} steps, {w['pushes']} pushes, {w['tokens']:,} tokens, "

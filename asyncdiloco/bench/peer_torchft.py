@@ -40,8 +40,8 @@ def _replica(args: argparse.Namespace) -> None:
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.local_sgd import DiLoCo
 
-    from asyncdiloco.job.dataset import BatchStream, CharCorpus
     from asyncdiloco.job.config import JobConfig
+    from asyncdiloco.job.dataset import BatchStream, CharCorpus
     from asyncdiloco.job.models import evaluate, lm_loss
 
     server_cls = tfm.ManagerServer
@@ -89,8 +89,19 @@ def _replica(args: argparse.Namespace) -> None:
     manager.shutdown(wait=False)
 
 
-def run_peer(*, replicas: int, steps: int, local_steps: int, out_dir: str, seed: int = 0, n_layer: int = 1,
-             n_embd: int = 64, context_len: int = 32, batch_size: int = 16, timeout_s: float = 600) -> dict:
+def run_peer(
+    *,
+    replicas: int,
+    steps: int,
+    local_steps: int,
+    out_dir: str,
+    seed: int = 0,
+    n_layer: int = 1,
+    n_embd: int = 64,
+    context_len: int = 32,
+    batch_size: int = 16,
+    timeout_s: float = 600,
+) -> dict:
     """Run torchft DiLoCo with ``replicas`` replica groups; returns median round time and
     the replicas' final held-out loss. Raises RuntimeError when torchft is missing or a
     replica fails."""
@@ -122,7 +133,9 @@ def run_peer(*, replicas: int, steps: int, local_steps: int, out_dir: str, seed:
                 p.wait()
         lighthouse.shutdown()
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"a torchft replica failed (exit codes {[p.returncode for p in procs]}); see {out}/replica-*.log")
+        raise RuntimeError(
+            f"a torchft replica failed (exit codes {[p.returncode for p in procs]}); see {out}/replica-*.log"
+        )
     results = [json.loads((out / f"replica-{i}.json").read_text()) for i in range(replicas)]
     rounds = sorted(t for r in results for t in r["round_s"])
     return {

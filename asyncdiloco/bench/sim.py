@@ -23,16 +23,17 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.job.dataset import BatchStream, CharCorpus
+from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import evaluate, lm_loss
-from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Method:
@@ -88,7 +89,9 @@ class SimConfig:
     #: H, inner steps per round (the fastest worker's under DyLU).
     local_steps: int = DEFAULT_LOCAL_STEPS
     seed: int = 0
-    job: JobConfig = dataclasses.field(default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16))
+    job: JobConfig = dataclasses.field(
+        default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
+    )
     #: Outer learning rate and momentum (η, μ) replacing the method's (None: the method's).
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -307,7 +310,9 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     window = state.groups.window
     manifest = Manifest.from_module(replicas[0].model)
     ids = [state.join(manifest, f"worker-{r.index}", 1.0 / _speed(cfg, r.index, 0.0))[0] for r in replicas]
-    state.push(manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.push(
+        manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
     curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]

@@ -26,11 +26,11 @@ import pathlib
 import statistics
 import time
 
+from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
 from asyncdiloco.bench.plots import pyplot
+from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
-from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
-from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
 
 #: name -> (seconds per inner step per worker, speed changes, leave/rejoin)
 PROFILES: dict[str, dict] = {
@@ -58,7 +58,9 @@ class SuiteConfig:
     #: Processes the runs are spread over (0 = the number of CPU cores).
     processes: int = 0
     #: The model and data every run trains (small, so the quick suite fits in minutes).
-    job: JobConfig = dataclasses.field(default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16))
+    job: JobConfig = dataclasses.field(
+        default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
+    )
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.profiles if p not in PROFILES]
@@ -102,8 +104,10 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
     runs = [(p, sim_config(cfg, p, m, s)) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
     processes = min(len(runs), cfg.processes or os.cpu_count() or 1)
     records = []
-    with tqdm(total=len(runs), disable=not progress, unit="run", dynamic_ncols=True) as bar, \
-            concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with (
+        tqdm(total=len(runs), disable=not progress, unit="run", dynamic_ncols=True) as bar,
+        concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool,
+    ):
         for rec in pool.map(_run_one, runs):  # in order, so runs.jsonl does not depend on timing
             records.append(rec)
             bar.set_postfix_str(f"{rec['profile']} {rec['method']} seed {rec['seed']}: {rec['final_eval_loss']:.3f}")
@@ -137,8 +141,16 @@ def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> 
         print("peer: torchft DiLoCo", flush=True)
     job = cfg.job
     try:
-        r = run_peer(replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"),
-                     n_layer=job.n_layer, n_embd=job.n_embd, context_len=job.context_len, batch_size=job.batch_size)
+        r = run_peer(
+            replicas=4,
+            steps=cfg.total_steps // 4,
+            local_steps=cfg.local_steps,
+            out_dir=str(out / "peer"),
+            n_layer=job.n_layer,
+            n_embd=job.n_embd,
+            context_len=job.context_len,
+            batch_size=job.batch_size,
+        )
     except RuntimeError as exc:  # fmt: skip
         return head + f"torchft run failed: {exc}\n"
     (out / "peer.json").write_text(json.dumps(r) + "\n")
@@ -252,6 +264,7 @@ def claims_json(summary: dict) -> dict:
     """Per profile: the claims (a), (b), (c), the default's utilisation and the method
     beyond the paper, each ``{"shown": bool, "value": ..., ...}``; ``shown`` is False
     when a method the claim needs was not run (``value`` None)."""
+
     def stat(p, m, key):
         return summary.get((p, m), {}).get(key, (math.nan, math.nan))[0]
 
@@ -387,7 +400,10 @@ def plot(records: list[dict], out: pathlib.Path) -> None:
             for m in methods:
                 rs = [r for r in records if r["profile"] == p and r["method"] == m]
                 xs = [pt[key] for pt in rs[0]["curve"]]
-                ys = [statistics.mean(r["curve"][i]["eval_loss"] for r in rs if i < len(r["curve"])) for i in range(len(xs))]
+                ys = [
+                    statistics.mean(r["curve"][i]["eval_loss"] for r in rs if i < len(r["curve"]))
+                    for i in range(len(xs))
+                ]
                 ax.plot(xs, ys, marker=".", label=m)
                 lowest = min([lowest, *(y for y in ys if math.isfinite(y))])
             ax.set_title(p)
@@ -407,7 +423,9 @@ def plot(records: list[dict], out: pathlib.Path) -> None:
         for j, p in enumerate(profiles):
             vals = [summary[(p, m)][metric][0] for m in methods]
             ax.bar([i + j * width for i in range(len(methods))], vals, width, label=p)
-        ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(methods))], methods, rotation=20, fontsize=8)
+        ax.set_xticks(
+            [i + width * (len(profiles) - 1) / 2 for i in range(len(methods))], methods, rotation=20, fontsize=8
+        )
         ax.set_ylabel(label)
         ax.legend()
         fig.tight_layout()

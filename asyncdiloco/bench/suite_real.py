@@ -43,9 +43,9 @@ import pathlib
 import time
 
 from asyncdiloco.bench.demo import DemoConfig, run_demo
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
 from asyncdiloco.bench.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 #: The methods the real clock runs: what claims (b) and (c) and the method beyond the
 #: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
@@ -149,6 +149,7 @@ def measured_real_s_per_step(run_dir: pathlib.Path) -> float | None:
         steps += st["inner_steps"] * st["slowdown"]
     return busy_s / steps if steps else None
 
+
 def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
     settings the simulator gives the server (``sim.METHODS``); the grouping window is the
@@ -193,7 +194,10 @@ def run_real_suite(
             if r is None and ("changes" in prof or "leave_rejoin" in prof):
                 if progress:
                     print(f"calibrating {profile}: real seconds per step at slowdown 1", flush=True)
-                r, source = calibrate_real_s_per_step(profile, cfg, out / "runs" / f"{profile}-calibration"), "calibration"
+                r, source = (
+                    calibrate_real_s_per_step(profile, cfg, out / "runs" / f"{profile}-calibration"),
+                    "calibration",
+                )
             elif r is None:
                 r, source = 1.0, "unused"  # fixed speeds: only the slowdowns matter
             schedules[profile] = (real_schedule(prof, r), r, source)

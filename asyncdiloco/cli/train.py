@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 
-
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
@@ -118,7 +117,9 @@ def run_worker(
                 if slowdown_changes:
                     now_factor = slowdown_at(time.monotonic() - started, slowdown, slowdown_changes)
                     if now_factor != factor:
-                        log.info("step %d, %.1f s: slowdown %g -> %g", step, time.monotonic() - started, factor, now_factor)
+                        log.info(
+                            "step %d, %.1f s: slowdown %g -> %g", step, time.monotonic() - started, factor, now_factor
+                        )
                         factor = now_factor
                 if factor > 1.0:
                     compute_s = time.monotonic() - t0 - (worker.stats.blocked_s - blocked0)  # the sync is not slowed

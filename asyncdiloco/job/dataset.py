@@ -89,7 +89,9 @@ class CharCorpus:
         for name in ("train", "val"):
             ids = getattr(self, name)
             if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long:
-                got = f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+                got = (
+                    f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+                )
                 raise ConfigError(
                     f"CharCorpus: {name} must be a 1-D int64 tensor, got {got}; "
                     "build the corpus with CharCorpus.from_text."
@@ -128,7 +130,9 @@ class CharCorpus:
         vocab = "".join(sorted(set(text)))
         stoi = {ch: i for i, ch in enumerate(vocab)}
         ids = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
-        logger.debug("corpus: %d chars, vocab %d, %d train / %d val", len(text), len(vocab), n_train, len(text) - n_train)
+        logger.debug(
+            "corpus: %d chars, vocab %d, %d train / %d val", len(text), len(vocab), n_train, len(text) - n_train
+        )
         return cls(vocab=vocab, train=ids[:n_train].clone(), val=ids[n_train:].clone())
 
     @classmethod
@@ -184,9 +188,7 @@ class CharCorpus:
         flat = ids.reshape(-1).tolist()
         bad = [i for i in flat if not 0 <= i < self.vocab_size]
         if bad:
-            raise ConfigError(
-                f"id {bad[0]} is outside [0, {self.vocab_size}); decode only ids made by this corpus."
-            )
+            raise ConfigError(f"id {bad[0]} is outside [0, {self.vocab_size}); decode only ids made by this corpus.")
         return "".join(self.vocab[i] for i in flat)
 
 

@@ -58,7 +58,11 @@ class CharTransformerConfig:
                 f"CharTransformerConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 f"choose n_head among the divisors of {self.n_embd} (e.g. 4) or change n_embd."
             )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise ConfigError(f"CharTransformerConfig.dropout={self.dropout!r} is outside [0, 1); use e.g. 0.0 or 0.1.")
 
 

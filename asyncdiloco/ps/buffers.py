@@ -25,8 +25,8 @@ import time
 import torch
 
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.wire.tensors import chunk_views, crc32_update
 from asyncdiloco.wire.grpc_chunks import chunk_messages, encode_chunk
+from asyncdiloco.wire.tensors import chunk_views, crc32_update
 
 
 class ReceivePool:
@@ -65,7 +65,9 @@ class ReceivePool:
             while self._in_use and self._in_use_bytes + nbytes > self.budget_bytes:
                 left = deadline - time.monotonic()
                 if is_active is not None and not is_active():
-                    raise ServerBusyError("the push ended (cancelled or timed out) while it waited for a receive buffer")
+                    raise ServerBusyError(
+                        "the push ended (cancelled or timed out) while it waited for a receive buffer"
+                    )
                 if left <= 0:
                     raise ServerBusyError(
                         f"{self._in_use} pushes of {self._in_use_bytes} bytes in all are being received and a push of "
@@ -237,7 +239,7 @@ class PullSource:
     from a shared ``Snapshot`` (async pulls) or a private payload (sync-state pulls).
     Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
 
-    header: "object"  # pb.PullHeader
+    header: object  # pb.PullHeader
     snapshot: Snapshot | None = None
     payload: torch.Tensor | None = None  # 1-D uint8 CPU, when there is no snapshot
 

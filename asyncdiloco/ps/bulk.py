@@ -30,10 +30,10 @@ import threading
 
 import grpc
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
 from asyncdiloco.wire.security import token_matches
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class BulkServer:
         self._next_id = 0
         self._stopping = False
 
-    def start(self) -> "BulkServer":
+    def start(self) -> BulkServer:
         """Bind and start accepting.
 
         Raises:
@@ -160,8 +160,12 @@ class BulkServer:
                 return
             with self._lock:
                 if len(self._connections) >= self._max_connections:
-                    log.warning("bulk connection from %s closed: %d connections are open (the limit, "
-                                "ServerConfig.max_concurrent_rpcs); it will use gRPC", peer, len(self._connections))
+                    log.warning(
+                        "bulk connection from %s closed: %d connections are open (the limit, "
+                        "ServerConfig.max_concurrent_rpcs); it will use gRPC",
+                        peer,
+                        len(self._connections),
+                    )
                     conn.close()
                     continue
                 cid, self._next_id = self._next_id, self._next_id + 1
@@ -187,8 +191,11 @@ class BulkServer:
                 try:
                     request = recv_frame(conn, pb.BulkRequest, eof_ok=True)
                 except FrameError as exc:
-                    self._reply(conn, grpc.StatusCode.INVALID_ARGUMENT, f"{exc}; send length-prefixed BulkRequest "
-                                "frames as parameter_server.proto describes")
+                    self._reply(
+                        conn,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{exc}; send length-prefixed BulkRequest frames as parameter_server.proto describes",
+                    )
                     return
                 if request is None:
                     return

@@ -80,7 +80,9 @@ class SyncConfig:
             "round_timeout_s", self.round_timeout_s, "must be a finite number of seconds > 0 (default 60)",
         )  # fmt: skip
         require(self.weighting in SYNC_WEIGHTINGS, "sync weighting", self.weighting, f"choose one of {SYNC_WEIGHTINGS}")
-        require(0 <= self.store_port <= 65535, "store_port", self.store_port, "must be in [0, 65535]; 0 picks a free port")
+        require(
+            0 <= self.store_port <= 65535, "store_port", self.store_port, "must be in [0, 65535]; 0 picks a free port"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,8 +161,12 @@ class ServerConfig:
             "sync mode applies one outer step per round on the mean: use nesterov (sync DiLoCo) or sgd (LocalSGD)",
         )
         require(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]; 0 picks a free port")
-        require(self.bulk_port is None or 0 <= self.bulk_port <= 65535, "bulk_port", self.bulk_port,
-                 "must be in [0, 65535] (0 picks a free port), or None for no bulk channel")
+        require(
+            self.bulk_port is None or 0 <= self.bulk_port <= 65535,
+            "bulk_port",
+            self.bulk_port,
+            "must be in [0, 65535] (0 picks a free port), or None for no bulk channel",
+        )
         require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")
         require(
             1024 <= self.chunk_bytes <= 64 * 1024**2,

@@ -51,8 +51,8 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.errors import RoundRefusedError
+from asyncdiloco.ps.config import SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,9 @@ class QuorumManager:
                 if len(weights) != 1:
                     self._decide_locked(rnd, False, f"members disagree on the total weight: {sorted(weights)}")
                 elif weights.pop() > 0 and rnd.result is None:
-                    self._decide_locked(rnd, False, f"rank 0 (worker {rnd.members[0]}) voted before uploading the result")
+                    self._decide_locked(
+                        rnd, False, f"rank 0 (worker {rnd.members[0]}) voted before uploading the result"
+                    )
                 else:
                     self._decide_locked(rnd, True, "")
             return rnd.decision

@@ -35,4 +35,4 @@ class WorkerRecord:
     #: Server clock of the last applied pseudo-gradient (0: none yet; grouping expects a
     #: worker that pushed within about two of its rounds, or joined since).
     last_push: float = 0.0
-    outcomes: "OrderedDict[int, PushOutcome]" = dataclasses.field(default_factory=OrderedDict)
+    outcomes: OrderedDict[int, PushOutcome] = dataclasses.field(default_factory=OrderedDict)

@@ -27,16 +27,17 @@ from concurrent import futures
 
 import grpc
 
-from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.service import ParameterServerService
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.wire.security import server_credentials, server_interceptors
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import add_parameter_server
+from asyncdiloco.wire.security import server_credentials, server_interceptors
 
 log = logging.getLogger(__name__)
+
 
 class ParameterServer:
     """A gRPC parameter server around a ``ParameterServerState``.
@@ -61,16 +62,19 @@ class ParameterServer:
 
     @property
     def address(self) -> str:
-        """"HOST:PORT" workers connect to (valid after ``start``)."""
+        """ "HOST:PORT" workers connect to (valid after ``start``)."""
         return f"{self.config.host}:{self.port}"
 
-    def start(self) -> "ParameterServer":
+    def start(self) -> ParameterServer:
         security = self.config.security
         interceptors = server_interceptors(security)
         creds = server_credentials(security)
         if self.config.host not in ("127.0.0.1", "localhost", "::1") and not (interceptors and creds):
-            log.warning("listening on %s without %s: anyone who can reach the port can push to the model",
-                        self.config.host, " and ".join(n for n, on in (("a token", interceptors), ("TLS", creds)) if not on))
+            log.warning(
+                "listening on %s without %s: anyone who can reach the port can push to the model",
+                self.config.host,
+                " and ".join(n for n, on in (("a token", interceptors), ("TLS", creds)) if not on),
+            )
         if self.store is not None:
             self.store.open(self.state)
         server = grpc.server(
@@ -184,7 +188,7 @@ class ParameterServer:
         """Block until the server stops (or ``timeout_s`` passes). True if stopped."""
         return self._server.wait_for_termination(timeout_s) if self._server else True
 
-    def __enter__(self) -> "ParameterServer":
+    def __enter__(self) -> ParameterServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -10,12 +10,12 @@ import logging
 
 import grpc
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import is_chunk
+from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             self.state.record_rejected(worker_id)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
-            log.warning("push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied",
-                        worker_id)
+            log.warning(
+                "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied", worker_id
+            )
             self.state.record_rejected(worker_id)
             raise
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
@@ -100,9 +101,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             version, remaining, initialize = self.state.heartbeat(request.worker_id, request.steps_per_s)
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
-        return pb.HeartbeatReply(version=version, lease_remaining_s=remaining, initialize=initialize,
-                                 local_steps=self.state.local_steps_for(request.worker_id),
-                                 group_max_wait_s=self.state.group_max_wait_s())
+        return pb.HeartbeatReply(
+            version=version,
+            lease_remaining_s=remaining,
+            initialize=initialize,
+            local_steps=self.state.local_steps_for(request.worker_id),
+            group_max_wait_s=self.state.group_max_wait_s(),
+        )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.state.leave(request.worker_id)

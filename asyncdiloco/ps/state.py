@@ -51,17 +51,6 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.codec import DecodeBuffers, WireCodec, make_codec
-from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.errors import (
-    InvalidPayloadError,
-    ModeMismatchError,
-    NotInitializedError,
-    PayloadTooLargeError,
-    StalePushError,
-    UnknownWorkerError,
-)
 from asyncdiloco.algo.outer import (
     DelayedNesterov,
     OuterOptimizer,
@@ -70,6 +59,15 @@ from asyncdiloco.algo.outer import (
     make_outer_optimizer,
     staleness_weight,
 )
+from asyncdiloco.algo.schedule import GroupGate, StepRateMeter, auto_window_s, dylu_local_steps
+from asyncdiloco.errors import (
+    InvalidPayloadError,
+    ModeMismatchError,
+    NotInitializedError,
+    PayloadTooLargeError,
+    StalePushError,
+    UnknownWorkerError,
+)
 from asyncdiloco.ps.buffers import (
     PullSnapshots,
     PullSource,
@@ -77,14 +75,16 @@ from asyncdiloco.ps.buffers import (
     Snapshot,
     encode_snapshot,
 )
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.quorum import QuorumManager
 from asyncdiloco.ps.records import PUSH_MEMORY as _PUSH_MEMORY
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.state_durable import DurableState
 from asyncdiloco.ps.state_sync import SyncRounds
-from asyncdiloco.algo.schedule import GroupGate, StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import DecodeBuffers, WireCodec, make_codec
 from asyncdiloco.wire.grpc_chunks import WireChunk
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,9 @@ class ParameterServerState(SyncRounds, DurableState):
             self._expire_locked(now)
             # The manifest is provisional until the initial parameters arrive: if every
             # worker that brought it is gone, the next join may bring another model.
-            replace = self.manifest is None or (not self.initialized and not any(r.alive for r in self._workers.values()))
+            replace = self.manifest is None or (
+                not self.initialized and not any(r.alive for r in self._workers.values())
+            )
             if not replace:
                 manifest.check_same(self.manifest)
             worker_id = self._next_worker_id
@@ -329,8 +331,9 @@ class ParameterServerState(SyncRounds, DurableState):
                      " and initializes the global model" if initialize else "")  # fmt: skip
             return worker_id, initialize, self.version
 
-    def _register_locked(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None,
-                         now: float) -> None:
+    def _register_locked(
+        self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None, now: float
+    ) -> None:
         if manifest is not None:
             self.manifest = manifest
         self._next_worker_id = max(self._next_worker_id, worker_id + 1)
@@ -383,15 +386,21 @@ class ParameterServerState(SyncRounds, DurableState):
         for rec in self._workers.values():
             if rec.alive and now - rec.last_seen > self.config.lease_s:
                 rec.alive = False
-                log.warning("worker %d (%s): lease expired after %.1f s of silence", rec.worker_id, rec.name,
-                            now - rec.last_seen)
+                log.warning(
+                    "worker %d (%s): lease expired after %.1f s of silence",
+                    rec.worker_id,
+                    rec.name,
+                    now - rec.last_seen,
+                )
 
     def _touch_locked(self, worker_id: int) -> WorkerRecord:
         now = self._clock()
         self._expire_locked(now)
         rec = self._workers.get(worker_id)
         if rec is None:
-            issued = f"ids 1..{self._next_worker_id - 1} were issued" if self._next_worker_id > 1 else "no ids issued yet"
+            issued = (
+                f"ids 1..{self._next_worker_id - 1} were issued" if self._next_worker_id > 1 else "no ids issued yet"
+            )
             raise UnknownWorkerError(f"worker_id {worker_id} is unknown to this server ({issued}); call Join again")
         if not rec.alive:
             raise UnknownWorkerError(
@@ -572,8 +581,10 @@ class ParameterServerState(SyncRounds, DurableState):
             elif header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self.config.wire_codec != "raw":
                 codec = self._wire_codec()
                 total = codec.wire_bytes
-                what = (f"encoded with this run's wire codec {codec.describe()} (raw: {self.manifest.total_bytes} "
-                        f"bytes); encode pushes with the codec in RunConfig.wire_codec from Join")
+                what = (
+                    f"encoded with this run's wire codec {codec.describe()} (raw: {self.manifest.total_bytes} "
+                    f"bytes); encode pushes with the codec in RunConfig.wire_codec from Join"
+                )
         if header.total_bytes != total:
             raise InvalidPayloadError(
                 f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
@@ -727,8 +738,9 @@ class ParameterServerState(SyncRounds, DurableState):
             )
         return tau, staleness_weight(self.config.outer, tau), self.version + 1
 
-    def _apply_delta(self, header: pb.PushHeader, delta: torch.Tensor, weight: float, num_workers: int,
-                     version_after: int) -> None:
+    def _apply_delta(
+        self, header: pb.PushHeader, delta: torch.Tensor, weight: float, num_workers: int, version_after: int
+    ) -> None:
         """The tensor math of a checked push (``_apply_lock`` held): the initial
         parameters become θ, or the outer optimizer steps on s(τ)·Δ. ``delta`` (N,)
         fp32 may be scaled in place (the outer step uses it as scratch). The step that
@@ -791,6 +803,7 @@ class ParameterServerState(SyncRounds, DurableState):
             num_tokens=num_tokens, total_bytes=payload.numel(), num_chunks=num_chunks_for(payload.numel(), chunk_bytes),
             crc32=crc32_of(payload), kind=kind, compute_s=compute_s,
         )  # fmt: skip
+
         def fill(assembler: PayloadAssembler) -> None:
             for index, offset, data in chunk_views(payload, chunk_bytes):
                 assembler.add(WireChunk(index, offset, data))
@@ -808,8 +821,9 @@ class ParameterServerState(SyncRounds, DurableState):
         with self._lock:
             self.duplicate_pushes += 1
 
-    def finish_push(self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True,
-                    max_wait_s: float = math.inf) -> pb.PushReply:
+    def finish_push(
+        self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True, max_wait_s: float = math.inf
+    ) -> pb.PushReply:
         """The reply to a push that was applied or answered as a retry (gRPC and bulk):
         counts a duplicate, or holds an applied push until its group is released
         (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed

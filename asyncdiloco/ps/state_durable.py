@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.schedule import StepRateMeter
 from asyncdiloco.errors import (
     CheckpointError,
 )
-from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.ps.store import manifest_from_json, manifest_to_json
-from asyncdiloco.algo.schedule import StepRateMeter
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,28 @@ class DurableState:
                 "next_worker_id": self._next_worker_id,
                 "initializer": self._initializer,
                 "counters": {
-                    "applied_pushes": self.applied_pushes, "rejected_pushes": self.rejected_pushes,
-                    "duplicate_pushes": self.duplicate_pushes, "bytes_pushed": self.bytes_pushed,
-                    "bytes_pulled": self.bytes_pulled, "pulls": self.pulls, "tokens": self.tokens,
+                    "applied_pushes": self.applied_pushes,
+                    "rejected_pushes": self.rejected_pushes,
+                    "duplicate_pushes": self.duplicate_pushes,
+                    "bytes_pushed": self.bytes_pushed,
+                    "bytes_pulled": self.bytes_pulled,
+                    "pulls": self.pulls,
+                    "tokens": self.tokens,
                 },
                 "staleness_histogram": list(self.staleness_histogram),
                 "workers": [
                     {
-                        "worker_id": r.worker_id, "name": r.name, "alive": r.alive,
-                        "applied_pushes": r.applied_pushes, "rejected_pushes": r.rejected_pushes,
-                        "tokens": r.tokens, "local_steps": r.local_steps,
-                        "outcomes": [[pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
-                                     for pid, o in r.outcomes.items()],
+                        "worker_id": r.worker_id,
+                        "name": r.name,
+                        "alive": r.alive,
+                        "applied_pushes": r.applied_pushes,
+                        "rejected_pushes": r.rejected_pushes,
+                        "tokens": r.tokens,
+                        "local_steps": r.local_steps,
+                        "outcomes": [
+                            [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
+                            for pid, o in r.outcomes.items()
+                        ],
                     }
                     for r in self._workers.values()
                 ],
@@ -123,8 +133,17 @@ class DurableState:
             self._workers = {}
             self._rates = StepRateMeter()
             for w in meta["workers"]:
-                rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"],
-                                   w["rejected_pushes"], w["tokens"], w["local_steps"])
+                rec = WorkerRecord(
+                    w["worker_id"],
+                    w["name"],
+                    now,
+                    now,
+                    w["alive"],
+                    w["applied_pushes"],
+                    w["rejected_pushes"],
+                    w["tokens"],
+                    w["local_steps"],
+                )
                 for pid, applied, version, tau, weight, steps in w["outcomes"]:
                     rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
                 self._workers[rec.worker_id] = rec
@@ -152,8 +171,15 @@ class DurableState:
             now = self._clock()
             self._register_locked(worker_id, name, initialize, manifest, now)
 
-    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float,
-                    version_after: int, num_workers: int) -> None:
+    def replay_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
         """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
 
         Raises:

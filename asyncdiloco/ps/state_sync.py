@@ -14,7 +14,6 @@ import logging
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import (
     InvalidPayloadError,
     ManifestMismatchError,
@@ -22,6 +21,7 @@ from asyncdiloco.errors import (
 )
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision
 from asyncdiloco.ps.records import PushOutcome
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class SyncRounds:
             if not self.initialized:
                 raise NotInitializedError("not initialized: no worker has pushed the initial parameters yet")
 
-    def request_quorum(self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float) -> Assignment | None:
+    def request_quorum(
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+    ) -> Assignment | None:
         """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum.
 
         Raises:

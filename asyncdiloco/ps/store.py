@@ -53,9 +53,9 @@ import zlib
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.errors import CheckpointError
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -103,15 +103,19 @@ def manifest_to_json(manifest: Manifest) -> list:
 def manifest_from_json(items: list) -> Manifest:
     dtypes = {str(d).removeprefix("torch."): d for d in WIRE_DTYPES}
     try:
-        return Manifest(tuple(TensorSpec(name, tuple(int(d) for d in shape), dtypes[dtype]) for name, shape, dtype in items))
+        return Manifest(
+            tuple(TensorSpec(name, tuple(int(d) for d in shape), dtypes[dtype]) for name, shape, dtype in items)
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"stored manifest is malformed ({exc!r}); restore the folder from a backup") from None
 
 
 def wire_settings(config: ServerConfig) -> dict:
     """The wire codec a run's push records are encoded with (block size only for int8)."""
-    return {"wire_codec": config.wire_codec,
-            "codec_block_size": config.codec_block_size if config.wire_codec == "int8" else 0}
+    return {
+        "wire_codec": config.wire_codec,
+        "codec_block_size": config.codec_block_size if config.wire_codec == "int8" else 0,
+    }
 
 
 def _canonical(meta: dict) -> bytes:
@@ -167,8 +171,12 @@ def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
         problem, end = _check_record(data, pos)
         if problem is not None:
             if is_last and not _intact_record_after(data, pos):
-                log.warning("write-ahead log %s: dropping a torn record at byte %d (%s); it was never acknowledged",
-                            path.name, pos, problem)
+                log.warning(
+                    "write-ahead log %s: dropping a torn record at byte %d (%s); it was never acknowledged",
+                    path.name,
+                    pos,
+                    problem,
+                )
                 with open(path, "r+b") as f:
                     f.truncate(pos)
                     f.flush()
@@ -316,8 +324,13 @@ class DurableStore:
                 self._replay(state, rec)
                 self.lsn = rec.lsn
                 replayed += 1
-        log.info("restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
-                 state.version, meta["lsn"], replayed, self.lsn)
+        log.info(
+            "restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
+            state.version,
+            meta["lsn"],
+            replayed,
+            self.lsn,
+        )
 
     def _replay(self, state, rec: LogRecord) -> None:
         m = rec.meta
@@ -326,8 +339,12 @@ class DurableStore:
             state.replay_join(m["worker_id"], m["name"], m["initialize"], manifest)
         elif rec.kind == PUSH:
             header = pb.PushHeader(
-                worker_id=m["worker_id"], push_id=m["push_id"], base_version=m["base_version"],
-                num_local_steps=m["num_local_steps"], num_tokens=m["num_tokens"], total_bytes=m["total_bytes"],
+                worker_id=m["worker_id"],
+                push_id=m["push_id"],
+                base_version=m["base_version"],
+                num_local_steps=m["num_local_steps"],
+                num_tokens=m["num_tokens"],
+                total_bytes=m["total_bytes"],
                 kind=m["kind"],
             )
             codec = m.get("codec", "raw")  # records of pseudo-gradients say how they are encoded
@@ -340,7 +357,9 @@ class DurableStore:
             payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
             state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
         else:
-            raise CheckpointError(f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup")
+            raise CheckpointError(
+                f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup"
+            )
 
     def _load_checkpoint(self, lsn: int) -> tuple[dict, dict[str, torch.Tensor]]:
         side = self.dir / f"ckpt-{lsn:020d}.json"
@@ -352,7 +371,9 @@ class DurableStore:
         if claimed != hashlib.sha256(_canonical(meta)).hexdigest():
             raise CheckpointError(f"checkpoint {side} fails its checksum (meta_sha256): it is corrupt")
         if meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {side} has format {meta.get('format')}; this server reads format {FORMAT}")
+            raise CheckpointError(
+                f"checkpoint {side} has format {meta.get('format')}; this server reads format {FORMAT}"
+            )
         mine = dataclasses.asdict(self.server_config.outer)
         for field, value in meta["outer"].items():
             if mine.get(field) != value:
@@ -383,10 +404,14 @@ class DurableStore:
     def _append(self, kind: int, meta: dict, payload: memoryview | bytes = b"") -> None:
         """Append one record and fsync it. Called with the state's lock held."""
         if self._broken:
-            raise CheckpointError(f"the write-ahead log is unusable ({self._broken}); fix the disk and restart the server")
+            raise CheckpointError(
+                f"the write-ahead log is unusable ({self._broken}); fix the disk and restart the server"
+            )
         lsn = self.lsn + 1
         meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        crc = zlib.crc32(payload, zlib.crc32(meta_b, zlib.crc32(struct.pack("<BQIQ", kind, lsn, len(meta_b), len(payload)))))
+        crc = zlib.crc32(
+            payload, zlib.crc32(meta_b, zlib.crc32(struct.pack("<BQIQ", kind, lsn, len(meta_b), len(payload))))
+        )
         head = _HEAD.pack(_MAGIC, kind, lsn, len(meta_b), len(payload), crc & 0xFFFFFFFF)
         f = self._segment
         start = f.tell()
@@ -403,8 +428,10 @@ class DurableStore:
                 f.seek(start)
             except OSError as exc2:
                 self._broken = f"append failed ({exc}) and could not be undone ({exc2})"
-            raise CheckpointError(f"could not write the write-ahead log in {self.dir} ({exc}); nothing was applied; "
-                                  f"free disk space, the push will be retried") from None
+            raise CheckpointError(
+                f"could not write the write-ahead log in {self.dir} ({exc}); nothing was applied; "
+                f"free disk space, the push will be retried"
+            ) from None
         self.lsn = lsn
 
     def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
@@ -415,15 +442,30 @@ class DurableStore:
             meta["manifest"] = manifest_to_json(manifest)
         self._append(JOIN, meta)
 
-    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, tau: int, weight: float, version_after: int,
-                 num_workers: int) -> None:
+    def log_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
         everything its outer step depends on: τ, s(τ) and the live worker count."""
         meta = {
-            "worker_id": header.worker_id, "push_id": header.push_id, "base_version": header.base_version,
-            "num_local_steps": header.num_local_steps, "num_tokens": header.num_tokens,
-            "total_bytes": header.total_bytes, "kind": header.kind, "tau": tau, "weight": weight,
-            "version_after": version_after, "num_workers": num_workers, "codec": self.server_config.wire_codec,
+            "worker_id": header.worker_id,
+            "push_id": header.push_id,
+            "base_version": header.base_version,
+            "num_local_steps": header.num_local_steps,
+            "num_tokens": header.num_tokens,
+            "total_bytes": header.total_bytes,
+            "kind": header.kind,
+            "tau": tau,
+            "weight": weight,
+            "version_after": version_after,
+            "num_workers": num_workers,
+            "codec": self.server_config.wire_codec,
         }
         self._append(PUSH, meta, memoryview(payload.numpy()))
         self._pushes_since_checkpoint += 1
@@ -467,9 +509,14 @@ class DurableStore:
         pt = self.dir / f"{name}.pt"
         _write_atomically(pt, lambda f: torch.save(tensors, f))
         meta.update(
-            format=FORMAT, lsn=lsn, outer=dataclasses.asdict(self.server_config.outer),
-            wire=wire_settings(self.server_config), tensor_file=pt.name,
-            tensor_bytes=pt.stat().st_size, tensor_sha256=_sha256_file(pt), created_unix_s=time.time(),
+            format=FORMAT,
+            lsn=lsn,
+            outer=dataclasses.asdict(self.server_config.outer),
+            wire=wire_settings(self.server_config),
+            tensor_file=pt.name,
+            tensor_bytes=pt.stat().st_size,
+            tensor_sha256=_sha256_file(pt),
+            created_unix_s=time.time(),
         )
         meta["meta_sha256"] = hashlib.sha256(_canonical(meta)).hexdigest()
         _write_atomically(self.dir / f"{name}.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
@@ -483,7 +530,7 @@ class DurableStore:
         for old in lsns[_KEEP_CHECKPOINTS:]:
             for suffix in (".json", ".pt"):
                 (self.dir / f"ckpt-{old:020d}{suffix}").unlink(missing_ok=True)
-        oldest_kept = lsns[: _KEEP_CHECKPOINTS][-1]
+        oldest_kept = lsns[:_KEEP_CHECKPOINTS][-1]
         segments = self._segments()
         for (first, path), (next_first, _) in zip(segments, segments[1:]):
             if next_first - 1 <= oldest_kept:  # every record in it is covered by a kept checkpoint

@@ -139,20 +139,20 @@ def _decode_chunk(data: bytes) -> WireChunk | None:
     return WireChunk(_as_int64(index), _as_int64(offset), view)
 
 
-def decode_push_message(data: bytes) -> "WireChunk | pb.PushMessage":
+def decode_push_message(data: bytes) -> WireChunk | pb.PushMessage:
     """gRPC request deserializer of Push: a ``WireChunk`` for chunk messages, else the
     parsed ``pb.PushMessage`` (raises ``DecodeError`` like protobuf on garbage)."""
     chunk = _decode_chunk(data)
     return chunk if chunk is not None else pb.PushMessage.FromString(data)
 
 
-def decode_pull_message(data: bytes) -> "WireChunk | pb.PullMessage":
+def decode_pull_message(data: bytes) -> WireChunk | pb.PullMessage:
     """gRPC response deserializer of Pull; see ``decode_push_message``."""
     chunk = _decode_chunk(data)
     return chunk if chunk is not None else pb.PullMessage.FromString(data)
 
 
-def serialize_message(message: "bytes | pb.PushMessage | pb.PullMessage") -> bytes:
+def serialize_message(message: bytes | pb.PushMessage | pb.PullMessage) -> bytes:
     """gRPC serializer for Push requests and Pull responses: bytes from ``encode_chunk``
     pass through untouched; protobuf messages are serialised."""
     return message if isinstance(message, bytes) else message.SerializeToString()

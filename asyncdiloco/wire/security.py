@@ -49,10 +49,18 @@ class ServerSecurityConfig:
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
             require_file(getattr(self, name), name)
-        require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
-                 "give both --tls-cert and --tls-key, or neither")
-        require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca", self.tls_client_ca,
-                 "mutual TLS needs the server's own --tls-cert and --tls-key too")
+        require(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "tls_cert/tls_key",
+            (self.tls_cert, self.tls_key),
+            "give both --tls-cert and --tls-key, or neither",
+        )
+        require(
+            self.tls_client_ca is None or self.tls_cert is not None,
+            "tls_client_ca",
+            self.tls_client_ca,
+            "mutual TLS needs the server's own --tls-cert and --tls-key too",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,10 +81,18 @@ class ClientSecurityConfig:
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
             require_file(getattr(self, name), name)
-        require((self.tls_cert is None) == (self.tls_key is None), "tls_cert/tls_key", (self.tls_cert, self.tls_key),
-                 "give both --tls-cert and --tls-key, or neither")
-        require(self.tls_cert is None or self.tls_ca is not None, "tls_cert", self.tls_cert,
-                 "a client certificate is only sent over TLS: also give --tls-ca")
+        require(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "tls_cert/tls_key",
+            (self.tls_cert, self.tls_key),
+            "give both --tls-cert and --tls-key, or neither",
+        )
+        require(
+            self.tls_cert is None or self.tls_ca is not None,
+            "tls_cert",
+            self.tls_cert,
+            "a client certificate is only sent over TLS: also give --tls-ca",
+        )
 
 
 #: Metadata key carrying the token (gRPC metadata keys are lower case).
@@ -97,8 +113,10 @@ def read_token(path: str) -> str:
     except OSError as exc:
         raise ConfigError(f"token file {path!r} cannot be read ({exc.strerror}); give a readable file") from None
     if not token:
-        raise ConfigError(f"token file {path!r} holds an empty first line; write the token there "
-                          f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`)")
+        raise ConfigError(
+            f"token file {path!r} holds an empty first line; write the token there "
+            f"(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`)"
+        )
     if mode & (stat.S_IRGRP | stat.S_IROTH):
         log.warning("token file %s is readable by other users; chmod 600 it", path)
     return token
@@ -205,7 +223,7 @@ def token_matches(sent: str, expected: str) -> bool:
     return hmac.compare_digest(sent.encode(), expected.encode())
 
 
-def server_ssl_context(config: ServerSecurityConfig | None) -> "ssl.SSLContext | None":
+def server_ssl_context(config: ServerSecurityConfig | None) -> ssl.SSLContext | None:
     """The bulk channel's TLS, from the same PEM files as ``server_credentials``: the
     server certificate, and with a client CA, required client certificates (mutual TLS).
     None for plaintext.
@@ -224,12 +242,13 @@ def server_ssl_context(config: ServerSecurityConfig | None) -> "ssl.SSLContext |
             ctx.load_verify_locations(cafile=config.tls_client_ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"TLS certificate {config.tls_cert!r} / key / client CA cannot be loaded ({exc}); "
-                          f"give readable PEM files") from None
+        raise ConfigError(
+            f"TLS certificate {config.tls_cert!r} / key / client CA cannot be loaded ({exc}); give readable PEM files"
+        ) from None
     return ctx
 
 
-def client_ssl_context(config: ClientSecurityConfig | None) -> "ssl.SSLContext | None":
+def client_ssl_context(config: ClientSecurityConfig | None) -> ssl.SSLContext | None:
     """The bulk channel's TLS for a client, from the same PEM files as
     ``channel_credentials`` (server verified against ``tls_ca``, host name checked; a
     client certificate when given). None for plaintext.
@@ -246,6 +265,7 @@ def client_ssl_context(config: ClientSecurityConfig | None) -> "ssl.SSLContext |
         if config.tls_cert:
             ctx.load_cert_chain(config.tls_cert, config.tls_key)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"TLS CA {config.tls_ca!r} / client certificate cannot be loaded ({exc}); "
-                          f"give readable PEM files") from None
+        raise ConfigError(
+            f"TLS CA {config.tls_ca!r} / client certificate cannot be loaded ({exc}); give readable PEM files"
+        ) from None
     return ctx

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +97,18 @@ class Manifest:
     tensors: tuple[TensorSpec, ...]
 
     @classmethod
-    def from_module(cls, model: nn.Module) -> "Manifest":
+    def from_module(cls, model: nn.Module) -> Manifest:
         """The manifest of ``model.named_parameters()`` (trainable or not, in order)."""
         return cls.from_named_tensors(model.named_parameters())
 
     @classmethod
-    def from_named_tensors(cls, named: "Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]") -> "Manifest":
+    def from_named_tensors(
+        cls, named: Iterator[tuple[str, torch.Tensor]] | Sequence[tuple[str, torch.Tensor]]
+    ) -> Manifest:
         return cls(tuple(TensorSpec(n, tuple(t.shape), t.dtype) for n, t in named))
 
     @classmethod
-    def from_proto(cls, msg: pb.Manifest) -> "Manifest":
+    def from_proto(cls, msg: pb.Manifest) -> Manifest:
         """Decode a wire manifest; raises InvalidPayloadError for an unknown dtype or a
         hash that does not match the tensors."""
         specs = []
@@ -161,7 +163,7 @@ class Manifest:
         canon = json.dumps([[t.name, list(t.shape), _DTYPE_NAMES[t.dtype]] for t in self.tensors])
         return hashlib.sha256(canon.encode()).hexdigest()
 
-    def first_difference(self, other: "Manifest") -> str | None:
+    def first_difference(self, other: Manifest) -> str | None:
         """A sentence naming the first parameter where ``self`` (the worker's) differs
         from ``other`` (the server's), or None when they are equal."""
         for i, (a, b) in enumerate(zip(self.tensors, other.tensors)):
@@ -178,7 +180,7 @@ class Manifest:
             )
         return None
 
-    def check_same(self, server: "Manifest") -> None:
+    def check_same(self, server: Manifest) -> None:
         """Raise ManifestMismatchError naming the first difference, if any."""
         diff = self.first_difference(server)
         if diff is not None:
@@ -207,7 +209,9 @@ class Manifest:
         self._check_payload(payload)
         for spec, off, t in zip(self.tensors, self.offsets, tensors):
             if tuple(t.shape) != spec.shape:
-                raise InvalidPayloadError(f"tensor {spec.name!r} has shape {tuple(t.shape)}; the manifest says {spec.shape}")
+                raise InvalidPayloadError(
+                    f"tensor {spec.name!r} has shape {tuple(t.shape)}; the manifest says {spec.shape}"
+                )
             _write_typed(payload[off : off + spec.nbytes], t.detach().reshape(-1), spec.dtype, needs_pin)
         if needs_pin:
             torch.cuda.synchronize()

@@ -50,15 +50,15 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import (
     InvalidPayloadError,
     NotInitializedError,
     StalePushError,
     UnknownWorkerError,
 )
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.worker.base import WorkerBase
+from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.overlap import BackgroundSync, SyncOutcome, check_finite_delta
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
-from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
-from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +320,12 @@ class WorkerBase:
         """Adopt the wire codec ``run_config`` dictates; the wire buffers follow its size."""
         codec = codec_for(run_config, self.manifest)
         if (codec.name, codec.wire_bytes) != (self.codec.name, self.codec.wire_bytes):
-            log.info("wire codec %s: %d bytes per push/pull (raw: %d)", codec.describe(), codec.wire_bytes,
-                     self.manifest.total_bytes)
+            log.info(
+                "wire codec %s: %d bytes per push/pull (raw: %d)",
+                codec.describe(),
+                codec.wire_bytes,
+                self.manifest.total_bytes,
+            )
             self.codec = codec
             self._push_wire = self._pull_wire = None
 

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable
 import ssl
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
 
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import BulkStatus, ConnectionEnded, recv_frame, send_frame
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire.tensors import PayloadAssembler
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class BulkChannel:
         return self._run(lambda sock, deadline: self._push(sock, deadline, header, view), timeout_s)
 
     def pull(
-        self, request: pb.PullRequest, total: "int | Callable[[pb.PullHeader], int]", buffer: torch.Tensor | None,
+        self, request: pb.PullRequest, total: int | Callable[[pb.PullHeader], int], buffer: torch.Tensor | None,
         chunk_bytes: int, timeout_s: float,
     ) -> tuple[pb.PullHeader, torch.Tensor] | None:  # fmt: skip
         """Receive the payload of a pull into ``buffer`` (or a new uint8 tensor).
@@ -224,7 +224,7 @@ class BulkChannel:
         return self._reply(sock, deadline, "push").push
 
     def _pull(
-        self, sock: socket.socket, deadline: _Deadline, request: pb.PullRequest, total: "int | Callable",
+        self, sock: socket.socket, deadline: _Deadline, request: pb.PullRequest, total: int | Callable,
         buffer: torch.Tensor | None, chunk_bytes: int,
     ) -> tuple[pb.PullHeader, torch.Tensor]:  # fmt: skip
         send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, pull=request))

@@ -20,16 +20,21 @@ import dataclasses
 import grpc
 import torch
 
+from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.worker.bulk_client import BulkChannel
-from asyncdiloco.wire.codec import wire_bytes_for
-from asyncdiloco.wire.security import ClientSecurityConfig
-from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire.channel import grpc_channel_options
-from asyncdiloco.wire.security import auth_metadata, channel_credentials, client_ssl_context, client_token
-from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.wire.codec import wire_bytes_for
 from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
+from asyncdiloco.wire.security import (
+    ClientSecurityConfig,
+    auth_metadata,
+    channel_credentials,
+    client_ssl_context,
+    client_token,
+)
+from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.worker.bulk_client import BulkChannel
 
 _MIB = 1024 * 1024
 
@@ -125,7 +130,7 @@ class ParameterServerClient:
         """The bulk data channel this client uses for push/pull (0: gRPC only)."""
         return self._bulk.port if self._bulk is not None else 0
 
-    def __enter__(self) -> "ParameterServerClient":
+    def __enter__(self) -> ParameterServerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -183,7 +188,9 @@ class ParameterServerClient:
     def _pull(self, request: pb.PullRequest, total: int | None, buffer: torch.Tensor | None,
               manifest: Manifest | None = None) -> Pulled:  # fmt: skip
         """``total`` None: the size the header's wire codec gives ``manifest``."""
-        deadline_bytes = total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
+        deadline_bytes = (
+            total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)
+        )  # ≥ any codec's size, about
         if self._bulk is not None:
             size = total if total is not None else (lambda header: wire_bytes_for(header.run_config, manifest))
             got = self._bulk.pull(request, size, buffer, self.chunk_bytes, self._payload_timeout(deadline_bytes))
@@ -208,7 +215,10 @@ class ParameterServerClient:
             chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
             self.group_wait_s = header.run_config.group_max_wait_s
             assembler = PayloadAssembler(
-                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32, chunk_bytes=chunk_bytes,
+                total_bytes=total,
+                num_chunks=header.num_chunks,
+                crc32=header.crc32,
+                chunk_bytes=chunk_bytes,
                 buffer=buffer,
             )
             for msg in stream:
@@ -265,6 +275,7 @@ class ParameterServerClient:
             if reply is not None:
                 self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
                 return reply
+
         def messages():
             yield pb.PushMessage(header=header)
             yield from chunk_messages(payload, self.chunk_bytes)
@@ -301,8 +312,14 @@ class ParameterServerClient:
         return self._call(
             self._stub.Commit,
             pb.CommitRequest(
-                worker_id=worker_id, quorum_id=quorum_id, success=success, total_weight=total_weight,
-                num_tokens=num_tokens, num_local_steps=num_local_steps, reason=reason[:1000], timeout_s=timeout_s,
+                worker_id=worker_id,
+                quorum_id=quorum_id,
+                success=success,
+                total_weight=total_weight,
+                num_tokens=num_tokens,
+                num_local_steps=num_local_steps,
+                reason=reason[:1000],
+                timeout_s=timeout_s,
             ),  # fmt: skip
             timeout_s + self.rpc_timeout_s,
         )

@@ -60,10 +60,10 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.errors import InvalidPayloadError, StalePushError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
 
 
 @dataclasses.dataclass

@@ -52,13 +52,13 @@ import zlib
 import torch
 from torch import nn
 
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
 from asyncdiloco.worker.collectives import QuorumCollectives
-from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
-from asyncdiloco.algo.outer import OuterOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,9 @@ class SyncDiLoCoWorker(WorkerBase):
         t1 = time.monotonic()
         success, reason = True, ""
         if q.heal:
-            log.info("worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round)
+            log.info(
+                "worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round
+            )
             try:
                 self._heal()
             except AsyncDiLoCoError as exc:  # vote failure rather than leave the others waiting
@@ -326,9 +328,13 @@ class SyncDiLoCoWorker(WorkerBase):
         self._base.copy_(state[:n])
         if self.outer is None:
             cfg = OuterConfig(
-                optimizer=rc.outer_optimizer, lr=rc.outer_lr, momentum=rc.outer_momentum,
-                lr_schedule=rc.outer_lr_schedule or "constant", lr_warmup_versions=rc.outer_lr_warmup_versions,
-                lr_total_versions=rc.outer_lr_total_versions, lr_min_ratio=rc.outer_lr_min_ratio,
+                optimizer=rc.outer_optimizer,
+                lr=rc.outer_lr,
+                momentum=rc.outer_momentum,
+                lr_schedule=rc.outer_lr_schedule or "constant",
+                lr_warmup_versions=rc.outer_lr_warmup_versions,
+                lr_total_versions=rc.outer_lr_total_versions,
+                lr_min_ratio=rc.outer_lr_min_ratio,
             )  # the server's, so that every member's outer step equals the server's bit for bit
             self.outer = OuterOptimizer(self._base, cfg)
         if with_momentum:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 MIB = 1024 * 1024
 
 
-def emit(record: dict, out: "os.PathLike | None" = None) -> None:
+def emit(record: dict, out: os.PathLike | None = None) -> None:
     """Print one JSON line (and append it to ``out`` if given)."""
     line = json.dumps(record, sort_keys=True)
     print(line, flush=True)
@@ -47,7 +47,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def parse_sizes(text: str) -> list[int]:
-    """"4,64,256" (MiB) -> byte counts."""
+    """ "4,64,256" (MiB) -> byte counts."""
     return [int(float(s) * MIB) for s in text.split(",") if s]
 
 

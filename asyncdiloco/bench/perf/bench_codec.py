@@ -18,7 +18,6 @@ import argparse
 import torch
 
 from asyncdiloco.bench.perf._harness import emit, median_seconds, parse_sizes
-
 from asyncdiloco.wire.codec import make_codec
 from asyncdiloco.wire.tensors import Manifest
 

@@ -21,14 +21,12 @@ inner steps compete for the same cores (which also slows the inner steps with ov
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
 from torch import nn
 
 from asyncdiloco.bench.perf._harness import MIB, emit, median, server_process
-
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
 
@@ -88,7 +86,9 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=3, help="MLP hidden layers (default %(default)s)")
     p.add_argument("--batch", type=int, default=64, help="rows per inner step (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the worker (default %(default)s)")
-    p.add_argument("--sizes", default="", help="ignored (the perf suite passes it); the model is sized by --width/--depth")
+    p.add_argument(
+        "--sizes", default="", help="ignored (the perf suite passes it); the model is sized by --width/--depth"
+    )
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

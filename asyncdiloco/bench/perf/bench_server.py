@@ -17,22 +17,28 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import threading
 import time
 
 import torch
 
-from asyncdiloco.bench.perf._harness import MIB, emit, median_seconds, parse_sizes, reset_peak_rss, rss_bytes, server_process
-
 from asyncdiloco._malloc import keep_large_blocks
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.bench.perf._harness import (
+    MIB,
+    emit,
+    median_seconds,
+    parse_sizes,
+    reset_peak_rss,
+    rss_bytes,
+    server_process,
+)
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.algo.outer import OuterOptimizer
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
 
 
 def bench_outer_step(n_bytes: int, repeats: int) -> dict:
@@ -91,7 +97,9 @@ def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
     state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="nesterov")))
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
     wid, _, _ = state.join(manifest, "bench")
-    state.push(torch.zeros(numel * 4, dtype=torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.push(
+        torch.zeros(numel * 4, dtype=torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     payload = manifest.pack([torch.full((numel,), 1e-6)])
     state.push(payload, worker_id=wid, push_id=2, base_version=0)  # warm: momentum, pooled buffer
     t0 = time.perf_counter()
@@ -107,7 +115,9 @@ def bench_push_rate(numel: int, procs: int, threads: int, seconds: float, bulk: 
         manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
         client, _ = _join_and_init(address, manifest, "init")
         start_evt, q = ctx.Event(), ctx.Queue()
-        ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+        ps = [
+            ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)
+        ]
         for p in ps:
             p.start()
         time.sleep(5.0)  # let every client join (spawned interpreters import torch)
@@ -120,8 +130,13 @@ def bench_push_rate(numel: int, procs: int, threads: int, seconds: float, bulk: 
         for p in ps:
             p.join(timeout=30)
         client.close()
-    return {"path": "bulk-tcp" if bulk else "grpc-stream", "pushes_applied": applied, "versions": v1 - v0,
-            "wall_s": wall, "pushes_per_s": (v1 - v0) / wall}
+    return {
+        "path": "bulk-tcp" if bulk else "grpc-stream",
+        "pushes_applied": applied,
+        "versions": v1 - v0,
+        "wall_s": wall,
+        "pushes_per_s": (v1 - v0) / wall,
+    }
 
 
 def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: int = 2) -> dict:
@@ -155,11 +170,15 @@ def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: 
         for c, _ in clients:
             c.close()
     state = 2 * n_bytes  # parameters + momentum, fp32
-    pattern = ("push, then pull" if then_pull else "push") + ("" if pull_snapshots == 2 else f", --pull-snapshots {pull_snapshots}")
+    pattern = ("push, then pull" if then_pull else "push") + (
+        "" if pull_snapshots == 2 else f", --pull-snapshots {pull_snapshots}"
+    )
     held = 2 * n_bytes + max(64 * MIB, n_bytes) + (pull_snapshots * n_bytes if then_pull else 0)
-    note = (f"by design θ + m + receive budget max(64 MiB, 1 payload){' + ' + str(pull_snapshots) + ' pull snapshot(s)' if then_pull else ''} "
-            f"= {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
-            f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)")
+    note = (
+        f"by design θ + m + receive budget max(64 MiB, 1 payload){' + ' + str(pull_snapshots) + ' pull snapshot(s)' if then_pull else ''} "
+        f"= {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
+        f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)"
+    )
     return {"pattern": pattern, "pushers": pushers, "idle_rss_mib": idle / MIB,
             "after_one_push_mib": steady / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
             "ratio": (peak - idle) / state, "note": note}  # fmt: skip
@@ -192,8 +211,10 @@ def main() -> None:
         alone = in_process_pushes_per_s(1_000_000)
         for bulk in (False, True):
             r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
-            note = (f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                    f"here 16 clients (2 processes) and the server share the same 2 cores")
+            note = (
+                f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
+                f"here 16 clients (2 processes) and the server share the same 2 cores"
+            )
             emit({"bench": "server", "measure": "pushes applied per second, 1M params, 16 workers",
                   "model_mib": 4e6 / MIB, "target": 200, "in_process_pushes_per_s": alone, "note": note, **r},
                  args.out)  # fmt: skip

@@ -26,28 +26,25 @@ import argparse
 import itertools
 import multiprocessing as mp
 import socket
-import sys
 import time
 
 import torch
 
-from asyncdiloco.bench.perf._harness import MIB, emit, median, median_seconds, parse_sizes, server_process
-
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco._malloc import keep_large_blocks
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.bench.perf._harness import MIB, emit, median, median_seconds, parse_sizes, server_process
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-
+from asyncdiloco.worker.client import ParameterServerClient
 
 #: Bytes per sendall / recv_into of the raw TCP baseline: 1 MiB slices measured 1.3-2x
 #: faster here than one call for the whole message (and than 256 KiB, 2 or 4 MiB).
 _SLICE = 1 << 20
 
 
-def _tcp_sink(port_q: "mp.Queue", n: int, repeats: int) -> None:
+def _tcp_sink(port_q: mp.Queue, n: int, repeats: int) -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)

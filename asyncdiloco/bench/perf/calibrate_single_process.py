@@ -17,12 +17,9 @@ Run from the repository root:
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
-
 
 from asyncdiloco.job.dataset import BatchStream, CharCorpus, eval_batches
 from asyncdiloco.job.models import CharTransformerConfig, build_model, evaluate, lm_loss

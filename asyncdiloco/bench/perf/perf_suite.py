@@ -78,7 +78,10 @@ def main() -> None:
     jsonl.unlink(missing_ok=True)
     started = time.monotonic()
     for script in SCRIPTS:
-        subprocess.run([sys.executable, "-m", f"asyncdiloco.bench.perf.{script}", "--sizes", args.sizes, "--out", str(jsonl)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", f"asyncdiloco.bench.perf.{script}", "--sizes", args.sizes, "--out", str(jsonl)],
+            check=True,
+        )
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     summary = summarize(records) + f"\nWhole suite: {time.monotonic() - started:.0f} s.\n"
     (out / "perf.md").write_text(summary)

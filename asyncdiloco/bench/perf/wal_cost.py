@@ -24,20 +24,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps import ParameterServer, ParameterServerState
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.worker.client import ParameterServerClient
 
 MODES = {"memory": None, "wal": False, "wal+fsync": True}
 
@@ -56,15 +54,22 @@ def bench_state(manifest: Manifest, mode: str, pushes: int, folder: str) -> floa
         store.open(state)
     wid = state.join(manifest, "bench")[0]
     init = manifest.pack([torch.zeros(manifest.numel)])
-    state.apply_push(pb.PushHeader(worker_id=wid, push_id=1, total_bytes=init.numel(),
-                                   kind=pb.PUSH_KIND_INITIAL_PARAMETERS), init)
+    state.apply_push(
+        pb.PushHeader(worker_id=wid, push_id=1, total_bytes=init.numel(), kind=pb.PUSH_KIND_INITIAL_PARAMETERS), init
+    )
     payload = manifest.pack([torch.full((manifest.numel,), 0.01)])
     chunks = list(iter_chunks(payload, cfg.chunk_bytes))
     started = time.perf_counter()
     for k in range(pushes):
-        header = pb.PushHeader(worker_id=wid, push_id=k + 2, base_version=state.version, total_bytes=payload.numel(),
-                               num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes), crc32=crc32_of(payload),
-                               kind=pb.PUSH_KIND_PSEUDO_GRADIENT)
+        header = pb.PushHeader(
+            worker_id=wid,
+            push_id=k + 2,
+            base_version=state.version,
+            total_bytes=payload.numel(),
+            num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes),
+            crc32=crc32_of(payload),
+            kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+        )
         assembler = state.begin_push(header)
         for c in chunks:
             assembler.add(c)
@@ -80,8 +85,13 @@ def bench_grpc(manifest: Manifest, mode: str, pushes: int, folder: str) -> float
     try:
         with ParameterServerClient(srv.address) as c:
             wid = c.join(manifest, "bench").worker_id
-            c.push(manifest.pack([torch.zeros(manifest.numel)]), worker_id=wid, push_id=1, base_version=0,
-                   kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+            c.push(
+                manifest.pack([torch.zeros(manifest.numel)]),
+                worker_id=wid,
+                push_id=1,
+                base_version=0,
+                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            )
             payload = manifest.pack([torch.full((manifest.numel,), 0.01)])
             started = time.perf_counter()
             for k in range(pushes):
@@ -101,18 +111,30 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="wal-cost-", dir=args.dir)
     fs = subprocess.run(["df", "-T", base], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     try:
-        bench_state(Manifest.from_named_tensors([("w", torch.zeros(1000))]), "wal+fsync", 50, os.path.join(base, "warm"))
+        bench_state(
+            Manifest.from_named_tensors([("w", torch.zeros(1000))]), "wal+fsync", 50, os.path.join(base, "warm")
+        )
         for layer, fn in (("state", bench_state), ("grpc", bench_grpc)):
             for n in (int(s) for s in args.sizes.split(",")):
                 manifest = Manifest.from_named_tensors([("w", torch.zeros(n))])
                 for mode in MODES:
                     folder = os.path.join(base, f"{layer}-{n}-{mode}")
                     elapsed = fn(manifest, mode, args.pushes, folder)
-                    print(json.dumps({
-                        "layer": layer, "params": n, "payload_bytes": manifest.total_bytes, "mode": mode,
-                        "pushes": args.pushes, "pushes_per_s": round(args.pushes / elapsed, 1),
-                        "ms_per_push": round(1000 * elapsed / args.pushes, 3), "filesystem": fs,
-                    }), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "layer": layer,
+                                "params": n,
+                                "payload_bytes": manifest.total_bytes,
+                                "mode": mode,
+                                "pushes": args.pushes,
+                                "pushes_per_s": round(args.pushes / elapsed, 1),
+                                "ms_per_push": round(1000 * elapsed / args.pushes, 3),
+                                "filesystem": fs,
+                            }
+                        ),
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
