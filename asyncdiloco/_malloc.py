@@ -43,8 +43,11 @@ def keep_large_blocks() -> bool:
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(option, value) == 1 for option, value in
-             ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES), (_M_ARENA_MAX, 1)))  # fmt: skip
-    log.debug("glibc mallopt (no mmap for large blocks, trim threshold %d bytes, one arena): %s",
-              _TRIM_THRESHOLD_BYTES, ok)  # fmt: skip
+    ok = all(
+        mallopt(option, value) == 1
+        for option, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES), (_M_ARENA_MAX, 1))
+    )
+    log.debug(
+        "glibc mallopt (no mmap for large blocks, trim threshold %d bytes, one arena): %s", _TRIM_THRESHOLD_BYTES, ok
+    )
     return ok

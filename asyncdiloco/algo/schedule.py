@@ -20,8 +20,9 @@ the virtual-clock simulator, so the two run the same logic.
   ``GroupWindow`` decides when a group is released: the window opens at the group's
   first arrival and is released as soon as every expected worker (alive, and pushing:
   the server's ``_expected_locked``) has arrived in it, or (``"barrier"``) the Delayed
-  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the window at the first arrival (instead
-  of restarting it at every arrival) bounds every wait and never chains groups.
+  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the
+  window at the first arrival (instead of restarting it at every arrival) bounds every
+  wait and never chains groups.
 """
 
 from __future__ import annotations

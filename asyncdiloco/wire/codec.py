@@ -270,8 +270,11 @@ class Int8Codec(WireCodec):
         self._check(out, payload)
         scales, values = self._views(payload)
         for b0, k, e0, n in self._slices():
-            torch.mul(values[e0 : e0 + n].view(k, n // k), scales[b0 : b0 + k].unsqueeze(1),
-                      out=out[e0 : e0 + n].view(k, n // k))  # x̂ = q · scale_b, one fused pass  # fmt: skip
+            torch.mul(
+                values[e0 : e0 + n].view(k, n // k),
+                scales[b0 : b0 + k].unsqueeze(1),
+                out=out[e0 : e0 + n].view(k, n // k),
+            )  # x̂ = q · scale_b, one fused pass
         return out
 
 

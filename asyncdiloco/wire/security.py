@@ -194,6 +194,7 @@ def server_credentials(config: ServerSecurityConfig | None) -> grpc.ServerCreden
     """
     if config is None or config.tls_cert is None:
         return None
+    assert config.tls_key is not None  # ServerSecurityConfig requires tls_key with tls_cert
     cert = _read_bytes(config.tls_cert, "TLS certificate")
     key = _read_bytes(config.tls_key, "TLS key")
     client_ca = _read_bytes(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None

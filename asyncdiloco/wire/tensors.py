@@ -41,7 +41,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 #: dtypes a parameter may have, with their wire enum.
-WIRE_DTYPES: dict[torch.dtype, int] = {
+WIRE_DTYPES: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.bfloat16: pb.DTYPE_BFLOAT16,
     torch.float16: pb.DTYPE_FLOAT16,
@@ -311,7 +311,7 @@ def chunk_views(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, 
     the last exactly ``chunk_bytes``)."""
     if chunk_bytes <= 0:
         raise InvalidPayloadError(f"chunk_bytes is {chunk_bytes}; it must be > 0")
-    view = memoryview(payload.numpy())
+    view = payload.numpy().data  # a memoryview of the tensor's storage, no copy
     for index in range(num_chunks_for(len(view), chunk_bytes)):
         start = index * chunk_bytes
         yield index, start, view[start : start + chunk_bytes]
@@ -368,9 +368,9 @@ class PayloadAssembler:
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
         self._crc_expected = crc32
-        self._crc = 0
+        self._crc: int = 0
         self._next_index = 0
-        self._filled = 0
+        self._filled: int = 0
         if buffer is None:
             buffer = torch.empty(total_bytes, dtype=torch.uint8)
         elif buffer.dtype != torch.uint8 or buffer.numel() != total_bytes:
@@ -430,10 +430,10 @@ class PayloadAssembler:
         """
         if self._next_index or self._filled:
             raise InvalidPayloadError("fill_with needs an empty assembler; chunks were already added")
-        view = memoryview(self._np)
+        view = self._np.data  # a memoryview of the buffer, no copy
         while self._filled < self.total_bytes:
             end = min(self._filled + slice_bytes, self.total_bytes)
-            pos = self._filled
+            pos: int = self._filled
             while pos < end:
                 n = readinto(view[pos:end])
                 if n == 0:
