@@ -1,12 +1,13 @@
 """Peer row of the benchmark suite: torchft's synchronous DiLoCo on the same job.
 
-Runs only when torchft is installed (``pip install torchft==0.2.0`` after torch; see
-PEERS.md): a torchft lighthouse and N replica-group processes, each training the default
-job (same model, data order by replica index, H, outer Nesterov η=0.7 μ=0.9) with
-``torchft.local_sgd.DiLoCo``. Every socket stays on 127.0.0.1: the lighthouse and the
-manager servers bind 127.0.0.1, replicas advertise 127.0.0.1, gloo uses ``lo``, and
-healing goes through the process group (``PGTransport``) instead of torchft's HTTP
-transport, which binds every interface and advertises the host name.
+Runs only when torchft is installed (``pip install 'asyncdiloco[peer]'``, i.e. torchft
+0.2.0, after torch; https://github.com/pytorch/torchft): a torchft lighthouse and N
+replica-group processes, each training the default job (same model, data order by
+replica index, H, outer Nesterov η=0.7 μ=0.9) with ``torchft.local_sgd.DiLoCo``. Every
+socket stays on 127.0.0.1: the lighthouse and the manager servers bind 127.0.0.1,
+replicas advertise 127.0.0.1, gloo uses ``lo``, and healing goes through the process
+group (``PGTransport``) instead of torchft's HTTP transport, which binds every interface
+and advertises the host name.
 
     python -m asyncdiloco.bench.peer_torchft --replicas 2 --steps 200 --local-steps 20 --out DIR
 """

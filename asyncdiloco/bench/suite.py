@@ -135,7 +135,7 @@ def write_outputs(records: list[dict], cfg: SuiteConfig, out: pathlib.Path, cloc
 
 
 def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
-    """The torchft row (PEERS.md): its synchronous DiLoCo on the same model, data order,
+    """The torchft row (https://github.com/pytorch/torchft): its synchronous DiLoCo on the same model, data order,
     H and token budget, 4 replicas at full speed; or why it was skipped."""
     from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
 

@@ -21,7 +21,7 @@ worker (``--slowdown 1``) under the profile's load: a worker of speed v runs
 t lands after the same number of that worker's steps as on the virtual clock. r comes from
 a short calibration demo per profile with events (``calibrate_real_s_per_step``: the
 profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
-since on 2 shared cores r is 2-3× the step time of a lone process. Each record says
+since on shared cores r under the profile's load is a multiple of a lone process's step time. Each record says
 which r and scale it ran with (``schedule``) and the r measured in the run itself
 (``measured_real_s_per_step``). A speed change counts from its worker's own start of
 training, the leave and rejoin from the demo's ``train_start_s``; the workers begin

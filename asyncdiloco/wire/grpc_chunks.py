@@ -6,12 +6,12 @@ reads two of its messages faster than the generated code can, byte for byte the 
 PayloadChunk}`` (server → client). Every other message, and any chunk message this
 parser does not recognise, goes through the generated protobuf classes.
 
-Why (PERF-NOTES, "gRPC, as a fraction of raw TCP"): protobuf costs about four full
-copies of a payload chunk (construct, serialise, parse, field access). Here a chunk
-costs one copy on each side: ``encode_chunk`` joins a few header bytes and a
-``memoryview`` of the payload into the ``bytes`` gRPC sends; ``decode_*_message`` returns
-a ``WireChunk`` whose ``data`` is a zero-copy ``memoryview`` into the bytes gRPC
-received, which ``PayloadAssembler.add`` copies straight into its place.
+Why: the generated protobuf code costs about four full copies of a payload chunk
+(construct, serialise, parse, field access). Here a chunk costs one copy on each side:
+``encode_chunk`` joins a few header bytes and a ``memoryview`` of the payload into the
+``bytes`` gRPC sends; ``decode_*_message`` returns a ``WireChunk`` whose ``data`` is a
+zero-copy ``memoryview`` into the bytes gRPC received, which ``PayloadAssembler.add``
+copies straight into its place.
 
 Wire format (protobuf encoding, https://protobuf.dev/programming-guides/encoding/):
 ``0x12 varint(len(body)) body`` with ``body = [0x08 varint(index)] [0x10 varint(offset)]

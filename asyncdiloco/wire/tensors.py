@@ -28,12 +28,12 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-try:  # ISA-L's CRC-32 (python-isal): zlib's polynomial and values, several times faster, GIL released
+try:  # ISA-L's CRC-32 (python-isal): zlib's polynomial and values, SIMD, GIL released
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal has wheels for the usual platforms
     from zlib import crc32 as _crc32
 
-    log.warning("isal is not installed: payload checksums fall back to zlib's CRC-32, several times slower")
+    log.warning("isal is not installed: payload checksums fall back to zlib's CRC-32 (slower, same values)")
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("asyncdiloco's wire format is little-endian; this host is big-endian")
@@ -295,8 +295,9 @@ def num_chunks_for(total_bytes: int, chunk_bytes: int) -> int:
 def crc32_of(payload: torch.Tensor) -> int:
     """CRC-32 (zlib's polynomial and values) of a uint8 CPU payload.
 
-    Computed with ISA-L (python-isal) when installed: 9-23 GB/s against zlib's ~2 GB/s
-    here, where zlib's CRC was two thirds of the server's time per push."""
+    Computed with ISA-L (python-isal) when installed, which releases the GIL and is
+    several times faster than zlib's: every push is checksummed on both sides, so with
+    zlib the CRC dominates the server's own time per push (docs/performance.md)."""
     return crc32_update(0, payload.numpy())
 
 

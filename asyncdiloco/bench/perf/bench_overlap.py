@@ -14,8 +14,8 @@ inner steps per second and the speed-up in steps per second of overlap over no o
 
     python -m asyncdiloco.bench.perf.bench_overlap [--rounds 10] [--repeats 3] [--local-steps 8] [--out FILE]
 
-Timings on a shared 2-core machine are noisy: the background sync, the server and the
-inner steps compete for the same cores (which also slows the inner steps with overlap on).
+Timings on shared cores are noisy: the background sync, the server and the inner steps
+compete for the same cores (which also slows the inner steps with overlap on).
 """
 
 from __future__ import annotations

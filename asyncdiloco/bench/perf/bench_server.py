@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import threading
 import time
 
@@ -236,7 +237,7 @@ def main() -> None:
             r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                f"here 16 clients (2 processes) and the server share the same 2 cores"
+                f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
             )
             emit(
                 {
