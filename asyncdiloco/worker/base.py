@@ -26,7 +26,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
+from asyncdiloco.errors import (
+    RETRY_LATER,
+    ModeMismatchError,
+    NotInitializedError,
+    ServerUnavailableError,
+    UnknownWorkerError,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
@@ -127,7 +133,7 @@ class WorkerBase:
             try:
                 self._join_once()
                 break
-            except (ServerUnavailableError, NotInitializedError) as exc:
+            except RETRY_LATER as exc:
                 # The initial parameters are a push away: poll for them quickly. Waiting for
                 # them may take a lease longer (until a dead initializer's lease lapses).
                 waiting = isinstance(exc, NotInitializedError)
@@ -186,14 +192,15 @@ class WorkerBase:
 
     def _guarded(self, step: Callable[[], bool | None]) -> bool:
         """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
-        policy: an unreachable server backs off, a forgotten worker rejoins next time.
+        policy: an unreachable server (or any refusal in ``errors.RETRY_LATER``) backs
+        off, a forgotten worker rejoins next time.
 
         ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
         now runs in the background: its outcome resets or grows the backoff later).
         """
         try:
             done = step()
-        except (ServerUnavailableError, NotInitializedError) as exc:
+        except RETRY_LATER as exc:
             self.stats.sync_failures += 1
             self._next_attempt = time.monotonic() + self._backoff_s
             log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)

@@ -220,7 +220,7 @@ class BulkChannel:
         """The next BulkReply; its status as the library exception when not OK."""
         reply = recv_frame(deadline.arm(sock), pb.BulkReply)
         if reply.code != 0:
-            status = BulkStatus(reply.code, reply.message)
+            status = BulkStatus(reply.code, reply.message, reply.reason)
             if status.code() in _CLOSING_CODES:
                 self._drop()
             raise from_rpc_error(status)
