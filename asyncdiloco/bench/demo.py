@@ -79,7 +79,7 @@ class DemoConfig:
     mode: str = "async"
     #: Extra flags for every ``asyncdiloco worker`` (e.g. ``--allreduce-timeout-s 5``).
     worker_args: tuple[str, ...] = ()
-    #: Extra flags per worker index (e.g. fault injection for one of them).
+    #: Extra flags per worker index (e.g. its own slowdown changes).
     per_worker_args: tuple[tuple[str, ...], ...] = ()
     #: Per worker index, the command run instead of ``python -m asyncdiloco`` (the
     #: ``worker ...`` arguments follow it), e.g. a test script that installs a fault and

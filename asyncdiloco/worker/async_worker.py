@@ -153,6 +153,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff, ``overlap``.
         tokens_per_step: tokens consumed per inner step, reported to the server (0 if
             unknown); ``add_tokens`` adds more.
+
+    ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
+    first inner step, and ``join``'s exceptions then come from that ``step()``.
+
     Raises:
         ServerUnavailableError (from ``join``): the server could not be reached within
             ``config.join_timeout_s``.

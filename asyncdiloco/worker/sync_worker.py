@@ -20,7 +20,7 @@ which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard
    commit), pull the server's committed θ and outer momentum, and contribute weight 0.
 3. A fresh process group for this quorum over the server's TCPStore, prefix
    ``q<quorum_id>`` (collectives.py: gloo for CPU tensors; NCCL when the model is on
-   CUDA, which is written but untested: the project has no GPU CI), with a bounded timeout
+   CUDA, which the test suite does not run: it has no GPU), with a bounded timeout
    (``allreduce_timeout_s``): one allreduce (sum) of ``[w·Δ, w]``, float32 (N+1,), so
    Δ̄ = Σ w_i Δ_i / Σ w_i (w = 1: mean; w = tokens: token-weighted mean).
 4. Rank 0 uploads Δ̄ to the server (``PUSH_KIND_ROUND_RESULT``); every member votes
@@ -33,6 +33,12 @@ which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard
    last committed round (its local steps are lost; restoring θ_local instead would let
    replicas drift apart, breaking "every member starts each round from identical
    parameters").
+
+``_round`` runs these as phases, one method each: ``_take_pseudo_gradient`` (1),
+``_wait_for_quorum`` (2), ``_contribute`` (the heal of 2, 3 and the upload of 4),
+``_vote`` (4) and ``_apply_decision`` (5). A phase that fails raises ``_RoundFailed``
+with the reason this member votes failure with; the collective itself is the
+``_allreduce`` seam.
 
 The inner optimizer's state is kept across rounds. If no quorum forms within
 ``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
@@ -115,6 +121,10 @@ class SyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff.
         sync: collective timeout, quorum wait, bind address.
         tokens_per_step: tokens per inner step (the "tokens" weighting uses them).
+
+    ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
+    first inner step, and ``join``'s exceptions then come from that ``step()``.
+
     Raises:
         ModeMismatchError (from ``join``): the server does not run ``--mode sync``.
         ManifestMismatchError (from ``join``): the model differs from the server's.
