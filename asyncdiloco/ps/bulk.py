@@ -254,10 +254,10 @@ class BulkServer:
             self.state.record_rejected(worker_id)
             if not reading:  # refused from its header: the payload is still on the wire
                 if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
-                    self._reply(conn, exc.grpc_code, str(exc))
+                    self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
                     raise _Close from None
                 drain(conn, total)
-            self._reply(conn, exc.grpc_code, str(exc))
+            self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
             return
         reply = self.state.finish_push(outcome, header.worker_id, hold=not header.last)  # a last push is not held
         self._reply(conn, grpc.StatusCode.OK, push=reply)
@@ -266,7 +266,7 @@ class BulkServer:
         try:
             source = self.state.open_pull(request)
         except AsyncDiLoCoError as exc:
-            self._reply(conn, exc.grpc_code, str(exc))
+            self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
             return
         try:
             self._reply(conn, grpc.StatusCode.OK, pull=source.header)

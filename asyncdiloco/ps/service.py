@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, reason_metadata
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def _abort(context: grpc.ServicerContext, exc: AsyncDiLoCoError) -> None:
+    """End the call with ``exc``'s status code and message, and its reason code in the
+    trailing metadata (errors.py): the client raises the same exception from it."""
+    context.set_trailing_metadata(reason_metadata(exc))
     context.abort(exc.grpc_code, str(exc))
 
 
