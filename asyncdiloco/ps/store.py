@@ -46,25 +46,24 @@ import json
 import logging
 import os
 import pathlib
-import struct
 import threading
 import time
-import zlib
+from collections.abc import Callable
+from typing import BinaryIO, TextIO
 
 import torch
 
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.journal import JournaledState
+from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
+from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
+#: Checkpoint format (the sidecar's ``format``).
 FORMAT = 1
-_MAGIC = b"ADWL"
-# magic, record kind, LSN, meta length, payload length, CRC-32 of everything after it
-_HEAD = struct.Struct("<4sBQIQI")
-JOIN, PUSH = 1, 2
 _KEEP_CHECKPOINTS = 2
 
 
@@ -76,7 +75,7 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _write_atomically(path: pathlib.Path, write) -> None:
+def _write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
     """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -95,21 +94,6 @@ def _sha256_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def manifest_to_json(manifest: Manifest) -> list:
-    """``[[name, shape, dtype], ...]``, e.g. ``[["fc.weight", [4, 2], "float32"]]``."""
-    return [[t.name, list(t.shape), str(t.dtype).removeprefix("torch.")] for t in manifest.tensors]
-
-
-def manifest_from_json(items: list) -> Manifest:
-    dtypes = {str(d).removeprefix("torch."): d for d in WIRE_DTYPES}
-    try:
-        return Manifest(
-            tuple(TensorSpec(name, tuple(int(d) for d in shape), dtypes[dtype]) for name, shape, dtype in items)
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"stored manifest is malformed ({exc!r}); restore the folder from a backup") from None
-
-
 def wire_settings(config: ServerConfig) -> dict:
     """The wire codec a run's push records are encoded with (block size only for int8)."""
     return {
@@ -120,79 +104,6 @@ def wire_settings(config: ServerConfig) -> dict:
 
 def _canonical(meta: dict) -> bytes:
     return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-
-
-@dataclasses.dataclass(frozen=True)
-class LogRecord:
-    kind: int  # JOIN or PUSH
-    lsn: int
-    meta: dict
-    payload: bytes
-
-
-def _check_record(data: bytes, pos: int) -> tuple[str | None, int]:
-    """(problem or None, end offset) of the record starting at ``pos``."""
-    if len(data) - pos < _HEAD.size:
-        return "a record header is cut off", len(data)
-    magic, kind, lsn, meta_len, payload_len, crc = _HEAD.unpack_from(data, pos)
-    end = pos + _HEAD.size + meta_len + payload_len
-    if magic != _MAGIC:
-        return f"bad magic {magic!r}", end
-    if end > len(data):
-        return "a record is cut off", len(data)
-    body_crc = zlib.crc32(memoryview(data)[pos + _HEAD.size : end], zlib.crc32(data[pos + 4 : pos + _HEAD.size - 4]))
-    if body_crc & 0xFFFFFFFF != crc:
-        return "CRC-32 mismatch", end
-    return None, end
-
-
-def _intact_record_after(data: bytes, pos: int) -> bool:
-    p = data.find(_MAGIC, pos + 1)
-    while p != -1:
-        if _check_record(data, p)[0] is None:
-            return True
-        p = data.find(_MAGIC, p + 1)
-    return False
-
-
-def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
-    """The intact records of one log segment.
-
-    Damage in the last segment with no intact record after it is a torn tail: the
-    crash hit during that append, whose fsync never returned, so it was never
-    acknowledged; it is cut off the file. Any other damage is an error.
-
-    Raises:
-        CheckpointError: a damaged record that is not a torn tail.
-    """
-    data = path.read_bytes()
-    records, pos = [], 0
-    while pos < len(data):
-        problem, end = _check_record(data, pos)
-        if problem is not None:
-            if is_last and not _intact_record_after(data, pos):
-                log.warning(
-                    "write-ahead log %s: dropping a torn record at byte %d (%s); it was never acknowledged",
-                    path.name,
-                    pos,
-                    problem,
-                )
-                with open(path, "r+b") as f:
-                    f.truncate(pos)
-                    f.flush()
-                    os.fsync(f.fileno())
-                break
-            raise CheckpointError(
-                f"write-ahead log {path} is damaged at byte {pos} ({problem}); the records after it cannot be "
-                f"trusted: restore the folder from a backup, or move the log away to resume from the newest "
-                f"checkpoint alone (losing the pushes logged after it)"
-            )
-        kind, lsn, meta_len = _HEAD.unpack_from(data, pos)[1:4]
-        body = pos + _HEAD.size
-        meta = json.loads(data[body : body + meta_len])
-        records.append(LogRecord(kind, lsn, meta, data[body + meta_len : end]))
-        pos = end
-    return records
 
 
 class DurableStore:
@@ -209,16 +120,16 @@ class DurableStore:
         self.server_config = server_config
         self.dir = pathlib.Path(config.checkpoint_dir)
         self.lsn = 0  # LSN of the newest record written (or loaded)
-        self._segment = None  # open file of the current log segment
+        self._segment: BinaryIO | None = None  # open file of the current log segment
         self._pushes_since_checkpoint = 0
         self._ckpt_lock = threading.Lock()
-        self._lock_file = None
-        self._state = None
+        self._lock_file: TextIO | None = None
+        self._state: JournaledState | None = None
         self._broken: str | None = None
         self._good_lsns: set[int] = set()  # checkpoints loaded or written by this process
 
     # ------------------------------------------------------------ start-up
-    def open(self, state) -> None:
+    def open(self, state: JournaledState) -> None:
         """Lock the folder, restore ``state`` from the newest good checkpoint and the
         log after it, checkpoint, and start journaling ``state``'s changes.
 
@@ -242,7 +153,7 @@ class DurableStore:
             else:
                 self._restore(state, checkpoints)
             self._state = state
-            state.journal = self
+            state.attach_journal(self)
             self.checkpoint()
         except BaseException:
             self._unlock_dir()
@@ -288,7 +199,7 @@ class DurableStore:
                 continue
         return sorted(out)
 
-    def _restore(self, state, checkpoints: list[int]) -> None:
+    def _restore(self, state: JournaledState, checkpoints: list[int]) -> None:
         failures = []
         for i, lsn in enumerate(checkpoints):
             try:
@@ -321,7 +232,7 @@ class DurableStore:
                         f"write-ahead log {path} jumps from LSN {self.lsn} to {rec.lsn}: a log segment is missing; "
                         f"restore the folder from a backup"
                     )
-                self._replay(state, rec)
+                replay_record(state, rec, self.server_config.wire_codec)
                 self.lsn = rec.lsn
                 replayed += 1
         log.info(
@@ -331,35 +242,6 @@ class DurableStore:
             replayed,
             self.lsn,
         )
-
-    def _replay(self, state, rec: LogRecord) -> None:
-        m = rec.meta
-        if rec.kind == JOIN:
-            manifest = manifest_from_json(m["manifest"]) if "manifest" in m else None
-            state.replay_join(m["worker_id"], m["name"], m["initialize"], manifest)
-        elif rec.kind == PUSH:
-            header = pb.PushHeader(
-                worker_id=m["worker_id"],
-                push_id=m["push_id"],
-                base_version=m["base_version"],
-                num_local_steps=m["num_local_steps"],
-                num_tokens=m["num_tokens"],
-                total_bytes=m["total_bytes"],
-                kind=m["kind"],
-            )
-            codec = m.get("codec", "raw")  # records of pseudo-gradients say how they are encoded
-            if m["kind"] == pb.PUSH_KIND_PSEUDO_GRADIENT and codec != self.server_config.wire_codec:
-                raise CheckpointError(
-                    f"write-ahead log record {rec.lsn} holds a pseudo-gradient encoded with wire codec {codec!r} but "
-                    f"this server is configured with {self.server_config.wire_codec!r}; restart with "
-                    f"--wire-codec {codec} (replaying the log needs it) or use a fresh --checkpoint-dir"
-                )
-            payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
-            state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
-        else:
-            raise CheckpointError(
-                f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup"
-            )
 
     def _load_checkpoint(self, lsn: int) -> tuple[dict, dict[str, torch.Tensor]]:
         side = self.dir / f"ckpt-{lsn:020d}.json"
@@ -408,12 +290,9 @@ class DurableStore:
                 f"the write-ahead log is unusable ({self._broken}); fix the disk and restart the server"
             )
         lsn = self.lsn + 1
-        meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        crc = zlib.crc32(
-            payload, zlib.crc32(meta_b, zlib.crc32(struct.pack("<BQIQ", kind, lsn, len(meta_b), len(payload))))
-        )
-        head = _HEAD.pack(_MAGIC, kind, lsn, len(meta_b), len(payload), crc & 0xFFFFFFFF)
+        head, meta_b = encode_record(kind, lsn, meta, payload)
         f = self._segment
+        assert f is not None, "the log is open while a journal is attached"
         start = f.tell()
         try:
             f.write(head)
@@ -453,21 +332,8 @@ class DurableStore:
     ) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
         everything its outer step depends on: τ, s(τ) and the live worker count."""
-        meta = {
-            "worker_id": header.worker_id,
-            "push_id": header.push_id,
-            "base_version": header.base_version,
-            "num_local_steps": header.num_local_steps,
-            "num_tokens": header.num_tokens,
-            "total_bytes": header.total_bytes,
-            "kind": header.kind,
-            "tau": tau,
-            "weight": weight,
-            "version_after": version_after,
-            "num_workers": num_workers,
-            "codec": self.server_config.wire_codec,
-        }
-        self._append(PUSH, meta, memoryview(payload.numpy()))
+        meta = push_meta(header, tau, weight, version_after, num_workers, self.server_config.wire_codec)
+        self._append(PUSH, meta, payload.numpy().data)
         self._pushes_since_checkpoint += 1
 
     def maybe_checkpoint(self) -> None:
@@ -502,6 +368,7 @@ class DurableStore:
 
     def _checkpoint_locked(self) -> None:
         started = time.monotonic()
+        assert self._state is not None, "open() first"
         meta, tensors, lsn = self._state.state_dict(while_locked=self._rotate)
         name = f"ckpt-{lsn:020d}"
         if lsn in self._good_lsns:  # nothing was logged since that (intact) checkpoint
@@ -546,12 +413,12 @@ class DurableStore:
             if final_checkpoint and self._state is not None and not self._broken:
                 self.checkpoint()
         finally:
-            state = self._state
-            if state is not None:
-                with state._lock:  # no append can interleave with closing the log
-                    self._broken = "the server is stopping"
-                    state.journal = None
-                    if self._segment is not None:
-                        self._segment.close()
-                        self._segment = None
+            if self._state is not None:
+                self._state.detach_journal(then=self._close_log)  # no append interleaves with closing it
             self._unlock_dir()
+
+    def _close_log(self) -> None:
+        self._broken = "the server is stopping"
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
