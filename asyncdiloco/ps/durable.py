@@ -63,16 +63,10 @@ class Durability:
         self.snapshots = snapshots
         self.replayers = replayers
 
-    def register(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None, now: float) -> None:
-        """Add a worker (a Join or its replay; books lock held); ``manifest`` becomes the server's."""
-        if manifest is not None:
-            self.model.manifest = manifest
-        self.registry.register(worker_id, name, initialize, now)
-
     def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
         """Redo a logged Join (start-up replay)."""
         with self.locks.books:
-            self.register(worker_id, name, initialize, manifest, self.clock())
+            self.registry.register(worker_id, name, initialize, manifest, self.clock())
 
     def attach_journal(self, journal: Journal) -> None:
         """Log every Join and push into ``journal`` from now on."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -24,7 +25,7 @@ from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError
 from asyncdiloco.ps.buffers import ReceivePool
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.counters import Counters
-from asyncdiloco.ps.modes import KNOWN_KINDS, Mode, PushKind, describe_push
+from asyncdiloco.ps.modes import KNOWN_KINDS, Mode, PushHandler, describe_push
 from asyncdiloco.ps.records import PushOutcome, StateLocks
 from asyncdiloco.ps.registry import WorkerRegistry
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -119,7 +120,7 @@ class PushIntake:
         #: Receive buffers of the pushes in flight, within ``receive_buffer_bytes``.
         self.pool = ReceivePool(config.receive_buffer_bytes)
 
-    def kind_of(self, header: pb.PushHeader) -> PushKind:
+    def kind_of(self, header: pb.PushHeader) -> PushHandler:
         """The mode's handler of the header's push kind.
 
         Raises:
@@ -177,20 +178,21 @@ class PushIntake:
         return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
 
     def _assembler(self, header: pb.PushHeader, pooled: bool, is_active: Callable[[], bool] | None) -> PayloadAssembler:
-        limits = dict(
-            total_bytes=header.total_bytes,
-            num_chunks=header.num_chunks,
-            crc32=header.crc32,
-            chunk_bytes=self.config.chunk_bytes,
-            max_bytes=self.config.max_payload_bytes,
-        )
-        if not pooled:  # e.g. a round result, staged until the vote: a buffer of its own
-            return PayloadAssembler(**limits)
-        buffer = self.pool.acquire(header.total_bytes, is_active=is_active)  # waits up to 30 s
+        buffer = None  # not pooled (a round result, staged until the vote): a buffer of its own
+        if pooled:
+            buffer = self.pool.acquire(header.total_bytes, is_active=is_active)  # waits up to 30 s
         try:
-            return PayloadAssembler(**limits, buffer=buffer)
+            return PayloadAssembler(
+                total_bytes=header.total_bytes,
+                num_chunks=header.num_chunks,
+                crc32=header.crc32,
+                chunk_bytes=self.config.chunk_bytes,
+                max_bytes=self.config.max_payload_bytes,
+                buffer=buffer,
+            )
         except Exception:
-            self.pool.release(buffer)
+            if buffer is not None:
+                self.pool.release(buffer)
             raise
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
@@ -238,7 +240,7 @@ class PushIntake:
 
         def fill(assembler: PayloadAssembler) -> None:
             for index, offset, data in chunk_views(payload, chunk_bytes):
-                assembler.add(WireChunk(index, offset, data))
+                assembler.add(cast(pb.PayloadChunk, WireChunk(index, offset, data)))  # quacks like one
 
         return self.receive(header, fill, drain=lambda: None)
 

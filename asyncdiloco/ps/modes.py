@@ -1,6 +1,6 @@
 """The two ways the server runs, as objects: what a mode accepts and how it answers.
 
-A ``Mode`` says which push kinds it takes (``PushKind`` objects: async mode takes the
+A ``Mode`` says which push kinds it takes (``PushHandler`` objects: async mode takes the
 initial parameters and pseudo-gradients, apply.py; sync mode the initial parameters and
 round results, rounds.py), how it refuses a request of the other mode, what a
 sync-state pull and the quorum calls do, and what happens when a worker leaves. The
@@ -32,8 +32,8 @@ def describe_push(header: pb.PushHeader) -> str:
     return f"the pseudo-gradient push {header.push_id} of worker {header.worker_id}"
 
 
-class PushKind(Protocol):
-    """What one push kind (``pb.PUSH_KIND_*``) checks and does."""
+class PushHandler(Protocol):
+    """What one push kind (``pb.PUSH_KIND_*``) checks and does: its handler."""
 
     #: The payload is received into the receive pool (else into a buffer of its own).
     pooled: bool
@@ -51,10 +51,17 @@ class PushKind(Protocol):
 class Mode(Protocol):
     """What differs between async and sync mode (see the module docstring)."""
 
-    name: str
-    kinds: Mapping[int, PushKind]
-    #: Sync mode's rounds (None in async mode).
-    quorum: QuorumManager | None
+    @property
+    def name(self) -> str:
+        """ "async" or "sync" (``ServerConfig.mode``)."""
+
+    @property
+    def kinds(self) -> Mapping[int, PushHandler]:
+        """The handler of each push kind this mode takes, by ``pb.PUSH_KIND_*``."""
+
+    @property
+    def quorum(self) -> QuorumManager | None:
+        """Sync mode's rounds (None in async mode)."""
 
     def mismatch(self, what: str) -> ModeMismatchError:
         """The refusal of a request of the other mode; ``what`` names the request."""
@@ -98,10 +105,10 @@ class AsyncMode:
     """
 
     name = "async"
-    quorum = None
 
-    def __init__(self, kinds: Mapping[int, PushKind], touch: Callable[[int], None]) -> None:
+    def __init__(self, kinds: Mapping[int, PushHandler], touch: Callable[[int], None]) -> None:
         self.kinds = kinds
+        self.quorum: QuorumManager | None = None
         self._touch = touch
 
     def mismatch(self, what: str) -> ModeMismatchError:

@@ -43,12 +43,13 @@ class CoreParts:
     @classmethod
     def build(cls, config: ServerConfig, clock: Callable[[], float], grouping: str) -> CoreParts:
         """Fresh parts for a new state; ``grouping``: the grouping mode in effect."""
+        model, journal = GlobalModel(config), JournalSlot()
         return cls(
             config=config,
             clock=clock,
             locks=StateLocks(),
-            model=GlobalModel(config),
-            registry=WorkerRegistry(config, clock, grouping),
+            model=model,
+            registry=WorkerRegistry(config, clock, grouping, model, journal),
             counters=Counters(config.histogram_buckets),
-            journal=JournalSlot(),
+            journal=journal,
         )

@@ -1,5 +1,5 @@
-"""The worker table: leases, the initializer choice, DyLU's rates and H_w, and who a
-push group waits for.
+"""The worker table: Joins, leases, the initializer choice, DyLU's rates and H_w, and
+who a push group waits for.
 
 Owns every ``WorkerRecord`` (records.py), the next worker id, the worker chosen to push
 the initial parameters, and each worker's measured inner-step rate v_w. From those it
@@ -21,10 +21,13 @@ import math
 from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.errors import UnknownWorkerError
+from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.journal import JournalSlot
+from asyncdiloco.ps.model import GlobalModel
 from asyncdiloco.ps.records import PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -33,30 +36,83 @@ class WorkerRegistry:
     """Registered workers and their leases (see the module docstring).
 
     Args:
-        config: ``lease_s``, H (``local_steps``), ``dylu``, ``grace_s``, ``group_max_wait_s``.
+        config: ``lease_s``, H (``local_steps``), ``dylu``, ``grace_s``, ``group_max_wait_s``,
+            ``max_payload_bytes``.
         clock: the server's monotonic clock, seconds.
         grouping: the push replies' grouping mode in effect ("off", "window" or
             "barrier"; always "off" in sync mode).
+        model: the global model (a Join checks, or brings, its manifest).
+        journal: where each Join is logged before the worker learns its id.
     """
 
-    def __init__(self, config: ServerConfig, clock: Callable[[], float], grouping: str) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        grouping: str,
+        model: GlobalModel,
+        journal: JournalSlot,
+    ) -> None:
         self.config = config
         self.clock = clock
         self.grouping = grouping
+        self.model = model
+        self.journal = journal
         self.workers: dict[int, WorkerRecord] = {}
         self.next_worker_id = 1
         #: The worker told to push the initial parameters (None: none chosen yet).
         self.initializer: int | None = None
         self.rates = StepRateMeter()
 
-    # ------------------------------------------------------------------ leases
+    # ------------------------------------------------------------ joins and leases
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> tuple[int, bool]:
+        """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
+        v_w it measured, steps/s, for DyLU); logged before it is answered.
+
+        Returns:
+            (worker_id, initialize): ``initialize`` is True when this worker must push
+            the initial parameters.
+        Raises:
+            ManifestMismatchError: the manifest differs from the server's.
+            PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
+        """
+        if manifest.total_bytes > self.config.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"model of {manifest.total_bytes} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}; "
+                f"start the server with a larger --max-payload-bytes"
+            )
+        now = self.clock()
+        self.expire(now)
+        # The manifest is provisional until the initial parameters arrive: if every
+        # worker that brought it is gone, the next join may bring another model.
+        known, initialized = self.model.manifest, self.model.initialized
+        replace = known is None or (not initialized and not self.any_alive())
+        if known is not None and not replace:
+            manifest.check_same(known)
+        worker_id = self.next_worker_id
+        initialize = not initialized and self.initializer_gone()
+        name = worker_name or f"worker-{worker_id}"
+        self.journal.log_join(worker_id, name, initialize, manifest if replace else None)
+        self.register(worker_id, name, initialize, manifest if replace else None, now)
+        self.rates.report(worker_id, steps_per_s)
+        log.info(
+            "worker %d (%s) joined at version %d%s",
+            worker_id,
+            name,
+            self.model.version,
+            " and initializes the global model" if initialize else "",
+        )
+        return worker_id, initialize
+
     def get(self, worker_id: int) -> WorkerRecord | None:
         """The worker's record, alive or not (None: never registered)."""
         return self.workers.get(worker_id)
 
-    def register(self, worker_id: int, name: str, initialize: bool, now: float) -> None:
+    def register(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None, now: float) -> None:
         """Add a worker with a fresh lease (a Join, or its replay); ``initialize`` makes
-        it the initializer."""
+        it the initializer; ``manifest`` (if given) becomes the server's."""
+        if manifest is not None:
+            self.model.manifest = manifest
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
         self.workers[worker_id] = WorkerRecord(worker_id, name, now, now)
         self.rates.start(worker_id, now)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
-from asyncdiloco.ps.modes import PushKind
+from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.records import PushOutcome
@@ -69,14 +69,14 @@ class SyncMode:
 
     name = "sync"
 
-    def __init__(self, parts: CoreParts, initial: PushKind, live_worker_ids: Callable[[], set[int]]) -> None:
+    def __init__(self, parts: CoreParts, initial: PushHandler, live_worker_ids: Callable[[], set[int]]) -> None:
         self.parts = parts
         self.config = parts.config
         self.locks = parts.locks
         self.model = parts.model
         self.registry = parts.registry
         self.counters = parts.counters
-        self.kinds: Mapping[int, PushKind] = {
+        self.kinds: Mapping[int, PushHandler] = {
             pb.PUSH_KIND_INITIAL_PARAMETERS: initial,
             pb.PUSH_KIND_ROUND_RESULT: RoundResult(self),
         }

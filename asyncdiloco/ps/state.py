@@ -1,34 +1,24 @@
 """The parameter server's state and logic, free of any network code: a small façade
-over its parts.
+over its parts, each in its own module.
 
 ``ParameterServerService`` (service.py) and the bulk channel (bulk.py) only decode
 requests, call these methods and encode replies, so everything here is testable
-in-process (the simulator, bench/sim.py, drives it with a virtual clock).
+in-process (bench/sim.py drives it with a virtual clock). The parts:
 
-The parts, each in its own module:
-
-* ``GlobalModel`` (model.py): θ (fp32 (N,)), the outer optimizer, the version, the
-  manifest and the wire codec.
-* ``WorkerRegistry`` (registry.py): the worker table, leases, the initializer choice,
-  DyLU's rates and H_w, the grouping window and who a push group waits for.
+* ``GlobalModel`` (model.py): θ (fp32 (N,)), the outer optimizer, the version, the manifest.
+* ``WorkerRegistry`` (registry.py): workers, leases, the initializer, DyLU's H_w, grouping.
 * ``PushIntake`` (intake.py): header checks, receive buffers, CRC and value checks.
 * The push kinds: ``InitialParameters`` and ``PseudoGradient`` (apply.py: staleness,
-  the outer step, the version, the divergence monitor, the group hand-off) and
-  ``RoundResult`` (rounds.py).
-* The mode (modes.py ``AsyncMode``, rounds.py ``SyncMode``): which kinds are taken,
-  and sync mode's rounds around a ``QuorumManager`` (quorum.py).
-* ``Snapshots`` (snapshots.py): the pull snapshots; ``Counters`` (counters.py): the
-  status numbers; ``Durability`` (durable.py): checkpoint copies, restore and replay,
-  behind the typed interface of journal.py that the store (store.py) uses.
+  the outer step, the version) and ``RoundResult`` (rounds.py).
+* The mode (modes.py ``AsyncMode``, rounds.py ``SyncMode``): which kinds are taken, and
+  sync mode's rounds around a ``QuorumManager`` (quorum.py).
+* ``Snapshots`` (snapshots.py), ``Counters`` (counters.py), and ``Durability``
+  (durable.py): checkpoint copies and replay, behind journal.py's typed interface.
 
-Concurrency: the two locks of records.py ``StateLocks``: ``apply`` serialises whatever
-reads or writes θ and the momentum; ``books`` guards the version, the workers and the
-counters and is held for bookkeeping only, so Join, Heartbeat and Status never wait for
-an apply, and pulls are served from immutable snapshots.
-
-Durability: with a journal attached (store.py), every Join and every push is logged
-(and fsynced) after all checks pass and before it changes anything in memory or is
-acknowledged.
+Concurrency: records.py ``StateLocks``: ``apply`` serialises whatever touches θ and the
+momentum; ``books`` guards the version, workers and counters, held for bookkeeping only,
+so Join, Heartbeat and Status never wait for an apply. With a journal attached
+(store.py), every Join and push is logged before it changes anything or is acknowledged.
 """
 
 from __future__ import annotations
@@ -37,12 +27,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from asyncdiloco.algo.outer import OuterOptimizer, PseudoGradientMonitor, describe
 from asyncdiloco.algo.schedule import GroupGate
-from asyncdiloco.errors import ModeMismatchError, PayloadTooLargeError
+from asyncdiloco.errors import ModeMismatchError
 from asyncdiloco.ps.apply import InitialParameters, PseudoGradient
 from asyncdiloco.ps.buffers import PullSource, Snapshot
 from asyncdiloco.ps.config import ServerConfig
@@ -63,6 +54,11 @@ log = logging.getLogger(__name__)
 INITIAL, PSEUDO_GRADIENT = pb.PUSH_KIND_INITIAL_PARAMETERS, pb.PUSH_KIND_PSEUDO_GRADIENT
 
 __all__ = ["ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
+
+
+def _counter(name: str) -> Any:
+    """A read-only attribute of the state that reads ``state.counters.<name>``."""
+    return property(lambda state: getattr(state.counters, name), doc=f"``Counters.{name}``")
 
 
 class ParameterServerState:
@@ -137,38 +133,15 @@ class ParameterServerState:
         """The server's monotonic clock, seconds."""
         return self._clock()
 
-    # --------------------------------------------------------- the counters
-    @property
-    def applied_pushes(self) -> int:
-        return self.counters.applied_pushes
-
-    @property
-    def rejected_pushes(self) -> int:
-        return self.counters.rejected_pushes
-
-    @property
-    def duplicate_pushes(self) -> int:
-        return self.counters.duplicate_pushes
-
-    @property
-    def bytes_pushed(self) -> int:
-        return self.counters.bytes_pushed
-
-    @property
-    def bytes_pulled(self) -> int:
-        return self.counters.bytes_pulled
-
-    @property
-    def pulls(self) -> int:
-        return self.counters.pulls
-
-    @property
-    def tokens(self) -> int:
-        return self.counters.tokens
-
-    @property
-    def staleness_histogram(self) -> list[int]:
-        return self.counters.staleness_histogram
+    # --------------------------------------------------------- the counters (counters.py)
+    applied_pushes = _counter("applied_pushes")
+    rejected_pushes = _counter("rejected_pushes")
+    duplicate_pushes = _counter("duplicate_pushes")
+    bytes_pushed = _counter("bytes_pushed")
+    bytes_pulled = _counter("bytes_pulled")
+    pulls = _counter("pulls")
+    tokens = _counter("tokens")
+    staleness_histogram = _counter("staleness_histogram")
 
     # ------------------------------------------------------- the run config
     def run_config(self, worker_id: int = 0) -> pb.RunConfig:
@@ -209,28 +182,8 @@ class ParameterServerState:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
         """
-        if manifest.total_bytes > self.config.max_payload_bytes:
-            raise PayloadTooLargeError(
-                f"model of {manifest.total_bytes} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}; "
-                f"start the server with a larger --max-payload-bytes"
-            )
         with self.locks.books:
-            now = self._clock()
-            self.registry.expire(now)
-            # The manifest is provisional until the initial parameters arrive: if every
-            # worker that brought it is gone, the next join may bring another model.
-            known = self.model.manifest
-            replace = known is None or (not self.initialized and not self.registry.any_alive())
-            if known is not None and not replace:
-                manifest.check_same(known)
-            worker_id = self.registry.next_worker_id
-            initialize = not self.initialized and self.registry.initializer_gone()
-            name = worker_name or f"worker-{worker_id}"
-            self.durability.journal.log_join(worker_id, name, initialize, manifest if replace else None)
-            self.durability.register(worker_id, name, initialize, manifest if replace else None, now)
-            self.registry.report_rate(worker_id, steps_per_s)
-            log.info("worker %d (%s) joined at version %d%s", worker_id, name, self.version,
-                     " and initializes the global model" if initialize else "")  # fmt: skip
+            worker_id, initialize = self.registry.join(manifest, worker_name, steps_per_s)
             return worker_id, initialize, self.version
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> tuple[int, float, bool]:
@@ -325,7 +278,7 @@ class ParameterServerState:
         base_version: int = 0,
         num_local_steps: int = 0,
         num_tokens: int = 0,
-        kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+        kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         compute_s: float = 0.0,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut

@@ -2,26 +2,23 @@
 
 Mechanism (what survives ``kill -9`` at any moment):
 
-1. **Write-ahead log.** Every state change a worker is told about (a Join, an applied
-   push) is appended to the current log segment and fsynced *before* it is applied in
-   memory and acknowledged. A push record holds the push header, the staleness τ, the
-   weight s(τ) and the live-worker count it was applied with, the version it produced,
-   and the payload bytes exactly as received (encoded with the run's wire codec, which
-   the record names), so replaying it decodes them and runs the same fp32
-   operations in the same order and reproduces θ and the outer optimizer's state
-   (momentum; Delayed Nesterov's buffer and arrival count) bit for bit. Each record carries a log
-   sequence number (LSN) and a CRC-32; a torn record at the very end of the log (the
-   crash hit during its append, so it was never acknowledged) is cut off at start-up,
-   a damaged record anywhere else stops start-up.
+1. **Write-ahead log** (record format in wal.py). Every state change a worker is told
+   about (a Join, an applied push) is appended to the current log segment and fsynced
+   *before* it is applied in memory and acknowledged. A push record holds everything
+   its outer step depends on (τ, s(τ), the live-worker count, the version it produced)
+   and the payload exactly as received, so replaying it reproduces θ and the outer
+   optimizer's state bit for bit. A torn record at the very end of the log (the crash
+   hit during its append, so it was never acknowledged) is cut off at start-up; a
+   damaged record anywhere else stops start-up.
 2. **Checkpoints** every ``checkpoint_every`` applied pushes, on start-up (after
    replay) and on shutdown: θ and the outer optimizer's vectors keyed by parameter
    name (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``), saved with
    ``torch.save`` and read back with ``torch.load(weights_only=True)`` (no pickled
    objects), and a JSON sidecar with the version, LSN, manifest, outer-optimizer
-   config, wire codec (push records hold encoded payloads), worker table, applied push ids with their outcomes, counters, and the
-   SHA-256 of the tensor file and of itself. Each file is written to a temp name,
-   fsynced, renamed, and the folder fsynced; the sidecar is renamed last and is the
-   commit point. The two newest good checkpoints are kept, and the log back to the
+   config, wire codec (push records hold encoded payloads), worker table, applied push
+   ids with their outcomes, counters, and the SHA-256 of the tensor file and of itself.
+   Each file is written to a temp name, fsynced, renamed, and the folder fsynced; the
+   sidecar is renamed last and is the commit point. The two newest good checkpoints are kept, and the log back to the
    older one, so ``--fallback-to-previous`` can resume from it and replay forward.
 3. **Start-up** loads the newest checkpoint (a corrupt, truncated or mismatched one
    stops start-up with a message saying which file and why, unless told to fall back),
@@ -39,21 +36,18 @@ Folder layout: ``ckpt-<LSN>.pt`` / ``ckpt-<LSN>.json``, ``wal-<first LSN>.log``,
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import pathlib
 import threading
 import time
-from collections.abc import Callable
 from typing import BinaryIO, TextIO
 
 import torch
 
 from asyncdiloco.errors import CheckpointError
+from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
@@ -61,49 +55,6 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
-
-#: Checkpoint format (the sidecar's ``format``).
-FORMAT = 1
-_KEEP_CHECKPOINTS = 2
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _sha256_file(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def wire_settings(config: ServerConfig) -> dict:
-    """The wire codec a run's push records are encoded with (block size only for int8)."""
-    return {
-        "wire_codec": config.wire_codec,
-        "codec_block_size": config.codec_block_size if config.wire_codec == "int8" else 0,
-    }
-
-
-def _canonical(meta: dict) -> bytes:
-    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
 
 class DurableStore:
@@ -142,7 +93,7 @@ class DurableStore:
         try:
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink()
-            checkpoints = self._checkpoint_lsns()
+            checkpoints = checkpoint_lsns(self.dir)
             if not checkpoints:
                 if self._segments():
                     raise CheckpointError(
@@ -180,16 +131,6 @@ class DurableStore:
             self._lock_file.close()
             self._lock_file = None
 
-    def _checkpoint_lsns(self) -> list[int]:
-        """LSNs of committed checkpoints (those with a sidecar), newest first."""
-        out = []
-        for p in self.dir.glob("ckpt-*.json"):
-            try:
-                out.append(int(p.stem.split("-", 1)[1]))
-            except ValueError:
-                continue
-        return sorted(out, reverse=True)
-
     def _segments(self) -> list[tuple[int, pathlib.Path]]:
         out = []
         for p in self.dir.glob("wal-*.log"):
@@ -200,11 +141,25 @@ class DurableStore:
         return sorted(out)
 
     def _restore(self, state: JournaledState, checkpoints: list[int]) -> None:
+        meta, tensors = self._newest_good_checkpoint(checkpoints)
+        state.load_state_dict(meta, tensors)
+        self.lsn = meta["lsn"]
+        self._good_lsns.add(self.lsn)
+        replayed = self._replay_log(state)
+        log.info(
+            "restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
+            state.version,
+            meta["lsn"],
+            replayed,
+            self.lsn,
+        )
+
+    def _newest_good_checkpoint(self, checkpoints: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The newest checkpoint that loads, falling back to older ones only when told to."""
         failures = []
         for i, lsn in enumerate(checkpoints):
             try:
-                meta, tensors = self._load_checkpoint(lsn)
-                break
+                return load_checkpoint(self.dir, lsn, self.server_config)
             except CheckpointError as exc:
                 failures.append(str(exc))
                 older = checkpoints[i + 1] if i + 1 < len(checkpoints) else None
@@ -213,18 +168,19 @@ class DurableStore:
                         f"start with --fallback-to-previous to resume from the previous checkpoint "
                         f"(ckpt-{older:020d}) and replay the log from there"
                         if older is not None
-                        else "no older checkpoint is left; restore the folder from a backup or start a fresh run in an empty folder"
+                        else "no older checkpoint is left; restore the folder from a backup or start a fresh run "
+                        "in an empty folder"
                     )
                     raise CheckpointError(f"{'; '.join(failures)}; {hint}") from None
                 log.warning("%s; falling back to the previous checkpoint ckpt-%020d", exc, older)
-        state.load_state_dict(meta, tensors)
-        self.lsn = meta["lsn"]
-        self._good_lsns.add(self.lsn)
+        raise CheckpointError("no checkpoint to restore")  # unreachable: called with at least one
+
+    def _replay_log(self, state: JournaledState) -> int:
+        """Redo the log records after ``self.lsn``, in order; returns how many."""
         replayed = 0
         segments = self._segments()
-        for j, (first, path) in enumerate(segments):
-            records = read_segment(path, is_last=j == len(segments) - 1)
-            for rec in records:
+        for j, (_first, path) in enumerate(segments):
+            for rec in read_segment(path, is_last=j == len(segments) - 1):
                 if rec.lsn <= self.lsn:
                     continue
                 if rec.lsn != self.lsn + 1:
@@ -235,52 +191,7 @@ class DurableStore:
                 replay_record(state, rec, self.server_config.wire_codec)
                 self.lsn = rec.lsn
                 replayed += 1
-        log.info(
-            "restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
-            state.version,
-            meta["lsn"],
-            replayed,
-            self.lsn,
-        )
-
-    def _load_checkpoint(self, lsn: int) -> tuple[dict, dict[str, torch.Tensor]]:
-        side = self.dir / f"ckpt-{lsn:020d}.json"
-        try:
-            meta = json.loads(side.read_bytes())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {side} cannot be read ({exc})") from None
-        claimed = meta.pop("meta_sha256", None) if isinstance(meta, dict) else None
-        if claimed != hashlib.sha256(_canonical(meta)).hexdigest():
-            raise CheckpointError(f"checkpoint {side} fails its checksum (meta_sha256): it is corrupt")
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"checkpoint {side} has format {meta.get('format')}; this server reads format {FORMAT}"
-            )
-        mine = dataclasses.asdict(self.server_config.outer)
-        for field, value in meta["outer"].items():
-            if mine.get(field) != value:
-                raise CheckpointError(
-                    f"checkpoint {side} was written with outer {field}={value!r} but this server is configured "
-                    f"with {mine.get(field)!r}; restart with the checkpoint's setting (replaying the log needs it) "
-                    f"or use a fresh --checkpoint-dir"
-                )
-        stored_wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
-        for field, value in wire_settings(self.server_config).items():
-            if stored_wire.get(field) != value:
-                flag = "--wire-codec" if field == "wire_codec" else "--codec-block-size"
-                raise CheckpointError(
-                    f"checkpoint {side} was written with {field}={stored_wire.get(field)!r} but this server is "
-                    f"configured with {value!r}; restart with the checkpoint's {flag} (its write-ahead log holds "
-                    f"pushes encoded that way) or use a fresh --checkpoint-dir"
-                )
-        pt = self.dir / meta["tensor_file"]
-        if not pt.is_file() or pt.stat().st_size != meta["tensor_bytes"] or _sha256_file(pt) != meta["tensor_sha256"]:
-            raise CheckpointError(f"checkpoint tensors {pt} are missing, truncated or corrupt (size or SHA-256 differ)")
-        try:
-            tensors = torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-            raise CheckpointError(f"checkpoint tensors {pt} cannot be loaded ({exc})") from None
-        return meta, tensors
+        return replayed
 
     # ------------------------------------------------------------ journal
     def _append(self, kind: int, meta: dict, payload: memoryview | bytes = b"") -> None:
@@ -362,7 +273,7 @@ class DurableStore:
             self._segment.close()
         path = self.dir / f"wal-{self.lsn + 1:020d}.log"
         self._segment = open(path, "ab")
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._pushes_since_checkpoint = 0
         return self.lsn
 
@@ -373,38 +284,10 @@ class DurableStore:
         name = f"ckpt-{lsn:020d}"
         if lsn in self._good_lsns:  # nothing was logged since that (intact) checkpoint
             return
-        pt = self.dir / f"{name}.pt"
-        _write_atomically(pt, lambda f: torch.save(tensors, f))
-        meta.update(
-            format=FORMAT,
-            lsn=lsn,
-            outer=dataclasses.asdict(self.server_config.outer),
-            wire=wire_settings(self.server_config),
-            tensor_file=pt.name,
-            tensor_bytes=pt.stat().st_size,
-            tensor_sha256=_sha256_file(pt),
-            created_unix_s=time.time(),
-        )
-        meta["meta_sha256"] = hashlib.sha256(_canonical(meta)).hexdigest()
-        _write_atomically(self.dir / f"{name}.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        write_checkpoint(self.dir, lsn, meta, tensors, self.server_config)
         self._good_lsns.add(lsn)
-        self._prune()
+        prune(self.dir, self._segments())
         log.info("checkpoint %s at version %d written in %.3f s", name, meta["version"], time.monotonic() - started)
-
-    def _prune(self) -> None:
-        """Keep the newest checkpoints and the log back to the oldest kept one."""
-        lsns = self._checkpoint_lsns()
-        for old in lsns[_KEEP_CHECKPOINTS:]:
-            for suffix in (".json", ".pt"):
-                (self.dir / f"ckpt-{old:020d}{suffix}").unlink(missing_ok=True)
-        oldest_kept = lsns[:_KEEP_CHECKPOINTS][-1]
-        segments = self._segments()
-        for (first, path), (next_first, _) in zip(segments, segments[1:]):
-            if next_first - 1 <= oldest_kept:  # every record in it is covered by a kept checkpoint
-                path.unlink(missing_ok=True)
-        for p in self.dir.glob("ckpt-*.pt"):  # tensor files whose sidecar never got written
-            if not p.with_suffix(".json").exists():
-                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ shutdown
     def close(self, *, final_checkpoint: bool = True) -> None:
