@@ -32,6 +32,7 @@ KEEP_CHECKPOINTS = 2
 
 
 def fsync_dir(path: pathlib.Path) -> None:
+    """fsync a folder, so that a rename or a new file in it is durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -51,6 +52,7 @@ def write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], object]) ->
 
 
 def sha256_file(path: pathlib.Path) -> str:
+    """The SHA-256 of a file's bytes, hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -67,6 +69,7 @@ def wire_settings(config: ServerConfig) -> dict:
 
 
 def canonical(meta: dict) -> bytes:
+    """The sidecar's canonical JSON (sorted keys, no spaces): what ``meta_sha256`` covers."""
     return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
 
 

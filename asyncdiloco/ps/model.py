@@ -51,6 +51,7 @@ class GlobalModel:
 
     @property
     def initialized(self) -> bool:
+        """True once a worker pushed the initial parameters."""
         return self.params is not None
 
     @property

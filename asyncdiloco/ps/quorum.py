@@ -2,8 +2,8 @@
 
 This is the role torchft's lighthouse plays, for synchronous DiLoCo (Douillard et al.
 2023, arXiv 2311.08105) and LocalSGD. It holds no tensors and opens no sockets: the
-server's state (state.py) applies the committed result, the servicer (service.py) wraps
-the blocking calls in RPCs, and unit tests drive it with a fake clock.
+server's state (rounds.py ``SyncMode``) applies the committed result, the servicer
+(service.py) wraps the blocking calls in RPCs, and unit tests drive it with a fake clock.
 
 A **round** r → r+1 goes like this:
 

@@ -160,6 +160,7 @@ class WorkerRegistry:
             log.info("worker %d (%s) left", worker_id, rec.name)
 
     def any_alive(self) -> bool:
+        """True when some registered worker's lease is current (not re-checked here)."""
         return any(r.alive for r in self.workers.values())
 
     def live_ids(self) -> set[int]:

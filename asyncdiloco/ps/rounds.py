@@ -86,6 +86,7 @@ class SyncMode:
 
     @property
     def rounds(self) -> QuorumManager:
+        """The quorum manager (always there in sync mode)."""
         assert self.quorum is not None
         return self.quorum
 

@@ -101,6 +101,7 @@ class ParameterServerState:
     # ------------------------------------------------------------ the model
     @property
     def manifest(self) -> Manifest | None:
+        """The workers' model layout (None before the first Join)."""
         return self.model.manifest
 
     @property
@@ -110,18 +111,22 @@ class ParameterServerState:
 
     @property
     def outer(self) -> OuterOptimizer | None:
+        """The outer optimizer and its state (None until initialized)."""
         return self.model.outer
 
     @property
     def version(self) -> int:
+        """V: pseudo-gradients applied (async) or rounds committed (sync)."""
         return self.model.version
 
     @property
     def initialized(self) -> bool:
+        """True once a worker pushed the initial parameters."""
         return self.model.initialized
 
     @property
     def sync_mode(self) -> bool:
+        """True for ``ServerConfig.mode == "sync"``."""
         return self.config.mode == "sync"
 
     @property
