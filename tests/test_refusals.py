@@ -36,7 +36,7 @@ def fingerprint(state: ParameterServerState) -> tuple:
         state.tokens,
         state.bytes_pushed,
         tuple(state.staleness_histogram),
-        tuple((w.applied_pushes, w.tokens, w.local_steps, tuple(w.outcomes)) for w in state._workers.values()),
+        tuple((w.applied_pushes, w.tokens, w.local_steps, tuple(w.outcomes)) for w in state.registry.workers.values()),
     )
 
 

@@ -89,7 +89,7 @@ def fingerprint(state):
     dn = getattr(state.outer, "delta_buffer", None)
     workers = {
         w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
-        for w in state._workers.values()
+        for w in state.registry.workers.values()
     }
     return (
         state.params.clone(),
@@ -102,7 +102,7 @@ def fingerprint(state):
         state.bytes_pushed,
         tuple(state.staleness_histogram),
         workers,
-        state._next_worker_id,
+        state.registry.next_worker_id,
     )
 
 
@@ -142,7 +142,7 @@ def test_crash_replays_the_log_bit_identically(tmp_path, outer):
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(before, fingerprint(state2))
     # the server goes on where it stopped: same ids, next version, same outer step
-    b = max(state2._workers)
+    b = max(state2.registry.workers)
     assert push(state2, b, 100, rand_tensors(9)).version == state.version + 1
     push(state, b, 100, rand_tensors(9))
     assert torch.equal(state.params, state2.params)
@@ -295,7 +295,7 @@ def test_a_worker_that_left_before_the_checkpoint_stays_gone(tmp_path):
     store.checkpoint()
     crash(store)
     state2, store2 = open_server(tmp_path)
-    assert {w.worker_id: w.alive for w in state2._workers.values()} == {a: True, b: False}
+    assert {w.worker_id: w.alive for w in state2.registry.workers.values()} == {a: True, b: False}
     store2.close()
 
 
@@ -340,7 +340,7 @@ def test_scheduled_outer_lr_after_a_crash_equals_the_uninterrupted_run(tmp_path,
     crash(store)  # ``state`` goes on in memory: the uninterrupted run
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(fingerprint(state), fingerprint(state2))
-    b = max(state2._workers)
+    b = max(state2.registry.workers)
     for k in range(3):  # the same pushes to both, at versions 6, 7, 8
         for s in (state, state2):
             push(s, b, 100 + k, rand_tensors(20 + k))
@@ -357,7 +357,7 @@ def test_push_after_a_restart_moves_theta_by_the_scheduled_lr_of_its_version(tmp
     assert v == 6
     theta, m = state.params.clone().double(), state.outer.momentum_buffer.clone().double()
     delta = [t * 0.1 for t in rand_tensors(42)]
-    push(state, max(state._workers), 100, delta, base_version=v)  # τ = 0: s = 1
+    push(state, max(state.registry.workers), 100, delta, base_version=v)  # τ = 0: s = 1
     d = MANIFEST.unpack_flat(MANIFEST.pack(delta)).double()
     # Nesterov with η_v = η · f(v): m ← μm + Δ; θ ← θ − η_v (Δ + μm), f(6) = 0.1 + 0.9·½(1 + cos(π·3/9))
     eta_v = 0.7 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (v - 3) / (12 - 3))))
