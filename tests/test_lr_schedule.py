@@ -2,6 +2,7 @@
 in the CLI worker's loop and the simulator's replicas (in-process), and the CLI flags."""
 
 import math
+import signal
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ import torch
 from asyncdiloco.algo.config import ASYNC_OUTER, SYNC_OUTER
 from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 from asyncdiloco.cli import app as cli
+from asyncdiloco.cli import server as cli_server
+from asyncdiloco.cli.flags import SERVER
 from asyncdiloco.cli.train import run_worker
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
@@ -150,17 +153,17 @@ def test_server_flags_build_the_outer_schedule_and_survive_the_demo_argv():
         "server", "--outer-lr-schedule", "cosine", "--outer-warmup-versions", "5", "--outer-total-versions", "50",
         "--outer-min-lr-ratio", "0.25",
     ])  # fmt: skip
-    outer = cli._server_config(args, "127.0.0.1", 0).outer
+    outer = cli_server.config(args).outer
     assert outer.schedule() == LRSchedule(kind="cosine", warmup=5, total=50, min_ratio=0.25)
-    again = cli.build_parser().parse_args(["server", *cli._server_flags(args)])  # what the demo's server gets
-    assert cli._server_config(again, "127.0.0.1", 0).outer == outer
+    again = cli.build_parser().parse_args(["server", *SERVER.argv(cli_server.config(args))])  # the demo's server's
+    assert cli_server.config(again).outer == outer
 
 
 def test_no_schedule_flag_is_the_servers_default_outer_config():
     args = cli.build_parser().parse_args(["server"])
-    assert cli._server_config(args, "127.0.0.1", 0).outer == ASYNC_OUTER
+    assert cli_server.config(args).outer == ASYNC_OUTER
     args = cli.build_parser().parse_args(["server", "--mode", "sync"])
-    assert cli._server_config(args, "127.0.0.1", 0).outer == SYNC_OUTER
+    assert cli_server.config(args).outer == SYNC_OUTER
 
 
 def test_worker_flags_reach_the_job_config(monkeypatch):
@@ -171,7 +174,7 @@ def test_worker_flags_reach_the_job_config(monkeypatch):
     seen = {}
     monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
     monkeypatch.setattr(asyncdiloco.cli.train, "run_worker", lambda **kw: seen.update(kw) or WorkerStats())
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
     args = cli.build_parser().parse_args([
         "worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--inner-lr-schedule", "cosine",

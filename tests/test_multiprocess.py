@@ -66,16 +66,11 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join():
+def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join(cli_exit):
     port = _closed_port()
-    proc = subprocess.run(
-        [*CLI, "-q", "worker", "--server", f"127.0.0.1:{port}", "--max-steps", "1", "--join-timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 1
-    assert f"could not join the parameter server at 127.0.0.1:{port}" in proc.stderr
+    code, err = cli_exit(["worker", "--server", f"127.0.0.1:{port}", "--max-steps", "1", "--join-timeout", "1"])
+    assert code == 1
+    assert f"could not join the parameter server at 127.0.0.1:{port}" in err
 
 
 @pytest.fixture
@@ -83,13 +78,15 @@ def cli_exit(monkeypatch, capsys):
     """``asyncdiloco ARGV`` in-process (refusals happen before anything starts) -> (exit
     status, standard error); the worker's process-wide settings (signal handler, torch
     threads, allocator) are not applied to the test process."""
+    import signal
+
     import torch
 
     import asyncdiloco._malloc
     from asyncdiloco.cli import app as cli
 
     monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
 
     def run(argv) -> tuple[int, str]:
@@ -106,14 +103,14 @@ def test_worker_without_a_bound_is_refused(cli_exit):
     assert "give --max-steps N or --max-seconds S" in err
 
 
-def test_server_on_a_busy_port_exits_with_a_clear_message():
+def test_server_on_a_busy_port_exits_with_a_clear_message(cli_exit):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = subprocess.run([*CLI, "-q", "server", "--port", str(port)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+        code, err = cli_exit(["server", "--port", str(port)])
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in err
 
 
 def test_server_prints_the_chosen_port_and_stops_on_sigterm(tmp_path):

@@ -64,12 +64,13 @@ def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
 
 def test_real_methods_get_the_simulators_server_settings():
     from asyncdiloco.cli import app as cli
+    from asyncdiloco.cli.server import config
 
     kw = dict(speeds_s_per_step=(1.0, 2.0), total_steps=100)
     mode, flags, worker_args = server_flags(SimConfig(method="async_dn_dylu", **kw))
     assert mode == "async" and worker_args == ()
     args = cli.build_parser().parse_args(["server", *flags])
-    server = cli._server_config(args, "127.0.0.1", 0)
+    server = config(args)
     sim = SimConfig(method="async_dn_dylu", **kw).server_config()
     assert (server.outer, server.dylu, server.grouping, server.grace_s) == (
         sim.outer,
@@ -79,5 +80,5 @@ def test_real_methods_get_the_simulators_server_settings():
     )
     assert server_flags(SimConfig(method="async_dn_dylu_overlap", **kw))[2] == ("--overlap",)
     _, flags, _ = server_flags(SimConfig(method="async_nesterov", **kw))
-    server = cli._server_config(cli.build_parser().parse_args(["server", *flags]), "127.0.0.1", 0)
+    server = config(cli.build_parser().parse_args(["server", *flags]))
     assert (server.outer.optimizer, server.dylu, server.grouping) == ("nesterov", False, "off")

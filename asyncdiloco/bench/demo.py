@@ -43,10 +43,12 @@ import time
 import torch
 
 from asyncdiloco.bench.plots import pyplot
+from asyncdiloco.cli.flags import WORKER_JOB
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.job.models import evaluate
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import codec_for
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
@@ -157,14 +159,6 @@ def _file_stem(index: int, rejoin: bool) -> str:
     return f"worker-{index}" + ("-rejoin" if rejoin else "")
 
 
-def _job_flags(job: JobConfig) -> list[str]:
-    return [
-        "--batch-size", str(job.batch_size), "--context-len", str(job.context_len),
-        "--n-layer", str(job.n_layer), "--n-embd", str(job.n_embd), "--n-head", str(job.n_head),
-        "--inner-lr", str(job.inner_lr), "--seed", str(job.seed),
-    ]  # fmt: skip
-
-
 class _Evaluator:
     """Pulls the global model as an observer and measures held-out loss (nats/char)."""
 
@@ -176,7 +170,7 @@ class _Evaluator:
         self.client = ParameterServerClient(address)
         self.initial_loss = evaluate(self.model, self.batches)  # the seed's model = the server's version 0
         #: The run config the server dictated while workers trained (auto values need their rates).
-        self.run_config = None
+        self.run_config: pb.RunConfig | None = None
 
     def evaluate_global(self) -> tuple[int, float]:
         pulled = self.client.pull(self.manifest)
@@ -231,88 +225,142 @@ def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: f
     raise AsyncDiLoCoError(f"the server did not listen within {timeout_s:g} s; see {log_path}")
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """What a finished demo saw: the server's last status, the eval curve, the processes."""
+
+    address: str
+    status: pb.StatusReply
+    curve: list[dict]
+    initial_loss: float
+    final_loss: float
+    wall_s: float
+    workers: list[_WorkerProcess]
+    exit_codes: list[int]
+    #: When the global model first existed: seconds after the demo started, and on the wall clock.
+    train_start_s: float
+    train_start_unix_s: float | None
+
+
+class _Processes:
+    """The demo's server and worker processes; ``reap`` ends whichever still run."""
+
+    def __init__(self, cfg: DemoConfig, out: pathlib.Path) -> None:
+        self.cfg, self.out = cfg, out
+        self.speeds = cfg.speed_factors()
+        self.popens: list[subprocess.Popen] = []
+        self.python = [sys.executable, "-m", "asyncdiloco"]
+
+    def start_server(self) -> str:
+        """Start ``asyncdiloco server`` on a free port; returns its address once it listens."""
+        port_file = self.out / "server.port"
+        port_file.unlink(missing_ok=True)
+        cmd = [*self.python, "server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
+        server = _spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
+        self.popens.append(server)
+        return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
+
+    def start_workers(self, address: str) -> list[_WorkerProcess]:
+        """One process per worker, plus the ``leave_rejoin`` worker's fresh process (the
+        last), started now and held back until released (``_leave_or_rejoin``)."""
+        workers = [self._start_worker(address, i) for i in range(len(self.speeds))]
+        if self.cfg.leave_rejoin is not None:
+            i, _, rejoin_s = self.cfg.leave_rejoin
+            go = self.out / f"{_file_stem(i, True)}.go"
+            go.unlink(missing_ok=True)
+            max_s = max(1.0, self.cfg.max_seconds - rejoin_s)
+            workers.append(self._start_worker(address, i, True, max_s, ("--join-when-file", str(go))))
+        return workers
+
+    def _start_worker(
+        self, address: str, i: int, rejoin: bool = False, max_seconds: float | None = None, extra: tuple[str, ...] = ()
+    ) -> _WorkerProcess:
+        cfg, stem = self.cfg, _file_stem(i, rejoin)
+        launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or self.python
+        cmd = [
+            *launcher,
+            "worker",
+            "--server",
+            address,
+            "--worker-index",
+            str(i),
+            "--slowdown",
+            str(self.speeds[i]),
+            "--max-seconds",
+            str(cfg.max_seconds if max_seconds is None else max_seconds),
+            "--stats-file",
+            str(self.out / f"{stem}.json"),
+            "--name",
+            _worker_name(i, self.speeds[i], rejoin),
+            "--mode",
+            cfg.mode,
+            *WORKER_JOB.argv(cfg.job),
+            *cfg.worker_args,
+            *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
+            *extra,
+        ]
+        (self.out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
+        self.popens.append(_spawn(cmd, self.out / f"{stem}.log"))
+        return _WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
+
+    def reap(self) -> None:
+        _reap(self.popens)
+
+
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     """Run the demo; returns the report (also written to ``out_dir/report.json``).
 
     Raises:
-        AsyncDiLoCoError: the server did not start.
+        AsyncDiLoCoError: the server did not start, or no worker initialized the model.
     """
     torch.set_num_threads(1)
     out = pathlib.Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    port_file = out / "server.port"
-    port_file.unlink(missing_ok=True)
-    python = [sys.executable, "-m", "asyncdiloco"]
-    speeds = cfg.speed_factors()
-    procs: list[subprocess.Popen] = []
-    started = time.monotonic()
+    procs = _Processes(cfg, out)
     try:
-        server = _spawn(
-            [*python, "server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *cfg.server_args],
-            out / "server.log",
-        )
-        procs.append(server)
-        address = f"127.0.0.1:{_wait_for_port(server, port_file, cfg.startup_timeout_s, out / 'server.log')}"
-
-        def spawn_worker(
-            i: int, rejoin: bool = False, max_seconds: float = cfg.max_seconds, extra: tuple[str, ...] = ()
-        ) -> _WorkerProcess:
-            name, stem = _worker_name(i, speeds[i], rejoin), _file_stem(i, rejoin)
-            launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or python
-            cmd = [
-                *launcher, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(speeds[i]),
-                "--max-seconds", str(max_seconds), "--stats-file", str(out / f"{stem}.json"),
-                "--name", name, "--mode", cfg.mode, *_job_flags(cfg.job), *cfg.worker_args,
-                *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra,
-            ]  # fmt: skip
-            (out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
-            procs.append(_spawn(cmd, out / f"{stem}.log"))
-            return _WorkerProcess(i, speeds[i], rejoin, procs[-1])
-
-        workers = [spawn_worker(i) for i in range(len(speeds))]
-        if cfg.leave_rejoin is not None:  # started now, joins when released (_leave_or_rejoin)
-            i, _, rejoin_s = cfg.leave_rejoin
-            go = out / f"{_file_stem(i, True)}.go"
-            go.unlink(missing_ok=True)
-            workers.append(spawn_worker(i, True, max(1.0, cfg.max_seconds - rejoin_s), ("--join-when-file", str(go))))
-        evaluator = _Evaluator(address, cfg.job)
-        curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
-        watched, train_start_s, train_start_unix_s = _watch(cfg, evaluator, workers, started, progress)
-        curve += watched
-        exit_codes = [_stop(w.popen) for w in workers]  # overdue workers (hung, stopped) are terminated
-        status = evaluator.client.status()
-        if not status.initialized:
-            raise AsyncDiLoCoError(
-                f"no worker initialized the global model (exit codes {exit_codes}); see {out}/worker-*.log"
-            )
-        version, final_loss = evaluator.evaluate_global()
-        curve.append(
-            {"wall_s": time.monotonic() - started, "version": version, "tokens": status.tokens, "eval_loss": final_loss}
-        )
-        wall_s = time.monotonic() - started
-        evaluator.client.close()
+        outcome = _train(cfg, procs, progress)
     finally:
-        _reap(procs)
-    if evaluator.run_config is not None:
-        status.run_config.CopyFrom(evaluator.run_config)
-    report = _report(
-        cfg,
-        out,
-        status,
-        curve,
-        evaluator.initial_loss,
-        final_loss,
-        wall_s,
-        workers,
-        exit_codes,
-        address,
-        train_start_unix_s,
-    )
-    report["train_start_s"] = train_start_s  # when the global model existed: training time is wall_s − this
+        procs.reap()
+    report = _report(cfg, out, outcome)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
+    _plot(outcome.curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
     _print_summary(report, out)
     return report
+
+
+def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> _Outcome:
+    """Start the processes, watch them train, stop them and evaluate the final global model."""
+    started = time.monotonic()
+    address = procs.start_server()
+    workers = procs.start_workers(address)
+    evaluator = _Evaluator(address, cfg.job)
+    curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
+    watched, train_start_s, train_start_unix_s = _watch(cfg, evaluator, workers, started, progress)
+    curve += watched
+    exit_codes = [_stop(w.popen) for w in workers]  # overdue workers (hung, stopped) are terminated
+    status = evaluator.client.status()
+    if not status.initialized:
+        raise AsyncDiLoCoError(
+            f"no worker initialized the global model (exit codes {exit_codes}); see {cfg.out_dir}/worker-*.log"
+        )
+    version, final_loss = evaluator.evaluate_global()
+    wall_s = time.monotonic() - started
+    curve.append({"wall_s": wall_s, "version": version, "tokens": status.tokens, "eval_loss": final_loss})
+    evaluator.client.close()
+    if evaluator.run_config is not None:
+        status.run_config.CopyFrom(evaluator.run_config)
+    return _Outcome(
+        address=address,
+        status=status,
+        curve=curve,
+        initial_loss=evaluator.initial_loss,
+        final_loss=final_loss,
+        wall_s=wall_s,
+        workers=workers,
+        exit_codes=exit_codes,
+        train_start_s=train_start_s,
+        train_start_unix_s=train_start_unix_s,
+    )
 
 
 def _watch(
@@ -324,69 +372,111 @@ def _watch(
     training started (s since ``started``; and on the wall clock, None if it never did)."""
     from tqdm import tqdm
 
-    curve: list[dict] = []
-    leaver = workers[cfg.leave_rejoin[0]] if cfg.leave_rejoin is not None else None
-    rejoiner = workers[-1] if cfg.leave_rejoin is not None else None
-    rejoined = False
-    training_since_unix: float | None = None
-    last_eval = time.monotonic()
-    loss = ev.initial_loss
-    training_since: float | None = None  # when the global model was first there
-    deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
-    bar = tqdm(total=round(cfg.max_seconds), unit="s", disable=not progress, dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}")  # fmt: skip
+    watch = _Watch(cfg, ev, workers, started)
+    bar = tqdm(
+        total=round(cfg.max_seconds),
+        unit="s",
+        disable=not progress,
+        dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}",
+    )
     try:
-        while any(w.popen.poll() is None for w in workers) or (leaver is not None and not rejoined):
-            if time.monotonic() > deadline:
+        while watch.running():
+            if time.monotonic() > watch.deadline:
                 log.warning(
                     "workers still running %.0f s after the demo started (budget %g s of training + 120 s); "
-                    "stopping them", time.monotonic() - started, cfg.max_seconds,
-                )  # fmt: skip
+                    "stopping them",
+                    time.monotonic() - started,
+                    cfg.max_seconds,
+                )
                 break
             time.sleep(1.0 if cfg.token_budget is None and cfg.leave_rejoin is None else 0.25)
             try:
-                st = ev.client.status()
-                if sum(w.alive for w in st.workers) >= cfg.num_workers:  # the auto values need every rate
-                    ev.run_config = st.run_config
-                if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
-                    for w in workers:  # budget spent: workers stop (their final push may land)
-                        if w.popen.poll() is None:
-                            w.popen.terminate()
-                    break
-                if leaver is not None and training_since is not None and not rejoined:
-                    rejoined = _leave_or_rejoin(cfg, leaver, rejoiner, st, time.monotonic() - training_since)
-                if st.initialized and time.monotonic() - last_eval >= cfg.eval_every_s:
-                    version, loss = ev.evaluate_global()
-                    last_eval = time.monotonic()
-                    curve.append(
-                        {"wall_s": last_eval - started, "version": version, "tokens": st.tokens, "eval_loss": loss}
-                    )
+                st = watch.poll()
             except AsyncDiLoCoError as exc:
                 log.info("status/eval skipped: %s", exc)
                 continue
-            hist = list(st.staleness_histogram)
-            mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
-            if st.initialized and training_since is None:
-                training_since, training_since_unix = time.monotonic(), time.time()
-            bar.n = min(bar.total, time.monotonic() - training_since) if training_since else 0
-            what = (
-                f"round {st.version} | aborted {st.rounds_failed}" if cfg.mode == "sync"
-                else f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f}"
-            )  # fmt: skip
-            bar.set_postfix_str(f"{what} | eval loss {loss:.3f} | workers {sum(w.alive for w in st.workers)}")
+            if st is None:
+                break
+            watch.show(bar, st)
     finally:
         bar.close()
-    return curve, (training_since - started) if training_since is not None else 0.0, training_since_unix
+    since = watch.training_since
+    return watch.curve, (since - started) if since is not None else 0.0, watch.training_since_unix
+
+
+class _Watch:
+    """What the demo's status poll keeps between polls."""
+
+    def __init__(self, cfg: DemoConfig, ev: _Evaluator, workers: list[_WorkerProcess], started: float) -> None:
+        self.cfg, self.ev, self.workers, self.started = cfg, ev, workers, started
+        self.curve: list[dict] = []
+        self.leaver = workers[cfg.leave_rejoin[0]] if cfg.leave_rejoin is not None else None
+        self.rejoiner = workers[-1] if cfg.leave_rejoin is not None else None
+        self.rejoined = False
+        self.training_since: float | None = None  # when the global model was first there
+        self.training_since_unix: float | None = None
+        self.last_eval = time.monotonic()
+        self.loss = ev.initial_loss
+        self.deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
+
+    def running(self) -> bool:
+        return any(w.popen.poll() is None for w in self.workers) or (self.leaver is not None and not self.rejoined)
+
+    def poll(self) -> pb.StatusReply | None:
+        """One poll: the status, the leave or rejoin when due, an evaluation when due.
+        None once the token budget is spent (the workers are then stopped)."""
+        cfg, st = self.cfg, self.ev.client.status()
+        if sum(w.alive for w in st.workers) >= cfg.num_workers:  # the auto values need every rate
+            self.ev.run_config = st.run_config
+        if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
+            for w in self.workers:  # budget spent: workers stop (their final push may land)
+                if w.popen.poll() is None:
+                    w.popen.terminate()
+            return None
+        if self.leaver is not None and self.rejoiner is not None and self.training_since is not None:
+            if not self.rejoined:
+                train_s = time.monotonic() - self.training_since
+                self.rejoined = _leave_or_rejoin(cfg, self.leaver, self.rejoiner, st, train_s)
+        if st.initialized and time.monotonic() - self.last_eval >= cfg.eval_every_s:
+            version, self.loss = self.ev.evaluate_global()
+            self.last_eval = time.monotonic()
+            self.curve.append(
+                {
+                    "wall_s": self.last_eval - self.started,
+                    "version": version,
+                    "tokens": st.tokens,
+                    "eval_loss": self.loss,
+                }
+            )
+        return st
+
+    def show(self, bar, st: pb.StatusReply) -> None:
+        """Note when training started; show the progress bar at seconds of training."""
+        if st.initialized and self.training_since is None:
+            self.training_since, self.training_since_unix = time.monotonic(), time.time()
+        bar.n = min(bar.total, time.monotonic() - self.training_since) if self.training_since else 0
+        hist = list(st.staleness_histogram)
+        mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
+        what = (
+            f"round {st.version} | aborted {st.rounds_failed}"
+            if self.cfg.mode == "sync"
+            else f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f}"
+        )
+        bar.set_postfix_str(f"{what} | eval loss {self.loss:.3f} | workers {sum(w.alive for w in st.workers)}")
 
 
 #: Seconds a leaving worker gets for its last push and Leave before it is stopped.
 _LEAVE_GRACE_S = 30.0
 
 
-def _leave_or_rejoin(cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st, train_s: float) -> bool:
+def _leave_or_rejoin(
+    cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st: pb.StatusReply, train_s: float
+) -> bool:
     """One poll's step of ``cfg.leave_rejoin`` at ``train_s`` seconds of training: stop
     the leaver once it is due and has joined; release the waiting fresh process once
     the rejoin is due and the server shows the leaver gone. True when nothing is left."""
+    assert cfg.leave_rejoin is not None
     index, leave_s, rejoin_s = cfg.leave_rejoin
     if leaver.left_s is None:
         if leaver.popen.poll() is not None:  # it ended (or crashed) before its leave: nothing to rejoin
@@ -413,76 +503,57 @@ def _leave_or_rejoin(cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerP
     return False
 
 
-def _run_config(rc) -> dict:
+def _run_config(rc: pb.RunConfig) -> dict:
     """What the server dictated (RunConfig): the outer step, H, DyLU and grouping."""
     return {
-        "mode": rc.mode, "outer_optimizer": rc.outer_optimizer, "outer_lr": rc.outer_lr,
-        "outer_momentum": rc.outer_momentum, "local_steps": rc.local_steps, "dylu": rc.dylu,
-        "grouping": rc.grouping, "group_window_s": round(rc.group_window_s, 3),
-        "group_max_wait_s": round(rc.group_max_wait_s, 3), "wire_codec": rc.wire_codec or "raw",
-    }  # fmt: skip
+        "mode": rc.mode,
+        "outer_optimizer": rc.outer_optimizer,
+        "outer_lr": rc.outer_lr,
+        "outer_momentum": rc.outer_momentum,
+        "local_steps": rc.local_steps,
+        "dylu": rc.dylu,
+        "grouping": rc.grouping,
+        "group_window_s": round(rc.group_window_s, 3),
+        "group_max_wait_s": round(rc.group_max_wait_s, 3),
+        "wire_codec": rc.wire_codec or "raw",
+    }
 
 
-def _report(
-    cfg, out, status, curve, initial_loss, final_loss, wall_s, workers, exit_codes, address, train_start_unix_s=None
-) -> dict:
-    hist = list(status.staleness_histogram)
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
-    server_view: dict[str, dict] = {}  # by name, summed over a process's own rejoins (lapsed leases)
-    for w in status.workers:
-        agg = server_view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0, "worker_ids": []})
-        agg["pushes"] += w.applied_pushes
-        agg["tokens"] += w.tokens
-        agg["worker_ids"].append(w.worker_id)
-    per_worker = []
-    for p, code in zip(workers, exit_codes):
-        stats_path = out / f"{p.stem}.json"
-        stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-        name = p.name
-        seen = server_view.get(name, {"pushes": 0, "tokens": 0, "worker_ids": []})
-        began = stats.get("train_started_unix_s")
-        per_worker.append(
-            {
-                "index": p.index,
-                "rejoin": p.rejoin,
-                "name": name,
-                "worker_ids": seen["worker_ids"],
-                "speed_factor": p.speed_factor,
-                "slowdown_changes": stats.get("slowdown_changes", ""),
-                "exit_code": code,
-                "train_started_s": round(began - train_start_unix_s, 3) if began and train_start_unix_s else None,
-                "left_s": None if p.left_s is None else round(p.left_s, 3),
-                "join_at_s": None if p.join_at_s is None else round(p.join_at_s, 3),
-                "pushes": seen["pushes"],
-                "tokens": stats.get("tokens", seen["tokens"]),  # a crashed worker wrote no stats file
-                "inner_steps": stats.get("inner_steps", 0),
-                "pushes_refused": stats.get("pushes_refused", 0),
-                "sync_failures": stats.get("sync_failures", 0),
-                "comm_s": round(stats.get("comm_s", 0.0), 3),
-                "idle_s": round(stats.get("idle_s", stats.get("blocked_s", stats.get("comm_s", 0.0))), 3),
-                "blocked_s": round(stats.get("blocked_s", 0.0), 3),
-                "held_s": round(stats.get("held_s", 0.0), 3),
-                "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
-                "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"]))
-                if stats.get("staleness")
-                else None,
-                "rounds_committed": stats.get("rounds_committed"),
-                "rounds_failed": stats.get("rounds_failed"),
-                "heals": stats.get("heals"),
-            }
-        )
+def _report(cfg: DemoConfig, out: pathlib.Path, o: _Outcome) -> dict:
+    """report.json: the run, the server's counters, one entry per worker process, the curve."""
+    status = o.status
+    seen = _server_view(status)
+    per_worker = [_worker_entry(p, code, out, seen, o.train_start_unix_s) for p, code in zip(o.workers, o.exit_codes)]
+    sync = cfg.mode == "sync"
     return {
         "mode": cfg.mode,
         "overlap": "--overlap" in cfg.worker_args,
-        "rounds_committed": status.rounds_committed if cfg.mode == "sync" else None,
-        "rounds_failed": status.rounds_failed if cfg.mode == "sync" else None,
-        "round_time_s": _round_times([out / f"{p.stem}.json" for p in workers]) if cfg.mode == "sync" else None,
-        "server": address,
-        "initial_eval_loss": initial_loss,
-        "final_eval_loss": final_loss,
+        "rounds_committed": status.rounds_committed if sync else None,
+        "rounds_failed": status.rounds_failed if sync else None,
+        "round_time_s": _round_times([out / f"{p.stem}.json" for p in o.workers]) if sync else None,
+        "server": o.address,
+        "initial_eval_loss": o.initial_loss,
+        "final_eval_loss": o.final_loss,
         "eval_loss_unit": "nats/char on the held-out split",
         "ln_vocab": math.log(CharCorpus.default().vocab_size),
+        **_server_counters(status),
+        "wall_s": o.wall_s,
+        "tokens": sum(w["tokens"] for w in per_worker),
+        "job": dataclasses.asdict(cfg.job),
+        "max_seconds_per_worker": cfg.max_seconds,
+        "leave_rejoin": list(cfg.leave_rejoin) if cfg.leave_rejoin is not None else None,
+        "workers": per_worker,
+        "eval_curve": o.curve,
+        "train_start_s": o.train_start_s,  # when the global model existed: training time is wall_s − this
+    }
+
+
+def _server_counters(status: pb.StatusReply) -> dict:
+    """The report's fields from the server's last status."""
+    hist = list(status.staleness_histogram)
+    while len(hist) > 1 and hist[-1] == 0:
+        hist.pop()
+    return {
         "version": status.version,
         "applied_pushes": status.applied_pushes,
         "rejected_pushes": status.rejected_pushes,
@@ -491,8 +562,6 @@ def _report(
         "bytes_pushed": status.bytes_pushed,
         "bytes_pulled": status.bytes_pulled,
         "pulls": status.pulls,
-        "wall_s": wall_s,
-        "tokens": sum(w["tokens"] for w in per_worker),
         "tokens_applied": status.tokens,
         "outer_optimizer": status.outer_optimizer,
         "staleness_weighting": status.staleness_weighting,
@@ -501,11 +570,54 @@ def _report(
         "group_size_histogram": list(status.group_size_histogram),
         "divergence_warnings": status.divergence_warnings,
         "num_parameters": sum(math.prod(t.shape) for t in status.manifest.tensors),
-        "job": dataclasses.asdict(cfg.job),
-        "max_seconds_per_worker": cfg.max_seconds,
-        "leave_rejoin": list(cfg.leave_rejoin) if cfg.leave_rejoin is not None else None,
-        "workers": per_worker,
-        "eval_curve": curve,
+    }
+
+
+def _server_view(status: pb.StatusReply) -> dict[str, dict]:
+    """Per worker name, the server's counters, summed over a process's own rejoins (lapsed leases)."""
+    view: dict[str, dict] = {}
+    for w in status.workers:
+        agg = view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0, "worker_ids": []})
+        agg["pushes"] += w.applied_pushes
+        agg["tokens"] += w.tokens
+        agg["worker_ids"].append(w.worker_id)
+    return view
+
+
+def _worker_entry(
+    p: _WorkerProcess, code: int, out: pathlib.Path, server_view: dict[str, dict], train_start_unix_s: float | None
+) -> dict:
+    """One worker process in the report: its stats file (none if it crashed) and the server's view."""
+    stats_path = out / f"{p.stem}.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    seen = server_view.get(p.name, {"pushes": 0, "tokens": 0, "worker_ids": []})
+    began = stats.get("train_started_unix_s")
+    staleness = stats.get("staleness")
+    return {
+        "index": p.index,
+        "rejoin": p.rejoin,
+        "name": p.name,
+        "worker_ids": seen["worker_ids"],
+        "speed_factor": p.speed_factor,
+        "slowdown_changes": stats.get("slowdown_changes", ""),
+        "exit_code": code,
+        "train_started_s": round(began - train_start_unix_s, 3) if began and train_start_unix_s else None,
+        "left_s": None if p.left_s is None else round(p.left_s, 3),
+        "join_at_s": None if p.join_at_s is None else round(p.join_at_s, 3),
+        "pushes": seen["pushes"],
+        "tokens": stats.get("tokens", seen["tokens"]),  # a crashed worker wrote no stats file
+        "inner_steps": stats.get("inner_steps", 0),
+        "pushes_refused": stats.get("pushes_refused", 0),
+        "sync_failures": stats.get("sync_failures", 0),
+        "comm_s": round(stats.get("comm_s", 0.0), 3),
+        "idle_s": round(stats.get("idle_s", stats.get("blocked_s", stats.get("comm_s", 0.0))), 3),
+        "blocked_s": round(stats.get("blocked_s", 0.0), 3),
+        "held_s": round(stats.get("held_s", 0.0), 3),
+        "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
+        "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
+        "rounds_committed": stats.get("rounds_committed"),
+        "rounds_failed": stats.get("rounds_failed"),
+        "heals": stats.get("heals"),
     }
 
 
@@ -525,8 +637,13 @@ def _round_times(stats_paths: list[pathlib.Path]) -> dict | None:
     if not between:
         return None
     med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
-    return {"round": med(between), "quorum_wait": med(quorum), "allreduce_and_upload": med(collective),
-            "commit_wait": med(commit), "samples": len(between)}  # fmt: skip
+    return {
+        "round": med(between),
+        "quorum_wait": med(quorum),
+        "allreduce_and_upload": med(collective),
+        "commit_wait": med(commit),
+        "samples": len(between),
+    }
 
 
 def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "async") -> None:
@@ -555,7 +672,8 @@ def _print_summary(report: dict, out: pathlib.Path) -> None:
         f"\nasyncdiloco demo: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
         f"{report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
         f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
-        f"  version {report['version']}: {report['applied_pushes']} pushes applied, {report['rejected_pushes']} refused, "
+        f"  version {report['version']}: {report['applied_pushes']} pushes applied, "
+        f"{report['rejected_pushes']} refused, "
         f"{stale} applied with staleness > 0 (histogram {hist})\n"
         f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"
         + (

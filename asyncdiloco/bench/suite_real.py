@@ -45,7 +45,9 @@ import time
 from asyncdiloco.bench.demo import DemoConfig, run_demo
 from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
 from asyncdiloco.bench.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
+from asyncdiloco.cli.flags import SERVER_RUN
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.ps.config import ServerConfig, SyncConfig
 
 #: The methods the real clock runs: what claims (b) and (c) and the method beyond the
 #: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
@@ -162,24 +164,26 @@ def measured_real_s_per_step(run_dir: pathlib.Path) -> float | None:
     return busy_s / steps if steps else None
 
 
+def server_config(cfg: SimConfig) -> ServerConfig:
+    """The server a method runs on the real clock: the settings the simulator gives its
+    server (``sim.METHODS``: mode, H, the outer step, DyLU, grouping); the grouping
+    window is the server's own auto window, as in the simulator. A sync quorum needs
+    every worker present (not the one away in ``leave_rejoin``) and waits up to 30 s."""
+    spec = METHODS[cfg.method]
+    server = ServerConfig(
+        mode=spec.mode, local_steps=cfg.local_steps, outer=cfg.outer(), dylu=spec.dylu, grouping=spec.grouping
+    )
+    if spec.mode != "sync":
+        return server
+    present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
+    return dataclasses.replace(server, sync=SyncConfig(min_workers=present, join_timeout_s=30.0))
+
+
 def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
-    settings the simulator gives the server (``sim.METHODS``); the grouping window is the
-    server's own auto window, as in the simulator."""
-    spec = METHODS[cfg.method]
-    o = cfg.outer()
-    flags = [
-        "--local-steps", str(cfg.local_steps), "--outer-optimizer", o.optimizer, "--outer-lr", str(o.lr),
-        "--outer-momentum", str(o.momentum), "--staleness", o.staleness, "--staleness-a", str(o.staleness_a),
-        "--dn-buffer", str(o.dn_buffer), "--grouping", spec.grouping, "--dylu" if spec.dylu else "--no-dylu",
-        *(("--block-check",) if o.block_check else ()),
-    ]  # fmt: skip
-    worker_args = ("--overlap",) if spec.overlap else ()
-    if spec.mode == "sync":
-        present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
-        flags += ["--mode", "sync", "--min-workers", str(present), "--join-timeout-s", "30"]
-        return "sync", tuple(flags), worker_args
-    return "async", tuple(flags), worker_args
+    flags that rebuild ``server_config(cfg)`` in the demo's server process."""
+    server = server_config(cfg)
+    return server.mode, SERVER_RUN.argv(server), ("--overlap",) if METHODS[cfg.method].overlap else ()
 
 
 def run_real_suite(

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
@@ -68,66 +70,104 @@ def run_worker(
         ConfigError: slowdown < 1, a bad ``slowdown_changes`` or no bound given.
         ServerUnavailableError / ManifestMismatchError: joining failed.
     """
-    if not slowdown >= 1.0:
-        raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
+    _check_bounds(slowdown, max_steps, max_seconds)
     slowdown_changes = check_slowdown_changes(slowdown_changes)
-    if max_steps is None and max_seconds is None:
-        raise ConfigError("give max_steps or max_seconds, or the worker would train forever")
-    if max_steps is not None and max_steps < 1:
-        raise ConfigError(f"max_steps={max_steps} is invalid: give 1 or more inner steps")
-    if max_seconds is not None and not max_seconds > 0:
-        raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
     corpus = CharCorpus.default()
     model = job.build(corpus)
     inner, inner_lr = job.build_inner(model.parameters())
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
+    worker: AsyncDiLoCoWorker | SyncDiLoCoWorker
     if sync is not None:
         worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
     else:
         worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
     if wait_to_join is not None and not wait_to_join():
         return worker.stats
+    loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), log_every)
     with worker:
-        started = time.monotonic()
-        step = 0
-        factor = slowdown
         try:
             if on_start is not None:
                 on_start()
-            while (
-                (max_steps is None or step < max_steps)
-                and (max_seconds is None or time.monotonic() - started < max_seconds)
-                and not (stop is not None and stop.is_set())
-            ):
-                t0, blocked0 = time.monotonic(), worker.stats.blocked_s
-                x, y = next(batches)  # (B, T) int64 each
-                loss = lm_loss(model(x), y)
-                loss.backward()
-                inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
-                inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
-                inner.zero_grad(set_to_none=True)
-                step += 1
-                if step % log_every == 0:
-                    st = worker.stats
-                    done = (
-                        f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed" if sync is not None
-                        else f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
-                    )  # fmt: skip
-                    log.info("step %d: train loss %.3f nats/char, %s", step, float(loss), done)
-                if slowdown_changes:
-                    now_factor = slowdown_at(time.monotonic() - started, slowdown, slowdown_changes)
-                    if now_factor != factor:
-                        log.info(
-                            "step %d, %.1f s: slowdown %g -> %g", step, time.monotonic() - started, factor, now_factor
-                        )
-                        factor = now_factor
-                if factor > 1.0:
-                    compute_s = time.monotonic() - t0 - (worker.stats.blocked_s - blocked0)  # the sync is not slowed
-                    time.sleep((factor - 1.0) * max(compute_s, 0.0))
-                if on_step is not None:
-                    on_step(step, float(loss))
+            loop.run(max_steps, max_seconds, stop, on_step)
         except KeyboardInterrupt:  # SIGINT: stop training; close() still pushes and leaves
-            log.info("interrupted after %d inner steps; leaving", step)
+            log.info("interrupted after %d inner steps; leaving", loop.step)
         if stop is not None and stop.is_set():
-            log.info("stopped after %d inner steps; leaving", step)
+            log.info("stopped after %d inner steps; leaving", loop.step)
     return worker.stats
+
+
+def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | None) -> None:
+    if not slowdown >= 1.0:
+        raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
+    if max_steps is None and max_seconds is None:
+        raise ConfigError("give max_steps or max_seconds, or the worker would train forever")
+    if max_steps is not None and max_steps < 1:
+        raise ConfigError(f"max_steps={max_steps} is invalid: give 1 or more inner steps")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
+
+
+class _Pace:
+    """The emulated slowdown: after an inner step that computed for c seconds, sleep
+    (F − 1)·c, F the factor in force at that time of training (``slowdown_at``)."""
+
+    def __init__(self, slowdown: float, changes: SlowdownChanges) -> None:
+        self.slowdown, self.changes, self.factor = slowdown, changes, slowdown
+
+    def after_step(self, step: int, train_s: float, compute_s: float) -> None:
+        if self.changes:
+            factor = slowdown_at(train_s, self.slowdown, self.changes)
+            if factor != self.factor:
+                log.info("step %d, %.1f s: slowdown %g -> %g", step, train_s, self.factor, factor)
+                self.factor = factor
+        if self.factor > 1.0:
+            time.sleep((self.factor - 1.0) * max(compute_s, 0.0))
+
+
+class _Loop:
+    """The plain PyTorch training loop of the default job; the worker syncs inside
+    ``inner.step()`` every H-th step."""
+
+    def __init__(self, worker, model, inner, inner_lr, batches, pace: _Pace, log_every: int) -> None:
+        self.worker, self.model, self.inner, self.inner_lr = worker, model, inner, inner_lr
+        self.batches, self.pace, self.log_every = batches, pace, log_every
+        self.step = 0
+
+    def run(
+        self,
+        max_steps: int | None,
+        max_seconds: float | None,
+        stop: threading.Event | None,
+        on_step: Callable[[int, float], None] | None,
+    ) -> None:
+        started = time.monotonic()
+        while (
+            (max_steps is None or self.step < max_steps)
+            and (max_seconds is None or time.monotonic() - started < max_seconds)
+            and not (stop is not None and stop.is_set())
+        ):
+            t0, blocked0 = time.monotonic(), self.worker.stats.blocked_s
+            loss = self.inner_step()
+            compute_s = time.monotonic() - t0 - (self.worker.stats.blocked_s - blocked0)  # the sync is not slowed
+            self.pace.after_step(self.step, time.monotonic() - started, compute_s)
+            if on_step is not None:
+                on_step(self.step, float(loss))
+
+    def inner_step(self) -> torch.Tensor:
+        """One inner step; returns its training loss (a scalar, nats/char)."""
+        x, y = next(self.batches)  # (B, T) int64 each
+        loss = lm_loss(self.model(x), y)
+        loss.backward()
+        self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+        self.inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
+        self.inner.zero_grad(set_to_none=True)
+        self.step += 1
+        if self.step % self.log_every == 0:
+            log.info("step %d: train loss %.3f nats/char, %s", self.step, float(loss), self._progress())
+        return loss
+
+    def _progress(self) -> str:
+        st = self.worker.stats
+        if isinstance(st, SyncWorkerStats):
+            return f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed"
+        return f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"

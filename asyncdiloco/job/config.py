@@ -68,8 +68,12 @@ class JobConfig:
 
     def inner_schedule(self) -> LRSchedule:
         """The inner lr's schedule as an ``LRSchedule`` (its counter is the inner step)."""
-        return LRSchedule(kind=self.inner_lr_schedule, warmup=self.inner_warmup_steps, total=self.inner_total_steps,
-                          min_ratio=self.inner_min_ratio)  # fmt: skip
+        return LRSchedule(
+            kind=self.inner_lr_schedule,
+            warmup=self.inner_warmup_steps,
+            total=self.inner_total_steps,
+            min_ratio=self.inner_min_ratio,
+        )
 
     def build_inner(self, params: Iterable) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
         """The inner optimizer (AdamW, as in DiLoCo) and its lr scheduler.

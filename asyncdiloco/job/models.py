@@ -177,7 +177,8 @@ class CharTransformer(nn.Module):
         if T > self.config.context_len:
             raise ConfigError(
                 f"input length T={T} exceeds context_len={self.config.context_len}; "
-                f"crop the input to its last {self.config.context_len} characters or build a model with a larger context_len."
+                f"crop the input to its last {self.config.context_len} characters "
+                "or build a model with a larger context_len."
             )
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)

@@ -54,7 +54,8 @@ def check_slowdown_changes(changes: SlowdownChanges) -> SlowdownChanges:
             )
         if not (math.isfinite(factor) and factor >= 1.0):
             raise ConfigError(
-                f"slowdown change to factor={factor} at t={t_s} s is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)"
+                f"slowdown change to factor={factor} at t={t_s} s is invalid: "
+                "must be >= 1 (1 = full speed, 2 = twice as slow)"
             )
         out.append((t_s, factor))
         last = t_s

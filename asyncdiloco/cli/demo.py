@@ -1,0 +1,103 @@
+"""``asyncdiloco demo``: a server and N workers of different speeds on loopback, with a
+held-out loss curve and a report (bench/demo.py runs it).
+
+The server flags are the server's own (flags.SERVER_RUN), checked here before any
+process starts and handed to the demo's server process as the flags that rebuild the
+same configuration; the model flags go to every worker the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from asyncdiloco.cli.flags import JOB, SERVER_RUN
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps.config import ServerConfig
+
+#: The demo runs the server's own defaults (the async default is what the benchmark suite
+#: shows to win); only the sync join timeout differs, per mode, where the flag is not
+#: given: a sync round waits for its slowest member, and the demo's workers run up to 3x
+#: slower than the fastest, so the join timeout must exceed about 2 H steps of the slowest
+#: (with 10 s the 3x worker was cut out of rounds on a loaded 2-core machine, its steps discarded).
+DEMO_JOIN_TIMEOUT_S = {"async": 10.0, "sync": 30.0}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from asyncdiloco.bench.demo import DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="server + N workers of different speeds on loopback, with a report")
+    g = p.add_argument_group("the demo")
+    g.add_argument(
+        "--workers", type=int, default=d.num_workers, help="number of worker processes (default %(default)s)"
+    )
+    g.add_argument(
+        "--max-seconds",
+        type=float,
+        default=d.max_seconds,
+        help="training time per worker, seconds (default %(default)g)",
+    )
+    g.add_argument(
+        "--out", default=d.out_dir, help="folder for report.json, loss_curve.png and logs (default %(default)s)"
+    )
+    g.add_argument(
+        "--slowdowns", default="", help="comma-separated speed factors, one per worker (default: cycles 1,1.5,2,3)"
+    )
+    g.add_argument(
+        "--eval-every",
+        type=float,
+        default=d.eval_every_s,
+        help="seconds between held-out evaluations (default %(default)g)",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--overlap", action="store_true", help="workers push and pull in the background while training on (async only)"
+    )
+    join = ", ".join(f"{mode} {s:g}" for mode, s in DEMO_JOIN_TIMEOUT_S.items())
+    SERVER_RUN.add_to(p, default_means={"--join-timeout-s": f"the demo's own: {join}"})
+    JOB.add_to(p)
+    p.set_defaults(func=run)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The demo server's configuration (on 127.0.0.1, a free port) from the parsed flags."""
+    given = SERVER_RUN.given(args)
+    given.setdefault("sync.join_timeout_s", DEMO_JOIN_TIMEOUT_S[given.get("mode", ServerConfig.mode)])
+    return SERVER_RUN.build(given, host="127.0.0.1", port=0)
+
+
+def _slowdowns(text: str) -> tuple[float, ...] | None:
+    try:
+        return tuple(float(s) for s in text.split(",")) if text else None
+    except ValueError:
+        raise ConfigError(
+            f"--slowdowns {text!r} is invalid: give numbers >= 1 separated by commas, e.g. 1,2,4"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from asyncdiloco.bench.demo import DemoConfig, run_demo
+
+    slowdowns = _slowdowns(args.slowdowns)
+    server = server_config(args)  # a bad server flag is refused here, naming the value
+    if args.overlap and server.mode == "sync":
+        raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
+    cfg = DemoConfig(
+        mode=server.mode,
+        num_workers=args.workers,
+        max_seconds=args.max_seconds,
+        out_dir=args.out,
+        slowdowns=slowdowns,
+        server_args=SERVER_RUN.argv(server),
+        job=JOB.build(JOB.given(args)),
+        eval_every_s=args.eval_every,
+        worker_args=("--overlap",) if args.overlap else (),
+    )
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
+    report = run_demo(cfg, progress=not args.no_progress)
+    return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
+
+
+def _raise_keyboard_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

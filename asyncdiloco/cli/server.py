@@ -1,0 +1,70 @@
+"""``asyncdiloco server``: the parameter server process, until SIGINT or SIGTERM.
+
+Prints one line once it listens (after writing ``--port-file``, so a watcher of either
+knows it is ready) and one line of counters when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+from asyncdiloco.cli.flags import SERVER
+from asyncdiloco.ps.config import ServerConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("server", help="run the parameter server")
+    p.add_argument("--port-file", help="write the bound port to this file once listening")
+    SERVER.add_to(p)
+    p.set_defaults(func=run)
+
+
+def config(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from the parsed flags."""
+    return SERVER.build(SERVER.given(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncdiloco._malloc import keep_large_blocks
+    from asyncdiloco.ps import ParameterServer
+
+    cfg = config(args)
+    torch.set_num_threads(1)  # one intra-op thread: the outer step competes with the RPC threads for cores
+    keep_large_blocks()  # reuse payload-sized memory instead of faulting it in again for every push
+    server = ParameterServer(cfg).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after
+        signal.signal(sig, lambda *_: stop.set())
+    if args.port_file:  # written before the "listening" line, which tells watchers it is ready
+        assert server.port is not None, "a started server has its port"
+        _write_port_file(args.port_file, server.port)
+    print(f"asyncdiloco server listening on {server.address}", flush=True)
+    if server.config.mode == "sync":
+        print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
+    if server.bulk_port:
+        print(f"asyncdiloco server: bulk data channel on port {server.bulk_port}", flush=True)
+    stop.wait()
+    server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
+    st = server.state.status()
+    rounds = (
+        f", {st.rounds_committed} rounds committed, {st.rounds_failed} aborted" if server.config.mode == "sync" else ""
+    )
+    print(
+        f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
+        f"{st.rejected_pushes} refused, {st.pulls} pulls{rounds}",
+        flush=True,
+    )
+    return 0
+
+
+def _write_port_file(path: str, port: int) -> None:
+    """Atomically: a reader sees no file or the whole port."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)

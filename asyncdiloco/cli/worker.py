@@ -1,0 +1,181 @@
+"""``asyncdiloco worker``: one worker process training the default job (train.py).
+
+Every flag is checked and turned into the configs before anything process-wide is set
+(signal handler, torch threads, allocator), so a refused flag leaves the process as it
+was. The first SIGTERM ends training after the current inner step; the worker then
+pushes its last steps and leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from asyncdiloco.cli.flags import SYNC_WORKER, WORKER, WORKER_JOB
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.ps.config import MODES
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="run one worker training the default model on the default data",
+        description="One asynchronous DiLoCo worker. H and the outer optimizer are the server's (set them on "
+        "`asyncdiloco server`); the flags here choose the worker's model, data order, speed and run length.",
+    )
+    WORKER.add_to(p)
+    _add_run_args(p)
+    SYNC_WORKER.add_to(p)
+    WORKER_JOB.add_to(p)
+    p.set_defaults(func=run)
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """What ``run_worker`` takes besides the configs: data order, speed, bounds, outputs."""
+    g = p.add_argument_group("this run")
+    g.add_argument("--mode", choices=MODES, default="async", help="must match the server's --mode (default async)")
+    g.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order (default %(default)s)")
+    g.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="run F times slower, to emulate a weaker machine (default %(default)s)",
+    )
+    g.add_argument(
+        "--slowdown-changes",
+        default="",
+        metavar="T1:F1,T2:F2",
+        help="from T seconds of training on, run F times slower instead (times increasing, F >= 1); "
+        "emulates a machine whose speed changes (default: none)",
+    )
+    g.add_argument(
+        "--join-when-file",
+        default=None,
+        metavar="PATH",
+        help="start up, then wait until PATH exists before joining (the demo starts a rejoining "
+        "worker early this way, so its start-up is not part of the time away) (default: join at once)",
+    )
+    g.add_argument("--max-steps", type=int, help="stop after N inner steps")
+    g.add_argument("--max-seconds", type=float, help="stop after S seconds of training")
+    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    g.add_argument("--stats-file", help="write the worker's final counters as JSON here")
+
+
+# ------------------------------------------------------------------- the command
+@dataclasses.dataclass(frozen=True)
+class _Configs:
+    worker: WorkerConfig
+    job: JobConfig
+    sync: SyncWorkerConfig | None
+
+
+def configs(args: argparse.Namespace) -> _Configs:
+    """The worker's configs from the parsed flags; every refusal of a flag happens here.
+
+    Raises:
+        ConfigError: a flag's value is invalid, or a combination is.
+    """
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
+    given = WORKER.given(args)
+    if not given.get("worker_name"):
+        given["worker_name"] = f"worker-{args.worker_index}@{os.uname().nodename}"
+    wcfg = WORKER.build(given)
+    if args.max_steps is None and args.max_seconds is None:
+        raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
+    sync = None
+    if args.mode == "sync":
+        if wcfg.overlap:
+            raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
+        sync = SYNC_WORKER.build(SYNC_WORKER.given(args))
+    return _Configs(wcfg, WORKER_JOB.build(WORKER_JOB.given(args)), sync)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncdiloco._malloc import keep_large_blocks
+    from asyncdiloco.cli import train
+    from asyncdiloco.job.slowdown import parse_slowdown_changes
+
+    cfg = configs(args)
+    slowdown_changes = parse_slowdown_changes(args.slowdown_changes)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, _on_sigterm(stop))
+    torch.set_num_threads(args.threads)
+    keep_large_blocks()
+    began: list[float] = []  # when training began (wall clock), once it has
+    stats = train.run_worker(
+        worker_config=cfg.worker,
+        job=cfg.job,
+        worker_index=args.worker_index,
+        slowdown=args.slowdown,
+        slowdown_changes=slowdown_changes,
+        max_steps=args.max_steps,
+        max_seconds=args.max_seconds,
+        sync=cfg.sync,
+        on_start=lambda: began.append(time.time()),
+        stop=stop,
+        wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
+    )
+    if args.stats_file:
+        with open(args.stats_file, "w") as f:
+            json.dump(_summary(args, stats, cfg.worker.worker_name, began), f)
+    print(_final_line(cfg.worker.worker_name, stats), flush=True)
+    return 0
+
+
+def _on_sigterm(stop: threading.Event) -> Callable[..., None]:
+    def on_sigterm(*_: object) -> None:
+        # The first SIGTERM ends training after the current inner step (an interrupt in the
+        # middle of a push or pull could leave the client half-way; it hung close() after
+        # Leave); the worker then pushes its last Δ and leaves. A second one interrupts.
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    return on_sigterm
+
+
+def _wait_for_file(path: str, stop: threading.Event) -> Callable[[], bool]:
+    def wait_for_file() -> bool:  # started early, its start-up done: join once the file appears
+        while not os.path.exists(path) and not stop.is_set():
+            time.sleep(0.05)
+        return not stop.is_set()
+
+    return wait_for_file
+
+
+def _summary(args: argparse.Namespace, stats: Any, name: str, began: list[float]) -> dict:
+    """The stats file: the worker's counters and what it ran with."""
+    summary = dataclasses.asdict(stats)
+    summary.update(
+        worker_index=args.worker_index, slowdown=args.slowdown, slowdown_changes=args.slowdown_changes, name=name
+    )
+    if began:  # when it began training, on the wall clock (the demo's report aligns processes by it)
+        summary["train_started_unix_s"] = began[0]
+    return summary
+
+
+def _final_line(name: str, stats: Any) -> str:
+    from asyncdiloco.worker.sync_worker import SyncWorkerStats
+
+    if isinstance(stats, SyncWorkerStats):
+        return (
+            f"{name}: {stats.inner_steps} inner steps, {stats.rounds_committed} rounds committed, "
+            f"{stats.rounds_failed} aborted, {stats.heals} heals, idle {stats.idle_s:.1f} s"
+        )
+    return (
+        f"{name}: {stats.inner_steps} inner steps, {stats.pushes_applied} pushes applied, "
+        f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs, blocked {stats.blocked_s:.1f} s "
+        f"of {stats.wall_s:.1f} s"
+    )
