@@ -7,7 +7,7 @@ container can start the server without relying on the console-script shim. See
 
 import sys
 
-from asyncdiloco.cli.app import main
+from asyncdiloco.cli import main
 
 #: Flags of the ``asyncdiloco`` command itself, which must come before the subcommand.
 GLOBAL_FLAGS = {"-q", "--quiet", "-v", "-vv", "--verbose"}

@@ -22,9 +22,8 @@ from asyncdiloco.cli.flags import (
     WORKER,
     WORKER_EXCLUDED,
     WORKER_JOB,
-    FlagTable,
-    all_fields,
 )
+from asyncdiloco.cli.table import FlagTable, all_fields
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig

@@ -20,11 +20,10 @@ pushes its last pseudo-gradient and calls Leave), and a fresh process with the s
 ``--worker-index`` joins at ``rejoin_at_s`` (a new worker id; it pulls the global model).
 The fresh process is started with the others and holds its Join until the demo releases
 it (``--join-when-file``) at ``rejoin_at_s``, once the server shows the old one left, so
-its start-up (seconds on a loaded machine) is not added to the time away. Seconds of
-training count from ``train_start_s`` in the report: the moment the demo's status poll
-(every 0.25 s) first saw the global model initialized (the first worker's push of its
-initial parameters). ``workers[]`` then has one entry per process, with ``index`` and
-``rejoin``.
+its start-up is not added to the time away. Seconds of training count from
+``train_start_s`` in the report: the moment the demo's status poll (every 0.25 s) first
+saw the global model initialized (the first worker's push of its initial parameters).
+``workers[]`` then has one entry per process, with ``index`` and ``rejoin``.
 """
 
 from __future__ import annotations
@@ -32,17 +31,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
 
 import torch
 
-from asyncdiloco.bench.plots import pyplot
+from asyncdiloco.bench import demo_report
 from asyncdiloco.cli.flags import WORKER_JOB
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.job.config import JobConfig
@@ -133,7 +130,7 @@ def _worker_name(index: int, speed_factor: float, rejoin: bool = False) -> str:
 
 
 @dataclasses.dataclass
-class _WorkerProcess:
+class WorkerProcess:
     """One worker process; a rejoin is a second process with the same index."""
 
     index: int
@@ -226,7 +223,7 @@ def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: f
 
 
 @dataclasses.dataclass
-class _Outcome:
+class Outcome:
     """What a finished demo saw: the server's last status, the eval curve, the processes."""
 
     address: str
@@ -235,7 +232,7 @@ class _Outcome:
     initial_loss: float
     final_loss: float
     wall_s: float
-    workers: list[_WorkerProcess]
+    workers: list[WorkerProcess]
     exit_codes: list[int]
     #: When the global model first existed: seconds after the demo started, and on the wall clock.
     train_start_s: float
@@ -260,7 +257,7 @@ class _Processes:
         self.popens.append(server)
         return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
 
-    def start_workers(self, address: str) -> list[_WorkerProcess]:
+    def start_workers(self, address: str) -> list[WorkerProcess]:
         """One process per worker, plus the ``leave_rejoin`` worker's fresh process (the
         last), started now and held back until released (``_leave_or_rejoin``)."""
         workers = [self._start_worker(address, i) for i in range(len(self.speeds))]
@@ -274,7 +271,7 @@ class _Processes:
 
     def _start_worker(
         self, address: str, i: int, rejoin: bool = False, max_seconds: float | None = None, extra: tuple[str, ...] = ()
-    ) -> _WorkerProcess:
+    ) -> WorkerProcess:
         cfg, stem = self.cfg, _file_stem(i, rejoin)
         launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or self.python
         cmd = [
@@ -301,7 +298,7 @@ class _Processes:
         ]
         (self.out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
         self.popens.append(_spawn(cmd, self.out / f"{stem}.log"))
-        return _WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
+        return WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
 
     def reap(self) -> None:
         _reap(self.popens)
@@ -321,14 +318,14 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         outcome = _train(cfg, procs, progress)
     finally:
         procs.reap()
-    report = _report(cfg, out, outcome)
+    report = demo_report.report(cfg, out, outcome)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(outcome.curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
-    _print_summary(report, out)
+    demo_report.plot(outcome.curve, out / "loss_curve.png", vocab_size=CharCorpus.default().vocab_size, mode=cfg.mode)
+    demo_report.print_summary(report, out)
     return report
 
 
-def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> _Outcome:
+def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
     """Start the processes, watch them train, stop them and evaluate the final global model."""
     started = time.monotonic()
     address = procs.start_server()
@@ -349,7 +346,7 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> _Outcome:
     evaluator.client.close()
     if evaluator.run_config is not None:
         status.run_config.CopyFrom(evaluator.run_config)
-    return _Outcome(
+    return Outcome(
         address=address,
         status=status,
         curve=curve,
@@ -364,7 +361,7 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> _Outcome:
 
 
 def _watch(
-    cfg: DemoConfig, ev: _Evaluator, workers: list[_WorkerProcess], started: float, progress: bool
+    cfg: DemoConfig, ev: _Evaluator, workers: list[WorkerProcess], started: float, progress: bool
 ) -> tuple[list[dict], float, float | None]:
     """Poll status every second, evaluate every ``eval_every_s``, stop the
     ``leave_rejoin`` worker and release its fresh process (the last in ``workers``),
@@ -408,7 +405,7 @@ def _watch(
 class _Watch:
     """What the demo's status poll keeps between polls."""
 
-    def __init__(self, cfg: DemoConfig, ev: _Evaluator, workers: list[_WorkerProcess], started: float) -> None:
+    def __init__(self, cfg: DemoConfig, ev: _Evaluator, workers: list[WorkerProcess], started: float) -> None:
         self.cfg, self.ev, self.workers, self.started = cfg, ev, workers, started
         self.curve: list[dict] = []
         self.leaver = workers[cfg.leave_rejoin[0]] if cfg.leave_rejoin is not None else None
@@ -471,7 +468,7 @@ _LEAVE_GRACE_S = 30.0
 
 
 def _leave_or_rejoin(
-    cfg: DemoConfig, leaver: _WorkerProcess, rejoiner: _WorkerProcess, st: pb.StatusReply, train_s: float
+    cfg: DemoConfig, leaver: WorkerProcess, rejoiner: WorkerProcess, st: pb.StatusReply, train_s: float
 ) -> bool:
     """One poll's step of ``cfg.leave_rejoin`` at ``train_s`` seconds of training: stop
     the leaver once it is due and has joined; release the waiting fresh process once
@@ -501,192 +498,3 @@ def _leave_or_rejoin(
         log.info("worker %d rejoins at %.2f s of training (a new process)", index, train_s)
         return True
     return False
-
-
-def _run_config(rc: pb.RunConfig) -> dict:
-    """What the server dictated (RunConfig): the outer step, H, DyLU and grouping."""
-    return {
-        "mode": rc.mode,
-        "outer_optimizer": rc.outer_optimizer,
-        "outer_lr": rc.outer_lr,
-        "outer_momentum": rc.outer_momentum,
-        "local_steps": rc.local_steps,
-        "dylu": rc.dylu,
-        "grouping": rc.grouping,
-        "group_window_s": round(rc.group_window_s, 3),
-        "group_max_wait_s": round(rc.group_max_wait_s, 3),
-        "wire_codec": rc.wire_codec or "raw",
-    }
-
-
-def _report(cfg: DemoConfig, out: pathlib.Path, o: _Outcome) -> dict:
-    """report.json: the run, the server's counters, one entry per worker process, the curve."""
-    status = o.status
-    seen = _server_view(status)
-    per_worker = [_worker_entry(p, code, out, seen, o.train_start_unix_s) for p, code in zip(o.workers, o.exit_codes)]
-    sync = cfg.mode == "sync"
-    return {
-        "mode": cfg.mode,
-        "overlap": "--overlap" in cfg.worker_args,
-        "rounds_committed": status.rounds_committed if sync else None,
-        "rounds_failed": status.rounds_failed if sync else None,
-        "round_time_s": _round_times([out / f"{p.stem}.json" for p in o.workers]) if sync else None,
-        "server": o.address,
-        "initial_eval_loss": o.initial_loss,
-        "final_eval_loss": o.final_loss,
-        "eval_loss_unit": "nats/char on the held-out split",
-        "ln_vocab": math.log(CharCorpus.default().vocab_size),
-        **_server_counters(status),
-        "wall_s": o.wall_s,
-        "tokens": sum(w["tokens"] for w in per_worker),
-        "job": dataclasses.asdict(cfg.job),
-        "max_seconds_per_worker": cfg.max_seconds,
-        "leave_rejoin": list(cfg.leave_rejoin) if cfg.leave_rejoin is not None else None,
-        "workers": per_worker,
-        "eval_curve": o.curve,
-        "train_start_s": o.train_start_s,  # when the global model existed: training time is wall_s − this
-    }
-
-
-def _server_counters(status: pb.StatusReply) -> dict:
-    """The report's fields from the server's last status."""
-    hist = list(status.staleness_histogram)
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
-    return {
-        "version": status.version,
-        "applied_pushes": status.applied_pushes,
-        "rejected_pushes": status.rejected_pushes,
-        "duplicate_pushes": status.duplicate_pushes,
-        "staleness_histogram": hist,
-        "bytes_pushed": status.bytes_pushed,
-        "bytes_pulled": status.bytes_pulled,
-        "pulls": status.pulls,
-        "tokens_applied": status.tokens,
-        "outer_optimizer": status.outer_optimizer,
-        "staleness_weighting": status.staleness_weighting,
-        "local_steps": status.run_config.local_steps,
-        "run_config": _run_config(status.run_config),
-        "group_size_histogram": list(status.group_size_histogram),
-        "divergence_warnings": status.divergence_warnings,
-        "num_parameters": sum(math.prod(t.shape) for t in status.manifest.tensors),
-    }
-
-
-def _server_view(status: pb.StatusReply) -> dict[str, dict]:
-    """Per worker name, the server's counters, summed over a process's own rejoins (lapsed leases)."""
-    view: dict[str, dict] = {}
-    for w in status.workers:
-        agg = view.setdefault(w.worker_name, {"pushes": 0, "tokens": 0, "worker_ids": []})
-        agg["pushes"] += w.applied_pushes
-        agg["tokens"] += w.tokens
-        agg["worker_ids"].append(w.worker_id)
-    return view
-
-
-def _worker_entry(
-    p: _WorkerProcess, code: int, out: pathlib.Path, server_view: dict[str, dict], train_start_unix_s: float | None
-) -> dict:
-    """One worker process in the report: its stats file (none if it crashed) and the server's view."""
-    stats_path = out / f"{p.stem}.json"
-    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-    seen = server_view.get(p.name, {"pushes": 0, "tokens": 0, "worker_ids": []})
-    began = stats.get("train_started_unix_s")
-    staleness = stats.get("staleness")
-    return {
-        "index": p.index,
-        "rejoin": p.rejoin,
-        "name": p.name,
-        "worker_ids": seen["worker_ids"],
-        "speed_factor": p.speed_factor,
-        "slowdown_changes": stats.get("slowdown_changes", ""),
-        "exit_code": code,
-        "train_started_s": round(began - train_start_unix_s, 3) if began and train_start_unix_s else None,
-        "left_s": None if p.left_s is None else round(p.left_s, 3),
-        "join_at_s": None if p.join_at_s is None else round(p.join_at_s, 3),
-        "pushes": seen["pushes"],
-        "tokens": stats.get("tokens", seen["tokens"]),  # a crashed worker wrote no stats file
-        "inner_steps": stats.get("inner_steps", 0),
-        "pushes_refused": stats.get("pushes_refused", 0),
-        "sync_failures": stats.get("sync_failures", 0),
-        "comm_s": round(stats.get("comm_s", 0.0), 3),
-        "idle_s": round(stats.get("idle_s", stats.get("blocked_s", stats.get("comm_s", 0.0))), 3),
-        "blocked_s": round(stats.get("blocked_s", 0.0), 3),
-        "held_s": round(stats.get("held_s", 0.0), 3),
-        "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
-        "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
-        "rounds_committed": stats.get("rounds_committed"),
-        "rounds_failed": stats.get("rounds_failed"),
-        "heals": stats.get("heals"),
-    }
-
-
-def _round_times(stats_paths: list[pathlib.Path]) -> dict | None:
-    """Medians over the workers' round logs, seconds: wall time between two committed
-    rounds (``round``), waiting for the quorum, collective plus upload, commit wait."""
-    between, quorum, collective, commit = [], [], [], []
-    for path in stats_paths:
-        if not path.exists():
-            continue
-        rounds = json.loads(path.read_text()).get("rounds", [])
-        ends = [r["end_s"] for r in rounds if r["committed"]]
-        between += [b - a for a, b in zip(ends, ends[1:])]
-        quorum += [r["quorum_wait_s"] for r in rounds]
-        collective += [r["allreduce_s"] for r in rounds]
-        commit += [r["commit_wait_s"] for r in rounds]
-    if not between:
-        return None
-    med = lambda xs: round(statistics.median(xs), 4) if xs else None  # noqa: E731
-    return {
-        "round": med(between),
-        "quorum_wait": med(quorum),
-        "allreduce_and_upload": med(collective),
-        "commit_wait": med(commit),
-        "samples": len(between),
-    }
-
-
-def _plot(curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "async") -> None:
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((ax1, "wall_s", "wall time (s)"), (ax2, "tokens", "tokens applied (characters)")):
-        ax.plot([c[key] for c in curve], [c["eval_loss"] for c in curve], marker="o", ms=3)
-        ax.axhline(math.log(vocab_size), ls="--", c="gray", lw=0.8, label=f"ln(vocab) = {math.log(vocab_size):.2f}")
-        ax.set_xlabel(label)
-        ax.set_ylabel("held-out loss (nats/char)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    title = "synchronous (quorum allreduce)" if mode == "sync" else "asynchronous"
-    fig.suptitle(f"asyncdiloco demo: global model, {title} DiLoCo")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _print_summary(report: dict, out: pathlib.Path) -> None:
-    hist = report["staleness_histogram"]
-    stale = sum(hist[1:])
-    print(
-        f"\nasyncdiloco demo: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
-        f"{report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
-        f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
-        f"  version {report['version']}: {report['applied_pushes']} pushes applied, "
-        f"{report['rejected_pushes']} refused, "
-        f"{stale} applied with staleness > 0 (histogram {hist})\n"
-        f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"
-        + (
-            f"  rounds committed {report['rounds_committed']}, aborted {report['rounds_failed']}; "
-            f"median round times (s) {report['round_time_s']}\n"
-            if report["mode"] == "sync"
-            else ""
-        )
-        + "".join(
-            f"  {w['name']}: {w['inner_steps']} steps, {w['pushes']} pushes, {w['tokens']:,} tokens, "
-            f"idle {w['idle_s']:.1f} s\n"
-            for w in report["workers"]
-        )
-        + f"  report: {out / 'report.json'}, plot: {out / 'loss_curve.png'}",
-        flush=True,
-    )

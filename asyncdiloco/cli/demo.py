@@ -18,8 +18,8 @@ from asyncdiloco.ps.config import ServerConfig
 #: The demo runs the server's own defaults (the async default is what the benchmark suite
 #: shows to win); only the sync join timeout differs, per mode, where the flag is not
 #: given: a sync round waits for its slowest member, and the demo's workers run up to 3x
-#: slower than the fastest, so the join timeout must exceed about 2 H steps of the slowest
-#: (with 10 s the 3x worker was cut out of rounds on a loaded 2-core machine, its steps discarded).
+#: slower than the fastest, so the join timeout must exceed about 2 H steps of the slowest,
+#: or a loaded machine cuts that worker out of rounds and its steps are discarded.
 DEMO_JOIN_TIMEOUT_S = {"async": 10.0, "sync": 30.0}
 
 
