@@ -209,7 +209,7 @@ FLAGS_BEFORE = {
     "worker": "--server --worker-index --name --slowdown --slowdown-changes --join-when-file --max-steps "
     "--max-seconds --join-timeout --threads --stats-file --overlap --no-bulk-channel --token-file --tls-ca "
     "--tls-cert --tls-key --tls-server-name --mode --allreduce-timeout-s --quorum-timeout-s --collective-host "
-    "--fail-at-round --fail-min-world-size --fail-mode --batch-size --context-len --n-layer --n-embd --n-head "
+    "--batch-size --context-len --n-layer --n-embd --n-head "
     "--inner-lr --seed --inner-lr-schedule --inner-warmup-steps --inner-total-steps --inner-min-lr-ratio",
     "demo": "--workers --max-seconds --out --slowdowns --eval-every --no-progress --overlap --mode --min-workers "
     "--join-timeout-s --round-timeout-s --sync-weighting --store-port --local-steps -H --outer-optimizer "
