@@ -1,4 +1,4 @@
-"""The flag table (cli/flags.py): config → argv → parse → config is the identity, every
+"""The flag table (flags/settings.py): config → argv → parse → config is the identity, every
 config field has a flag or a stated reason not to, --help says what each default means,
 and every flag the command had keeps its name."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.cli import app, demo, server, worker
-from asyncdiloco.cli.flags import (
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.flags.settings import (
     JOB,
     JOB_EXCLUDED,
     SERVER,
@@ -23,8 +24,7 @@ from asyncdiloco.cli.flags import (
     WORKER_EXCLUDED,
     WORKER_JOB,
 )
-from asyncdiloco.cli.table import FlagTable, all_fields
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.flags.table import FlagTable, all_fields
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
@@ -192,7 +192,7 @@ def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):
 def test_every_config_field_has_a_flag_or_is_excluded_on_purpose(config, table, excluded):
     fields = all_fields(config)
     missing = fields - table.fields() - excluded
-    assert not missing, f"{config.__name__} fields without a flag: add them to cli/flags.py or its exclusions"
+    assert not missing, f"{config.__name__} fields without a flag: add them to flags/settings.py or its exclusions"
     assert not table.fields() & excluded
     assert table.fields() <= fields
 

@@ -11,9 +11,9 @@ from asyncdiloco.algo.config import ASYNC_OUTER, SYNC_OUTER
 from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 from asyncdiloco.cli import app as cli
 from asyncdiloco.cli import server as cli_server
-from asyncdiloco.cli.flags import SERVER
 from asyncdiloco.cli.train import run_worker
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.worker.config import WorkerConfig
 

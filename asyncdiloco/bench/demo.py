@@ -40,8 +40,8 @@ import time
 import torch
 
 from asyncdiloco.bench import demo_report
-from asyncdiloco.cli.flags import WORKER_JOB
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.flags.settings import WORKER_JOB
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.job.models import evaluate

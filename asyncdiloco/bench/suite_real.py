@@ -45,8 +45,8 @@ import time
 from asyncdiloco.bench.demo import DemoConfig, run_demo
 from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
 from asyncdiloco.bench.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
-from asyncdiloco.cli.flags import SERVER_RUN
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
 
 #: The methods the real clock runs: what claims (b) and (c) and the method beyond the

@@ -1,6 +1,6 @@
 """The ``asyncdiloco`` command: one module per subcommand on top of every other layer.
 
-``main`` loads the subcommands on first call, so that importing ``asyncdiloco.cli.flags``
+``main`` loads the subcommands on first call, so that importing ``asyncdiloco.flags.settings``
 (the flag table the demo's processes are started with) does not load them all.
 """
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import signal
 
-from asyncdiloco.cli.flags import JOB, SERVER_RUN
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.flags.settings import JOB, SERVER_RUN
 from asyncdiloco.ps.config import ServerConfig
 
 #: The demo runs the server's own defaults (the async default is what the benchmark suite

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 
-from asyncdiloco.cli.flags import SERVER
+from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
 
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncdiloco.cli.flags import SYNC_WORKER, WORKER, WORKER_JOB
 from asyncdiloco.errors import ConfigError
+from asyncdiloco.flags.settings import SYNC_WORKER, WORKER, WORKER_JOB
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import MODES
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig

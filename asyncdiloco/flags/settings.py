@@ -15,7 +15,7 @@ import argparse
 from asyncdiloco.algo.config import OUTER_OPTIMIZERS, STALENESS_WEIGHTINGS
 from asyncdiloco.algo.lr_schedule import LR_SCHEDULES
 from asyncdiloco.algo.schedule import GROUPINGS
-from asyncdiloco.cli.table import Flag, FlagTable
+from asyncdiloco.flags.table import Flag, FlagTable
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import MODES, SYNC_WEIGHTINGS, ServerConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
