@@ -2,7 +2,7 @@
 
 The same as ``asyncdiloco server [flags]``; kept as a file so a process manager or a
 container can start the server without relying on the console-script shim. See
-``server/README.md`` for the operator's notes.
+``docs/operations.md`` for the operator's notes.
 """
 
 import sys

@@ -190,7 +190,7 @@ SERVER_RUN = FlagTable.of(
     depends_on=_MODE_DEPENDS,
 )
 
-#: Checkpoints and the write-ahead log (server/README.md): ``ServerConfig.durability``.
+#: Checkpoints and the write-ahead log (docs/operations.md): ``ServerConfig.durability``.
 SERVER_DURABILITY = FlagTable.of(
     ServerConfig,
     "durability",
