@@ -5,36 +5,15 @@ This is the role torchft's lighthouse plays, for synchronous DiLoCo (Douillard e
 server's state (rounds.py ``SyncMode``) applies the committed result, the servicer
 (service.py) wraps the blocking calls in RPCs, and unit tests drive it with a fake clock.
 
-A **round** r → r+1 goes like this:
-
-1. **Quorum.** Live workers ask to join the next round (``request``), each saying which
-   committed round its θ_base reflects. Once at least ``min_workers`` asked, the quorum
-   forms as soon as (a) every live member of the previous quorum asked, or (b) every
-   live registered worker asked, or (c) ``join_timeout_s`` passed since the round's first
-   request. Requests arriving while a round is in flight wait for the next one: joiners
-   enter only at round boundaries. A worker whose lease lapsed (or who left) is not
-   waited for and is dropped from the waiting set. Members are ordered by worker id;
-   rank 0 uploads the round result. A member whose round differs from the server's is
-   told to **heal**: pull the committed state before the collective and contribute
-   weight 0 (its local steps were taken from another base and are discarded).
-2. **Collective** (on the workers, outside the server): a fresh process group over the
-   store prefix ``q<quorum_id>``; allreduce of a copy of the weighted pseudo-gradients.
-3. **Result.** Rank 0 uploads the reduced pseudo-gradient Δ̄ (``stage_result``) before
-   it votes. The server keeps it aside; nothing is applied yet.
-4. **Commit.** Every member votes (``vote``). The round commits when every member voted
-   success with the same total weight and (when that weight is > 0) rank 0's result is
-   staged; then ``on_commit(Δ̄)`` applies the same outer step the members apply, and the
-   round counter moves (``rounds_committed`` equals it: a round in which every member
-   healed commits with total weight 0, applies nothing and is not counted). Any failure
-   vote aborts at once; a vote missing at ``round_timeout_s`` after formation aborts at
-   that deadline. An aborted round changes nothing; members restart from the last
-   committed θ_base.
-
-After a round (committed or aborted) its members are the "previous members" the next
-quorum waits for. A member that died mid-round is therefore waited for up to
-``join_timeout_s`` (less if its lease lapses first or it left cleanly): the survivors
-cannot tell a dead member from one still stuck in its collective timeout, and forming
-without a merely slow member would split the replicas into two quorums.
+One round r → r+1 here: ``request`` (a live worker asks to join the next round, saying
+which committed round its θ_base reflects) until the quorum forms — at least
+``min_workers`` asked and (a) every live member of the previous quorum, or (b) every live
+registered worker, asked, or (c) ``join_timeout_s`` passed since the first request —;
+members ordered by worker id, those behind told to heal; ``stage_result`` keeps rank 0's
+Δ̄ aside; ``vote`` commits when every member voted success with the same total weight
+(then ``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``.
+docs/protocol.md, "The sync round", describes the whole round, both sides, once: why a
+dead member of the previous quorum is waited for, healing, timeouts.
 
 Locking: one condition variable guards everything here. ``live_workers`` and
 ``on_commit`` are called with it held; they may take the state's lock (order: quorum,

@@ -12,31 +12,16 @@ Same user-facing shape as ``AsyncDiLoCoWorker``; the loop stays a plain PyTorch 
 
 Every H inner steps (H, the outer optimizer and the weighting come from the server,
 which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard et al.
-2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica):
+2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica): Δ into a
+separate buffer, a quorum from the server (healing first when behind), one allreduce of
+``[w·Δ, w]`` in a fresh process group for that quorum, rank 0's upload and every member's
+vote, then the same outer step on θ_base everywhere on commit (on abort the round's local
+steps are dropped so replicas never drift apart). docs/protocol.md, "The sync round",
+describes each step, its timeouts and its failures once, for both sides.
 
-1. Δ = θ_base − θ_local into a separate buffer (a copy: θ_local stays in the model).
-2. ``Quorum``: wait for the round's quorum (ps/quorum.py). If the server says *heal*
-   (this worker's θ_base is from another committed round: it joined late, or missed a
-   commit), pull the server's committed θ and outer momentum, and contribute weight 0.
-3. A fresh process group for this quorum over the server's TCPStore, prefix
-   ``q<quorum_id>`` (collectives.py: gloo for CPU tensors; NCCL when the model is on
-   CUDA, which the test suite does not run: it has no GPU), with a bounded timeout
-   (``allreduce_timeout_s``): one allreduce (sum) of ``[w·Δ, w]``, float32 (N+1,), so
-   Δ̄ = Σ w_i Δ_i / Σ w_i (w = 1: mean; w = tokens: token-weighted mean).
-4. Rank 0 uploads Δ̄ to the server (``PUSH_KIND_ROUND_RESULT``); every member votes
-   (``Commit``). A dead member fails the collective on the others at once, a hung one
-   after ``allreduce_timeout_s``; they vote failure and the server aborts the round.
-5. On commit every member applies the same ``OuterOptimizer`` step (outer.py, the code
-   the async server uses) to θ_base: ``sgd`` with η = 1, μ = 0 is LocalSGD (θ_base
-   becomes the members' mean); ``nesterov`` is synchronous DiLoCo. θ_base goes into
-   the model. On abort the round is discarded: the model restarts from θ_base of the
-   last committed round (its local steps are lost; restoring θ_local instead would let
-   replicas drift apart, breaking "every member starts each round from identical
-   parameters").
-
-``_round`` runs these as phases, one method each: ``_take_pseudo_gradient`` (1),
-``_wait_for_quorum`` (2), ``_contribute`` (the heal of 2, 3 and the upload of 4),
-``_vote`` (4) and ``_apply_decision`` (5). A phase that fails raises ``_RoundFailed``
+``_round`` runs these as phases, one method each: ``_take_pseudo_gradient``,
+``_wait_for_quorum``, ``_contribute`` (heal, weigh, allreduce, upload), ``_vote`` and
+``_apply_decision``. A phase that fails raises ``_RoundFailed``
 with the reason this member votes failure with; the collective itself is the
 ``_allreduce`` seam.
 
