@@ -10,21 +10,14 @@ import torch
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
 from asyncdiloco.ps.quorum import QuorumManager
+from helpers import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def qm():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     live = {1, 2, 3}
     commits = []
 
