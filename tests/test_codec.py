@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import crash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,7 +22,6 @@ from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_fo
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
-from helpers import crash
 
 pytestmark = pytest.mark.timeout(120)
 

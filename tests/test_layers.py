@@ -62,8 +62,14 @@ def _modules() -> list[tuple[str, pathlib.Path]]:
 
 
 def test_every_module_belongs_to_a_layer():
-    stray = [m for m, _ in _modules() if m.count(".") >= 1 and _layer(m) not in ALLOWED and m != "asyncdiloco.__init__"
-             and m != "asyncdiloco.__main__"]  # fmt: skip
+    stray = [
+        m
+        for m, _ in _modules()
+        if m.count(".") >= 1
+        and _layer(m) not in ALLOWED
+        and m != "asyncdiloco.__init__"
+        and m != "asyncdiloco.__main__"
+    ]
     assert not stray, f"modules outside the layers of ALLOWED (put them in a layer's folder): {stray}"
 
 
@@ -95,6 +101,7 @@ def test_imports_point_down_the_layers():
         ("asyncdiloco.ps.server", "matplotlib"),
     ],
 )
+@pytest.mark.multiprocess
 def test_importing_one_side_does_not_load_the_other(module, forbidden):
     code = (
         f"import sys, importlib; importlib.import_module({module!r}); "

@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 import torch
+from helpers import assert_same, fingerprint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,6 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.client import ParameterServerClient
-from helpers import assert_same, fingerprint
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
@@ -15,7 +16,6 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-from helpers import FakeClock
 
 
 def test_dylu_follows_eq6():

@@ -117,6 +117,7 @@ def test_bad_method_is_refused():
         SimConfig(method="async_adam", speeds_s_per_step=(1.0,), total_steps=10)
 
 
+@pytest.mark.multiprocess
 def test_suite_writes_runs_report_and_plots(tmp_path):
     cfg = SuiteConfig(
         profiles=("uneven",),

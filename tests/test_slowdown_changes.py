@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from asyncdiloco.errors import ConfigError
@@ -46,13 +43,7 @@ def test_factor_at_time_t_is_the_last_change_at_or_before_t():
     assert slowdown_at(5.0, 3.0, ()) == 3.0
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-def test_worker_cli_refuses_a_bad_schedule_in_one_line():
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncdiloco", "-q", "worker", "--server", "127.0.0.1:1", "--max-steps", "1",
-         "--slowdown-changes", "5:0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "factor=0.0 at t=5.0 s is invalid" in proc.stderr and "Traceback" not in proc.stderr
+def test_worker_cli_refuses_a_bad_schedule_in_one_line(cli_exit):
+    code, err = cli_exit(["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--slowdown-changes", "5:0"])
+    assert code == 2, err
+    assert "factor=0.0 at t=5.0 s is invalid" in err and "Traceback" not in err

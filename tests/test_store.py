@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import assert_same, crash, fingerprint
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
@@ -17,7 +18,6 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-from helpers import assert_same, crash, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 import torch
+from helpers import STUCK_S, flat, load, run_threads
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
@@ -21,7 +22,6 @@ from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
-from helpers import STUCK_S, flat, load, run_threads
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
@@ -178,8 +178,12 @@ def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_p
     H, R, K = 2, 8, 3
     # a quorum waits (up to join_timeout_s) for every live worker: the joiner is waited
     # for however long its join and heal take on a loaded machine
-    srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=1,
-                      join_timeout_s=STUCK_S)  # fmt: skip
+    srv = make_server(
+        outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
+        local_steps=H,
+        min_workers=1,
+        join_timeout_s=STUCK_S,
+    )
     a, b = new_worker(srv), new_worker(srv)
     a.join()
     b.join()
@@ -254,9 +258,22 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
         client.push(torch.zeros(manifest.total_bytes, dtype=torch.uint8), worker_id=wid, push_id=2, base_version=0)
     stub_err = None
     try:
-        client._stub.Push(iter([pb.PushMessage(header=pb.PushHeader(
-            worker_id=wid, push_id=3, total_bytes=manifest.total_bytes, num_chunks=1, kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
-        ))]), timeout=10)  # fmt: skip
+        client._stub.Push(
+            iter(
+                [
+                    pb.PushMessage(
+                        header=pb.PushHeader(
+                            worker_id=wid,
+                            push_id=3,
+                            total_bytes=manifest.total_bytes,
+                            num_chunks=1,
+                            kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                        )
+                    )
+                ]
+            ),
+            timeout=10,
+        )
     except grpc.RpcError as err:
         stub_err = err
     assert stub_err is not None and stub_err.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -287,8 +304,9 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
     # join_timeout_s above the allreduce timeout: survivors still in their collective
     # timeout are waited for by the next quorum. A quorum request waits up to STUCK_S: on
     # a loaded machine a member can ask while a round without it is still running.
-    srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2,
-                      join_timeout_s=3.0)  # fmt: skip
+    srv = make_server(
+        outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2, join_timeout_s=3.0
+    )
     ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S) for _ in range(2)]
     bad = new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S, fail_at_round=2, fail_mode=mode)
     for w in (*ok, bad):
@@ -316,8 +334,9 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
 
 def test_token_weighting_takes_the_token_weighted_mean(make_server):
     H = 2
-    srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=H, min_workers=2,
-                      weighting="tokens")  # fmt: skip
+    srv = make_server(
+        outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=H, min_workers=2, weighting="tokens"
+    )
     local: dict[int, torch.Tensor] = {}
     workers = []
     for i, tokens_per_step in enumerate((10, 30)):
@@ -346,8 +365,13 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
     w1 = first.join(manifest, "w1")
     assert w1.initialize and w1.run_config.mode == "sync" and w1.run_config.outer_lr == 0.5
     theta0 = flat(make_model())
-    first.push(manifest.pack_flat(theta0), worker_id=w1.worker_id, push_id=1, base_version=0,
-               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # fmt: skip
+    first.push(
+        manifest.pack_flat(theta0),
+        worker_id=w1.worker_id,
+        push_id=1,
+        base_version=0,
+        kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+    )
     q = first.quorum(worker_id=w1.worker_id, round=0, manifest_hash=manifest.manifest_hash, timeout_s=5.0)
     w2 = other.join(manifest, "w2")  # joins while the round is in flight: not a member
     assert q.formed and list(q.members) == [w1.worker_id] and q.rank == 0 and not q.heal
@@ -363,8 +387,15 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
         other.commit(worker_id=w2.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0)
     assert torch.equal(srv.state.params, theta0)  # nothing applied before the vote
     first.push(delta.view(torch.uint8), worker_id=w1.worker_id, push_id=q.quorum_id, **kw)
-    reply = first.commit(worker_id=w1.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0,
-                         num_tokens=64, num_local_steps=2, timeout_s=5.0)  # fmt: skip
+    reply = first.commit(
+        worker_id=w1.worker_id,
+        quorum_id=q.quorum_id,
+        success=True,
+        total_weight=1.0,
+        num_tokens=64,
+        num_local_steps=2,
+        timeout_s=5.0,
+    )
     assert reply.decided and reply.committed and reply.round == 1
 
     expected = theta0.clone()
