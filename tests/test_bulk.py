@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 
 import grpc
 import pytest
 import torch
+from helpers import wait_until
 from test_security import pki  # noqa: F401 - the certificate fixture
 
 from asyncdiloco.algo.config import OuterConfig
@@ -76,16 +76,6 @@ def _same(a: tuple, b: tuple) -> bool:
         and (a[2] is None) == (b[2] is None)
         and (a[2] is None or torch.equal(a[2], b[2]))
     )
-
-
-def _wait_for(condition, what: str) -> None:
-    """Poll ``condition`` (set on a server thread) for up to 10 s."""
-    ev = threading.Event()
-    for _ in range(1000):
-        if condition():
-            return
-        ev.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _initialized_client(srv: ParameterServer, **kw) -> tuple[ParameterServerClient, int]:
@@ -225,7 +215,7 @@ def test_a_connection_dropped_mid_payload_applies_nothing(servers):
     with _raw_connection(srv) as sock:
         send_frame(sock, pb.BulkRequest(push=_header(w, 3, good, base_version=1)))
         sock.sendall(memoryview(good.numpy())[: good.numel() // 2])
-    _wait_for(lambda: srv.state.status().rejected_pushes == rejected + 1, "the server to count the cut-off push")
+    wait_until(lambda: srv.state.status().rejected_pushes == rejected + 1, "the server to count the cut-off push")
     assert _same(_state(srv), before)
     # the same push_id, complete, is applied: the cut-off attempt left no trace
     _no_grpc_payloads(client)
@@ -401,7 +391,7 @@ def test_a_connection_the_server_closed_is_replaced_within_the_call(servers, cap
     old = client._bulk._sock  # noqa: SLF001
     for conn, _ in list(srv.bulk._connections.values()):  # noqa: SLF001 - as an idle timeout would
         conn.shutdown(socket.SHUT_RDWR)
-    _wait_for(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
+    wait_until(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
     with caplog.at_level(logging.WARNING, logger="asyncdiloco.worker.bulk_client"):
         assert client.push(_payload(1, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
     assert client._bulk._sock is not old and client._bulk.fallbacks == 0  # noqa: SLF001
@@ -413,7 +403,7 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc(server
     srv = servers(max_concurrent_rpcs=4)
     client, w = _initialized_client(srv)  # holds one bulk connection
     extra = [_raw_connection(srv) for _ in range(3)]
-    _wait_for(lambda: len(srv.bulk._connections) == 4, "four open connections")  # noqa: SLF001
+    wait_until(lambda: len(srv.bulk._connections) == 4, "four open connections")  # noqa: SLF001
     with _raw_connection(srv) as fifth:
         assert fifth.recv(1) == b""  # closed at once
     other = ParameterServerClient(srv.address)

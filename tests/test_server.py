@@ -319,12 +319,14 @@ def test_pulls_never_mix_two_versions_under_concurrent_pushes(make_server):
     def puller():
         c = ParameterServerClient(srv.address)
         try:
-            while not stop.is_set():
+            while True:  # at least one pull, however late this thread runs
                 pulled = c.pull(manifest)
                 (theta,) = manifest.unpack(pulled.payload)
                 if not torch.all(theta == float(pulled.version)):
                     errors.append(pulled.version)
                 seen.append(pulled.version)
+                if stop.is_set():
+                    break
         finally:
             c.close()
 
