@@ -17,6 +17,7 @@ import _posixsubprocess
 import logging
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -70,33 +71,53 @@ def reap_children():
         pytest.fail(f"the test left child processes behind (now killed): {', '.join(left)}", pytrace=False)
 
 
-@pytest.fixture(autouse=True)
-def processes_need_the_marker(request, monkeypatch):
-    """Fail a test that starts a process without ``@pytest.mark.multiprocess``.
+#: nodeid of the test being run (setup, call, teardown) -> how it started processes
+_started: dict[str, list[str]] = {}
+_running: list[str] = []
 
-    Every way Python starts one goes through ``_posixsubprocess.fork_exec``
-    (``subprocess``, multiprocessing's spawn and forkserver), ``os.fork`` (multiprocessing's
-    fork) or ``os.posix_spawn``; they are wrapped to record the attempt, which still runs,
-    so the test fails with its own outcome first and this message after."""
-    if request.node.get_closest_marker("multiprocess") is not None:
+
+def _recording(name: str, real):
+    """``real`` (a way to start a process), noting the call for the test being run."""
+
+    def wrapper(*args, **kwargs):
+        if _running:
+            what = f"{name}({args[0]!r})" if args and name != "os.fork" else name
+            _started.setdefault(_running[-1], []).append(what)
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+# Every way Python starts a process goes through one of these: subprocess through its own
+# reference to fork_exec (or os.posix_spawn), multiprocessing's spawn and forkserver
+# through _posixsubprocess.fork_exec, its fork through os.fork. Wrapped for the whole
+# session, so a module-scoped fixture that starts one is charged to the test it is set up for.
+if getattr(subprocess, "_fork_exec", None) is not None:
+    subprocess._fork_exec = _recording("subprocess", subprocess._fork_exec)
+_posixsubprocess.fork_exec = _recording("fork_exec", _posixsubprocess.fork_exec)
+os.fork = _recording("os.fork", os.fork)
+if hasattr(os, "posix_spawn"):
+    os.posix_spawn = _recording("os.posix_spawn", os.posix_spawn)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item.nodeid)
+    try:
         yield
-        return
-    started: list[str] = []
+    finally:
+        _running.pop()
+        _started.pop(item.nodeid, None)
 
-    def recording(name, real):
-        def wrapper(*args, **kwargs):
-            what = args[0] if args and name != "os.fork" else ""
-            started.append(f"{name}({what!r})" if what else name)
-            return real(*args, **kwargs)
 
-        return wrapper
-
-    monkeypatch.setattr(_posixsubprocess, "fork_exec", recording("fork_exec", _posixsubprocess.fork_exec))
-    monkeypatch.setattr(os, "fork", recording("os.fork", os.fork))
-    if hasattr(os, "posix_spawn"):
-        monkeypatch.setattr(os, "posix_spawn", recording("os.posix_spawn", os.posix_spawn))
+@pytest.fixture(autouse=True)
+def processes_need_the_marker(request):
+    """Fail a test that starts a process (in the test or in a fixture set up for it)
+    without ``@pytest.mark.multiprocess``; the process still runs, so the test's own
+    outcome comes first and this message after."""
     yield
-    if started:
+    started = _started.get(request.node.nodeid, [])
+    if started and request.node.get_closest_marker("multiprocess") is None:
         pytest.fail(
             f"the test started a process but is not marked @pytest.mark.multiprocess: {started[0]}", pytrace=False
         )
