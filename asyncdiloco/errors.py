@@ -1,46 +1,105 @@
-"""Every exception the library raises on purpose.
+"""Every exception the library raises on purpose, and how each one travels on the wire.
 
-Each message names the offending value, the limit it broke and the fix. On the wire each
-error maps to one gRPC status code (``grpc_code``); the servicer turns the exception into
-that status with the same message, and the client turns the status back into the
-exception, so library users and remote workers see the same words.
+Each message names the offending value, the limit it broke and the fix. A refusal
+travels as the exception's gRPC status code (``grpc_code``), its message, and its
+``reason``: a stable snake_case code in the trailing metadata key ``asyncdiloco-reason``
+(on the bulk data channel: ``BulkReply.code``, ``.message`` and ``.reason``). The client
+picks the exception class from the reason (``from_rpc_error``), so library users and
+remote workers see the same exception with the same words. A status without a reason (a
+server from before reason codes, or a failure gRPC reports itself: connection lost,
+deadline exceeded, message too large) falls back to the status code, never to the
+message text.
+
+The refusals (parameter_server.proto's "Errors" comment repeats this table; a test
+checks that the two agree):
+
+    reason                status code            exception
+    internal              INTERNAL               AsyncDiLoCoError (a bug, or no better class)
+    invalid_config        INVALID_ARGUMENT       ConfigError
+    invalid_payload       INVALID_ARGUMENT       InvalidPayloadError
+    payload_too_large     RESOURCE_EXHAUSTED     PayloadTooLargeError
+    manifest_mismatch     FAILED_PRECONDITION    ManifestMismatchError
+    stale_push            FAILED_PRECONDITION    StalePushError
+    mode_mismatch         FAILED_PRECONDITION    ModeMismatchError
+    round_refused         FAILED_PRECONDITION    RoundRefusedError
+    not_initialized       UNAVAILABLE            NotInitializedError
+    unknown_worker        NOT_FOUND              UnknownWorkerError
+    server_unavailable    UNAVAILABLE            ServerUnavailableError
+    server_busy           UNAVAILABLE            ServerBusyError
+    checkpoint_failed     UNAVAILABLE            CheckpointError
+    unauthenticated       UNAUTHENTICATED        UnauthenticatedError
+
+UNAVAILABLE marks the refusals after which the same call may succeed unchanged a moment
+later (gRPC's rule for that code): workers retry them with backoff (``RETRY_LATER``).
+"Not initialized" is one of them: the first worker's initial parameters are a push away,
+and a joining worker polls for them. FAILED_PRECONDITION refusals need something else to
+change first (another model, mode, base version or round).
 """
 
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import grpc
 
+#: The trailing metadata key that carries a refusal's ``reason``.
+REASON_METADATA_KEY = "asyncdiloco-reason"
+
+_BY_REASON: dict[str, type[AsyncDiLoCoError]] = {}
+
 
 class AsyncDiLoCoError(Exception):
-    """Base class. ``grpc_code`` is the status a servicer answers with."""
+    """Base class. ``grpc_code`` is the status a servicer answers with, ``reason`` the
+    machine-readable code it sends beside it (module docstring)."""
 
-    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    reason: ClassVar[str] = "internal"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _register(cls)
+
+
+def _register(cls: type[AsyncDiLoCoError]) -> None:
+    """Make ``cls`` the class of the reason it declares (a subclass that declares none
+    travels as its parent)."""
+    if "reason" not in vars(cls):
+        return
+    if cls.reason in _BY_REASON:
+        raise TypeError(f"{cls.__name__}.reason={cls.reason!r} is taken by {_BY_REASON[cls.reason].__name__}")
+    _BY_REASON[cls.reason] = cls
+
+
+_BY_REASON[AsyncDiLoCoError.reason] = AsyncDiLoCoError
 
 
 class ConfigError(AsyncDiLoCoError, ValueError):
     """A configuration value is out of range (raised by the config dataclasses)."""
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "invalid_config"
 
 
 class InvalidPayloadError(AsyncDiLoCoError, ValueError):
     """A payload is malformed: chunk sequence, sizes, checksum, dtype, non-finite values."""
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "invalid_payload"
 
 
 class PayloadTooLargeError(AsyncDiLoCoError, ValueError):
     """A payload or chunk is larger than the configured limit."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "payload_too_large"
 
 
 class ManifestMismatchError(AsyncDiLoCoError):
     """The worker's model differs from the server's (names, shapes or dtypes)."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "manifest_mismatch"
 
 
 class StalePushError(AsyncDiLoCoError):
@@ -48,25 +107,15 @@ class StalePushError(AsyncDiLoCoError):
     from the future."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class NotInitializedError(AsyncDiLoCoError):
-    """The server holds no global parameters yet (the first worker has not pushed them)."""
-
-    grpc_code = grpc.StatusCode.UNAVAILABLE
-
-
-class UnknownWorkerError(AsyncDiLoCoError):
-    """The worker id is unknown to the server, or its lease expired; rejoin."""
-
-    grpc_code = grpc.StatusCode.NOT_FOUND
+    reason = "stale_push"
 
 
 class ModeMismatchError(AsyncDiLoCoError):
     """A request for the other mode: a pseudo-gradient push to a sync-mode server, or a
-    Quorum/Commit to an async-mode server (messages start with ``"mode mismatch"``)."""
+    Quorum/Commit to an async-mode server."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "mode_mismatch"
 
 
 class RoundRefusedError(AsyncDiLoCoError):
@@ -74,12 +123,29 @@ class RoundRefusedError(AsyncDiLoCoError):
     of, or a round result from a member other than rank 0."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "round_refused"
+
+
+class NotInitializedError(AsyncDiLoCoError):
+    """The server holds no global parameters yet (the first worker has not pushed them);
+    retry shortly (joining workers poll)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "not_initialized"
+
+
+class UnknownWorkerError(AsyncDiLoCoError):
+    """The worker id is unknown to the server, or its lease expired; rejoin."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    reason = "unknown_worker"
 
 
 class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):
     """The server could not be reached (after the configured retries)."""
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "server_unavailable"
 
 
 class ServerBusyError(ServerUnavailableError):
@@ -87,6 +153,7 @@ class ServerBusyError(ServerUnavailableError):
     time; nothing was read or applied. Retry (workers do, with backoff)."""
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "server_busy"
 
 
 class CheckpointError(AsyncDiLoCoError):
@@ -96,17 +163,25 @@ class CheckpointError(AsyncDiLoCoError):
     UNAVAILABLE, and the worker retries the push later with the same push_id."""
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
+    reason = "checkpoint_failed"
 
 
 class UnauthenticatedError(AsyncDiLoCoError):
     """The call carried no token, or a token that differs from the server's."""
 
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "unauthenticated"
 
 
-_BY_CODE = {
+#: Refusals after which the same call may succeed unchanged later: a worker keeps
+#: training and retries them with backoff (the same push_id for a push).
+RETRY_LATER: tuple[type[AsyncDiLoCoError], ...] = (ServerUnavailableError, NotInitializedError, CheckpointError)
+
+#: The class a status without a reason maps to (one per code; see ``from_rpc_error``).
+_BY_CODE: dict[grpc.StatusCode, type[AsyncDiLoCoError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidPayloadError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PayloadTooLargeError,
+    grpc.StatusCode.FAILED_PRECONDITION: StalePushError,
     grpc.StatusCode.NOT_FOUND: UnknownWorkerError,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServerUnavailableError,
@@ -115,29 +190,49 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
-    """Map a ``grpc.RpcError`` back to the library exception with the server's message.
+def error_for_reason(reason: str) -> type[AsyncDiLoCoError] | None:
+    """The exception class of a reason code (None: not a reason this library knows)."""
+    return _BY_REASON.get(reason)
 
-    FAILED_PRECONDITION is told apart by the message prefix the servicer writes
-    (``"manifest mismatch"``, ``"mode mismatch"``, ``"round refused"``, ``"not
-    initialized"`` or a staleness refusal).
+
+def reason_metadata(exc: AsyncDiLoCoError) -> tuple[tuple[str, str]]:
+    """The trailing metadata a servicer sends with ``exc``'s status: its reason code."""
+    return ((REASON_METADATA_KEY, exc.reason),)
+
+
+def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
+    """Map a ``grpc.RpcError`` (or the bulk channel's ``BulkStatus``) back to the library
+    exception, with the server's message.
+
+    The class is the one of the ``asyncdiloco-reason`` trailing metadata; without one
+    (or with one this version does not know) it follows the status code: INVALID_ARGUMENT
+    → InvalidPayloadError, RESOURCE_EXHAUSTED → PayloadTooLargeError,
+    FAILED_PRECONDITION → StalePushError (the refusal a push loop must survive), NOT_FOUND
+    → UnknownWorkerError, UNAUTHENTICATED → UnauthenticatedError, UNAVAILABLE /
+    DEADLINE_EXCEEDED / CANCELLED → ServerUnavailableError, anything else
+    AsyncDiLoCoError; the last two carry the code's name before the message.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        if details.startswith("manifest mismatch"):
-            return ManifestMismatchError(details)
-        if details.startswith("mode mismatch"):
-            return ModeMismatchError(details)
-        if details.startswith("round refused"):
-            return RoundRefusedError(details)
-        return StalePushError(details)
-    if code == grpc.StatusCode.UNAVAILABLE and details.startswith("not initialized"):
-        return NotInitializedError(details)
+    cls = error_for_reason(_reason_of(err))
+    if cls is not None:
+        return cls(details)
     cls = _BY_CODE.get(code, AsyncDiLoCoError)
-    if cls is ServerUnavailableError:
+    if cls is ServerUnavailableError or cls is AsyncDiLoCoError:
         return cls(f"{code.name}: {details}")
-    return cls(details) if cls is not AsyncDiLoCoError else cls(f"{code.name}: {details}")
+    return cls(details)
+
+
+def _reason_of(err: grpc.RpcError) -> str:
+    """The ``asyncdiloco-reason`` trailing metadata value of ``err`` ("" when none)."""
+    try:
+        metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a call that never got trailers
+        metadata = None
+    for key, value in metadata or ():
+        if key == REASON_METADATA_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def require(ok: bool, field: str, value: object, rule: str) -> None:

@@ -68,7 +68,7 @@ def fingerprint(state) -> tuple:
     dn = getattr(outer, "delta_buffer", None)
     workers = {
         w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
-        for w in state._workers.values()  # noqa: SLF001 - the records are what must not change
+        for w in state.registry.workers.values()
     }
     return (
         None if state.params is None else state.params.clone(),
@@ -81,7 +81,7 @@ def fingerprint(state) -> tuple:
         state.bytes_pushed,
         tuple(state.staleness_histogram),
         workers,
-        state._next_worker_id,  # noqa: SLF001
+        state.registry.next_worker_id,
     )
 
 

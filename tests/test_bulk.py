@@ -139,7 +139,7 @@ def test_every_push_gives_its_receive_buffer_back(servers, bulk):
     client, w = _initialized_client(srv, bulk_channel=bulk)
     if bulk:
         _no_grpc_payloads(client)
-    srv.state._receive_pool.wait_s = 1.0
+    srv.state.intake.pool.wait_s = 1.0
     for push_id in range(2, 6):
         assert client.push(_payload(push_id, 1e-2), worker_id=w, push_id=push_id, base_version=push_id - 2).applied
     assert client.push(_payload(5, 1e-2), worker_id=w, push_id=5, base_version=3).duplicate
@@ -147,7 +147,7 @@ def test_every_push_gives_its_receive_buffer_back(servers, bulk):
         nan = _payload(9).view(torch.float32).clone().fill_(float("nan")).view(torch.uint8)
         client.push(nan, worker_id=w, push_id=6, base_version=4)
     assert client.push(_payload(7, 1e-2), worker_id=w, push_id=7, base_version=4).applied
-    assert srv.state._receive_pool._in_use == 0
+    assert srv.state.intake.pool._in_use == 0
     client.close()
 
 

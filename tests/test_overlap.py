@@ -405,7 +405,7 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
 
 def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
     from asyncdiloco import InvalidPayloadError
-    from asyncdiloco.worker.overlap import push_then_pull
+    from asyncdiloco.worker.overlap import SyncLink, SyncRequest, push_then_pull
 
     class NoNetwork:
         def push(self, *a, **k):
@@ -417,18 +417,10 @@ def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent
         "P", ["payload", "push_id", "base_version", "num_local_steps", "num_tokens", "compute_s"]
     )(None, 2, 0, 3, 0, 0.0)
     snapshot = torch.tensor([0.0, float("nan"), 1.0])
-    out = push_then_pull(
-        client=NoNetwork(),
-        manifest=None,
-        worker_id=7,
-        pending=pending,
-        pull_buffer=None,
-        decode=None,
-        theta_g=torch.empty(3),
-        snapshot=snapshot,
-        base=torch.zeros(3),
-        encode=lambda d: d.view(torch.uint8),
-    )
+    link = SyncLink(client=NoNetwork(), manifest=None, encode=lambda d: d.view(torch.uint8), decode=None)
+    request = SyncRequest(worker_id=7, pending=pending, base=torch.zeros(3), snapshot=snapshot,
+                          theta_g=torch.empty(3), pull_buffer=None)  # fmt: skip
+    out = push_then_pull(link, request)
     assert isinstance(out.error, InvalidPayloadError) and "non-finite" in str(out.error)
     assert pending.payload is None and out.push_reply is None and not out.pulled
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.errors import PayloadTooLargeError
+from asyncdiloco.errors import REASON_METADATA_KEY, PayloadTooLargeError, error_for_reason
 from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.service import ParameterServerService
@@ -96,6 +96,8 @@ def test_sizes_over_the_limits_are_resource_exhausted_and_change_nothing(server,
         stub.Push(iter([pb.PushMessage(header=header)] + [pb.PushMessage(chunk=c) for c in chunks]), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert needle in info.value.details()
+    reasons = [v for k, v in info.value.trailing_metadata() or () if k == REASON_METADATA_KEY]
+    assert reasons == ([] if case == "message_over_grpc_limit" else ["payload_too_large"])  # gRPC's own: none
     assert_same(before, fingerprint(srv.state))
 
 
@@ -139,6 +141,10 @@ class FakeContext:
     def __init__(self) -> None:
         self.code = None
         self.details = None
+        self.trailing_metadata: dict[str, str] = {}
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing_metadata = dict(metadata)
 
     def abort(self, code, details):
         self.code, self.details = code, details
@@ -249,6 +255,8 @@ def test_generated_push_streams_never_crash_and_refusals_change_nothing(data):
     except _Aborted:
         assert ctx.code in _REFUSAL_CODES, (ctx.code, ctx.details)
         assert ctx.details and len(ctx.details) > 20
+        refusal = error_for_reason(ctx.trailing_metadata[REASON_METADATA_KEY])  # every refusal names its reason
+        assert refusal is not None and refusal.grpc_code == ctx.code
         assert_same(before, fingerprint(_state))
         return
     assert reply.applied

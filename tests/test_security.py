@@ -132,6 +132,7 @@ def test_calls_without_the_right_token_are_refused_every_time(serve, pki, who):
     with pytest.raises(grpc.RpcError) as info:
         stub.Status(pb.StatusRequest(), timeout=5, metadata=(("authorization", "Bearer nope"),))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ("asyncdiloco-reason", "unauthenticated") in tuple(info.value.trailing_metadata())
 
 
 def test_the_right_token_is_accepted_for_every_rpc(serve, pki):

@@ -111,7 +111,7 @@ def test_crash_replays_the_log_bit_identically(tmp_path, outer):
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(before, fingerprint(state2))
     # the server goes on where it stopped: same ids, next version, same outer step
-    b = max(state2._workers)
+    b = max(state2.registry.workers)
     assert push(state2, b, 100, rand_tensors(9)).version == state.version + 1
     push(state, b, 100, rand_tensors(9))
     assert_same(fingerprint(state), fingerprint(state2))
@@ -264,7 +264,7 @@ def test_a_worker_that_left_before_the_checkpoint_stays_gone(tmp_path):
     store.checkpoint()
     crash(store)
     state2, store2 = open_server(tmp_path)
-    assert {w.worker_id: w.alive for w in state2._workers.values()} == {a: True, b: False}
+    assert {w.worker_id: w.alive for w in state2.registry.workers.values()} == {a: True, b: False}
     store2.close()
 
 
@@ -310,7 +310,7 @@ def test_scheduled_outer_lr_after_a_crash_equals_the_uninterrupted_run(tmp_path,
     assert newest_checkpoint_version(tmp_path) == 3
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(fingerprint(state), fingerprint(state2))
-    b = max(state2._workers)
+    b = max(state2.registry.workers)
     for k in range(3):  # the same pushes to both, at versions 6, 7, 8
         for s in (state, state2):
             push(s, b, 100 + k, rand_tensors(20 + k))
@@ -327,7 +327,7 @@ def test_push_after_a_restart_moves_theta_by_the_scheduled_lr_of_its_version(tmp
     assert v == 6
     theta, m = state.params.clone().double(), state.outer.momentum_buffer.clone().double()
     delta = [t * 0.1 for t in rand_tensors(42)]
-    push(state, max(state._workers), 100, delta, base_version=v)  # τ = 0: s = 1
+    push(state, max(state.registry.workers), 100, delta, base_version=v)  # τ = 0: s = 1
     d = MANIFEST.unpack_flat(MANIFEST.pack(delta)).double()
     # Nesterov with η_v = η · f(v): m ← μm + Δ; θ ← θ − η_v (Δ + μm), f(6) = 0.1 + 0.9·½(1 + cos(π·3/9))
     eta_v = 0.7 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (v - 3) / (12 - 3))))

@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 import torch
+from faults import FailAt, Fault, FaultySyncWorker
 from helpers import STUCK_S, flat, load, run_threads
 from torch import nn
 
@@ -308,7 +309,11 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
         outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2, join_timeout_s=3.0
     )
     ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S) for _ in range(2)]
-    bad = new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S, fail_at_round=2, fail_mode=mode)
+    bad_model = make_model()
+    sync = SyncWorkerConfig(allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S)
+    bad = FaultySyncWorker(
+        bad_model, inner_opt(bad_model), WorkerConfig(server=srv.address), sync=sync, fail_at=FailAt(Fault(mode), 2)
+    )
     for w in (*ok, bad):
         w.join()
     if mode == "hang":

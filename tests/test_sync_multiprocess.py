@@ -1,9 +1,11 @@
 """Sync mode with real processes: a server and three workers through the CLI (the demo
-code), one of them SIGKILLed with its allreduce in flight."""
+code), one of them SIGKILLed with its allreduce in flight (tests/_faulty_sync_worker.py)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
 
 import pytest
 
@@ -13,6 +15,8 @@ from asyncdiloco.job.config import JobConfig
 pytestmark = [pytest.mark.multiprocess, pytest.mark.heavy, pytest.mark.timeout(240)]
 
 ALLREDUCE_TIMEOUT_S = 3.0
+#: Runs the CLI worker with the fault of tests/faults.py installed.
+FAULTY_WORKER = pathlib.Path(__file__).with_name("_faulty_sync_worker.py")
 
 
 def test_killing_one_of_three_workers_mid_allreduce_fails_the_round_then_two_train_on(tmp_path):
@@ -42,7 +46,7 @@ def test_killing_one_of_three_workers_mid_allreduce_fails_the_round_then_two_tra
         ),  # fmt: skip
         worker_args=("--allreduce-timeout-s", str(ALLREDUCE_TIMEOUT_S), "--quorum-timeout-s", "3"),
         # processes start at different times: die in the first round >= 3 that all three are in
-        per_worker_args=((), (), ("--fail-at-round", "3", "--fail-min-world-size", "3", "--fail-mode", "kill")),
+        per_worker_command=((), (), (sys.executable, str(FAULTY_WORKER), "kill", "3", "3")),
         job=JobConfig(n_embd=32, n_head=4, batch_size=16, context_len=32),
         eval_every_s=4.0,
     )

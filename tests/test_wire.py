@@ -145,7 +145,7 @@ def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
     state.release_snapshot(state.acquire_snapshot())  # a pull: later applies encode the next snapshot
     state.push(torch.full((n,), 0.5).view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
     assert state.version == 1
-    with state._apply_lock:  # as if an apply were running: these must not need it
+    with state.locks.apply:  # as if an apply were running: these must not need it
         snap = state.acquire_snapshot()
         state.release_snapshot(snap)
         assert snap.version == 1
@@ -165,28 +165,26 @@ def test_refused_push_returns_its_buffer_and_changes_nothing():
         with pytest.raises(Exception, match="non-finite"):
             state.push(bad, worker_id=wid, push_id=push_id, base_version=0)
     assert torch.equal(state.params, before[0]) and (state.version, state.applied_pushes) == before[1:]
-    assert state._receive_pool._in_use == 0
+    assert state.intake.pool._in_use == 0
 
 
 def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
-    import asyncdiloco.ps.state as state_mod
-
     state, wid, n = _state_with_model()
     state.config = dataclasses.replace(state.config)  # frozen config untouched; the limit is the store's
-    state._snapshots.max_snapshots = 2
+    state.snapshots.slots.max_snapshots = 2
     delta = torch.full((n,), 0.25).view(torch.uint8)
     first = state.acquire_snapshot()  # version 0, still being pulled
     state.push(delta, worker_id=wid, push_id=2, base_version=0)  # room: {v0} + 1 <= 2, encoded at once
     second = state.acquire_snapshot()
     assert (first.version, second.version) == (0, 1)
     state.push(delta, worker_id=wid, push_id=3, base_version=1)  # no room: v0 and v1 are being read
-    monkeypatch.setattr(state_mod, "_SNAPSHOT_WAIT_S", 0.05)
+    monkeypatch.setattr(state.snapshots, "wait_s", 0.05)
     stale = state.acquire_snapshot()  # the wait runs out: the newest there is, version 1
     assert stale.version == 1
     state.release_snapshot(stale)
     freed = threading.Timer(0.05, state.release_snapshot, args=(first,))
     freed.start()
-    monkeypatch.setattr(state_mod, "_SNAPSHOT_WAIT_S", 10.0)
+    monkeypatch.setattr(state.snapshots, "wait_s", 10.0)
     third = state.acquire_snapshot()  # waits until the pull of version 0 ends, then encodes v2
     freed.join()
     assert third.version == 2
@@ -194,7 +192,7 @@ def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
     assert torch.equal(payload, state.params)
     for s in (second, third):
         state.release_snapshot(s)
-    assert state._snapshots._reading_versions() == 0
+    assert state.snapshots.slots._reading_versions() == 0
 
 
 def test_a_stalled_pull_stops_holding_a_snapshot_slot_after_the_lease():

@@ -62,8 +62,12 @@ class OuterConfig:
 
     def schedule(self) -> LRSchedule:
         """η's schedule as an ``LRSchedule`` (its counter is the version)."""
-        return LRSchedule(kind=self.lr_schedule, warmup=self.lr_warmup_versions, total=self.lr_total_versions,
-                          min_ratio=self.lr_min_ratio)  # fmt: skip
+        return LRSchedule(
+            kind=self.lr_schedule,
+            warmup=self.lr_warmup_versions,
+            total=self.lr_total_versions,
+            min_ratio=self.lr_min_ratio,
+        )
 
     def __post_init__(self) -> None:
         require(

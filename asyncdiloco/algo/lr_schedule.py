@@ -54,18 +54,26 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         _require(self.kind in LR_SCHEDULES, "kind", self.kind, f"choose one of {LR_SCHEDULES}")
-        _require(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", self.warmup,
-                "must be an integer >= 0 (0 = no warmup)")  # fmt: skip
+        _require(
+            isinstance(self.warmup, int) and self.warmup >= 0,
+            "warmup",
+            self.warmup,
+            "must be an integer >= 0 (0 = no warmup)",
+        )
         _require(isinstance(self.total, int) and self.total >= 0, "total", self.total, "must be an integer >= 0")
         _require(
-            self.kind != "cosine" or self.total > self.warmup, "total", self.total,
+            self.kind != "cosine" or self.total > self.warmup,
+            "total",
+            self.total,
             f"a cosine schedule must end after its warmup: give total > warmup={self.warmup} "
             f"(the step/version at which the learning rate reaches min_ratio × peak)",
-        )  # fmt: skip
+        )
         _require(
-            isinstance(self.min_ratio, (int, float)) and 0.0 <= self.min_ratio <= 1.0, "min_ratio", self.min_ratio,
+            isinstance(self.min_ratio, (int, float)) and 0.0 <= self.min_ratio <= 1.0,
+            "min_ratio",
+            self.min_ratio,
             "must lie in [0, 1] (the floor as a fraction of the peak; 0.1 is usual)",
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         """Human-readable, e.g. ``cosine(warmup=10, total=100, min_ratio=0.1)``."""

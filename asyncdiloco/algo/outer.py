@@ -193,6 +193,7 @@ class DelayedNesterov(OuterOptimizer):
         """``block_check``: g_b ← (1 + cos(g_b, m_b))·g_b for every block b whose
         direction opposes the momentum's (cos < 0); blocks that agree are unchanged."""
         m = self.momentum_buffer
+        assert m is not None  # allocated in __init__
         for g_b, m_b in zip(torch.split(g, self.block_sizes), torch.split(m, self.block_sizes)):
             dot = float(torch.dot(g_b, m_b))
             if dot < 0:
@@ -212,6 +213,7 @@ class DelayedNesterov(OuterOptimizer):
         lr, mu, c = self.lr_at(version), self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
         m, b = self.momentum_buffer, self.delta_buffer
+        assert m is not None  # allocated in __init__
         b.add_(delta)  # b ← b + g_t
         self.arrivals += 1
         if self.arrivals >= n:  # (t+1) mod N = 0

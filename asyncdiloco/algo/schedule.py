@@ -20,8 +20,9 @@ the virtual-clock simulator, so the two run the same logic.
   ``GroupWindow`` decides when a group is released: the window opens at the group's
   first arrival and is released as soon as every expected worker (alive, and pushing:
   the server's ``_expected_locked``) has arrived in it, or (``"barrier"``) the Delayed
-  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the window at the first arrival (instead
-  of restarting it at every arrival) bounds every wait and never chains groups.
+  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the
+  window at the first arrival (instead of restarting it at every arrival) bounds every
+  wait and never chains groups.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def auto_window_s(rates: Iterable[float], local_steps: int, floor_s: float = 0.0
     different times, pulls of different lengths) and their rates are estimates. A window
     of one round lets a worker that missed its group catch the next one: the others'
     next pushes land in the window its own push opened, and the group is whole again
-    (with a window of one slow step, measured on 2 CPU cores, the offsets of the first
-    round persisted and most groups held one or two pushes). Every group is released as
+    (with a window of one slow step the offsets of the first round persisted and most
+    groups held one or two pushes; docs/algorithms.md, "Grouping"). Every group is released as
     soon as all expected workers are in, so the window costs time only when one is late.
     1 s while no rate is known.
     """

@@ -79,8 +79,12 @@ class DemoConfig:
     mode: str = "async"
     #: Extra flags for every ``asyncdiloco worker`` (e.g. ``--allreduce-timeout-s 5``).
     worker_args: tuple[str, ...] = ()
-    #: Extra flags per worker index (e.g. fault injection for one of them).
+    #: Extra flags per worker index (e.g. its own slowdown changes).
     per_worker_args: tuple[tuple[str, ...], ...] = ()
+    #: Per worker index, the command run instead of ``python -m asyncdiloco`` (the
+    #: ``worker ...`` arguments follow it), e.g. a test script that installs a fault and
+    #: then runs the CLI; missing or empty: ``python -m asyncdiloco``.
+    per_worker_command: tuple[tuple[str, ...], ...] = ()
     #: Stop every worker (SIGTERM) once the server has applied this many tokens, for
     #: comparisons at equal tokens; None: each worker trains ``max_seconds``.
     token_budget: int | None = None
@@ -254,8 +258,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             i: int, rejoin: bool = False, max_seconds: float = cfg.max_seconds, extra: tuple[str, ...] = ()
         ) -> _WorkerProcess:
             name, stem = _worker_name(i, speeds[i], rejoin), _file_stem(i, rejoin)
+            launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or python
             cmd = [
-                *python, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(speeds[i]),
+                *launcher, "worker", "--server", address, "--worker-index", str(i), "--slowdown", str(speeds[i]),
                 "--max-seconds", str(max_seconds), "--stats-file", str(out / f"{stem}.json"),
                 "--name", name, "--mode", cfg.mode, *_job_flags(cfg.job), *cfg.worker_args,
                 *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra,

@@ -1,12 +1,13 @@
 """Peer row of the benchmark suite: torchft's synchronous DiLoCo on the same job.
 
-Runs only when torchft is installed (``pip install torchft==0.2.0`` after torch; see
-PEERS.md): a torchft lighthouse and N replica-group processes, each training the default
-job (same model, data order by replica index, H, outer Nesterov η=0.7 μ=0.9) with
-``torchft.local_sgd.DiLoCo``. Every socket stays on 127.0.0.1: the lighthouse and the
-manager servers bind 127.0.0.1, replicas advertise 127.0.0.1, gloo uses ``lo``, and
-healing goes through the process group (``PGTransport``) instead of torchft's HTTP
-transport, which binds every interface and advertises the host name.
+Runs only when torchft is installed (``pip install 'asyncdiloco[peer]'``, i.e. torchft
+0.2.0, after torch; https://github.com/pytorch/torchft): a torchft lighthouse and N
+replica-group processes, each training the default job (same model, data order by
+replica index, H, outer Nesterov η=0.7 μ=0.9) with ``torchft.local_sgd.DiLoCo``. Every
+socket stays on 127.0.0.1: the lighthouse and the manager servers bind 127.0.0.1,
+replicas advertise 127.0.0.1, gloo uses ``lo``, and healing goes through the process
+group (``PGTransport``) instead of torchft's HTTP transport, which binds every interface
+and advertises the host name.
 
     python -m asyncdiloco.bench.peer_torchft --replicas 2 --steps 200 --local-steps 20 --out DIR
 """
@@ -52,8 +53,13 @@ def _replica(args: argparse.Namespace) -> None:
 
     tfm.ManagerServer = loopback_manager_server
     torch.set_num_threads(1)
-    job = JobConfig(n_layer=args.n_layer, n_embd=args.n_embd, context_len=args.context_len,
-                    batch_size=args.batch_size, seed=args.seed)  # fmt: skip
+    job = JobConfig(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        context_len=args.context_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     corpus = CharCorpus.default()
     model = job.build(corpus)
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
@@ -62,12 +68,21 @@ def _replica(args: argparse.Namespace) -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
     manager = Manager(
-        pg=pg, min_replica_size=args.replicas, load_state_dict=model.load_state_dict, state_dict=model.state_dict,
-        use_async_quorum=False, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=args.lighthouse,
-        replica_id=f"replica-{args.replica_index}", rank=0, world_size=1, hostname="127.0.0.1",
+        pg=pg,
+        min_replica_size=args.replicas,
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        use_async_quorum=False,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"replica-{args.replica_index}",
+        rank=0,
+        world_size=1,
+        hostname="127.0.0.1",
         checkpoint_transport=PGTransport(pg, timedelta(seconds=30), torch.device("cpu")),
         timeout=timedelta(seconds=30),
-    )  # fmt: skip
+    )
     sync_times, last = [], None
     started = time.monotonic()
     with DiLoCo(manager, [model], inner, outer, sync_every=args.local_steps):
@@ -83,8 +98,14 @@ def _replica(args: argparse.Namespace) -> None:
                 last = now
     wall = time.monotonic() - started
     loss = evaluate(model, job.eval_set(corpus))
-    out = {"replica": args.replica_index, "steps": args.steps, "wall_s": wall, "round_s": sync_times,
-           "final_eval_loss": loss, "outer_steps": manager.current_step()}  # fmt: skip
+    out = {
+        "replica": args.replica_index,
+        "steps": args.steps,
+        "wall_s": wall,
+        "round_s": sync_times,
+        "final_eval_loss": loss,
+        "outer_steps": manager.current_step(),
+    }
     pathlib.Path(args.out).write_text(json.dumps(out))
     manager.shutdown(wait=False)
 
@@ -116,11 +137,33 @@ def run_peer(
     procs = []
     try:
         for i in range(replicas):
-            cmd = [sys.executable, "-m", "asyncdiloco.bench.peer_torchft", "--replica-index", str(i), "--replicas",
-                   str(replicas), "--lighthouse", lighthouse.address(), "--steps", str(steps), "--local-steps",
-                   str(local_steps), "--seed", str(seed), "--n-layer", str(n_layer), "--n-embd", str(n_embd),
-                   "--context-len", str(context_len), "--batch-size", str(batch_size),
-                   "--out", str(out / f"replica-{i}.json")]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "asyncdiloco.bench.peer_torchft",
+                "--replica-index",
+                str(i),
+                "--replicas",
+                str(replicas),
+                "--lighthouse",
+                lighthouse.address(),
+                "--steps",
+                str(steps),
+                "--local-steps",
+                str(local_steps),
+                "--seed",
+                str(seed),
+                "--n-layer",
+                str(n_layer),
+                "--n-embd",
+                str(n_embd),
+                "--context-len",
+                str(context_len),
+                "--batch-size",
+                str(batch_size),
+                "--out",
+                str(out / f"replica-{i}.json"),
+            ]
             with open(out / f"replica-{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + timeout_s
@@ -167,9 +210,21 @@ def main() -> None:
     if args.replica_index is not None:
         _replica(args)
         return
-    print(json.dumps(run_peer(replicas=args.replicas, steps=args.steps, local_steps=args.local_steps,
-                              out_dir=args.out, seed=args.seed, n_layer=args.n_layer, n_embd=args.n_embd,
-                              context_len=args.context_len, batch_size=args.batch_size)))  # fmt: skip
+    print(
+        json.dumps(
+            run_peer(
+                replicas=args.replicas,
+                steps=args.steps,
+                local_steps=args.local_steps,
+                out_dir=args.out,
+                seed=args.seed,
+                n_layer=args.n_layer,
+                n_embd=args.n_embd,
+                context_len=args.context_len,
+                batch_size=args.batch_size,
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

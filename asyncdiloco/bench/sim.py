@@ -52,25 +52,48 @@ class Method:
 
 #: The suite's methods (Liu et al. 2024, arXiv 2401.09135, Table 1, and one beyond it).
 #: ``async_dn_dylu`` is exactly what ``asyncdiloco server`` runs with no flags.
+#: The server's defaults, which the ``async_dn*`` methods run.
+_SERVER_DEFAULT = ServerConfig()
+assert _SERVER_DEFAULT.outer is not None  # resolved to the mode's default in __post_init__
+
 METHODS: dict[str, Method] = {
-    "sync_localsgd": Method(mode="sync", outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
-                            doc="synchronous rounds, plain averaging"),
+    "sync_localsgd": Method(
+        mode="sync", outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), doc="synchronous rounds, plain averaging"
+    ),
     "sync_diloco": Method(mode="sync", outer=SYNC_OUTER, doc="synchronous rounds, Nesterov outer step"),
     "async_nesterov": Method(outer=SYNC_OUTER, doc="every push applied on arrival with DiLoCo's outer step"),
-    "async_nesterov_poly": Method(outer=dataclasses.replace(SYNC_OUTER, staleness="polynomial"),
-                                  doc="the same, pushes weighted (1+tau)^-0.5"),
-    "async_dn": Method(outer=ASYNC_OUTER, grouping=ServerConfig().grouping, doc="Delayed Nesterov, grouping, no DyLU"),
-    "async_dn_dylu": Method(outer=ServerConfig().outer, dylu=ServerConfig().dylu, grouping=ServerConfig().grouping,
-                            doc="the server's default: Delayed Nesterov + DyLU + grouping window"),
-    "async_dn_dylu_barrier": Method(outer=ASYNC_OUTER, dylu=True, grouping="barrier",
-                                    doc="Delayed Nesterov + DyLU, replies held until the buffer is complete"),
-    "async_dn_dylu_overlap": Method(outer=ASYNC_OUTER, dylu=True, grouping="window", overlap=True,
-                                    doc="beyond the paper: the default with workers that train on while their "
-                                    "group forms (`asyncdiloco worker --overlap`), the steps merged into the next push"),
-    "async_dn_dylu_blockcheck": Method(outer=dataclasses.replace(ASYNC_OUTER, block_check=True), dylu=True,
-                                       grouping="window", doc="beyond the paper: the default, each tensor of a "
-                                       "pseudo-gradient that opposes the outer momentum damped by 1 + cos"),
-}  # fmt: skip
+    "async_nesterov_poly": Method(
+        outer=dataclasses.replace(SYNC_OUTER, staleness="polynomial"), doc="the same, pushes weighted (1+tau)^-0.5"
+    ),
+    "async_dn": Method(outer=ASYNC_OUTER, grouping=_SERVER_DEFAULT.grouping, doc="Delayed Nesterov, grouping, no DyLU"),
+    "async_dn_dylu": Method(
+        outer=_SERVER_DEFAULT.outer,
+        dylu=_SERVER_DEFAULT.dylu,
+        grouping=_SERVER_DEFAULT.grouping,
+        doc="the server's default: Delayed Nesterov + DyLU + grouping window",
+    ),
+    "async_dn_dylu_barrier": Method(
+        outer=ASYNC_OUTER,
+        dylu=True,
+        grouping="barrier",
+        doc="Delayed Nesterov + DyLU, replies held until the buffer is complete",
+    ),
+    "async_dn_dylu_overlap": Method(
+        outer=ASYNC_OUTER,
+        dylu=True,
+        grouping="window",
+        overlap=True,
+        doc="beyond the paper: the default with workers that train on while their "
+        "group forms (`asyncdiloco worker --overlap`), the steps merged into the next push",
+    ),
+    "async_dn_dylu_blockcheck": Method(
+        outer=dataclasses.replace(ASYNC_OUTER, block_check=True),
+        dylu=True,
+        grouping="window",
+        doc="beyond the paper: the default, each tensor of a "
+        "pseudo-gradient that opposes the outer momentum damped by 1 + cos",
+    ),
+}
 SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
 ASYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "async")
 
@@ -116,14 +139,26 @@ class SimConfig:
         o = METHODS[self.method].outer
         if self.method == "sync_localsgd":
             return o
-        return dataclasses.replace(o, lr=o.lr if self.outer_lr is None else self.outer_lr,
-                                   momentum=o.momentum if self.outer_momentum is None else self.outer_momentum)  # fmt: skip
+        return dataclasses.replace(
+            o,
+            lr=o.lr if self.outer_lr is None else self.outer_lr,
+            momentum=o.momentum if self.outer_momentum is None else self.outer_momentum,
+        )
 
     def server_config(self) -> ServerConfig:
         """The server configuration this run uses (in-process, virtual clock)."""
         spec = METHODS[self.method]
-        return ServerConfig(port=0, mode=spec.mode, local_steps=self.local_steps, outer=self.outer(), dylu=spec.dylu,
-                            grouping=spec.grouping, grace_s=self.grace_s, lease_s=86400, histogram_buckets=64)  # fmt: skip
+        return ServerConfig(
+            port=0,
+            mode=spec.mode,
+            local_steps=self.local_steps,
+            outer=self.outer(),
+            dylu=spec.dylu,
+            grouping=spec.grouping,
+            grace_s=self.grace_s,
+            lease_s=86400,
+            histogram_buckets=64,
+        )
 
 
 @dataclasses.dataclass
@@ -233,8 +268,13 @@ def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, versi
         for p in evaluator.parameters():
             p.copy_(flat[pos : pos + p.numel()].view_as(p))
             pos += p.numel()
-    return {"steps": steps, "tokens": steps * tokens_per_step, "time_s": time_s, "version": version,
-            "eval_loss": evaluate(evaluator, eval_set)}  # fmt: skip
+    return {
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "time_s": time_s,
+        "version": version,
+        "eval_loss": evaluate(evaluator, eval_set),
+    }
 
 
 def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
@@ -276,8 +316,19 @@ def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
         if steps >= next_eval or steps >= cfg.total_steps:
             curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
             next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
-    return SimResult(cfg, curve, curve[-1]["eval_loss"], t, [r.busy_s for r in replicas], rounds, [pushes],
-                     bytes_up, bytes_down, steps, groups)  # fmt: skip
+    return SimResult(
+        cfg,
+        curve,
+        curve[-1]["eval_loss"],
+        t,
+        [r.busy_s for r in replicas],
+        rounds,
+        [pushes],
+        bytes_up,
+        bytes_down,
+        steps,
+        groups,
+    )
 
 
 def _present(cfg: SimConfig, worker: int, t: float) -> bool:
@@ -357,7 +408,10 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     def release_due(until: float) -> None:
         """Start the workers of every group released by ``until`` (in release order)."""
         while True:
-            due = [(window.release_time(g) if window.released(g, until) else math.inf, g) for g in held]
+            due = []
+            for g in held:
+                released_at = window.release_time(g) if window.released(g, until) else None
+                due.append((math.inf if released_at is None else released_at, g))
             when, g = min(due, default=(math.inf, 0))
             if when > until:
                 return
@@ -385,9 +439,14 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
         r.train(h)
         local = r.flat()
         delta = r.base - local  # Δ = θ_base − θ_local, (N,)
-        outcome = state.push(manifest.pack_flat(delta), worker_id=ids[i], push_id=push_ids[i],
-                             base_version=r.base_version, num_local_steps=h_push,
-                             compute_s=h_push * _speed(cfg, i, finish))  # fmt: skip
+        outcome = state.push(
+            manifest.pack_flat(delta),
+            worker_id=ids[i],
+            push_id=push_ids[i],
+            base_version=r.base_version,
+            num_local_steps=h_push,
+            compute_s=h_push * _speed(cfg, i, finish),
+        )
         push_ids[i] += 1
         held.setdefault(outcome.group_id, []).append(i)
         h = h_push
@@ -403,9 +462,19 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     st = state.status()
     n_bytes = manifest.total_bytes
     # The run's wall time ends with its last push: the budget is then applied.
-    return SimResult(cfg, curve, curve[-1]["eval_loss"], last_push_s, [r.busy_s for r in replicas], st.version,
-                     list(st.staleness_histogram), st.bytes_pushed, (st.applied_pushes + len(replicas)) * n_bytes,
-                     steps, list(st.group_size_histogram))  # fmt: skip
+    return SimResult(
+        cfg,
+        curve,
+        curve[-1]["eval_loss"],
+        last_push_s,
+        [r.busy_s for r in replicas],
+        st.version,
+        list(st.staleness_histogram),
+        st.bytes_pushed,
+        (st.applied_pushes + len(replicas)) * n_bytes,
+        steps,
+        list(st.group_size_histogram),
+    )
 
 
 def staleness_mean(hist: list[int]) -> float:

@@ -80,10 +80,16 @@ def sim_config(cfg: SuiteConfig, profile: str, method: str, seed: int) -> SimCon
     """The simulator run of (profile, method, seed) in suite ``cfg``."""
     prof = PROFILES[profile]
     return SimConfig(
-        method=method, speeds_s_per_step=prof["speeds"], total_steps=cfg.total_steps, local_steps=cfg.local_steps,
-        seed=seed, eval_every_steps=cfg.eval_every_steps, speed_changes=prof.get("changes", ()),
-        leave_rejoin=prof.get("leave_rejoin"), job=cfg.job,
-    )  # fmt: skip
+        method=method,
+        speeds_s_per_step=prof["speeds"],
+        total_steps=cfg.total_steps,
+        local_steps=cfg.local_steps,
+        seed=seed,
+        eval_every_steps=cfg.eval_every_steps,
+        speed_changes=prof.get("changes", ()),
+        leave_rejoin=prof.get("leave_rejoin"),
+        job=cfg.job,
+    )
 
 
 def _run_one(args: tuple[str, SimConfig]) -> dict:
@@ -129,14 +135,16 @@ def write_outputs(records: list[dict], cfg: SuiteConfig, out: pathlib.Path, cloc
 
 
 def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
-    """The torchft row (PEERS.md): its synchronous DiLoCo on the same model, data order,
+    """The torchft row (https://github.com/pytorch/torchft): its synchronous DiLoCo on the same model, data order,
     H and token budget, 4 replicas at full speed; or why it was skipped."""
     from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
 
     head = "## Peer: torchft synchronous DiLoCo (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
     if not torchft_available():
-        return head + ("torchft is not installed, so this row was skipped: `pip install 'asyncdiloco[peer]'` "
-                       "(after torch) adds it.\n")  # fmt: skip
+        return head + (
+            "torchft is not installed, so this row was skipped: `pip install 'asyncdiloco[peer]'` "
+            "(after torch) adds it.\n"
+        )
     if progress:
         print("peer: torchft DiLoCo", flush=True)
     job = cfg.job
@@ -151,7 +159,7 @@ def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> 
             context_len=job.context_len,
             batch_size=job.batch_size,
         )
-    except RuntimeError as exc:  # fmt: skip
+    except RuntimeError as exc:
         return head + f"torchft run failed: {exc}\n"
     (out / "peer.json").write_text(json.dumps(r) + "\n")
     return head + (
@@ -274,30 +282,52 @@ def claims_json(summary: dict) -> dict:
 
     out = {}
     for p in sorted({k[0] for k in summary}):
-        d, l, n = stat(p, "sync_diloco", "loss"), stat(p, "sync_localsgd", "loss"), stat(p, "async_nesterov", "loss")
+        d = stat(p, "sync_diloco", "loss")
+        ls, n = stat(p, "sync_localsgd", "loss"), stat(p, "async_nesterov", "loss")
         x, u = stat(p, DEFAULT_METHOD, "loss"), stat(p, DEFAULT_METHOD, "util")
-        gain_a = (l - d) / l if not math.isnan(l + d) else math.nan
+        gain_a = (ls - d) / ls if not math.isnan(ls + d) else math.nan
         gap_b = (n - d) / d if not math.isnan(n + d) else math.nan
         gap_c = (x - d) / d if not math.isnan(x + d) else math.nan
         sp_c = speedup(p, DEFAULT_METHOD)
         claim = {
-            "a": {"shown": bool(gain_a >= CLAIM_A_MIN_GAIN), "value": _num(gain_a), "what":
-                  "relative loss gain of sync DiLoCo over sync LocalSGD", "target": f">= {CLAIM_A_MIN_GAIN:.0%}",
-                  "sync_diloco": _num(d), "sync_localsgd": _num(l)},
-            "b": {"shown": bool(gap_b >= CLAIM_B_MIN_GAP), "value": _num(gap_b), "what":
-                  "relative loss gap of naive async Nesterov over sync DiLoCo", "target": f">= {CLAIM_B_MIN_GAP:.0%}",
-                  "async_nesterov": _num(n)},
-            "c": {"shown": bool(gap_c <= CLAIM_C_MAX_GAP and sp_c >= CLAIM_C_MIN_SPEEDUP), "value": _num(gap_c),
-                  "speedup": _num(sp_c), "what": f"relative loss gap of {DEFAULT_METHOD} over sync DiLoCo, and its "
-                  "speed-up to the target", "target": f"<= {CLAIM_C_MAX_GAP:.0%} and >= {CLAIM_C_MIN_SPEEDUP}x",
-                  DEFAULT_METHOD: _num(x)},
-            "utilisation": {"shown": bool(u >= UTILISATION_TARGET), "value": _num(u), "target": f">= {UTILISATION_TARGET}"},
-        }  # fmt: skip
+            "a": {
+                "shown": bool(gain_a >= CLAIM_A_MIN_GAIN),
+                "value": _num(gain_a),
+                "what": "relative loss gain of sync DiLoCo over sync LocalSGD",
+                "target": f">= {CLAIM_A_MIN_GAIN:.0%}",
+                "sync_diloco": _num(d),
+                "sync_localsgd": _num(ls),
+            },
+            "b": {
+                "shown": bool(gap_b >= CLAIM_B_MIN_GAP),
+                "value": _num(gap_b),
+                "what": "relative loss gap of naive async Nesterov over sync DiLoCo",
+                "target": f">= {CLAIM_B_MIN_GAP:.0%}",
+                "async_nesterov": _num(n),
+            },
+            "c": {
+                "shown": bool(gap_c <= CLAIM_C_MAX_GAP and sp_c >= CLAIM_C_MIN_SPEEDUP),
+                "value": _num(gap_c),
+                "speedup": _num(sp_c),
+                "what": f"relative loss gap of {DEFAULT_METHOD} over sync DiLoCo, and its speed-up to the target",
+                "target": f"<= {CLAIM_C_MAX_GAP:.0%} and >= {CLAIM_C_MIN_SPEEDUP}x",
+                DEFAULT_METHOD: _num(x),
+            },
+            "utilisation": {
+                "shown": bool(u >= UTILISATION_TARGET),
+                "value": _num(u),
+                "target": f">= {UTILISATION_TARGET}",
+            },
+        }
         if (p, BEYOND_METHOD) in summary:
             y = stat(p, BEYOND_METHOD, "loss")
-            claim["beyond"] = {"shown": bool(y < x), "value": _num((y - x) / x), "speedup": _num(speedup(p, BEYOND_METHOD)),
-                               "what": f"relative loss of {BEYOND_METHOD} vs {DEFAULT_METHOD} (negative: it wins)",
-                               BEYOND_METHOD: _num(y)}  # fmt: skip
+            claim["beyond"] = {
+                "shown": bool(y < x),
+                "value": _num((y - x) / x),
+                "speedup": _num(speedup(p, BEYOND_METHOD)),
+                "what": f"relative loss of {BEYOND_METHOD} vs {DEFAULT_METHOD} (negative: it wins)",
+                BEYOND_METHOD: _num(y),
+            }
         out[p] = claim
     return out
 
@@ -313,37 +343,54 @@ def claims(summary: dict) -> list[str]:
         a, b, cc, u = c["a"], c["b"], c["c"], c["utilisation"]
         verdict = lambda ok: "**shown**" if ok else "**NOT shown**"  # noqa: E731
         if a["value"] is not None:
-            why = "" if a["shown"] else (
-                " At this scale (a 1-layer model, H = 20, 50 outer steps) plain averaging matched or beat "
-                "Nesterov's outer step with DiLoCo's η 0.7, μ 0.9; DiLoCo's gain is reported for long runs of large "
-                "models with H in the hundreds."
-            )  # fmt: skip
-            lines.append(f"- (a) [{p}] sync DiLoCo {a['sync_diloco']:.3f} vs sync LocalSGD {a['sync_localsgd']:.3f}: "
-                         f"gain {pct(a['value'])} (target {a['target']}): {verdict(a['shown'])}.{why}")  # fmt: skip
+            why = (
+                ""
+                if a["shown"]
+                else (
+                    " At this scale (a 1-layer model, H = 20, 50 outer steps) plain averaging matched or "
+                    "beat Nesterov's outer step with DiLoCo's η 0.7, μ 0.9; DiLoCo's gain is reported for long "
+                    "runs of large models with H in the hundreds."
+                )
+            )
+            lines.append(
+                f"- (a) [{p}] sync DiLoCo {a['sync_diloco']:.3f} vs sync LocalSGD {a['sync_localsgd']:.3f}: "
+                f"gain {pct(a['value'])} (target {a['target']}): {verdict(a['shown'])}.{why}"
+            )
         if b["value"] is not None:
-            lines.append(f"- (b) [{p}] naive async Nesterov {b['async_nesterov']:.3f} vs sync DiLoCo: {pct(b['value'])} "
-                         f"(target {b['target']}): {verdict(b['shown'])}.")  # fmt: skip
+            lines.append(
+                f"- (b) [{p}] naive async Nesterov {b['async_nesterov']:.3f} vs sync DiLoCo: {pct(b['value'])} "
+                f"(target {b['target']}): {verdict(b['shown'])}."
+            )
         if cc["value"] is not None:
             sp = "not on every seed (of either)" if cc["speedup"] is None else f"{cc['speedup']:.2f}x sooner"
-            lines.append(f"- (c) [{p}] {DEFAULT_METHOD} {cc[DEFAULT_METHOD]:.3f} vs sync DiLoCo: {pct(cc['value'])}, "
-                         f"to the target {sp} (target {cc['target']}): {verdict(cc['shown'])}.")  # fmt: skip
+            lines.append(
+                f"- (c) [{p}] {DEFAULT_METHOD} {cc[DEFAULT_METHOD]:.3f} vs sync DiLoCo: {pct(cc['value'])}, "
+                f"to the target {sp} (target {cc['target']}): {verdict(cc['shown'])}."
+            )
         if u["value"] is not None:
-            lines.append(f"- utilisation [{p}] of {DEFAULT_METHOD}: {u['value']:.3f} (target {u['target']}): "
-                         f"{verdict(u['shown'])}.")  # fmt: skip
+            lines.append(
+                f"- utilisation [{p}] of {DEFAULT_METHOD}: {u['value']:.3f} (target {u['target']}): "
+                f"{verdict(u['shown'])}."
+            )
         if "beyond" in c:
             y = c["beyond"]
             sp = "—" if y["speedup"] is None else f"{y['speedup']:.2f}x"
-            lines.append(f"- beyond the paper [{p}] {BEYOND_METHOD} {y[BEYOND_METHOD]:.3f}: {pct(y['value'])} vs "
-                         f"{DEFAULT_METHOD}, speed-up to the target {sp}: {'beats it' if y['shown'] else 'does not beat it'}.")  # fmt: skip
+            lines.append(
+                f"- beyond the paper [{p}] {BEYOND_METHOD} {y[BEYOND_METHOD]:.3f}: {pct(y['value'])} vs "
+                f"{DEFAULT_METHOD}, speed-up to the target {sp}: {'beats it' if y['shown'] else 'does not beat it'}."
+            )
     return lines
 
 
 def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual") -> str:
     summary = summarize(records)
     seeds = len(cfg.seeds)
-    time_is = ("virtual seconds (workers scheduled by their seconds per step)" if clock == "virtual" else
-               "real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by per-step "
-               "delays relative to the fastest worker)")  # fmt: skip
+    time_is = (
+        "virtual seconds (workers scheduled by their seconds per step)"
+        if clock == "virtual"
+        else "real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by per-step "
+        "delays relative to the fastest worker)"
+    )
     lines = [
         f"# Sync vs async DiLoCo — benchmark report ({clock} clock)",
         "",
@@ -357,12 +404,19 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
     ]
     for profile in cfg.profiles:
         prof = PROFILES[profile]
-        lines += [f"## {profile}: seconds/step {list(prof['speeds'])}"
-                  + (f", speed changes {list(prof['changes'])}" if "changes" in prof else "")
-                  + (f", worker {prof['leave_rejoin'][0]} away {prof['leave_rejoin'][1]:g}–{prof['leave_rejoin'][2]:g} s"
-                     if "leave_rejoin" in prof else ""), "",
-                  "| method | final loss | time to target (s) | reached | wall (s) | utilisation | updates | mean staleness | MB moved |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"## {profile}: seconds/step {list(prof['speeds'])}"
+            + (f", speed changes {list(prof['changes'])}" if "changes" in prof else "")
+            + (
+                f", worker {prof['leave_rejoin'][0]} away {prof['leave_rejoin'][1]:g}–{prof['leave_rejoin'][2]:g} s"
+                if "leave_rejoin" in prof
+                else ""
+            ),
+            "",
+            "| method | final loss | time to target (s) | reached | wall (s) | utilisation | updates "
+            "| mean staleness | MB moved |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for method in cfg.methods:
             s = summary.get((profile, method))
             if s is None:
@@ -372,17 +426,28 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
                 f"| {method} | {_fmt(s['loss'])} | {_fmt(s['ttt'], 0)} | {s['reached']} | {_fmt(s['wall'], 0)} | "
                 f"{_fmt(s['util'], 2)} | {_fmt(s['updates'], 0)} | {_fmt(s['staleness'], 2)} | {_fmt(mb, 1)} |"
             )
-        lines += ["", "Histograms summed over the seeds: staleness `[n(τ=0), n(τ=1), …]`; group sizes "
-                  "`[n(1 push), n(2), …]` per outer step (sync: members per round; async: pushes per released group).",
-                  "", "| method | staleness | group sizes |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "Histograms summed over the seeds: staleness `[n(τ=0), n(τ=1), …]`; group sizes "
+            "`[n(1 push), n(2), …]` per outer step (sync: members per round; async: pushes per released group).",
+            "",
+            "| method | staleness | group sizes |",
+            "|---|---|---|",
+        ]
         for method in cfg.methods:
             s = summary.get((profile, method))
             if s is not None:
                 lines.append(f"| {method} | {s['staleness_hist']} | {s['group_hist']} |")
         lines.append("")
-    lines += ["## Claims (Liu et al. 2024, Table 1)", "", *claims(summary), "",
-              "Machine-readable: claims.json. Plots: loss_vs_tokens.png, loss_vs_time.png, utilisation.png, "
-              "staleness.png. Raw runs: runs.jsonl.", ""]  # fmt: skip
+    lines += [
+        "## Claims (Liu et al. 2024, Table 1)",
+        "",
+        *claims(summary),
+        "",
+        "Machine-readable: claims.json. Plots: loss_vs_tokens.png, loss_vs_time.png, utilisation.png, "
+        "staleness.png. Raw runs: runs.jsonl.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -392,8 +457,10 @@ def plot(records: list[dict], out: pathlib.Path) -> None:
         return
     profiles = sorted({r["profile"] for r in records})
     methods = [m for m in METHODS if any(r["method"] == m for r in records)]
-    for key, xlabel, name in (("tokens", "tokens (characters)", "loss_vs_tokens.png"),
-                              ("time_s", "virtual time (s)", "loss_vs_time.png")):  # fmt: skip
+    for key, xlabel, name in (
+        ("tokens", "tokens (characters)", "loss_vs_tokens.png"),
+        ("time_s", "virtual time (s)", "loss_vs_time.png"),
+    ):
         fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
         for ax, p in zip(axes[0], profiles):
             lowest = math.inf
@@ -416,8 +483,10 @@ def plot(records: list[dict], out: pathlib.Path) -> None:
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
     summary = summarize(records)
-    for metric, label, name in (("util", "utilisation (busy ÷ wall)", "utilisation.png"),
-                                ("staleness", "mean staleness (versions)", "staleness.png")):  # fmt: skip
+    for metric, label, name in (
+        ("util", "utilisation (busy ÷ wall)", "utilisation.png"),
+        ("staleness", "mean staleness (versions)", "staleness.png"),
+    ):
         fig, ax = plt.subplots(figsize=(8, 4))
         width = 0.8 / max(1, len(profiles))
         for j, p in enumerate(profiles):

@@ -21,7 +21,7 @@ worker (``--slowdown 1``) under the profile's load: a worker of speed v runs
 t lands after the same number of that worker's steps as on the virtual clock. r comes from
 a short calibration demo per profile with events (``calibrate_real_s_per_step``: the
 profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
-since on 2 shared cores r is 2-3× the step time of a lone process. Each record says
+since on shared cores r under the profile's load is a multiple of a lone process's step time. Each record says
 which r and scale it ran with (``schedule``) and the r measured in the run itself
 (``measured_real_s_per_step``). A speed change counts from its worker's own start of
 training, the leave and rejoin from the demo's ``train_start_s``; the workers begin
@@ -122,14 +122,26 @@ def calibrate_real_s_per_step(profile: str, cfg: SuiteConfig, out_dir: pathlib.P
     ``profile``'s initial speeds (``CALIBRATION_METHOD``, ``CALIBRATION_STEPS``) on this
     machine, pooled over its workers: Σ (wall − blocked) ÷ Σ inner steps × slowdown."""
     speeds = PROFILES[profile]["speeds"]
-    sim_cfg = SimConfig(method=CALIBRATION_METHOD, speeds_s_per_step=speeds, total_steps=CALIBRATION_STEPS,
-                        local_steps=cfg.local_steps, job=cfg.job)  # fmt: skip
+    sim_cfg = SimConfig(
+        method=CALIBRATION_METHOD,
+        speeds_s_per_step=speeds,
+        total_steps=CALIBRATION_STEPS,
+        local_steps=cfg.local_steps,
+        job=cfg.job,
+    )
     mode, flags, worker_args = server_flags(sim_cfg)
     demo = DemoConfig(
-        num_workers=len(speeds), max_seconds=600.0, out_dir=str(out_dir), slowdowns=tuple(s / min(speeds) for s in speeds),
-        server_args=flags, job=cfg.job, eval_every_s=60.0, mode=mode, token_budget=CALIBRATION_STEPS * cfg.job.tokens_per_step,
+        num_workers=len(speeds),
+        max_seconds=600.0,
+        out_dir=str(out_dir),
+        slowdowns=tuple(s / min(speeds) for s in speeds),
+        server_args=flags,
+        job=cfg.job,
+        eval_every_s=60.0,
+        mode=mode,
+        token_budget=CALIBRATION_STEPS * cfg.job.tokens_per_step,
         worker_args=worker_args,
-    )  # fmt: skip
+    )
     run_demo(demo, progress=False)
     r = measured_real_s_per_step(out_dir)
     if r is None:
@@ -202,29 +214,46 @@ def run_real_suite(
                 r, source = 1.0, "unused"  # fixed speeds: only the slowdowns matter
             schedules[profile] = (real_schedule(prof, r), r, source)
         sched, r, source = schedules[profile]
-        sim_cfg = SimConfig(method=method, speeds_s_per_step=speeds, total_steps=cfg.total_steps,
-                            local_steps=cfg.local_steps, seed=seed, job=cfg.job,
-                            speed_changes=prof.get("changes", ()), leave_rejoin=prof.get("leave_rejoin"))  # fmt: skip
+        sim_cfg = SimConfig(
+            method=method,
+            speeds_s_per_step=speeds,
+            total_steps=cfg.total_steps,
+            local_steps=cfg.local_steps,
+            seed=seed,
+            job=cfg.job,
+            speed_changes=prof.get("changes", ()),
+            leave_rejoin=prof.get("leave_rejoin"),
+        )
         mode, flags, worker_args = server_flags(sim_cfg)
         job = dataclasses.replace(cfg.job, seed=seed)
         run_dir = out / "runs" / f"{profile}-{method}-{seed}"
         demo = DemoConfig(
-            num_workers=len(speeds), max_seconds=600.0, out_dir=str(run_dir),
-            slowdowns=sched.slowdowns, server_args=flags, job=job, eval_every_s=REAL_EVAL_EVERY_S, worker_args=worker_args,
-            mode=mode, token_budget=cfg.total_steps * job.tokens_per_step, leave_rejoin=sched.leave_rejoin,
+            num_workers=len(speeds),
+            max_seconds=600.0,
+            out_dir=str(run_dir),
+            slowdowns=sched.slowdowns,
+            server_args=flags,
+            job=job,
+            eval_every_s=REAL_EVAL_EVERY_S,
+            worker_args=worker_args,
+            mode=mode,
+            token_budget=cfg.total_steps * job.tokens_per_step,
+            leave_rejoin=sched.leave_rejoin,
             per_worker_args=tuple(_changes_flag(c) for c in sched.slowdown_changes),
-        )  # fmt: skip
+        )
         if progress:
             print(f"[{k}/{len(runs)}] {profile} {method} seed {seed}", flush=True)
         started = time.monotonic()
         report = run_demo(demo, progress=False)
         rec = _record(profile, method, seed, sim_cfg, report, time.monotonic() - started)
         rec["schedule"] = {
-            "real_s_per_step": r if source != "unused" else None, "real_s_per_step_from": source,
+            "real_s_per_step": r if source != "unused" else None,
+            "real_s_per_step_from": source,
             "real_s_per_virtual_s": sched.real_s_per_virtual_s if source != "unused" else None,
-            "slowdowns": list(sched.slowdowns), "slowdown_changes": [list(map(list, c)) for c in sched.slowdown_changes],
+            "slowdowns": list(sched.slowdowns),
+            "slowdown_changes": [list(map(list, c)) for c in sched.slowdown_changes],
             "leave_rejoin": list(sched.leave_rejoin) if sched.leave_rejoin else None,
-        }  # fmt: skip
+        }
         rec["measured_real_s_per_step"] = measured_real_s_per_step(run_dir) if mode == "async" else None
         records.append(rec)
         with open(jsonl, "a") as f:
@@ -238,10 +267,15 @@ def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: di
     t0 = report["train_start_s"]
     train_s = max(report["wall_s"] - t0, 1e-9)
     curve = [
-        {"steps": c["tokens"] // sim_cfg.job.tokens_per_step, "tokens": c["tokens"], "time_s": max(c["wall_s"] - t0, 0.0),
-         "version": c["version"], "eval_loss": c["eval_loss"]}
+        {
+            "steps": c["tokens"] // sim_cfg.job.tokens_per_step,
+            "tokens": c["tokens"],
+            "time_s": max(c["wall_s"] - t0, 0.0),
+            "version": c["version"],
+            "eval_loss": c["eval_loss"],
+        }
         for c in report["eval_curve"]
-    ]  # fmt: skip
+    ]
     idle_by_index: dict[int, float] = {}  # a worker that left and rejoined: its processes' idle time summed
     for w in report["workers"]:
         idle_by_index[w["index"]] = idle_by_index.get(w["index"], 0.0) + (w.get("idle_s") or 0.0)

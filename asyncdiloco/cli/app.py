@@ -24,7 +24,7 @@ from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.ps.config import MODES, SYNC_WEIGHTINGS, DurabilityConfig, ServerConfig, SyncConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
-from asyncdiloco.worker.config import FAIL_MODES, SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
 log = logging.getLogger("asyncdiloco.cli.app")
 
@@ -505,9 +505,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
             allreduce_timeout_s=args.allreduce_timeout_s,
             quorum_timeout_s=args.quorum_timeout_s,
             collective_host=args.collective_host,
-            fail_at_round=args.fail_at_round,
-            fail_mode=args.fail_mode,
-            fail_min_world_size=args.fail_min_world_size,
         )
     job = dataclasses.replace(
         _job_config(args), inner_lr_schedule=args.inner_lr_schedule, inner_warmup_steps=args.inner_warmup_steps,
@@ -742,21 +739,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--collective-host",
         default=None,
         help="sync: address the gloo device binds (default 127.0.0.1 for a loopback server, else torch's)",
-    )
-    pw.add_argument(
-        "--fail-at-round", type=int, default=None, help="sync, fault injection for tests: fail in this round"
-    )
-    pw.add_argument(
-        "--fail-min-world-size",
-        type=int,
-        default=1,
-        help="sync, fault injection: only in a quorum of at least this many members (default 1)",
-    )
-    pw.add_argument(
-        "--fail-mode",
-        choices=FAIL_MODES,
-        default=sw.fail_mode,
-        help="sync, fault injection: kill (SIGKILL mid-allreduce), hang or raise (default %(default)s)",
     )
     _add_job_args(pw)
     _add_inner_schedule_args(pw)

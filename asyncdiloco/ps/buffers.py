@@ -1,8 +1,8 @@
 """The server's payload memory: pooled receive buffers and the shared pull snapshot.
 
-Two rules from PERF-NOTES ("Why, and what helps"): a fresh large allocation faults
-every page (copies into it run at 1-2 GB/s against 9-12 GB/s into reused memory), and
-peak memory must not grow with the number of workers pushing at once. So:
+Two rules: a fresh large allocation faults every page on first touch (a copy into it
+is several times slower than a copy into reused memory), and peak memory must not grow
+with the number of workers pushing at once. So:
 
 * ``ReceivePool`` hands out preallocated uint8 buffers for incoming pushes and takes
   them back; the bytes of all buffers in use at once stay within ``budget_bytes`` (but
@@ -12,8 +12,9 @@ peak memory must not grow with the number of workers pushing at once. So:
   θ + momentum + one snapshot + max(budget_bytes, one payload), whatever the number
   of workers.
 * ``Snapshot`` is one version of the global model already encoded as the Pull stream's
-  chunk messages (wire.py), built once per version and shared by every concurrent pull,
-  which then copies nothing.
+  chunk messages (wire/grpc_chunks.py), built once per version and shared by every
+  concurrent pull, which then copies nothing. ``PullSnapshots`` counts which versions are
+  alive; snapshots.py builds them.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
 from asyncdiloco.errors import ServerBusyError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import chunk_messages, encode_chunk
 from asyncdiloco.wire.tensors import chunk_views, crc32_update
 
@@ -121,7 +124,7 @@ class Snapshot:
     messages: tuple[bytes, ...]
     data_offsets: tuple[int, ...]
 
-    def data_views(self):
+    def data_views(self) -> Iterator[memoryview]:
         """The payload as read-only memoryviews, one per chunk, zero-copy."""
         for msg, start in zip(self.messages, self.data_offsets):
             yield memoryview(msg)[start:]
@@ -239,20 +242,24 @@ class PullSource:
     from a shared ``Snapshot`` (async pulls) or a private payload (sync-state pulls).
     Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
 
-    header: object  # pb.PullHeader
+    header: pb.PullHeader
     snapshot: Snapshot | None = None
     payload: torch.Tensor | None = None  # 1-D uint8 CPU, when there is no snapshot
 
-    def messages(self, chunk_bytes: int):
+    def _private(self) -> torch.Tensor:
+        assert self.payload is not None, "a PullSource holds a snapshot or a payload"
+        return self.payload
+
+    def messages(self, chunk_bytes: int) -> Iterator[bytes]:
         """The serialised ``PullMessage(chunk=...)`` of each chunk (ready-made for a snapshot)."""
         if self.snapshot is not None:
             yield from self.snapshot.messages
             return
-        yield from chunk_messages(self.payload, chunk_bytes)
+        yield from chunk_messages(self._private(), chunk_bytes)
 
-    def data_views(self):
+    def data_views(self) -> Iterator[memoryview]:
         """The payload as read-only memoryviews, in order, zero-copy."""
         if self.snapshot is not None:
             yield from self.snapshot.data_views()
         else:
-            yield memoryview(self.payload.numpy()).toreadonly()
+            yield self._private().numpy().data.toreadonly()

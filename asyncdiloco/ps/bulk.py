@@ -1,15 +1,17 @@
 """The server side of the optional bulk data channel: Push and Pull as raw bytes over TCP.
 
-PERF-NOTES: gRPC tops out near half of raw TCP loopback throughput because every
-payload byte passes through protobuf chunk messages; a plain TCP data channel beside
-the gRPC control plane moves the same bytes with one kernel copy on each side. The
-wire format (BulkRequest / BulkReply, framing, refusals) is specified in
-``proto/asyncdiloco/v1/parameter_server.proto``; framing helpers are in bulk_wire.py.
+Why: through gRPC every payload byte passes through protobuf chunk messages, which
+caps a push or pull well below what the TCP connection carries; a plain TCP data
+channel beside the gRPC control plane moves the same bytes with one kernel copy on each
+side. The wire format (BulkRequest / BulkReply, framing, refusals) is specified in
+``proto/asyncdiloco/v1/parameter_server.proto``; framing helpers are in
+wire/bulk_framing.py.
 
 Semantics are the gRPC servicer's (service.py), through the same state methods: a push
-goes ``begin_push`` → payload received straight into the ``PayloadAssembler``'s buffer
-(``fill_with``, CRC-32 folded in per slice) → ``apply_push`` → ``finish_push``; a
-refused or interrupted push changes nothing and is counted by ``record_rejected``. A
+goes ``receive_push`` (the header checked, the payload received straight into the
+``PayloadAssembler``'s buffer with ``fill_with``, CRC-32 folded in per slice, then
+applied; intake.py) → ``finish_push``; a refused or interrupted push changes nothing
+and is counted by ``record_rejected``. A
 pull sends ``open_pull``'s header and then the payload from its immutable snapshot
 (``sendall`` of memoryviews of the snapshot's own bytes, no copy), then ``record_pull``.
 
@@ -151,9 +153,11 @@ class BulkServer:
 
     # -------------------------------------------------------------- accepting
     def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None, "start() binds it first"
         while not self._stopping:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 if not self._stopping:
                     log.exception("bulk data channel: accept failed; no more bulk connections are accepted")
@@ -219,9 +223,12 @@ class BulkServer:
     def _handle(self, conn: socket.socket, request: pb.BulkRequest) -> None:
         if self._token is not None and not token_matches(request.token, self._token):
             log.warning("refused a bulk request: missing or wrong token")
-            self._reply(conn, grpc.StatusCode.UNAUTHENTICATED,
-                        "bulk channel: missing or wrong token (BulkRequest.token); start the client with the "
-                        "server's --token-file")  # fmt: skip
+            self._reply(
+                conn,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "bulk channel: missing or wrong token (BulkRequest.token); start the client with the "
+                "server's --token-file",
+            )
             raise _Close
         kind = request.WhichOneof("body")
         if kind == "push":
@@ -245,8 +252,12 @@ class BulkServer:
             outcome = self.state.receive_push(header, fill, drain=lambda: drain(conn, total))
         except OSError:
             if reading:  # (a retry's payload cut off while drained counts as nothing)
-                log.warning("bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
-                            "%.0f s); nothing was applied", worker_id, self._idle_timeout_s)  # fmt: skip
+                log.warning(
+                    "bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
+                    "%.0f s); nothing was applied",
+                    worker_id,
+                    self._idle_timeout_s,
+                )
                 self.state.record_rejected(worker_id)
             raise
         except AsyncDiLoCoError as exc:
@@ -254,10 +265,10 @@ class BulkServer:
             self.state.record_rejected(worker_id)
             if not reading:  # refused from its header: the payload is still on the wire
                 if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
-                    self._reply(conn, exc.grpc_code, str(exc))
+                    self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
                     raise _Close from None
                 drain(conn, total)
-            self._reply(conn, exc.grpc_code, str(exc))
+            self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
             return
         reply = self.state.finish_push(outcome, header.worker_id, hold=not header.last)  # a last push is not held
         self._reply(conn, grpc.StatusCode.OK, push=reply)
@@ -266,7 +277,7 @@ class BulkServer:
         try:
             source = self.state.open_pull(request)
         except AsyncDiLoCoError as exc:
-            self._reply(conn, exc.grpc_code, str(exc))
+            self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
             return
         try:
             self._reply(conn, grpc.StatusCode.OK, pull=source.header)

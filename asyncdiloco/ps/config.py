@@ -73,12 +73,16 @@ class SyncConfig:
         require(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1 worker")
         require(
             math.isfinite(self.join_timeout_s) and self.join_timeout_s >= 0,
-            "join_timeout_s", self.join_timeout_s, "must be a finite number of seconds >= 0",
-        )  # fmt: skip
+            "join_timeout_s",
+            self.join_timeout_s,
+            "must be a finite number of seconds >= 0",
+        )
         require(
             math.isfinite(self.round_timeout_s) and self.round_timeout_s > 0,
-            "round_timeout_s", self.round_timeout_s, "must be a finite number of seconds > 0 (default 60)",
-        )  # fmt: skip
+            "round_timeout_s",
+            self.round_timeout_s,
+            "must be a finite number of seconds > 0 (default 60)",
+        )
         require(self.weighting in SYNC_WEIGHTINGS, "sync weighting", self.weighting, f"choose one of {SYNC_WEIGHTINGS}")
         require(
             0 <= self.store_port <= 65535, "store_port", self.store_port, "must be in [0, 65535]; 0 picks a free port"
@@ -95,7 +99,7 @@ class ServerConfig:
     port: int = 29500
     #: The outer optimizer; None = the mode's default: ``ASYNC_OUTER`` (Delayed Nesterov,
     #: the configuration the benchmark suite shows to win) or ``SYNC_OUTER`` (DiLoCo).
-    outer: OuterConfig | None = None
+    outer: OuterConfig = None  # type: ignore[assignment]  # None: replaced by the mode's default
     #: H, inner steps each worker runs between two pushes (dictated to workers on Join);
     #: under DyLU the fastest live worker's.
     local_steps: int = DEFAULT_LOCAL_STEPS
@@ -151,6 +155,12 @@ class ServerConfig:
     bulk_port: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_mode_and_ports()
+        self._check_limits()
+        self._check_grouping()
+        self._check_codec()
+
+    def _check_mode_and_ports(self) -> None:
         require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")
         if self.outer is None:
             object.__setattr__(self, "outer", ASYNC_OUTER if self.mode == "async" else SYNC_OUTER)
@@ -167,6 +177,8 @@ class ServerConfig:
             self.bulk_port,
             "must be in [0, 65535] (0 picks a free port), or None for no bulk channel",
         )
+
+    def _check_limits(self) -> None:
         require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")
         require(
             1024 <= self.chunk_bytes <= 64 * 1024**2,
@@ -176,29 +188,57 @@ class ServerConfig:
         )
         require(self.max_payload_bytes >= 1, "max_payload_bytes", self.max_payload_bytes, "must be >= 1 byte")
         require(
-            0 < self.max_abs_value < 1e30, "max_abs_value", self.max_abs_value, "must be in (0, 1e30) (fp32 overflows at 3.4e38)"
-        )  # fmt: skip
+            0 < self.max_abs_value < 1e30,
+            "max_abs_value",
+            self.max_abs_value,
+            "must be in (0, 1e30) (fp32 overflows at 3.4e38)",
+        )
         require(0 < self.lease_s <= 86400, "lease_s", self.lease_s, "must be in (0, 86400] seconds")
         require(self.max_concurrent_rpcs >= 4, "max_concurrent_rpcs", self.max_concurrent_rpcs, "must be >= 4")
-        require(self.receive_buffer_bytes >= 0, "receive_buffer_bytes", self.receive_buffer_bytes,
-                 "must be >= 0 bytes (0 still admits one push at a time)")  # fmt: skip
+        require(
+            self.receive_buffer_bytes >= 0,
+            "receive_buffer_bytes",
+            self.receive_buffer_bytes,
+            "must be >= 0 bytes (0 still admits one push at a time)",
+        )
         require(self.pull_snapshots >= 1, "pull_snapshots", self.pull_snapshots, "must be >= 1 version")
         require(self.histogram_buckets >= 2, "histogram_buckets", self.histogram_buckets, "must be >= 2")
+
+    def _check_grouping(self) -> None:
         require(self.grouping in GROUPINGS, "grouping", self.grouping, f"choose one of {GROUPINGS}")
-        require(self.grouping != "barrier" or self.outer.optimizer == "delayed_nesterov", "grouping", self.grouping,
-                 f"a barrier waits for the Delayed Nesterov buffer, which {self.outer.optimizer!r} has none of: "
-                 "use --outer-optimizer delayed_nesterov, or --grouping window")  # fmt: skip
-        require(self.grace_s is None or 0 <= self.grace_s <= 600, "grace_s", self.grace_s,
-                 "must be in [0, 600] seconds, or None (auto: one round of the fastest worker)")  # fmt: skip
-        require(self.group_max_wait_s is None or 0 < self.group_max_wait_s <= 3600, "group_max_wait_s",
-                 self.group_max_wait_s, "must be in (0, 3600] seconds, or None (auto: the longest round)")  # fmt: skip
+        require(
+            self.grouping != "barrier" or self.outer.optimizer == "delayed_nesterov",
+            "grouping",
+            self.grouping,
+            f"a barrier waits for the Delayed Nesterov buffer, which {self.outer.optimizer!r} has none of: "
+            "use --outer-optimizer delayed_nesterov, or --grouping window",
+        )
+        require(
+            self.grace_s is None or 0 <= self.grace_s <= 600,
+            "grace_s",
+            self.grace_s,
+            "must be in [0, 600] seconds, or None (auto: one round of the fastest worker)",
+        )
+        require(
+            self.group_max_wait_s is None or 0 < self.group_max_wait_s <= 3600,
+            "group_max_wait_s",
+            self.group_max_wait_s,
+            "must be in (0, 3600] seconds, or None (auto: the longest round)",
+        )
+
+    def _check_codec(self) -> None:
         require(self.wire_codec in WIRE_CODECS, "wire_codec", self.wire_codec, f"choose one of {WIRE_CODECS}")
         require(
-            1 <= self.codec_block_size <= MAX_BLOCK_SIZE, "codec_block_size", self.codec_block_size,
-            f"must be in [1, {MAX_BLOCK_SIZE}] elements per int8 block (default {DEFAULT_BLOCK_SIZE}; multiples of 64 are fastest)",
-        )  # fmt: skip
+            1 <= self.codec_block_size <= MAX_BLOCK_SIZE,
+            "codec_block_size",
+            self.codec_block_size,
+            f"must be in [1, {MAX_BLOCK_SIZE}] elements per int8 block "
+            f"(default {DEFAULT_BLOCK_SIZE}; multiples of 64 are fastest)",
+        )
         require(
-            self.mode == "async" or self.wire_codec == "raw", "wire_codec", self.wire_codec,
+            self.mode == "async" or self.wire_codec == "raw",
+            "wire_codec",
+            self.wire_codec,
             "sync mode moves exact fp32 state (allreduce, round results, healing pulls): use --wire-codec raw "
             "with --mode sync, or --mode async to compress pushes and pulls",
-        )  # fmt: skip
+        )

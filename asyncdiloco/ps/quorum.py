@@ -2,8 +2,8 @@
 
 This is the role torchft's lighthouse plays, for synchronous DiLoCo (Douillard et al.
 2023, arXiv 2311.08105) and LocalSGD. It holds no tensors and opens no sockets: the
-server's state (state.py) applies the committed result, the servicer (service.py) wraps
-the blocking calls in RPCs, and unit tests drive it with a fake clock.
+server's state (rounds.py ``SyncMode``) applies the committed result, the servicer
+(service.py) wraps the blocking calls in RPCs, and unit tests drive it with a fake clock.
 
 A **round** r → r+1 goes like this:
 
@@ -25,9 +25,10 @@ A **round** r → r+1 goes like this:
    success with the same total weight and (when that weight is > 0) rank 0's result is
    staged; then ``on_commit(Δ̄)`` applies the same outer step the members apply, and the
    round counter moves (``rounds_committed`` equals it: a round in which every member
-   healed commits with total weight 0, applies nothing and is not counted). Any failure vote aborts at once; a vote missing at
-   ``round_timeout_s`` after formation aborts at that deadline. An aborted round changes
-   nothing; members restart from the last committed θ_base.
+   healed commits with total weight 0, applies nothing and is not counted). Any failure
+   vote aborts at once; a vote missing at ``round_timeout_s`` after formation aborts at
+   that deadline. An aborted round changes nothing; members restart from the last
+   committed θ_base.
 
 After a round (committed or aborted) its members are the "previous members" the next
 quorum waits for. A member that died mid-round is therefore waited for up to
@@ -335,9 +336,10 @@ class QuorumManager:
         if rnd is not None and rnd.decision is None and now >= rnd.deadline:
             missing = [w for w in rnd.members if w not in rnd.votes]
             self._decide_locked(
-                rnd, False,
+                rnd,
+                False,
                 f"workers {missing} did not vote within round_timeout_s={self.config.round_timeout_s:g} s",
-            )  # fmt: skip
+            )
         if self._active is not None and self._active.decision is None:
             return
         if not self._waiting:
@@ -368,8 +370,13 @@ class QuorumManager:
             self._assigned[w] = Assignment(quorum_id, self.round, members, rank, w in heal, deadline)
         self._waiting.clear()
         self._first_request_at = None
-        log.info("quorum %d formed for round %d: members %s%s", quorum_id, self.round + 1, list(members),
-                 f", healing {sorted(heal)}" if heal else "")  # fmt: skip
+        log.info(
+            "quorum %d formed for round %d: members %s%s",
+            quorum_id,
+            self.round + 1,
+            list(members),
+            f", healing {sorted(heal)}" if heal else "",
+        )
         self._cond.notify_all()
 
     def _decide_locked(self, rnd: _Round, committed: bool, reason: str) -> None:

@@ -1,8 +1,14 @@
-"""What the parameter server remembers per push and per worker (plain records)."""
+"""Plain records of the parameter server's state, and the two locks its parts share.
+
+``PushOutcome`` is what a push's reply says (and what a retried push is answered with);
+``WorkerRecord`` is one row of the worker table (registry.py); ``StateLocks`` are the
+locks every part of ``ParameterServerState`` (state.py) takes, in one documented order.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 
 #: Outcomes remembered per worker for answering retried pushes.
@@ -11,18 +17,31 @@ PUSH_MEMORY = 256
 
 @dataclasses.dataclass(frozen=True)
 class PushOutcome:
+    """The outcome of one push, as its reply reports it.
+
+    Attributes:
+        applied: the push changed the global model (or staged a round result).
+        duplicate: a retry of a push applied before, answered with its original outcome.
+        version: the global version after the push.
+        staleness: τ = V − v, versions applied since the push's base version.
+        staleness_weight: s(τ), the factor the pseudo-gradient was scaled by.
+        local_steps: H, the inner steps of the worker's next round.
+        group_id: the push group whose release the reply waits for (0: none).
+    """
+
     applied: bool
     duplicate: bool
     version: int
     staleness: int
     staleness_weight: float
     local_steps: int
-    #: The push group whose release the reply waits for (0: none).
     group_id: int = 0
 
 
 @dataclasses.dataclass
 class WorkerRecord:
+    """One registered worker: its lease (server clock, seconds) and its totals."""
+
     worker_id: int
     name: str
     joined_at: float
@@ -36,3 +55,19 @@ class WorkerRecord:
     #: worker that pushed within about two of its rounds, or joined since).
     last_push: float = 0.0
     outcomes: OrderedDict[int, PushOutcome] = dataclasses.field(default_factory=OrderedDict)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StateLocks:
+    """The state's two locks. Order: ``apply`` before ``books``, never the reverse.
+
+    Attributes:
+        books: guards the version, the worker table, the counters and the journal; held
+            for bookkeeping only, never during tensor math, so Join, Heartbeat and Status
+            never wait for an apply.
+        apply: serialises whatever reads or writes θ and the outer optimizer's state
+            (the outer step, the copy into a pull snapshot, checkpoints).
+    """
+
+    books: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    apply: threading.Lock = dataclasses.field(default_factory=threading.Lock)

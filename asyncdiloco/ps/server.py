@@ -10,7 +10,7 @@ port is bound (so no client ever sees a half-restored server) and checkpointed o
 In sync mode this process also hosts the rendezvous store of the workers' process
 groups: one ``torch.distributed.TCPStore`` (``is_master=True``,
 ``wait_for_workers=False``) for the server's lifetime; each quorum uses the prefix
-``q<quorum_id>`` in it (PERF-NOTES, "Re-formable gloo groups"). A plain master
+``q<quorum_id>`` in it, so each round's process group is formed afresh. A plain master
 TCPStore listens on every interface, so the server binds the listening socket itself on
 ``config.host`` and hands it over (``master_listen_fd``).
 With ``config.bulk_port`` set, the bulk data channel (bulk.py) listens beside the gRPC
@@ -20,10 +20,12 @@ workers where it is.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import socket
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -35,6 +37,9 @@ from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import add_parameter_server
 from asyncdiloco.wire.security import server_credentials, server_interceptors
+
+if TYPE_CHECKING:
+    from asyncdiloco.ps.bulk import BulkServer
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +62,8 @@ class ParameterServer:
         self.store = DurableStore(config.durability, config) if config.durability is not None else None
         self._server: grpc.Server | None = None
         self.port: int | None = None
-        self._store = None  # sync mode: torch.distributed.TCPStore (master)
-        self.bulk = None  # bulk.BulkServer when config.bulk_port is set
+        self._store: object | None = None  # sync mode: torch.distributed.TCPStore (master)
+        self.bulk: BulkServer | None = None  # when config.bulk_port is set
 
     @property
     def address(self) -> str:
@@ -66,27 +71,69 @@ class ParameterServer:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> ParameterServer:
-        security = self.config.security
-        interceptors = server_interceptors(security)
-        creds = server_credentials(security)
-        if self.config.host not in ("127.0.0.1", "localhost", "::1") and not (interceptors and creds):
+        """Restore the durable state, bind the port(s) and start serving.
+
+        Each resource is registered for undoing as soon as it is acquired (the checkpoint
+        folder's lock, the gRPC server and its port, the rendezvous store, the bulk
+        channel), so a start that fails at any step gives all of them back, in reverse
+        order, and the next start on the same folder and ports works.
+
+        Returns:
+            self, serving (``port`` is the bound port).
+        Raises:
+            ConfigError: an address cannot be bound, or a token/PEM file cannot be read.
+            CheckpointError: the checkpoint folder is in use or unusable.
+        """
+        interceptors = server_interceptors(self.config.security)
+        creds = server_credentials(self.config.security)
+        self._warn_if_exposed(bool(interceptors), creds is not None)
+        with contextlib.ExitStack() as undo:
+            if self.store is not None:
+                self.store.open(self.state)  # restored before the port is bound
+                undo.callback(self.store.close, final_checkpoint=False)
+            server = self._grpc_server(interceptors)
+            undo.callback(server.stop, None)
+            port = self._bind(server, creds)
+            if self.config.mode == "sync":
+                self._start_store()
+                undo.callback(self._drop_store)
+            if self.config.bulk_port is not None:
+                self._start_bulk(self.config.bulk_port)
+                undo.callback(self._stop_bulk, None)
+            server.start()
+            undo.pop_all()  # serving: stop() gives everything back from here on
+        self._server, self.port = server, port
+        log.info("parameter server listening on %s", self.address)
+        return self
+
+    def _warn_if_exposed(self, token: bool, tls: bool) -> None:
+        if self.config.host not in ("127.0.0.1", "localhost", "::1") and not (token and tls):
             log.warning(
                 "listening on %s without %s: anyone who can reach the port can push to the model",
                 self.config.host,
-                " and ".join(n for n, on in (("a token", interceptors), ("TLS", creds)) if not on),
+                " and ".join(n for n, on in (("a token", token), ("TLS", tls)) if not on),
             )
-        if self.store is not None:
-            self.store.open(self.state)
+
+    def _grpc_server(self, interceptors: list) -> grpc.Server:
+        chunk_bytes = self.config.chunk_bytes
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_concurrent_rpcs, thread_name_prefix="ps-rpc"),
             # A fixed HTTP/2 window of one chunk per stream: gRPC's adaptive (BDP) windows let
-            # pushes waiting for a receive buffer pile up whole payloads in gRPC's own memory
-            # (once 7 × 64 MiB here); one chunk keeps that bounded and measured as fast.
-            options=grpc_channel_options(self.config.chunk_bytes)
-            + [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", self.config.chunk_bytes)],
+            # pushes waiting for a receive buffer pile up whole payloads in gRPC's own memory;
+            # one chunk keeps that bounded at no cost in throughput.
+            options=grpc_channel_options(chunk_bytes)
+            + [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", chunk_bytes)],
             interceptors=interceptors,
         )
-        add_parameter_server(ParameterServerService(self.state), server)  # chunk messages coded by hand (wire.py)
+        add_parameter_server(ParameterServerService(self.state), server)  # chunk messages coded by hand
+        return server
+
+    def _bind(self, server: grpc.Server, creds: grpc.ServerCredentials | None) -> int:
+        """Bind the gRPC port; returns it.
+
+        Raises:
+            ConfigError: the port is in use or the host is not an address of this machine.
+        """
         target = f"{self.config.host}:{self.config.port}"
         try:
             port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
@@ -94,32 +141,11 @@ class ParameterServer:
             port = 0
             log.debug("bind failed: %s", exc)
         if port == 0:
-            server.stop(None)
-            if self.store is not None:
-                self.store.close(final_checkpoint=False)
             raise ConfigError(
                 f"cannot listen on {target}: the port is already in use or the host is not an address of "
                 f"this machine; choose another --port (or --port 0 for a free one) or fix --host"
             )
-        if self.config.mode == "sync":
-            try:
-                self._start_store()
-            except Exception:
-                server.stop(None)
-                raise
-        if self.config.bulk_port is not None:
-            try:
-                self._start_bulk()
-            except Exception:
-                server.stop(None)
-                self._store = None
-                if self.store is not None:
-                    self.store.close(final_checkpoint=False)
-                raise
-        server.start()
-        self._server, self.port = server, port
-        log.info("parameter server listening on %s", self.address)
-        return self
+        return port
 
     def _start_store(self) -> None:
         import torch.distributed as dist
@@ -140,26 +166,44 @@ class ParameterServer:
         bound = sock.getsockname()[1]
         # The store takes the descriptor over (and closes it when it is destroyed).
         self._store = dist.TCPStore(
-            host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+            host,
+            bound,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
             timeout=datetime.timedelta(seconds=60),
-        )  # fmt: skip
+        )
         # Workers reach the store at the host they reach the server at when it binds all interfaces.
         self.state.store_host = "" if host in ("0.0.0.0", "::", "") else host
         self.state.store_port = bound
         log.info("rendezvous store listening on %s:%d", host, bound)
 
-    def _start_bulk(self) -> None:
+    def _drop_store(self) -> None:
+        self._store = None  # the store closes its socket when it is destroyed
+        self.state.store_host, self.state.store_port = "", 0
+
+    def _start_bulk(self, port: int) -> None:
         from asyncdiloco.ps.bulk import BulkServer
         from asyncdiloco.wire.security import read_token, server_ssl_context
 
         security = self.config.security
         token = read_token(security.token_file) if security is not None and security.token_file else None
-        self.bulk = BulkServer(
-            self.state, host=self.config.host, port=self.config.bulk_port, token=token,
-            ssl_context=server_ssl_context(security), max_connections=self.config.max_concurrent_rpcs,
+        bulk = BulkServer(
+            self.state,
+            host=self.config.host,
+            port=port,
+            token=token,
+            ssl_context=server_ssl_context(security),
+            max_connections=self.config.max_concurrent_rpcs,
             idle_timeout_s=self.config.lease_s,
-        ).start()  # fmt: skip
-        self.state.bulk_port = self.bulk.port  # told to workers in every RunConfig
+        )
+        self.bulk = bulk.start()
+        self.state.bulk_port = bulk.port  # told to workers in every RunConfig
+
+    def _stop_bulk(self, grace_s: float | None) -> None:
+        if self.bulk is not None:
+            self.bulk.stop(grace_s)
+            self.bulk = None
 
     @property
     def bulk_port(self) -> int:
@@ -174,9 +218,7 @@ class ParameterServer:
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
         self.state.groups.close()  # held push replies go out now, not at their deadlines
-        if self.bulk is not None:
-            self.bulk.stop(grace_s)
-            self.bulk = None
+        self._stop_bulk(grace_s)
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None

@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, reason_metadata
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def _abort(context: grpc.ServicerContext, exc: AsyncDiLoCoError) -> None:
+    """End the call with ``exc``'s status code and message, and its reason code in the
+    trailing metadata (errors.py): the client raises the same exception from it."""
+    context.set_trailing_metadata(reason_metadata(exc))
     context.abort(exc.grpc_code, str(exc))
 
 
@@ -40,7 +43,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return pb.JoinReply(
             worker_id=worker_id,
             run_config=self.state.run_config(worker_id),
-            manifest=self.state.manifest.to_proto(),
+            manifest=self.state.model.known_manifest.to_proto(),
             version=version,
             initialize=initialize,
         )
@@ -80,7 +83,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 raise InvalidPayloadError(
                     "the first PushMessage must carry a PushHeader; send the header, then the chunks"
                 )
-            worker_id = first.header.worker_id
+            worker_id, hold = first.header.worker_id, not first.header.last  # a last push is not held
             outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
             log.warning("push from worker %d refused: %s", worker_id, exc)
@@ -94,7 +97,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             raise
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
-        return self.state.finish_push(outcome, worker_id, hold=not first.header.last, max_wait_s=max_wait_s)
+        return self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
@@ -140,10 +143,15 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         try:
             decision = self.state.commit(
-                request.worker_id, request.quorum_id, success=request.success, total_weight=request.total_weight,
-                num_tokens=request.num_tokens, num_local_steps=request.num_local_steps, reason=request.reason,
+                request.worker_id,
+                request.quorum_id,
+                success=request.success,
+                total_weight=request.total_weight,
+                num_tokens=request.num_tokens,
+                num_local_steps=request.num_local_steps,
+                reason=request.reason,
                 timeout_s=request.timeout_s,
-            )  # fmt: skip
+            )
         except AsyncDiLoCoError as exc:
             log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)
             _abort(context, exc)

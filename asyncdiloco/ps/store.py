@@ -2,26 +2,23 @@
 
 Mechanism (what survives ``kill -9`` at any moment):
 
-1. **Write-ahead log.** Every state change a worker is told about (a Join, an applied
-   push) is appended to the current log segment and fsynced *before* it is applied in
-   memory and acknowledged. A push record holds the push header, the staleness τ, the
-   weight s(τ) and the live-worker count it was applied with, the version it produced,
-   and the payload bytes exactly as received (encoded with the run's wire codec, which
-   the record names), so replaying it decodes them and runs the same fp32
-   operations in the same order and reproduces θ and the outer optimizer's state
-   (momentum; Delayed Nesterov's buffer and arrival count) bit for bit. Each record carries a log
-   sequence number (LSN) and a CRC-32; a torn record at the very end of the log (the
-   crash hit during its append, so it was never acknowledged) is cut off at start-up,
-   a damaged record anywhere else stops start-up.
+1. **Write-ahead log** (record format in wal.py). Every state change a worker is told
+   about (a Join, an applied push) is appended to the current log segment and fsynced
+   *before* it is applied in memory and acknowledged. A push record holds everything
+   its outer step depends on (τ, s(τ), the live-worker count, the version it produced)
+   and the payload exactly as received, so replaying it reproduces θ and the outer
+   optimizer's state bit for bit. A torn record at the very end of the log (the crash
+   hit during its append, so it was never acknowledged) is cut off at start-up; a
+   damaged record anywhere else stops start-up.
 2. **Checkpoints** every ``checkpoint_every`` applied pushes, on start-up (after
    replay) and on shutdown: θ and the outer optimizer's vectors keyed by parameter
    name (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``), saved with
    ``torch.save`` and read back with ``torch.load(weights_only=True)`` (no pickled
    objects), and a JSON sidecar with the version, LSN, manifest, outer-optimizer
-   config, wire codec (push records hold encoded payloads), worker table, applied push ids with their outcomes, counters, and the
-   SHA-256 of the tensor file and of itself. Each file is written to a temp name,
-   fsynced, renamed, and the folder fsynced; the sidecar is renamed last and is the
-   commit point. The two newest good checkpoints are kept, and the log back to the
+   config, wire codec (push records hold encoded payloads), worker table, applied push
+   ids with their outcomes, counters, and the SHA-256 of the tensor file and of itself.
+   Each file is written to a temp name, fsynced, renamed, and the folder fsynced; the
+   sidecar is renamed last and is the commit point. The two newest good checkpoints are kept, and the log back to the
    older one, so ``--fallback-to-previous`` can resume from it and replay forward.
 3. **Start-up** loads the newest checkpoint (a corrupt, truncated or mismatched one
    stops start-up with a message saying which file and why, unless told to fall back),
@@ -39,160 +36,25 @@ Folder layout: ``ckpt-<LSN>.pt`` / ``ckpt-<LSN>.json``, ``wal-<first LSN>.log``,
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import pathlib
-import struct
 import threading
 import time
-import zlib
+from typing import BinaryIO, TextIO
 
 import torch
 
 from asyncdiloco.errors import CheckpointError
+from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.journal import JournaledState
+from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
+from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
-
-FORMAT = 1
-_MAGIC = b"ADWL"
-# magic, record kind, LSN, meta length, payload length, CRC-32 of everything after it
-_HEAD = struct.Struct("<4sBQIQI")
-JOIN, PUSH = 1, 2
-_KEEP_CHECKPOINTS = 2
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: pathlib.Path, write) -> None:
-    """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _sha256_file(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def manifest_to_json(manifest: Manifest) -> list:
-    """``[[name, shape, dtype], ...]``, e.g. ``[["fc.weight", [4, 2], "float32"]]``."""
-    return [[t.name, list(t.shape), str(t.dtype).removeprefix("torch.")] for t in manifest.tensors]
-
-
-def manifest_from_json(items: list) -> Manifest:
-    dtypes = {str(d).removeprefix("torch."): d for d in WIRE_DTYPES}
-    try:
-        return Manifest(
-            tuple(TensorSpec(name, tuple(int(d) for d in shape), dtypes[dtype]) for name, shape, dtype in items)
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"stored manifest is malformed ({exc!r}); restore the folder from a backup") from None
-
-
-def wire_settings(config: ServerConfig) -> dict:
-    """The wire codec a run's push records are encoded with (block size only for int8)."""
-    return {
-        "wire_codec": config.wire_codec,
-        "codec_block_size": config.codec_block_size if config.wire_codec == "int8" else 0,
-    }
-
-
-def _canonical(meta: dict) -> bytes:
-    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-
-
-@dataclasses.dataclass(frozen=True)
-class LogRecord:
-    kind: int  # JOIN or PUSH
-    lsn: int
-    meta: dict
-    payload: bytes
-
-
-def _check_record(data: bytes, pos: int) -> tuple[str | None, int]:
-    """(problem or None, end offset) of the record starting at ``pos``."""
-    if len(data) - pos < _HEAD.size:
-        return "a record header is cut off", len(data)
-    magic, kind, lsn, meta_len, payload_len, crc = _HEAD.unpack_from(data, pos)
-    end = pos + _HEAD.size + meta_len + payload_len
-    if magic != _MAGIC:
-        return f"bad magic {magic!r}", end
-    if end > len(data):
-        return "a record is cut off", len(data)
-    body_crc = zlib.crc32(memoryview(data)[pos + _HEAD.size : end], zlib.crc32(data[pos + 4 : pos + _HEAD.size - 4]))
-    if body_crc & 0xFFFFFFFF != crc:
-        return "CRC-32 mismatch", end
-    return None, end
-
-
-def _intact_record_after(data: bytes, pos: int) -> bool:
-    p = data.find(_MAGIC, pos + 1)
-    while p != -1:
-        if _check_record(data, p)[0] is None:
-            return True
-        p = data.find(_MAGIC, p + 1)
-    return False
-
-
-def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
-    """The intact records of one log segment.
-
-    Damage in the last segment with no intact record after it is a torn tail: the
-    crash hit during that append, whose fsync never returned, so it was never
-    acknowledged; it is cut off the file. Any other damage is an error.
-
-    Raises:
-        CheckpointError: a damaged record that is not a torn tail.
-    """
-    data = path.read_bytes()
-    records, pos = [], 0
-    while pos < len(data):
-        problem, end = _check_record(data, pos)
-        if problem is not None:
-            if is_last and not _intact_record_after(data, pos):
-                log.warning(
-                    "write-ahead log %s: dropping a torn record at byte %d (%s); it was never acknowledged",
-                    path.name,
-                    pos,
-                    problem,
-                )
-                with open(path, "r+b") as f:
-                    f.truncate(pos)
-                    f.flush()
-                    os.fsync(f.fileno())
-                break
-            raise CheckpointError(
-                f"write-ahead log {path} is damaged at byte {pos} ({problem}); the records after it cannot be "
-                f"trusted: restore the folder from a backup, or move the log away to resume from the newest "
-                f"checkpoint alone (losing the pushes logged after it)"
-            )
-        kind, lsn, meta_len = _HEAD.unpack_from(data, pos)[1:4]
-        body = pos + _HEAD.size
-        meta = json.loads(data[body : body + meta_len])
-        records.append(LogRecord(kind, lsn, meta, data[body + meta_len : end]))
-        pos = end
-    return records
 
 
 class DurableStore:
@@ -209,16 +71,16 @@ class DurableStore:
         self.server_config = server_config
         self.dir = pathlib.Path(config.checkpoint_dir)
         self.lsn = 0  # LSN of the newest record written (or loaded)
-        self._segment = None  # open file of the current log segment
+        self._segment: BinaryIO | None = None  # open file of the current log segment
         self._pushes_since_checkpoint = 0
         self._ckpt_lock = threading.Lock()
-        self._lock_file = None
-        self._state = None
+        self._lock_file: TextIO | None = None
+        self._state: JournaledState | None = None
         self._broken: str | None = None
         self._good_lsns: set[int] = set()  # checkpoints loaded or written by this process
 
     # ------------------------------------------------------------ start-up
-    def open(self, state) -> None:
+    def open(self, state: JournaledState) -> None:
         """Lock the folder, restore ``state`` from the newest good checkpoint and the
         log after it, checkpoint, and start journaling ``state``'s changes.
 
@@ -231,7 +93,7 @@ class DurableStore:
         try:
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink()
-            checkpoints = self._checkpoint_lsns()
+            checkpoints = checkpoint_lsns(self.dir)
             if not checkpoints:
                 if self._segments():
                     raise CheckpointError(
@@ -242,7 +104,7 @@ class DurableStore:
             else:
                 self._restore(state, checkpoints)
             self._state = state
-            state.journal = self
+            state.attach_journal(self)
             self.checkpoint()
         except BaseException:
             self._unlock_dir()
@@ -269,16 +131,6 @@ class DurableStore:
             self._lock_file.close()
             self._lock_file = None
 
-    def _checkpoint_lsns(self) -> list[int]:
-        """LSNs of committed checkpoints (those with a sidecar), newest first."""
-        out = []
-        for p in self.dir.glob("ckpt-*.json"):
-            try:
-                out.append(int(p.stem.split("-", 1)[1]))
-            except ValueError:
-                continue
-        return sorted(out, reverse=True)
-
     def _segments(self) -> list[tuple[int, pathlib.Path]]:
         out = []
         for p in self.dir.glob("wal-*.log"):
@@ -288,42 +140,12 @@ class DurableStore:
                 continue
         return sorted(out)
 
-    def _restore(self, state, checkpoints: list[int]) -> None:
-        failures = []
-        for i, lsn in enumerate(checkpoints):
-            try:
-                meta, tensors = self._load_checkpoint(lsn)
-                break
-            except CheckpointError as exc:
-                failures.append(str(exc))
-                older = checkpoints[i + 1] if i + 1 < len(checkpoints) else None
-                if not self.config.fallback_to_previous or older is None:
-                    hint = (
-                        f"start with --fallback-to-previous to resume from the previous checkpoint "
-                        f"(ckpt-{older:020d}) and replay the log from there"
-                        if older is not None
-                        else "no older checkpoint is left; restore the folder from a backup or start a fresh run in an empty folder"
-                    )
-                    raise CheckpointError(f"{'; '.join(failures)}; {hint}") from None
-                log.warning("%s; falling back to the previous checkpoint ckpt-%020d", exc, older)
+    def _restore(self, state: JournaledState, checkpoints: list[int]) -> None:
+        meta, tensors = self._newest_good_checkpoint(checkpoints)
         state.load_state_dict(meta, tensors)
         self.lsn = meta["lsn"]
         self._good_lsns.add(self.lsn)
-        replayed = 0
-        segments = self._segments()
-        for j, (first, path) in enumerate(segments):
-            records = read_segment(path, is_last=j == len(segments) - 1)
-            for rec in records:
-                if rec.lsn <= self.lsn:
-                    continue
-                if rec.lsn != self.lsn + 1:
-                    raise CheckpointError(
-                        f"write-ahead log {path} jumps from LSN {self.lsn} to {rec.lsn}: a log segment is missing; "
-                        f"restore the folder from a backup"
-                    )
-                self._replay(state, rec)
-                self.lsn = rec.lsn
-                replayed += 1
+        replayed = self._replay_log(state)
         log.info(
             "restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
             state.version,
@@ -332,73 +154,44 @@ class DurableStore:
             self.lsn,
         )
 
-    def _replay(self, state, rec: LogRecord) -> None:
-        m = rec.meta
-        if rec.kind == JOIN:
-            manifest = manifest_from_json(m["manifest"]) if "manifest" in m else None
-            state.replay_join(m["worker_id"], m["name"], m["initialize"], manifest)
-        elif rec.kind == PUSH:
-            header = pb.PushHeader(
-                worker_id=m["worker_id"],
-                push_id=m["push_id"],
-                base_version=m["base_version"],
-                num_local_steps=m["num_local_steps"],
-                num_tokens=m["num_tokens"],
-                total_bytes=m["total_bytes"],
-                kind=m["kind"],
-            )
-            codec = m.get("codec", "raw")  # records of pseudo-gradients say how they are encoded
-            if m["kind"] == pb.PUSH_KIND_PSEUDO_GRADIENT and codec != self.server_config.wire_codec:
-                raise CheckpointError(
-                    f"write-ahead log record {rec.lsn} holds a pseudo-gradient encoded with wire codec {codec!r} but "
-                    f"this server is configured with {self.server_config.wire_codec!r}; restart with "
-                    f"--wire-codec {codec} (replaying the log needs it) or use a fresh --checkpoint-dir"
-                )
-            payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
-            state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
-        else:
-            raise CheckpointError(
-                f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup"
-            )
+    def _newest_good_checkpoint(self, checkpoints: list[int]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The newest checkpoint that loads, falling back to older ones only when told to."""
+        failures = []
+        for i, lsn in enumerate(checkpoints):
+            try:
+                return load_checkpoint(self.dir, lsn, self.server_config)
+            except CheckpointError as exc:
+                failures.append(str(exc))
+                older = checkpoints[i + 1] if i + 1 < len(checkpoints) else None
+                if not self.config.fallback_to_previous or older is None:
+                    hint = (
+                        f"start with --fallback-to-previous to resume from the previous checkpoint "
+                        f"(ckpt-{older:020d}) and replay the log from there"
+                        if older is not None
+                        else "no older checkpoint is left; restore the folder from a backup or start a fresh run "
+                        "in an empty folder"
+                    )
+                    raise CheckpointError(f"{'; '.join(failures)}; {hint}") from None
+                log.warning("%s; falling back to the previous checkpoint ckpt-%020d", exc, older)
+        raise CheckpointError("no checkpoint to restore")  # unreachable: called with at least one
 
-    def _load_checkpoint(self, lsn: int) -> tuple[dict, dict[str, torch.Tensor]]:
-        side = self.dir / f"ckpt-{lsn:020d}.json"
-        try:
-            meta = json.loads(side.read_bytes())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {side} cannot be read ({exc})") from None
-        claimed = meta.pop("meta_sha256", None) if isinstance(meta, dict) else None
-        if claimed != hashlib.sha256(_canonical(meta)).hexdigest():
-            raise CheckpointError(f"checkpoint {side} fails its checksum (meta_sha256): it is corrupt")
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"checkpoint {side} has format {meta.get('format')}; this server reads format {FORMAT}"
-            )
-        mine = dataclasses.asdict(self.server_config.outer)
-        for field, value in meta["outer"].items():
-            if mine.get(field) != value:
-                raise CheckpointError(
-                    f"checkpoint {side} was written with outer {field}={value!r} but this server is configured "
-                    f"with {mine.get(field)!r}; restart with the checkpoint's setting (replaying the log needs it) "
-                    f"or use a fresh --checkpoint-dir"
-                )
-        stored_wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
-        for field, value in wire_settings(self.server_config).items():
-            if stored_wire.get(field) != value:
-                flag = "--wire-codec" if field == "wire_codec" else "--codec-block-size"
-                raise CheckpointError(
-                    f"checkpoint {side} was written with {field}={stored_wire.get(field)!r} but this server is "
-                    f"configured with {value!r}; restart with the checkpoint's {flag} (its write-ahead log holds "
-                    f"pushes encoded that way) or use a fresh --checkpoint-dir"
-                )
-        pt = self.dir / meta["tensor_file"]
-        if not pt.is_file() or pt.stat().st_size != meta["tensor_bytes"] or _sha256_file(pt) != meta["tensor_sha256"]:
-            raise CheckpointError(f"checkpoint tensors {pt} are missing, truncated or corrupt (size or SHA-256 differ)")
-        try:
-            tensors = torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-            raise CheckpointError(f"checkpoint tensors {pt} cannot be loaded ({exc})") from None
-        return meta, tensors
+    def _replay_log(self, state: JournaledState) -> int:
+        """Redo the log records after ``self.lsn``, in order; returns how many."""
+        replayed = 0
+        segments = self._segments()
+        for j, (_first, path) in enumerate(segments):
+            for rec in read_segment(path, is_last=j == len(segments) - 1):
+                if rec.lsn <= self.lsn:
+                    continue
+                if rec.lsn != self.lsn + 1:
+                    raise CheckpointError(
+                        f"write-ahead log {path} jumps from LSN {self.lsn} to {rec.lsn}: a log segment is missing; "
+                        f"restore the folder from a backup"
+                    )
+                replay_record(state, rec, self.server_config.wire_codec)
+                self.lsn = rec.lsn
+                replayed += 1
+        return replayed
 
     # ------------------------------------------------------------ journal
     def _append(self, kind: int, meta: dict, payload: memoryview | bytes = b"") -> None:
@@ -408,12 +201,9 @@ class DurableStore:
                 f"the write-ahead log is unusable ({self._broken}); fix the disk and restart the server"
             )
         lsn = self.lsn + 1
-        meta_b = json.dumps(meta, separators=(",", ":")).encode()
-        crc = zlib.crc32(
-            payload, zlib.crc32(meta_b, zlib.crc32(struct.pack("<BQIQ", kind, lsn, len(meta_b), len(payload))))
-        )
-        head = _HEAD.pack(_MAGIC, kind, lsn, len(meta_b), len(payload), crc & 0xFFFFFFFF)
+        head, meta_b = encode_record(kind, lsn, meta, payload)
         f = self._segment
+        assert f is not None, "the log is open while a journal is attached"
         start = f.tell()
         try:
             f.write(head)
@@ -453,21 +243,8 @@ class DurableStore:
     ) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
         everything its outer step depends on: τ, s(τ) and the live worker count."""
-        meta = {
-            "worker_id": header.worker_id,
-            "push_id": header.push_id,
-            "base_version": header.base_version,
-            "num_local_steps": header.num_local_steps,
-            "num_tokens": header.num_tokens,
-            "total_bytes": header.total_bytes,
-            "kind": header.kind,
-            "tau": tau,
-            "weight": weight,
-            "version_after": version_after,
-            "num_workers": num_workers,
-            "codec": self.server_config.wire_codec,
-        }
-        self._append(PUSH, meta, memoryview(payload.numpy()))
+        meta = push_meta(header, tau, weight, version_after, num_workers, self.server_config.wire_codec)
+        self._append(PUSH, meta, payload.numpy().data)
         self._pushes_since_checkpoint += 1
 
     def maybe_checkpoint(self) -> None:
@@ -496,48 +273,21 @@ class DurableStore:
             self._segment.close()
         path = self.dir / f"wal-{self.lsn + 1:020d}.log"
         self._segment = open(path, "ab")
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._pushes_since_checkpoint = 0
         return self.lsn
 
     def _checkpoint_locked(self) -> None:
         started = time.monotonic()
+        assert self._state is not None, "open() first"
         meta, tensors, lsn = self._state.state_dict(while_locked=self._rotate)
         name = f"ckpt-{lsn:020d}"
         if lsn in self._good_lsns:  # nothing was logged since that (intact) checkpoint
             return
-        pt = self.dir / f"{name}.pt"
-        _write_atomically(pt, lambda f: torch.save(tensors, f))
-        meta.update(
-            format=FORMAT,
-            lsn=lsn,
-            outer=dataclasses.asdict(self.server_config.outer),
-            wire=wire_settings(self.server_config),
-            tensor_file=pt.name,
-            tensor_bytes=pt.stat().st_size,
-            tensor_sha256=_sha256_file(pt),
-            created_unix_s=time.time(),
-        )
-        meta["meta_sha256"] = hashlib.sha256(_canonical(meta)).hexdigest()
-        _write_atomically(self.dir / f"{name}.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        write_checkpoint(self.dir, lsn, meta, tensors, self.server_config)
         self._good_lsns.add(lsn)
-        self._prune()
+        prune(self.dir, self._segments())
         log.info("checkpoint %s at version %d written in %.3f s", name, meta["version"], time.monotonic() - started)
-
-    def _prune(self) -> None:
-        """Keep the newest checkpoints and the log back to the oldest kept one."""
-        lsns = self._checkpoint_lsns()
-        for old in lsns[_KEEP_CHECKPOINTS:]:
-            for suffix in (".json", ".pt"):
-                (self.dir / f"ckpt-{old:020d}{suffix}").unlink(missing_ok=True)
-        oldest_kept = lsns[:_KEEP_CHECKPOINTS][-1]
-        segments = self._segments()
-        for (first, path), (next_first, _) in zip(segments, segments[1:]):
-            if next_first - 1 <= oldest_kept:  # every record in it is covered by a kept checkpoint
-                path.unlink(missing_ok=True)
-        for p in self.dir.glob("ckpt-*.pt"):  # tensor files whose sidecar never got written
-            if not p.with_suffix(".json").exists():
-                p.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ shutdown
     def close(self, *, final_checkpoint: bool = True) -> None:
@@ -546,12 +296,12 @@ class DurableStore:
             if final_checkpoint and self._state is not None and not self._broken:
                 self.checkpoint()
         finally:
-            state = self._state
-            if state is not None:
-                with state._lock:  # no append can interleave with closing the log
-                    self._broken = "the server is stopping"
-                    state.journal = None
-                    if self._segment is not None:
-                        self._segment.close()
-                        self._segment = None
+            if self._state is not None:
+                self._state.detach_journal(then=self._close_log)  # no append interleaves with closing it
             self._unlock_dir()
+
+    def _close_log(self) -> None:
+        self._broken = "the server is stopping"
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None

@@ -12,6 +12,8 @@ import struct
 
 import grpc
 
+from asyncdiloco.errors import REASON_METADATA_KEY
+
 #: Largest frame (one serialized BulkRequest or BulkReply), bytes; headers are far smaller.
 MAX_FRAME_BYTES = 1 << 20
 
@@ -40,17 +42,21 @@ def status_code(value: int) -> grpc.StatusCode:
 
 class BulkStatus(Exception):
     """A BulkReply's non-OK status, shaped like ``grpc.RpcError`` (``code()``,
-    ``details()``) so ``errors.from_rpc_error`` maps it to the same library exception."""
+    ``details()``, ``trailing_metadata()`` with the reason code) so
+    ``errors.from_rpc_error`` maps it to the same library exception."""
 
-    def __init__(self, value: int, message: str) -> None:
+    def __init__(self, value: int, message: str, reason: str = "") -> None:
         super().__init__(message)
-        self._code, self._message = status_code(value), message
+        self._code, self._message, self._reason = status_code(value), message, reason
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((REASON_METADATA_KEY, self._reason),) if self._reason else ()
 
 
 def send_frame(sock: socket.socket, message) -> None:

@@ -6,12 +6,12 @@ reads two of its messages faster than the generated code can, byte for byte the 
 PayloadChunk}`` (server → client). Every other message, and any chunk message this
 parser does not recognise, goes through the generated protobuf classes.
 
-Why (PERF-NOTES, "gRPC, as a fraction of raw TCP"): protobuf costs about four full
-copies of a payload chunk (construct, serialise, parse, field access). Here a chunk
-costs one copy on each side: ``encode_chunk`` joins a few header bytes and a
-``memoryview`` of the payload into the ``bytes`` gRPC sends; ``decode_*_message`` returns
-a ``WireChunk`` whose ``data`` is a zero-copy ``memoryview`` into the bytes gRPC
-received, which ``PayloadAssembler.add`` copies straight into its place.
+Why: the generated protobuf code costs about four full copies of a payload chunk
+(construct, serialise, parse, field access). Here a chunk costs one copy on each side:
+``encode_chunk`` joins a few header bytes and a ``memoryview`` of the payload into the
+``bytes`` gRPC sends; ``decode_*_message`` returns a ``WireChunk`` whose ``data`` is a
+zero-copy ``memoryview`` into the bytes gRPC received, which ``PayloadAssembler.add``
+copies straight into its place.
 
 Wire format (protobuf encoding, https://protobuf.dev/programming-guides/encoding/):
 ``0x12 varint(len(body)) body`` with ``body = [0x08 varint(index)] [0x10 varint(offset)]
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -165,7 +166,7 @@ def is_chunk(message: object) -> bool:
 # ---------------------------------------------------------------- registration
 def _handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
     unary = grpc.unary_unary_rpc_method_handler
-    plain = {
+    plain: dict[str, tuple[Any, Any]] = {  # RPC -> (request class, reply class), generated
         "Join": (pb.JoinRequest, pb.JoinReply),
         "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
         "Leave": (pb.LeaveRequest, pb.LeaveReply),
@@ -174,10 +175,11 @@ def _handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
         "Commit": (pb.CommitRequest, pb.CommitReply),
     }
     handlers = {
-        name: unary(getattr(servicer, name), request_deserializer=req.FromString,
-                    response_serializer=rep.SerializeToString)
+        name: unary(
+            getattr(servicer, name), request_deserializer=req.FromString, response_serializer=rep.SerializeToString
+        )
         for name, (req, rep) in plain.items()
-    }  # fmt: skip
+    }
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
         servicer.Push, request_deserializer=decode_push_message, response_serializer=pb.PushReply.SerializeToString
     )
@@ -204,6 +206,7 @@ def push_callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
 def pull_callable(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
     """Client side of Pull: responses are a ``pb.PullMessage`` (the header) then ``WireChunk``s."""
     return channel.unary_stream(
-        f"/{SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
+        f"/{SERVICE}/Pull",
+        request_serializer=pb.PullRequest.SerializeToString,
         response_deserializer=decode_pull_message,
-    )  # fmt: skip
+    )

@@ -28,7 +28,7 @@ import stat
 
 import grpc
 
-from asyncdiloco.errors import ConfigError, require, require_file
+from asyncdiloco.errors import REASON_METADATA_KEY, ConfigError, UnauthenticatedError, require, require_file
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         )
 
         def deny(request_or_iterator, context):
+            context.set_trailing_metadata(((REASON_METADATA_KEY, UnauthenticatedError.reason),))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         def deny_stream(request_or_iterator, context):
+            context.set_trailing_metadata(((REASON_METADATA_KEY, UnauthenticatedError.reason),))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this a generator, as a streaming handler must be
 
@@ -194,6 +196,7 @@ def server_credentials(config: ServerSecurityConfig | None) -> grpc.ServerCreden
     """
     if config is None or config.tls_cert is None:
         return None
+    assert config.tls_key is not None  # ServerSecurityConfig requires tls_key with tls_cert
     cert = _read_bytes(config.tls_cert, "TLS certificate")
     key = _read_bytes(config.tls_key, "TLS key")
     client_ca = _read_bytes(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None

@@ -28,12 +28,12 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-try:  # ISA-L's CRC-32 (python-isal): zlib's polynomial and values, several times faster, GIL released
+try:  # ISA-L's CRC-32 (python-isal): zlib's polynomial and values, SIMD, GIL released
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal has wheels for the usual platforms
     from zlib import crc32 as _crc32
 
-    log.warning("isal is not installed: payload checksums fall back to zlib's CRC-32, several times slower")
+    log.warning("isal is not installed: payload checksums fall back to zlib's CRC-32 (slower, same values)")
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("asyncdiloco's wire format is little-endian; this host is big-endian")
@@ -41,7 +41,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 #: dtypes a parameter may have, with their wire enum.
-WIRE_DTYPES: dict[torch.dtype, int] = {
+WIRE_DTYPES: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.bfloat16: pb.DTYPE_BFLOAT16,
     torch.float16: pb.DTYPE_FLOAT16,
@@ -295,8 +295,9 @@ def num_chunks_for(total_bytes: int, chunk_bytes: int) -> int:
 def crc32_of(payload: torch.Tensor) -> int:
     """CRC-32 (zlib's polynomial and values) of a uint8 CPU payload.
 
-    Computed with ISA-L (python-isal) when installed: 9-23 GB/s against zlib's ~2 GB/s
-    here, where zlib's CRC was two thirds of the server's time per push."""
+    Computed with ISA-L (python-isal) when installed, which releases the GIL and is
+    several times faster than zlib's: every push is checksummed on both sides, so with
+    zlib the CRC dominates the server's own time per push (docs/performance.md)."""
     return crc32_update(0, payload.numpy())
 
 
@@ -311,7 +312,7 @@ def chunk_views(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, 
     the last exactly ``chunk_bytes``)."""
     if chunk_bytes <= 0:
         raise InvalidPayloadError(f"chunk_bytes is {chunk_bytes}; it must be > 0")
-    view = memoryview(payload.numpy())
+    view = payload.numpy().data  # a memoryview of the tensor's storage, no copy
     for index in range(num_chunks_for(len(view), chunk_bytes)):
         start = index * chunk_bytes
         yield index, start, view[start : start + chunk_bytes]
@@ -368,9 +369,9 @@ class PayloadAssembler:
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
         self._crc_expected = crc32
-        self._crc = 0
+        self._crc: int = 0
         self._next_index = 0
-        self._filled = 0
+        self._filled: int = 0
         if buffer is None:
             buffer = torch.empty(total_bytes, dtype=torch.uint8)
         elif buffer.dtype != torch.uint8 or buffer.numel() != total_bytes:
@@ -430,10 +431,10 @@ class PayloadAssembler:
         """
         if self._next_index or self._filled:
             raise InvalidPayloadError("fill_with needs an empty assembler; chunks were already added")
-        view = memoryview(self._np)
+        view = self._np.data  # a memoryview of the buffer, no copy
         while self._filled < self.total_bytes:
             end = min(self._filled + slice_bytes, self.total_bytes)
-            pos = self._filled
+            pos: int = self._filled
             while pos < end:
                 n = readinto(view[pos:end])
                 if n == 0:

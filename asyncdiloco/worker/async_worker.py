@@ -24,7 +24,7 @@ same ``push_id`` (the server applies it at most once); once a push is acknowledg
 a residual and never counted twice. A push refused as too stale is dropped and the
 worker restarts from the global model. An expired lease triggers a rejoin.
 
-Wire codec (codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
+Wire codec (wire/codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
 and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
 Because θ_base is lowered by decode(encode(Δ)), exactly what the server received, the
 quantisation error stays in θ_base − θ_local and is pushed next round: error feedback
@@ -58,8 +58,16 @@ from asyncdiloco.errors import (
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
+from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
-from asyncdiloco.worker.overlap import BackgroundSync, SyncOutcome, check_finite_delta
+from asyncdiloco.worker.overlap import (
+    BackgroundSync,
+    PushToSend,
+    SyncLink,
+    SyncOutcome,
+    SyncRequest,
+    check_finite_delta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +117,13 @@ class _PendingPush:
     #: Sent while the worker closes: the server does not hold its reply for a group.
     last: bool = False
 
-    def send(self, client, worker_id: int, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+    def send(
+        self, client: ParameterServerClient, worker_id: int, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT
+    ) -> pb.PushReply:
         """Push ``payload`` with this push's id, base version and counts (``client.push``,
         with its exceptions); the blocking path and overlap's background thread both send
         through here."""
+        assert self.payload is not None, "a push is encoded before it is sent"
         return client.push(
             self.payload,
             worker_id=worker_id,
@@ -126,6 +137,12 @@ class _PendingPush:
         )
 
 
+def _payload_of(pending: PushToSend) -> torch.Tensor:
+    """The payload of a push that was sent (it was encoded before)."""
+    assert pending.payload is not None, "a sent push has its payload"
+    return pending.payload
+
+
 class AsyncDiLoCoWorker(WorkerBase):
     """Asynchronous DiLoCo around ``model`` and ``inner_optimizer``.
 
@@ -136,6 +153,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff, ``overlap``.
         tokens_per_step: tokens consumed per inner step, reported to the server (0 if
             unknown); ``add_tokens`` adds more.
+
+    ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
+    first inner step, and ``join``'s exceptions then come from that ``step()``.
+
     Raises:
         ServerUnavailableError (from ``join``): the server could not be reached within
             ``config.join_timeout_s``.
@@ -144,6 +165,7 @@ class AsyncDiLoCoWorker(WorkerBase):
     """
 
     mode = "async"
+    stats: WorkerStats
 
     def __init__(
         self,
@@ -154,16 +176,18 @@ class AsyncDiLoCoWorker(WorkerBase):
         tokens_per_step: int = 0,
     ) -> None:
         super().__init__(model, inner_optimizer, config, tokens_per_step)
-        on_cuda, n = self._on_cuda, self.manifest.numel
-        self._base = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_base, (N,) fp32
-        self._scratch = torch.zeros(n, dtype=torch.float32, pin_memory=on_cuda)  # θ_local, then Δ
+        self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
+        self._scratch = self.flat.host_buffer()  # θ_local, then Δ, (N,) fp32
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self.stats = WorkerStats()
         self.version = 0  # the version θ_base was pulled at
         self._next_push_id = 1
         self._pending: _PendingPush | None = None
         self._round_started = time.monotonic()
-        self._overlap = BackgroundSync(n, pin_memory=on_cuda) if config.overlap else None
+        self._overlap: BackgroundSync | None = None
+        if config.overlap:
+            link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
+            self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
         self._joined_at: float | None = None
         self._closing = False
 
@@ -179,8 +203,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._register()
             self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
-            self._copy_model_into(self._base)
-            payload = self.manifest.pack_flat(self._base)  # always raw, exact
+            payload = self.manifest.pack_flat(self.flat.copy_into(self._base))  # always raw, exact
             self._send_payload(
                 _PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
                 kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
@@ -208,7 +231,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         if self._stop.is_set():
             return
         self._stop.set()
-        self._hook.remove()
+        self._remove_hooks()
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
             try:
@@ -244,32 +267,38 @@ class AsyncDiLoCoWorker(WorkerBase):
             InvalidPayloadError: this worker's pseudo-gradient is not finite (diverged).
         """
         if self._overlap is not None:
-            return self._overlapped_sync_point()
+            return self._overlapped_sync_point(self._overlap)
         self._push_round()
         self._pull_and_load()
         return True
 
     # ------------------------------------------------------------- overlap
-    def _overlapped_sync_point(self) -> bool | None:
+    def _overlapped_sync_point(self, overlap: BackgroundSync) -> bool | None:
+        """Merge the sync in flight if it is due, then start the next one in the background."""
         merged = False
-        if self._overlap.in_flight and self._grouped and self._steps_since_sync < 2 * self.local_steps:
+        if overlap.in_flight and self._grouped and self._steps_since_sync < 2 * self.local_steps:
             return None  # its reply is held while the group forms: train on, merge when it comes
-        if self._overlap.in_flight:  # the previous sync is late: wait for it (blocked time)
+        if overlap.in_flight:  # the previous sync is late: wait for it (blocked time)
             merged = self._wait_and_merge()
             if self._pending is None and self._steps_since_sync < self.local_steps:
                 return merged  # restarted from the global model (stale push): nothing to push yet
         if self._pending is None:
             if self._steps_since_sync > 0:  # θ_local(t0) -> snapshot; Δ is taken and encoded in the background
-                self._new_pending(self._overlap.snapshot, encode=False)
+                self._new_pending(overlap.snapshot, encode=False)
             else:
-                self._copy_model_into(self._overlap.snapshot)  # a pull only
+                self.flat.copy_into(overlap.snapshot)  # a pull only
         # else: a retry: the snapshot still holds θ_local at the time the pending Δ was taken
-        self._overlap.submit(
-            client=self.client, manifest=self.manifest, worker_id=self.worker_id, pending=self._pending,
-            pull_buffer=self._wire_buffer("pull"), decode=self._decode_payload, theta_g=self._scratch,
-            snapshot=self._overlap.snapshot, base=self._base, encode=self._encode_delta,
-            carry_residual=self.codec.name != "raw",
-        )  # fmt: skip
+        overlap.submit(
+            SyncRequest(
+                worker_id=self.worker_id,
+                pending=self._pending,
+                base=self._base,
+                snapshot=overlap.snapshot,
+                theta_g=self._scratch,
+                pull_buffer=self._wire_buffer("pull"),
+                carry_residual=self.codec.name != "raw",
+            )
+        )
         return None
 
     def _after_inner_step(self) -> None:
@@ -282,44 +311,33 @@ class AsyncDiLoCoWorker(WorkerBase):
                 self.stats.blocked_s += time.monotonic() - started
 
     def _wait_and_merge(self) -> bool:
-        return self._merge(self._overlap.wait())
+        assert self._overlap is not None, "merging needs overlap"
+        return self._merge(self._overlap.wait(), self._overlap.snapshot)
 
-    def _merge(self, out: SyncOutcome) -> bool:
+    def _merge(self, out: SyncOutcome, correction: torch.Tensor) -> bool:
         """Training thread: apply a finished background sync (rule in overlap.py).
 
+        Args:
+            out: the sync's outcome.
+            correction: c = θ_g' − θ_local(t0), fp32 (N,) (the overlap's snapshot buffer).
         Raises:
             whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
             NotInitializedError, InvalidPayloadError, ...), after recording what the
             server acknowledged before it.
         """
         self.stats.comm_s += out.comm_s
-        if isinstance(out.error, InvalidPayloadError) and out.pending is not None and out.pending.payload is None:
-            self._pending = None  # Δ was not finite: nothing was sent (the error says the model diverged)
-        if out.push_reply is not None:
-            self.stats.bytes_pushed += out.pending.payload.numel()
-            self._push_acknowledged(out.push_reply, out.pending, lower_base=not out.pulled)
-        elif out.stale is not None:
-            self._push_refused(out.pending, out.stale)
-        elif isinstance(out.error, UnknownWorkerError):
-            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
+        self._record_push_outcome(out)
         if out.error is not None:
             raise out.error
+        assert out.run_config is not None and out.version is not None, "a sync without error pulled"
         theta_g = self._scratch  # θ_g', decoded by the background thread
         self.local_steps = out.run_config.local_steps or self.local_steps
         if out.stale is not None:  # restart from the global model, as without overlap
-            self._load_flat_into_model(theta_g)
+            self.flat.load(theta_g)
             self._start_round()
         else:
-            self._add_into_model(self._overlap.snapshot)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
-            held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
-            if held_s > 0 and out.pending is not None and out.pending.compute_s > 0:
-                # The reply was held while the push's group formed and this worker trained on:
-                # the steps of that wait come on top of H_w, so its next push lands with the
-                # group's next one (counted from the snapshot, every round would end earlier
-                # by the wait and the workers would drift out of their groups).
-                step_s = out.pending.compute_s / max(1, out.pending.num_local_steps)
-                held_steps = min(self._steps_since_sync, math.floor(held_s / step_s))
-                self._round_steps = self.local_steps + held_steps
+            self.flat.add(correction)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
+            self._extend_round_by_held_steps(out)
         self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
         self._carry_residual = False  # the correction already kept it (overlap.py)
         self._set_codec(out.run_config)
@@ -328,6 +346,32 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.bytes_pulled += out.bytes_pulled
         self._backoff_s = self.config.initial_backoff_s
         return True
+
+    def _record_push_outcome(self, out: SyncOutcome) -> None:
+        """What the server did with the push a background sync carried: acknowledged
+        (θ_base lowered unless the pull completed), refused as stale, or not sent."""
+        pending = out.pending
+        if isinstance(out.error, InvalidPayloadError) and pending is not None and pending.payload is None:
+            self._pending = None  # Δ was not finite: nothing was sent (the error says the model diverged)
+        if out.push_reply is not None and pending is not None:
+            self.stats.bytes_pushed += _payload_of(pending).numel()
+            self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
+        elif out.stale is not None and pending is not None:
+            self._push_refused(pending, out.stale)
+        elif isinstance(out.error, UnknownWorkerError):
+            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
+
+    def _extend_round_by_held_steps(self, out: SyncOutcome) -> None:
+        """The reply was held while the push's group formed and this worker trained on: the
+        steps of that wait come on top of H_w, so its next push lands with the group's next
+        one (counted from the snapshot, every round would end earlier by the wait and the
+        workers would drift out of their groups)."""
+        held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
+        pending = out.pending
+        if held_s > 0 and pending is not None and pending.compute_s > 0:
+            step_s = pending.compute_s / max(1, pending.num_local_steps)
+            held_steps = min(self._steps_since_sync, math.floor(held_s / step_s))
+            self._round_steps = self.local_steps + held_steps
 
     def _count_sync_time(self, elapsed_s: float) -> None:
         if self._overlap is None:
@@ -352,11 +396,11 @@ class AsyncDiLoCoWorker(WorkerBase):
     # ------------------------------------------------------------- internals
     def _push_round(self) -> None:
         """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             if self._steps_since_sync == 0:
                 return
-            self._new_pending(self._scratch)
-        pending = self._pending
+            pending = self._new_pending(self._scratch)
         try:
             reply = self._send_payload(pending)
         except StalePushError as exc:
@@ -367,11 +411,15 @@ class AsyncDiLoCoWorker(WorkerBase):
             raise
         self._push_acknowledged(reply, pending, lower_base=True)
 
-    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> None:
+    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> _PendingPush:
         """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
         pending push carrying the steps and tokens since the last one (with ``encode``
-        False, Δ and its payload are left to overlap's background thread)."""
-        self._copy_model_into(local)  # θ_local, (N,) fp32
+        False, Δ and its payload are left to overlap's background thread).
+
+        Returns:
+            The new pending push (also ``self._pending``).
+        """
+        self.flat.copy_into(local)  # θ_local, (N,) fp32
         payload = None
         if encode:
             delta = torch.sub(self._base, local, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
@@ -388,6 +436,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         )
         self._next_push_id += 1
         self._start_round()
+        return self._pending
 
     def _start_round(self) -> None:
         """A new round starts now: no steps or tokens since the last push, its compute
@@ -397,12 +446,12 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._round_started = time.monotonic()
         self._round_steps = None
 
-    def _push_acknowledged(self, reply: pb.PushReply, pending: _PendingPush, *, lower_base: bool) -> None:
+    def _push_acknowledged(self, reply: pb.PushReply, pending: PushToSend, *, lower_base: bool) -> None:
         self._pending = None
         if lower_base:
             # The server now holds this Δ: lower θ_base by exactly what it received, so
             # steps taken before the next successful pull are pushed later as a residual.
-            self._base.sub_(self._decode_payload(pending.payload, self._scratch))
+            self._base.sub_(self._decode_payload(_payload_of(pending), self._scratch))
             self._carry_residual = self.codec.name != "raw"
         self.stats.pushes_applied += 1
         self.stats.held_s += reply.held_s
@@ -410,29 +459,28 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.local_steps = reply.local_steps or self.local_steps
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
-    def _push_refused(self, pending: _PendingPush, exc: StalePushError) -> None:
+    def _push_refused(self, pending: PushToSend, exc: StalePushError) -> None:
         self._pending = None
         self._carry_residual = False  # Δ is dropped: restart from the global model
         self.stats.pushes_refused += 1
         log.warning("push %d refused (%s); restarting from the global model", pending.push_id, exc)
 
-    def _send_payload(self, pending: _PendingPush, kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
+    def _send_payload(self, pending: _PendingPush, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
         reply = pending.send(self.client, self.worker_id, kind)
-        self.stats.bytes_pushed += pending.payload.numel()
+        self.stats.bytes_pushed += _payload_of(pending).numel()
         return reply
 
     def _pull_and_load(self) -> None:
         pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
         self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
         if self._carry_residual:  # keep what the server has not received (θ_base − θ_local)
-            self._copy_model_into(self._scratch)
-            torch.sub(self._base, self._scratch, out=self._scratch)  # residual, (N,)
+            torch.sub(self._base, self.flat.copy_into(self._scratch), out=self._scratch)  # residual, (N,)
         self._decode_payload(pulled.payload, self._base)
         if self._carry_residual:
-            self._load_into_model(self._flat_views(torch.sub(self._base, self._scratch, out=self._scratch)))
+            self.flat.load(torch.sub(self._base, self._scratch, out=self._scratch))  # θ_pulled − residual
             self._carry_residual = False
         else:
-            self._load_into_model(self._flat_views(self._base))
+            self.flat.load(self._base)
         self.version = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self._start_round()

@@ -1,12 +1,17 @@
 """What the asynchronous and the synchronous worker share.
 
-``WorkerBase`` owns the plumbing around the user's model and inner optimizer: the
-post-step hook that counts inner steps and calls ``sync()`` every H of them, joining
+``WorkerBase`` owns the plumbing around the user's model and inner optimizer: joining
 with retries (and taking over initialization from an initializer that vanished), the
-heartbeat thread, copies between the model and flat fp32 vectors, the wire codec the
-server dictates (``_encode_delta`` / ``_decode_payload``, codec.py), and the context
-manager. ``AsyncDiLoCoWorker`` (worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py)
-add what a sync point does.
+post-step hook that counts inner steps and calls ``sync()`` every H of them, the
+heartbeat thread, the wire codec the server dictates (``_encode_delta`` /
+``_decode_payload``, wire/codec.py), and the context manager. Copies between the model
+and flat fp32 vectors are flat.py's (``self.flat``). ``AsyncDiLoCoWorker``
+(async_worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py) add what a sync point does.
+
+The step hook is installed by ``join``, once the server has said what H is: before it a
+step would count towards a sync point of a registration that does not exist yet. A worker
+used without ``with`` and never joined joins from a pre-step hook before its first inner
+step, so that step already trains the global model.
 """
 
 from __future__ import annotations
@@ -14,29 +19,52 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from asyncdiloco.errors import ModeMismatchError, NotInitializedError, ServerUnavailableError, UnknownWorkerError
+from asyncdiloco.errors import (
+    RETRY_LATER,
+    ModeMismatchError,
+    NotInitializedError,
+    ServerUnavailableError,
+    UnknownWorkerError,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.flat import FlatParams
 
 log = logging.getLogger(__name__)
+
+_Worker = TypeVar("_Worker", bound="WorkerBase")
+
+
+class WorkerCounters(Protocol):
+    """The counters every worker's ``stats`` has (units in the names)."""
+
+    inner_steps: int
+    tokens: int
+    sync_failures: int
+    comm_s: float
+    blocked_s: float
 
 
 class WorkerBase:
     """Base of the workers; see the subclasses for the algorithms.
 
     Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
-    ``self.stats`` ``inner_steps`` and ``tokens`` counters, and implement ``_join_once``
-    (register, initialize or load the global model) and ``sync``.
+    ``self.stats`` the ``WorkerCounters``, and implement ``_join_once`` (register,
+    initialize or load the global model), ``_sync_once`` and ``close``.
     """
 
     mode = "async"
+    stats: WorkerCounters
 
     def __init__(
         self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, config: WorkerConfig, tokens_per_step: int
@@ -46,16 +74,19 @@ class WorkerBase:
         self.config = config
         self.tokens_per_step = tokens_per_step
         self.manifest = Manifest.from_module(model)
-        self._params = [p for _, p in model.named_parameters()]
-        self._on_cuda = any(p.is_cuda for p in self._params)
+        #: The model's parameters as one flat fp32 vector: every copy to and from it.
+        self.flat = FlatParams(model)
         #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
         self.codec: WireCodec = make_codec("raw", self.manifest)
         self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
         self._pull_wire: torch.Tensor | None = None
         self.client = ParameterServerClient(
-            config.server, rpc_timeout_s=config.rpc_timeout_s, timeout_s_per_mib=config.timeout_s_per_mib,
-            security=config.security, bulk_channel=config.bulk_channel,
-        )  # fmt: skip
+            config.server,
+            rpc_timeout_s=config.rpc_timeout_s,
+            timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
+            bulk_channel=config.bulk_channel,
+        )
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
         #: Overlap under a grouping server: the step count (since the last push) at which this
@@ -79,7 +110,12 @@ class WorkerBase:
         self._rate_known = self.mode != "async"
         self._rate_t0: float | None = None  # end of the first timed step
         self._rate_steps = 0
-        self._hook = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+        #: Counts inner steps and syncs every H of them; installed by ``join``.
+        self._step_hook: RemovableHandle | None = None
+        #: Joins before the first inner step when nobody called ``join`` (no ``with``).
+        self._join_hook: RemovableHandle | None = inner_optimizer.register_step_pre_hook(
+            lambda *_: self._join_before_first_step()
+        )
 
     # ------------------------------------------------------------ lifecycle
     def join(self) -> None:
@@ -97,7 +133,7 @@ class WorkerBase:
             try:
                 self._join_once()
                 break
-            except (ServerUnavailableError, NotInitializedError) as exc:
+            except RETRY_LATER as exc:
                 # The initial parameters are a push away: poll for them quickly. Waiting for
                 # them may take a lease longer (until a dead initializer's lease lapses).
                 waiting = isinstance(exc, NotInitializedError)
@@ -117,6 +153,21 @@ class WorkerBase:
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
             self._heartbeat.start()
+        if self._step_hook is None:  # H is known now: count inner steps from here on
+            self._step_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+
+    def _join_before_first_step(self) -> None:
+        """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
+        the step about to run trains the global model and counts towards the first sync."""
+        if self._step_hook is None and not self._stop.is_set():
+            self.join()
+
+    def _remove_hooks(self) -> None:
+        """Detach from the inner optimizer (at close): its later steps are plain steps."""
+        for hook in (self._step_hook, self._join_hook):
+            if hook is not None:
+                hook.remove()
+        self._step_hook = self._join_hook = None
 
     def _join_once(self) -> None:
         raise NotImplementedError
@@ -139,16 +190,17 @@ class WorkerBase:
         finally:
             self._count_sync_time(time.monotonic() - started)
 
-    def _guarded(self, step) -> bool:
+    def _guarded(self, step: Callable[[], bool | None]) -> bool:
         """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
-        policy: an unreachable server backs off, a forgotten worker rejoins next time.
+        policy: an unreachable server (or any refusal in ``errors.RETRY_LATER``) backs
+        off, a forgotten worker rejoins next time.
 
         ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
         now runs in the background: its outcome resets or grows the backoff later).
         """
         try:
             done = step()
-        except (ServerUnavailableError, NotInitializedError) as exc:
+        except RETRY_LATER as exc:
             self.stats.sync_failures += 1
             self._next_attempt = time.monotonic() + self._backoff_s
             log.warning("sync failed (%s); training on locally, next try in %.1f s", exc, self._backoff_s)
@@ -169,7 +221,7 @@ class WorkerBase:
         self.stats.comm_s += elapsed_s
         self.stats.blocked_s += elapsed_s
 
-    def _sync_once(self) -> bool:
+    def _sync_once(self) -> bool | None:
         raise NotImplementedError
 
     def _rejoin(self) -> bool:
@@ -226,7 +278,7 @@ class WorkerBase:
             self._heartbeat.join(timeout=5)
         self.client.close()
 
-    def __enter__(self):
+    def __enter__(self: _Worker) -> _Worker:
         self.join()
         return self
 
@@ -276,44 +328,10 @@ class WorkerBase:
             log.debug("rate report failed: %s", exc)
             return
         if reply.local_steps and reply.local_steps != self.local_steps:
-            log.info("worker %d: %.2f inner steps/s; H_w %d -> %d", self.worker_id, rate, self.local_steps,
-                     reply.local_steps)  # fmt: skip
+            log.info(
+                "worker %d: %.2f inner steps/s; H_w %d -> %d", self.worker_id, rate, self.local_steps, reply.local_steps
+            )
             self.local_steps = reply.local_steps
-
-    # --------------------------------------------------------------- copies
-    def _copy_model_into(self, dst: torch.Tensor) -> None:
-        """The model's parameters, flattened to fp32, into ``dst`` (N,) (CPU)."""
-        pos = 0
-        with torch.no_grad():
-            for p in self._params:
-                k = p.numel()
-                dst[pos : pos + k].copy_(p.detach().reshape(-1))
-                pos += k
-
-    def _add_into_model(self, flat: torch.Tensor) -> None:
-        """Add a flat fp32 vector ``flat`` (N,) (CPU, pinned when the model is on CUDA)
-        to the model's parameters, slice by slice in manifest order (θ ← θ + flat)."""
-        pos = 0
-        with torch.no_grad():
-            for p in self._params:
-                k = p.numel()
-                p.add_(flat[pos : pos + k].view(p.shape).to(p.device, non_blocking=p.is_cuda))
-                pos += k
-        if self._on_cuda:
-            torch.cuda.synchronize()
-
-    def _load_flat_into_model(self, flat: torch.Tensor) -> None:
-        """Copy a flat fp32 vector (N,) into the model's parameters (manifest order)."""
-        sizes = [p.numel() for p in self._params]
-        self._load_into_model(list(torch.split(flat, sizes)))
-
-    def _load_into_model(self, tensors: list[torch.Tensor]) -> None:
-        """Copy one tensor per parameter (manifest order, CPU) into the model."""
-        with torch.no_grad():
-            for p, t in zip(self._params, tensors):
-                p.copy_(t.view(p.shape), non_blocking=p.is_cuda)
-        if self._on_cuda:
-            torch.cuda.synchronize()
 
     # ---------------------------------------------------------- wire codec
     def _set_codec(self, run_config: pb.RunConfig) -> None:
@@ -335,7 +353,7 @@ class WorkerBase:
         name = f"_{which}_wire"
         buf = getattr(self, name)
         if buf is None:
-            buf = torch.empty(self.codec.wire_bytes, dtype=torch.uint8, pin_memory=self._on_cuda)
+            buf = self.flat.host_buffer(self.codec.wire_bytes, dtype=torch.uint8)
             setattr(self, name, buf)
         return buf
 
@@ -363,14 +381,6 @@ class WorkerBase:
             ``out``.
         """
         return self.codec.decode(payload, out)
-
-    def _flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a flat fp32 (N,) vector, in manifest order."""
-        views, pos = [], 0
-        for p in self._params:
-            views.append(flat[pos : pos + p.numel()])
-            pos += p.numel()
-        return views
 
     # ------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:

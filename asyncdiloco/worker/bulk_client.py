@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 _SLICE_BYTES = 4 << 20
 #: Backoff before reconnecting after a failure, seconds (doubles up to the maximum).
 _MIN_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 60.0
-#: Codes after which the server closes the connection (bulk.py).
+#: A pull's payload size in bytes, or a function of its header giving it.
+PayloadSize = int | Callable[[pb.PullHeader], int]
+#: Codes after which the server closes the connection (ps/bulk.py).
 _CLOSING_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -115,13 +117,17 @@ class BulkChannel:
         Raises:
             The library exception for a refusal (StalePushError, InvalidPayloadError, ...).
         """
-        view = memoryview(payload.numpy())
+        view = payload.numpy().data
         return self._run(lambda sock, deadline: self._push(sock, deadline, header, view), timeout_s)
 
     def pull(
-        self, request: pb.PullRequest, total: int | Callable[[pb.PullHeader], int], buffer: torch.Tensor | None,
-        chunk_bytes: int, timeout_s: float,
-    ) -> tuple[pb.PullHeader, torch.Tensor] | None:  # fmt: skip
+        self,
+        request: pb.PullRequest,
+        total: PayloadSize,
+        buffer: torch.Tensor | None,
+        chunk_bytes: int,
+        timeout_s: float,
+    ) -> tuple[pb.PullHeader, torch.Tensor] | None:
         """Receive the payload of a pull into ``buffer`` (or a new uint8 tensor).
 
         Args:
@@ -138,8 +144,9 @@ class BulkChannel:
         Raises:
             NotInitializedError, InvalidPayloadError (size or CRC-32 differ), ... as gRPC.
         """
-        return self._run(lambda sock, deadline: self._pull(sock, deadline, request, total, buffer, chunk_bytes),
-                         timeout_s)  # fmt: skip
+        return self._run(
+            lambda sock, deadline: self._pull(sock, deadline, request, total, buffer, chunk_bytes), timeout_s
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -200,8 +207,12 @@ class BulkChannel:
         self._retry_at = time.monotonic() + self._backoff_s
         (log.debug if self._down else log.warning)(
             "bulk data channel %s:%d unusable (%s: %s); pushing and pulling over gRPC, trying it again in %.0f s",
-            self.host, self.port, type(exc).__name__, exc, self._backoff_s,
-        )  # fmt: skip
+            self.host,
+            self.port,
+            type(exc).__name__,
+            exc,
+            self._backoff_s,
+        )
         self._down = True
         self._backoff_s = min(2 * self._backoff_s, _MAX_BACKOFF_S)
 
@@ -209,7 +220,7 @@ class BulkChannel:
         """The next BulkReply; its status as the library exception when not OK."""
         reply = recv_frame(deadline.arm(sock), pb.BulkReply)
         if reply.code != 0:
-            status = BulkStatus(reply.code, reply.message)
+            status = BulkStatus(reply.code, reply.message, reply.reason)
             if status.code() in _CLOSING_CODES:
                 self._drop()
             raise from_rpc_error(status)
@@ -224,24 +235,25 @@ class BulkChannel:
         return self._reply(sock, deadline, "push").push
 
     def _pull(
-        self, sock: socket.socket, deadline: _Deadline, request: pb.PullRequest, total: int | Callable,
-        buffer: torch.Tensor | None, chunk_bytes: int,
-    ) -> tuple[pb.PullHeader, torch.Tensor]:  # fmt: skip
+        self,
+        sock: socket.socket,
+        deadline: _Deadline,
+        request: pb.PullRequest,
+        size: PayloadSize,
+        buffer: torch.Tensor | None,
+        chunk_bytes: int,
+    ) -> tuple[pb.PullHeader, torch.Tensor]:
         send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, pull=request))
         header = self._reply(sock, deadline, "pull").pull
         try:  # from here on the payload is in flight: a refusal here closes the connection
-            if callable(total):
-                total = total(header)
-                if buffer is not None and buffer.numel() != total:
-                    buffer = None  # the server's codec is not the one the buffer was sized for
-            if header.total_bytes != total:
-                raise InvalidPayloadError(
-                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes"
-                )
+            total, buffer = expected_payload(size, header, buffer)
             assembler = PayloadAssembler(
-                total_bytes=total, num_chunks=header.num_chunks, crc32=header.crc32,
-                chunk_bytes=header.run_config.chunk_bytes or chunk_bytes, buffer=buffer,
-            )  # fmt: skip
+                total_bytes=total,
+                num_chunks=header.num_chunks,
+                crc32=header.crc32,
+                chunk_bytes=header.run_config.chunk_bytes or chunk_bytes,
+                buffer=buffer,
+            )
         except AsyncDiLoCoError:
             self._drop()
             raise
@@ -254,3 +266,28 @@ class BulkChannel:
 
         assembler.fill_with(readinto, _SLICE_BYTES)
         return header, assembler.finish()  # InvalidPayloadError on a CRC-32 mismatch; the stream is in step
+
+
+def expected_payload(
+    size: PayloadSize, header: pb.PullHeader, buffer: torch.Tensor | None
+) -> tuple[int, torch.Tensor | None]:
+    """The size a pull's payload must have, and the buffer to receive it in.
+
+    Args:
+        size: bytes, or a function of the header giving them (the size depends on the
+            run's wire codec, which the header's run config names).
+        header: the pull's header, as the server sent it.
+        buffer: the caller's receive buffer; dropped (None: allocate) when the header's
+            codec gives another size than the one it was sized for.
+    Raises:
+        InvalidPayloadError: the header announces another size.
+    """
+    total = size(header) if callable(size) else size
+    if callable(size) and buffer is not None and buffer.numel() != total:
+        buffer = None  # the server's codec is not the one the buffer was sized for
+    if header.total_bytes != total:
+        raise InvalidPayloadError(
+            f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes "
+            f"(wire codec {header.run_config.wire_codec or 'raw'!r})"
+        )
+    return total, buffer

@@ -6,7 +6,7 @@ for its status code (errors.py), with the server's message. Retrying is the call
 policy (the Worker retries with backoff).
 
 With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
-channel uses TLS (optionally with a client certificate), see security.py.
+channel uses TLS (optionally with a client certificate), see wire/security.py.
 
 When the server offers a bulk data channel (``RunConfig.bulk_port`` > 0, learnt on Join)
 and ``bulk_channel`` is on, push and pull payloads travel over it (bulk_client.py) and
@@ -34,7 +34,7 @@ from asyncdiloco.wire.security import (
     client_token,
 )
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
-from asyncdiloco.worker.bulk_client import BulkChannel
+from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
 
 _MIB = 1024 * 1024
 
@@ -85,7 +85,8 @@ class ParameterServerClient:
         # any valid chunk_bytes can be talked to before its RunConfig is known.
         # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
         # restarted server is found again within seconds.
-        options = grpc_channel_options(64 * _MIB) + [
+        options: list[tuple[str, int | str]] = [
+            *grpc_channel_options(64 * _MIB),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 2000),
@@ -99,12 +100,12 @@ class ParameterServerClient:
         if creds is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
-            if security.tls_server_name:
+            if security is not None and security.tls_server_name:
                 options.append(("grpc.ssl_target_name_override", security.tls_server_name))
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         # Push and Pull carry the payload: their chunk messages are (de)serialised by
-        # hand with one copy each (wire.py); the other calls use the generated stub.
+        # hand with one copy each (wire/grpc_chunks.py); the other calls use the generated stub.
         self._push = push_callable(self._channel)
         self._pull_stream = pull_callable(self._channel)
 
@@ -121,9 +122,13 @@ class ParameterServerClient:
             host = self.address.rpartition(":")[0].strip("[]")
             name = self._security.tls_server_name if self._security is not None else None
             self._bulk = BulkChannel(
-                host, port, token=self._token, ssl_context=client_ssl_context(self._security), server_hostname=name,
+                host,
+                port,
+                token=self._token,
+                ssl_context=client_ssl_context(self._security),
+                server_hostname=name,
                 connect_timeout_s=self.rpc_timeout_s,
-            )  # fmt: skip
+            )
 
     @property
     def bulk_port(self) -> int:
@@ -171,8 +176,8 @@ class ParameterServerClient:
             ModeMismatchError (async server), NotInitializedError, InvalidPayloadError,
             ServerUnavailableError.
         """
-        return self._pull(pb.PullRequest(worker_id=worker_id, sync_state=True),
-                          manifest.numel * 4 * (2 if with_momentum else 1), None)  # fmt: skip
+        total = manifest.numel * 4 * (2 if with_momentum else 1)
+        return self._pull(pb.PullRequest(worker_id=worker_id, sync_state=True), total, None, total)
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
         """Stream the newest global parameters, encoded with the server's wire codec (the
@@ -183,54 +188,57 @@ class ParameterServerClient:
             NotInitializedError: no initial parameters yet. InvalidPayloadError: the
             stream was malformed or corrupted. ServerUnavailableError: connection lost.
         """
-        return self._pull(pb.PullRequest(worker_id=worker_id), None, buffer, manifest)
 
-    def _pull(self, request: pb.PullRequest, total: int | None, buffer: torch.Tensor | None,
-              manifest: Manifest | None = None) -> Pulled:  # fmt: skip
-        """``total`` None: the size the header's wire codec gives ``manifest``."""
-        deadline_bytes = (
-            total if total is not None else max(manifest.total_bytes, 4 * manifest.numel)
-        )  # ≥ any codec's size, about
+        def size(header: pb.PullHeader) -> int:
+            return wire_bytes_for(header.run_config, manifest)
+
+        deadline_bytes = max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
+        return self._pull(pb.PullRequest(worker_id=worker_id), size, buffer, deadline_bytes)
+
+    def _pull(
+        self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, deadline_bytes: int
+    ) -> Pulled:
+        """One pull over the bulk channel, or gRPC when it cannot be used.
+
+        Args:
+            size: the payload's size in bytes, or a function of the header giving it.
+            deadline_bytes: the payload size the call's deadline allows for.
+        """
+        timeout_s = self._payload_timeout(deadline_bytes)
         if self._bulk is not None:
-            size = total if total is not None else (lambda header: wire_bytes_for(header.run_config, manifest))
-            got = self._bulk.pull(request, size, buffer, self.chunk_bytes, self._payload_timeout(deadline_bytes))
+            got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
             if got is not None:
                 self.group_wait_s = got[0].run_config.group_max_wait_s
                 return Pulled(got[0].version, got[1], got[0].run_config)
         try:
-            stream = self._pull_stream(request, timeout=self._payload_timeout(deadline_bytes), metadata=self._metadata)
-            first = next(stream, None)
-            if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
-                raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
-            header = first.header
-            if total is None:
-                total = wire_bytes_for(header.run_config, manifest)
-                if buffer is not None and buffer.numel() != total:
-                    buffer = None  # the server's codec is not the one the buffer was sized for
-            if header.total_bytes != total:
-                raise InvalidPayloadError(
-                    f"the server sends {header.total_bytes} bytes but this model's payload is {total} bytes "
-                    f"(wire codec {header.run_config.wire_codec or 'raw'!r})"
-                )
-            chunk_bytes = header.run_config.chunk_bytes or self.chunk_bytes
-            self.group_wait_s = header.run_config.group_max_wait_s
-            assembler = PayloadAssembler(
-                total_bytes=total,
-                num_chunks=header.num_chunks,
-                crc32=header.crc32,
-                chunk_bytes=chunk_bytes,
-                buffer=buffer,
-            )
-            for msg in stream:
-                if not is_chunk(msg):
-                    if msg.WhichOneof("body") != "chunk":
-                        raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
-                    msg = msg.chunk
-                assembler.add(msg)
-            payload = assembler.finish()
+            return self._pull_over_grpc(request, size, buffer, timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
-        return Pulled(header.version, payload, header.run_config)
+
+    def _pull_over_grpc(
+        self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, timeout_s: float
+    ) -> Pulled:
+        stream = self._pull_stream(request, timeout=timeout_s, metadata=self._metadata)
+        first = next(stream, None)
+        if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
+            raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
+        header = first.header
+        total, buffer = expected_payload(size, header, buffer)
+        self.group_wait_s = header.run_config.group_max_wait_s
+        assembler = PayloadAssembler(
+            total_bytes=total,
+            num_chunks=header.num_chunks,
+            crc32=header.crc32,
+            chunk_bytes=header.run_config.chunk_bytes or self.chunk_bytes,
+            buffer=buffer,
+        )
+        for msg in stream:
+            if not is_chunk(msg):
+                if msg.WhichOneof("body") != "chunk":
+                    raise InvalidPayloadError("a second PullHeader arrived inside the pull stream")
+                msg = msg.chunk
+            assembler.add(msg)
+        return Pulled(header.version, assembler.finish(), header.run_config)
 
     def push(
         self,
@@ -242,7 +250,7 @@ class ParameterServerClient:
         num_local_steps: int = 0,
         num_tokens: int = 0,
         compute_s: float = 0.0,
-        kind: int = pb.PUSH_KIND_PSEUDO_GRADIENT,
+        kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         quorum_id: int = 0,
         last: bool = False,
     ) -> pb.PushReply:
@@ -304,9 +312,17 @@ class ParameterServerClient:
         )
 
     def commit(
-        self, *, worker_id: int, quorum_id: int, success: bool, total_weight: float = 0.0, num_tokens: int = 0,
-        num_local_steps: int = 0, reason: str = "", timeout_s: float = 10.0,
-    ) -> pb.CommitReply:  # fmt: skip
+        self,
+        *,
+        worker_id: int,
+        quorum_id: int,
+        success: bool,
+        total_weight: float = 0.0,
+        num_tokens: int = 0,
+        num_local_steps: int = 0,
+        reason: str = "",
+        timeout_s: float = 10.0,
+    ) -> pb.CommitReply:
         """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
         decision (``decided`` is False when it is not there yet)."""
         return self._call(
@@ -320,7 +336,7 @@ class ParameterServerClient:
                 num_local_steps=num_local_steps,
                 reason=reason[:1000],
                 timeout_s=timeout_s,
-            ),  # fmt: skip
+            ),
             timeout_s + self.rpc_timeout_s,
         )
 

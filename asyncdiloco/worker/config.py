@@ -14,8 +14,6 @@ import math
 from asyncdiloco.errors import require
 from asyncdiloco.wire.security import ClientSecurityConfig
 
-FAIL_MODES = ("kill", "hang", "raise")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
@@ -40,7 +38,7 @@ class WorkerConfig:
     push_on_close: bool = True
     #: Overlap the push and the next pull with the next inner steps (async worker only):
     #: the sync runs in a background thread and its result is merged when it arrives,
-    #: keeping the local progress made meanwhile (overlap.py; Streaming DiLoCo, arXiv
+    #: keeping the local progress made meanwhile (worker/overlap.py; Streaming DiLoCo, arXiv
     #: 2501.18512; eager updates, arXiv 2502.12996). The sync worker refuses it.
     overlap: bool = False
     #: Token and TLS; None talks plaintext without a token.
@@ -69,14 +67,16 @@ class WorkerConfig:
             f"must be >= initial_backoff_s={self.initial_backoff_s}",
         )
         require(
-            self.heartbeat_s is None or 0 < self.heartbeat_s <= 3600, "heartbeat_s", self.heartbeat_s,
+            self.heartbeat_s is None or 0 < self.heartbeat_s <= 3600,
+            "heartbeat_s",
+            self.heartbeat_s,
             "must be in (0, 3600] seconds, or None for a third of the server's lease",
-        )  # fmt: skip
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyncWorkerConfig:
-    """Sync mode on the worker: collective timeouts, rendezvous, fault injection."""
+    """Sync mode on the worker: collective timeouts and rendezvous."""
 
     #: Seconds a process-group build or allreduce may take before the round fails here
     #: (a dead peer fails it at once, a hung one after exactly this long).
@@ -88,20 +88,8 @@ class SyncWorkerConfig:
     #: when the server address is a loopback one, else torch's default (GLOO_SOCKET_IFNAME
     #: or the host name).
     collective_host: str | None = None
-    #: Fault injection for tests (like torchft's ``fail_at``): in this worker's first
-    #: allreduce for round ``fail_at_round`` (1-based) or a later one, do ``fail_mode`` (once).
-    fail_at_round: int | None = None
-    #: Fault injection: only in a round whose quorum has at least this many members.
-    fail_min_world_size: int = 1
-    #: "kill": SIGKILL this process with the allreduce in flight; "hang": stop
-    #: responding before the allreduce (sleep); "raise": fail the collective here.
-    fail_mode: str = "kill"
 
     def __post_init__(self) -> None:
         for name in ("allreduce_timeout_s", "quorum_timeout_s"):
             value = getattr(self, name)
             require(math.isfinite(value) and value > 0, name, value, "must be a finite number of seconds > 0")
-        require(self.fail_at_round is None or self.fail_at_round >= 1, "fail_at_round", self.fail_at_round,
-                 "must be >= 1 or None")  # fmt: skip
-        require(self.fail_mode in FAIL_MODES, "fail_mode", self.fail_mode, f"choose one of {FAIL_MODES}")
-        require(self.fail_min_world_size >= 1, "fail_min_world_size", self.fail_min_world_size, "must be >= 1")

@@ -2,7 +2,7 @@
 
 Without overlap the asynchronous worker stops training at every H-th inner step until
 its push and the following pull are done. With overlap on (``AsyncDiLoCoWorker``,
-worker.py) a sync point instead does, on the training thread:
+async_worker.py) a sync point instead does, on the training thread:
 
 1. θ_local(t0) → a CPU fp32 snapshot (from CUDA through pinned buffers);
 2. hands push + pull to ONE background thread (``BackgroundSync``; at most one sync in
@@ -41,7 +41,7 @@ How this relates to the papers:
   counterpart, and it also makes every inner step's progress reach the server exactly
   once (tests/test_overlap.py checks this with outer SGD η = 1, μ = 0).
 
-Faults keep the semantics of the blocking path (worker.py): an unacknowledged push is
+Faults keep the semantics of the blocking path (async_worker.py): an unacknowledged push is
 retried at the next sync point with the same ``push_id`` and payload (the snapshot is
 kept for it, so the merge still measures progress from the snapshot); after an
 acknowledged push whose pull failed θ_base is lowered by what the server received and
@@ -57,6 +57,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -66,13 +67,68 @@ from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 
 
+class PushToSend(Protocol):
+    """The push an overlapped sync carries (``async_worker._PendingPush``)."""
+
+    #: uint8 payload; None until the background thread takes and encodes Δ.
+    payload: torch.Tensor | None
+    push_id: int
+    num_local_steps: int
+    #: Seconds of inner steps the push carries.
+    compute_s: float
+
+    def send(self, client: ParameterServerClient, worker_id: int) -> pb.PushReply: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncLink:
+    """What every background sync of one worker uses: the server and the wire codec."""
+
+    #: The worker's client (gRPC channels are thread-safe).
+    client: ParameterServerClient
+    manifest: Manifest
+    #: Δ fp32 (N,) -> payload (``WorkerBase._encode_delta``).
+    encode: Callable[[torch.Tensor], torch.Tensor]
+    #: (payload, out fp32 (N,)) -> out (``WorkerBase._decode_payload``).
+    decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRequest:
+    """One background push + pull: what it sends and the CPU buffers it writes.
+
+    The training thread does not touch any of these buffers while the sync is in flight.
+    """
+
+    #: The worker's registration.
+    worker_id: int
+    #: The push to send, or None (a pull only). A new push (``payload`` None) takes
+    #: Δ = θ_base − θ_local(t0) in the background, checks it and encodes it, so the
+    #: training thread only pays the snapshot.
+    pending: PushToSend | None
+    #: θ_base, fp32 (N,).
+    base: torch.Tensor
+    #: θ_local(t0), fp32 (N,); becomes c = θ_g' − θ_local(t0) once the pull completed
+    #: (unchanged otherwise, so a retried push keeps it).
+    snapshot: torch.Tensor
+    #: fp32 (N,); receives θ_g'.
+    theta_g: torch.Tensor
+    #: uint8 (wire bytes,) receive buffer for the pull.
+    pull_buffer: torch.Tensor | None
+    #: The wire codec is lossy (bf16/int8): the correction then keeps the quantisation
+    #: error e = Δ − decode(encode(Δ)) the server did not receive,
+    #: c = θ_g' − (θ_base − decode(payload)) = θ_g' − θ_local(t0) − e, so it is pushed
+    #: next round (error feedback, as in the blocking path).
+    carry_residual: bool = False
+
+
 @dataclasses.dataclass
 class SyncOutcome:
     """What one background push + pull did. Filled in by the background thread, read by
     the training thread only after the thread finished."""
 
     #: The push this sync carried (None: a pull only).
-    pending: object | None
+    pending: PushToSend | None
     #: The server's acknowledgement (None: no push, refused, or outcome unknown).
     push_reply: pb.PushReply | None = None
     #: The push was refused as too stale (dropped; the model restarts from θ_g').
@@ -92,76 +148,60 @@ class SyncOutcome:
         return self.version is not None
 
 
-def push_then_pull(
-    *,
-    client: ParameterServerClient,
-    manifest: Manifest,
-    worker_id: int,
-    pending,
-    pull_buffer: torch.Tensor,
-    decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    theta_g: torch.Tensor,
-    snapshot: torch.Tensor,
-    base: torch.Tensor,
-    encode: Callable[[torch.Tensor], torch.Tensor],
-    carry_residual: bool = False,
-) -> SyncOutcome:
-    """The background half of an overlapped sync (runs in ``BackgroundSync``'s thread).
+def push_then_pull(link: SyncLink, request: SyncRequest) -> SyncOutcome:
+    """The background half of an overlapped sync (runs in ``BackgroundSync``'s thread):
+    push ``request.pending`` (if any), pull θ_g', and turn the snapshot into the correction.
 
-    Args:
-        client: the worker's client (gRPC channels are thread-safe).
-        manifest: the model's manifest.
-        worker_id: the worker's registration.
-        pending: the push to send (``worker._PendingPush`` with its payload), or None.
-        pull_buffer: uint8 (total_bytes,) receive buffer for the pull.
-        decode: payload -> fp32 (N,) into the given buffer (``WorkerBase._decode_payload``).
-        theta_g: fp32 (N,) CPU buffer; receives θ_g'.
-        snapshot: fp32 (N,) CPU buffer holding θ_local(t0); becomes c = θ_g' − θ_local(t0)
-            once the pull completed (unchanged otherwise, so a retried push keeps it).
-        base: θ_base, fp32 (N,). The training thread does not touch it while a sync is in
-            flight. A new push (``pending.payload`` None) takes Δ = θ_base − θ_local(t0)
-            here, checks it and encodes it, so the training thread only pays the snapshot.
-        encode: Δ fp32 (N,) -> payload (``WorkerBase._encode_delta``).
-        carry_residual: the wire codec is lossy (bf16/int8): the correction then keeps
-            the quantisation error e = Δ − decode(encode(Δ)) the server did not receive,
-            c = θ_g' − (θ_base − decode(payload)) = θ_g' − θ_local(t0) − e, so it is
-            pushed next round (error feedback, as in the blocking path).
     Returns:
         The outcome; exceptions are caught into ``outcome.error`` (re-raised by the
         training thread at the merge).
     """
-    out = SyncOutcome(pending=pending)
+    out = SyncOutcome(pending=request.pending)
     started = time.monotonic()
     try:
-        if pending is not None and pending.payload is None:  # a new push: Δ, its check and its encoding
-            delta = torch.sub(base, snapshot, out=theta_g)  # Δ = θ_base − θ_local(t0), (N,); θ_g' comes later
-            check_finite_delta(delta, worker_id, pending.num_local_steps)
-            pending.payload = encode(delta)
-        if pending is not None:
-            try:
-                out.push_reply = pending.send(client, worker_id)
-            except StalePushError as exc:
-                out.stale = exc  # dropped: pull and restart from the global model
-        pulled = client.pull(manifest, worker_id, buffer=pull_buffer)
-        decode(pulled.payload, theta_g)  # θ_g', (N,) fp32
-        if carry_residual and out.push_reply is not None:
-            decode(pending.payload, snapshot)  # what the server received, (N,)
-            snapshot.add_(theta_g).sub_(base)  # c = θ_g' − (θ_base − decode(payload))
-        else:
-            torch.sub(theta_g, snapshot, out=snapshot)  # c = θ_g' − θ_local(t0), (N,)
-        out.version, out.run_config, out.bytes_pulled = pulled.version, pulled.run_config, pulled.payload.numel()
+        _push(link, request, out)
+        _pull_and_correct(link, request, out)
     except Exception as exc:  # noqa: BLE001 - handed to the training thread, which re-raises it
         out.error = exc
     out.comm_s = time.monotonic() - started
     return out
 
 
+def _push(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
+    """Encode a new push's Δ, then send it; a refusal as too stale is recorded, not raised."""
+    pending = request.pending
+    if pending is None:
+        return
+    if pending.payload is None:  # a new push: Δ, its check and its encoding
+        delta = torch.sub(request.base, request.snapshot, out=request.theta_g)  # Δ = θ_base − θ_local(t0), (N,)
+        check_finite_delta(delta, request.worker_id, pending.num_local_steps)
+        pending.payload = link.encode(delta)  # θ_g' overwrites the Δ in theta_g later
+    try:
+        out.push_reply = pending.send(link.client, request.worker_id)
+    except StalePushError as exc:
+        out.stale = exc  # dropped: pull and restart from the global model
+
+
+def _pull_and_correct(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
+    """Pull θ_g' into ``theta_g`` and make the snapshot the correction c (module docstring)."""
+    pulled = link.client.pull(link.manifest, request.worker_id, buffer=request.pull_buffer)
+    theta_g, snapshot = request.theta_g, request.snapshot
+    link.decode(pulled.payload, theta_g)  # θ_g', (N,) fp32
+    sent = request.pending.payload if request.pending is not None else None
+    if request.carry_residual and out.push_reply is not None and sent is not None:
+        link.decode(sent, snapshot)  # what the server received, (N,)
+        snapshot.add_(theta_g).sub_(request.base)  # c = θ_g' − (θ_base − decode(payload))
+    else:
+        torch.sub(theta_g, snapshot, out=snapshot)  # c = θ_g' − θ_local(t0), (N,)
+    out.version, out.run_config, out.bytes_pulled = pulled.version, pulled.run_config, pulled.payload.numel()
+
+
 def check_finite_delta(delta: torch.Tensor, worker_id: int, num_local_steps: int) -> None:
     """Refuse a pseudo-gradient with NaN/Inf before it is sent.
 
-    A finite sum proves every element finite (one pass, no temporary: ~30x cheaper than
-    ``isfinite().all()``, measured); only a non-finite sum (NaN/inf, or overflow) needs
-    the exact element-wise check.
+    A finite sum proves every element finite (one pass and no temporary, where
+    ``isfinite().all()`` allocates a mask of N booleans); only a non-finite sum (NaN/inf,
+    or overflow) needs the exact element-wise check.
 
     Raises:
         InvalidPayloadError: Δ holds non-finite values (the local model diverged).
@@ -177,15 +217,16 @@ class BackgroundSync:
     """One background thread that runs at most one ``push_then_pull`` at a time.
 
     Args:
-        numel: N, parameters of the model.
-        pin_memory: pin the snapshot buffer (the model is on CUDA).
+        link: the worker's client and wire codec.
+        snapshot: fp32 (N,) CPU buffer (pinned when the model is on CUDA) for θ_local(t0).
     """
 
-    def __init__(self, numel: int, *, pin_memory: bool) -> None:
+    def __init__(self, link: SyncLink, snapshot: torch.Tensor) -> None:
+        self.link = link
         #: θ_local(t0) at the sync point; c = θ_g' − θ_local(t0) after a completed pull. (N,) fp32.
-        self.snapshot = torch.zeros(numel, dtype=torch.float32, pin_memory=pin_memory)
+        self.snapshot = snapshot
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncdiloco-sync")
-        self._future: concurrent.futures.Future | None = None
+        self._future: concurrent.futures.Future[SyncOutcome] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -196,10 +237,10 @@ class BackgroundSync:
         """The sync in flight has finished (non-blocking)."""
         return self._future is not None and self._future.done()
 
-    def submit(self, **kwargs) -> None:
-        """Start ``push_then_pull(**kwargs)`` in the background thread."""
+    def submit(self, request: SyncRequest) -> None:
+        """Start ``push_then_pull(self.link, request)`` in the background thread."""
         assert self._future is None, "at most one sync in flight"
-        self._future = self._executor.submit(push_then_pull, **kwargs)
+        self._future = self._executor.submit(push_then_pull, self.link, request)
 
     def wait(self) -> SyncOutcome:
         """Block until the sync in flight finished; return (and forget) its outcome. An

@@ -20,7 +20,7 @@ which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard
    commit), pull the server's committed θ and outer momentum, and contribute weight 0.
 3. A fresh process group for this quorum over the server's TCPStore, prefix
    ``q<quorum_id>`` (collectives.py: gloo for CPU tensors; NCCL when the model is on
-   CUDA, which is written but untested: the project has no GPU CI), with a bounded timeout
+   CUDA, which the test suite does not run: it has no GPU), with a bounded timeout
    (``allreduce_timeout_s``): one allreduce (sum) of ``[w·Δ, w]``, float32 (N+1,), so
    Δ̄ = Σ w_i Δ_i / Σ w_i (w = 1: mean; w = tokens: token-weighted mean).
 4. Rank 0 uploads Δ̄ to the server (``PUSH_KIND_ROUND_RESULT``); every member votes
@@ -34,6 +34,12 @@ which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard
    replicas drift apart, breaking "every member starts each round from identical
    parameters").
 
+``_round`` runs these as phases, one method each: ``_take_pseudo_gradient`` (1),
+``_wait_for_quorum`` (2), ``_contribute`` (the heal of 2, 3 and the upload of 4),
+``_vote`` (4) and ``_apply_decision`` (5). A phase that fails raises ``_RoundFailed``
+with the reason this member votes failure with; the collective itself is the
+``_allreduce`` seam.
+
 The inner optimizer's state is kept across rounds. If no quorum forms within
 ``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
 next sync point tries again (Δ then spans more steps, still against θ_base).
@@ -43,9 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
-import threading
 import time
 import zlib
 
@@ -57,7 +60,7 @@ from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.collectives import QuorumCollectives
+from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,21 @@ class SyncWorkerStats:
     rounds: list[dict] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Vote:
+    """This member's Commit vote on a round."""
+
+    success: bool
+    #: Σ w of the allreduce (0 when it did not complete).
+    total_weight: float = 0.0
+    #: Why this member votes failure ("" on success).
+    reason: str = ""
+
+
+class _RoundFailed(Exception):
+    """A phase of this member's round failed; the message is the reason it votes failure with."""
+
+
 class SyncDiLoCoWorker(WorkerBase):
     """Synchronous DiLoCo / LocalSGD around ``model`` and ``inner_optimizer``.
 
@@ -101,8 +119,12 @@ class SyncDiLoCoWorker(WorkerBase):
             must have the same manifest (names, shapes, dtypes).
         inner_optimizer: the optimizer the user steps (e.g. AdamW); its ``step`` is hooked.
         config: server address, deadlines, backoff.
-        sync: collective timeout, quorum wait, bind address, fault injection.
+        sync: collective timeout, quorum wait, bind address.
         tokens_per_step: tokens per inner step (the "tokens" weighting uses them).
+
+    ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
+    first inner step, and ``join``'s exceptions then come from that ``step()``.
+
     Raises:
         ModeMismatchError (from ``join``): the server does not run ``--mode sync``.
         ManifestMismatchError (from ``join``): the model differs from the server's.
@@ -110,6 +132,7 @@ class SyncDiLoCoWorker(WorkerBase):
     """
 
     mode = "sync"
+    stats: SyncWorkerStats
 
     def __init__(
         self,
@@ -128,15 +151,14 @@ class SyncDiLoCoWorker(WorkerBase):
         super().__init__(model, inner_optimizer, config, tokens_per_step)
         self.sync_config = sync or SyncWorkerConfig()
         n = self._numel = self.manifest.numel
-        self._base = torch.zeros(n, dtype=torch.float32, pin_memory=self._on_cuda)  # θ_base, (N,) fp32
-        self._buf = torch.zeros(n + 1, dtype=torch.float32, pin_memory=self._on_cuda)  # [w·Δ, w], (N+1,)
+        self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
+        self._buf = self.flat.host_buffer(n + 1)  # [w·Δ, w], (N+1,) fp32
         self._server_host = config.server.rpartition(":")[0].strip("[]")
         self.stats = SyncWorkerStats()
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
-        self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self._on_cuda)
-        self._fault_fired = False
+        self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.on_cuda)
 
     # ------------------------------------------------------------ lifecycle
     def _mode_mismatch_message(self, server_mode: str) -> str:
@@ -152,16 +174,19 @@ class SyncDiLoCoWorker(WorkerBase):
                 log.warning(
                     "the server's join_timeout_s=%g is below this worker's allreduce_timeout_s=%g: after a failed "
                     "round a quorum may form before every survivor is back, splitting the replicas; start the "
-                    "server with a larger --join-timeout-s", reply.run_config.join_timeout_s,
+                    "server with a larger --join-timeout-s",
+                    reply.run_config.join_timeout_s,
                     self.sync_config.allreduce_timeout_s,
-                )  # fmt: skip
+                )
             self.run_config = reply.run_config
         if self._must_initialize:  # a retry resends push_id 1: applied at most once
-            self._copy_model_into(self._base)
             self.client.push(
-                self.manifest.pack_flat(self._base), worker_id=self.worker_id, push_id=1, base_version=0,
+                self.manifest.pack_flat(self.flat.copy_into(self._base)),
+                worker_id=self.worker_id,
+                push_id=1,
+                base_version=0,
                 kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
-            )  # fmt: skip
+            )
             self._must_initialize = False
             log.info("worker %d initialized the global model", self.worker_id)
         try:
@@ -176,7 +201,7 @@ class SyncDiLoCoWorker(WorkerBase):
         if self._stop.is_set():
             return
         self._stop.set()
-        self._hook.remove()
+        self._remove_hooks()
         self._close_connection()
         self._collectives.close()
 
@@ -187,161 +212,264 @@ class SyncDiLoCoWorker(WorkerBase):
         formed (training goes on; the next sync point asks again)."""
         return self._round()
 
-    # ------------------------------------------------------------- the round
     def _round(self) -> bool:
-        n, buf, cfg = self._numel, self._buf, self.sync_config
-        steps, tokens = self._steps_since_sync, self._tokens_since_sync
-        delta = buf[:n]
-        self._copy_model_into(delta)
-        torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, a copy, (N,)
+        """One round in four phases (module docstring): quorum → heal or weigh Δ →
+        allreduce and upload → commit vote, then the decision is applied.
 
-        t0 = time.monotonic()
+        A failing phase ends this member's contribution with ``_RoundFailed``; it still
+        votes (failure, with the reason), so the others are not left waiting.
+        """
+        steps, tokens = self._steps_since_sync, self._tokens_since_sync
+        delta = self._take_pseudo_gradient()
+        started = time.monotonic()
+        q = self._wait_for_quorum()
+        quorum_wait_s = time.monotonic() - started
+        if q is None:
+            return False
+        started = time.monotonic()
+        vote = self._contribute(q, delta, steps, tokens, started)
+        allreduce_s = time.monotonic() - started
+        started = time.monotonic()
+        decision = self._vote(q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps)
+        commit_wait_s = time.monotonic() - started
+        self.stats.allreduce_s += allreduce_s
+        self.stats.idle_s += allreduce_s + commit_wait_s
+        self._apply_decision(q, decision, delta, vote.total_weight)
+        self._record_round(q, decision, quorum_wait_s, allreduce_s, commit_wait_s)
+        return decision.committed
+
+    def _record_round(
+        self,
+        q: pb.QuorumReply,
+        decision: pb.CommitReply,
+        quorum_wait_s: float,
+        allreduce_s: float,
+        commit_wait_s: float,
+    ) -> None:
+        """One entry of ``stats.rounds`` (SyncWorkerStats), the phases' seconds included."""
+        self.stats.rounds.append(
+            {
+                "round": self.round,
+                "quorum_id": q.quorum_id,
+                "committed": decision.committed,
+                "heal": q.heal,
+                "world_size": q.world_size,
+                "rank": q.rank,
+                "quorum_wait_s": round(quorum_wait_s, 4),
+                "allreduce_s": round(allreduce_s, 4),
+                "commit_wait_s": round(commit_wait_s, 4),
+                "end_s": time.monotonic(),
+                "checksum": self.checksum(),
+                "reason": decision.reason,
+            }
+        )
+
+    def _take_pseudo_gradient(self) -> torch.Tensor:
+        """Δ = θ_base − θ_local into the allreduce buffer (a copy: θ_local stays in the model).
+
+        Returns:
+            Δ, the (N,) fp32 view of ``[w·Δ, w]``'s first N elements.
+        """
+        delta = self._buf[: self._numel]
+        self.flat.copy_into(delta)
+        return torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, (N,)
+
+    def _wait_for_quorum(self) -> pb.QuorumReply | None:
+        """Phase 1: ask for this round's quorum and wait for it (the wait is idle time).
+
+        Returns:
+            The quorum, or None when none formed in time (the round is skipped).
+        """
+        started = time.monotonic()
         # Wait at least the server's join timeout, or a quorum waiting on it could never form.
-        wait_s = max(cfg.quorum_timeout_s, self.run_config.join_timeout_s + 1.0)
+        wait_s = max(self.sync_config.quorum_timeout_s, self._server_run().join_timeout_s + 1.0)
         q = self.client.quorum(
-            worker_id=self.worker_id, round=self.round, manifest_hash=self.manifest.manifest_hash, timeout_s=wait_s,
-        )  # fmt: skip
-        quorum_wait_s = time.monotonic() - t0
-        self.stats.quorum_wait_s += quorum_wait_s
-        self.stats.idle_s += quorum_wait_s
+            worker_id=self.worker_id, round=self.round, manifest_hash=self.manifest.manifest_hash, timeout_s=wait_s
+        )
+        waited_s = time.monotonic() - started
+        self.stats.quorum_wait_s += waited_s
+        self.stats.idle_s += waited_s
         if not q.formed:
             self.stats.rounds_skipped += 1
             log.warning("no quorum within %g s; training on locally", wait_s)
-            return False
+            return None
+        return q
 
-        t1 = time.monotonic()
-        success, reason = True, ""
-        if q.heal:
-            log.info(
-                "worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round
+    def _contribute(self, q: pb.QuorumReply, delta: torch.Tensor, steps: int, tokens: int, started: float) -> _Vote:
+        """Phases 2 and 3: heal when told to, weigh Δ, allreduce ``[w·Δ, w]``, take the
+        mean Δ̄ = Σ w_i Δ_i / Σ w_i, and (rank 0) upload it.
+
+        Returns:
+            This member's vote: success with Σ w, or failure with the reason.
+        """
+        total_weight = 0.0
+        try:
+            if q.heal:
+                self._heal_for(q)
+            self._weigh(delta, 0.0 if q.heal else self._weight_of(delta, steps, tokens))
+            total_weight = self._allreduce_weighted(q, started)
+            if total_weight > 0:
+                delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
+                if q.rank == 0:
+                    self._upload(q, delta)
+        except _RoundFailed as exc:
+            return _Vote(success=False, total_weight=total_weight, reason=str(exc))
+        return _Vote(success=True, total_weight=total_weight)
+
+    def _heal_for(self, q: pb.QuorumReply) -> None:
+        """Pull the committed state the quorum starts from (this θ_base is from another round).
+
+        Raises:
+            _RoundFailed: the pull failed, or it gave another round than the quorum's.
+        """
+        log.info("worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round)
+        try:
+            self._heal()
+        except AsyncDiLoCoError as exc:  # vote failure rather than leave the others waiting
+            raise _RoundFailed(f"could not pull the committed state to heal: {exc}") from exc
+        if self.round != q.round:
+            raise _RoundFailed(f"healed to round {self.round} but the quorum is at round {q.round}")
+
+    def _weight_of(self, delta: torch.Tensor, steps: int, tokens: int) -> float:
+        """w of this member's Δ: 1 (mean) or its tokens (token-weighted mean); 0 without
+        steps, or when Δ is not finite (a diverged replica restarts from the global model)."""
+        if steps == 0:
+            return 0.0
+        if not bool(torch.isfinite(delta).all()):
+            log.error(
+                "worker %d: pseudo-gradient not finite after %d steps (diverged); it contributes weight 0 and "
+                "restarts from the global model",
+                self.worker_id,
+                steps,
             )
-            try:
-                self._heal()
-            except AsyncDiLoCoError as exc:  # vote failure rather than leave the others waiting
-                success, reason = False, f"could not pull the committed state to heal: {exc}"
-            if success and self.round != q.round:
-                success, reason = False, f"healed to round {self.round} but the quorum is at round {q.round}"
-        weight = 0.0
-        if not q.heal and steps > 0:
-            weight = 1.0 if self.run_config.sync_weighting != "tokens" else float(tokens)
-            if not bool(torch.isfinite(delta).all()):
-                log.error("worker %d: pseudo-gradient not finite after %d steps (diverged); it contributes "
-                          "weight 0 and restarts from the global model", self.worker_id, steps)  # fmt: skip
-                weight = 0.0
+            return 0.0
+        return 1.0 if self._server_run().sync_weighting != "tokens" else float(tokens)
+
+    def _weigh(self, delta: torch.Tensor, weight: float) -> None:
+        """``[Δ, ·]`` → ``[w·Δ, w]`` in the allreduce buffer."""
         if weight == 0.0:
             delta.zero_()
         elif weight != 1.0:
             delta.mul_(weight)
-        buf[n] = weight
-        if success:
-            try:
-                self._allreduce(q)
-                self.stats.bytes_allreduced += buf.numel() * 4
-            except Exception as exc:  # noqa: BLE001 - any collective failure fails the round here
-                success, reason = False, f"allreduce failed after {time.monotonic() - t1:.2f} s: {exc}"
-                log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, reason)
-        total_weight = float(buf[n]) if success else 0.0
-        if success and total_weight > 0:
-            delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
-            if q.rank == 0:
-                try:
-                    self.client.push(
-                        delta.view(torch.uint8), worker_id=self.worker_id, push_id=q.quorum_id,
-                        base_version=q.round, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id,
-                    )  # fmt: skip
-                    self.stats.bytes_pushed += n * 4
-                except AsyncDiLoCoError as exc:
-                    success, reason = False, f"rank 0 could not upload the round result: {exc}"
-        allreduce_s = time.monotonic() - t1
+        self._buf[self._numel] = weight
 
-        t2 = time.monotonic()
-        decision = self._vote(q, success, total_weight, 0 if q.heal else tokens, 0 if q.heal else steps, reason)
-        commit_wait_s = time.monotonic() - t2
-        self.stats.allreduce_s += allreduce_s
-        self.stats.idle_s += allreduce_s + commit_wait_s
+    def _allreduce_weighted(self, q: pb.QuorumReply, started: float) -> float:
+        """Sum ``[w·Δ, w]`` over the quorum.
 
+        Returns:
+            Σ w over the members.
+        Raises:
+            _RoundFailed: the collective failed (a dead peer at once, a hung one after
+            ``allreduce_timeout_s``).
+        """
+        try:
+            self._allreduce(q)
+        except Exception as exc:  # noqa: BLE001 - any collective failure fails the round here
+            reason = f"allreduce failed after {time.monotonic() - started:.2f} s: {exc}"
+            log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, reason)
+            raise _RoundFailed(reason) from exc
+        self.stats.bytes_allreduced += self._buf.numel() * 4
+        return float(self._buf[self._numel])
+
+    def _allreduce(self, q: pb.QuorumReply) -> None:
+        """Sum ``[w·Δ, w]`` in place over the quorum's members, in a fresh process group.
+
+        The collective seam: a subclass may wrap it (the fault-injection tests do).
+        Raises whatever the collective raises."""
+        self._start_allreduce(q).wait()
+
+    def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
+        """Launch ``_allreduce``'s collective and return it in flight."""
+        group = QuorumGroup(q.quorum_id, q.rank, q.world_size, q.store_host, q.store_port)
+        return self._collectives.start_allreduce_sum(self._buf, group, self.sync_config.allreduce_timeout_s)
+
+    def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
+        """Rank 0: send Δ̄ to the server (applied there only if the round commits).
+
+        Raises:
+            _RoundFailed: the server refused it or could not be reached.
+        """
+        try:
+            self.client.push(
+                mean_delta.view(torch.uint8),
+                worker_id=self.worker_id,
+                push_id=q.quorum_id,
+                base_version=q.round,
+                kind=pb.PUSH_KIND_ROUND_RESULT,
+                quorum_id=q.quorum_id,
+            )
+        except AsyncDiLoCoError as exc:
+            raise _RoundFailed(f"rank 0 could not upload the round result: {exc}") from exc
+        self.stats.bytes_pushed += self._numel * 4
+
+    def _vote(self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int) -> pb.CommitReply:
+        """Phase 4: vote, and wait for the server's decision (commit or abort)."""
+        while True:
+            reply = self.client.commit(
+                worker_id=self.worker_id,
+                quorum_id=q.quorum_id,
+                success=vote.success,
+                total_weight=vote.total_weight,
+                num_tokens=tokens,
+                num_local_steps=steps,
+                reason=vote.reason,
+                timeout_s=max(1.0, q.round_deadline_s + 1.0),
+            )
+            if reply.decided:
+                return reply
+
+    def _apply_decision(
+        self, q: pb.QuorumReply, decision: pb.CommitReply, mean_delta: torch.Tensor, total_weight: float
+    ) -> None:
+        """Commit: the outer step on θ_base; abort: θ_base stays. Either way the model
+        restarts from θ_base (the new global model, or the last committed one)."""
         if decision.committed:
             if total_weight > 0:
                 # the same step on every member and on the server, at the round it started from
-                self.outer.step(delta, version=decision.round - 1)
+                self._outer().step(mean_delta, version=decision.round - 1)
             self.round = decision.round
             self.stats.rounds_committed += total_weight > 0  # an all-healing round applies nothing
         else:
             self.stats.rounds_failed += 1
-            log.warning("worker %d: round of quorum %d aborted (%s); restarting from round %d",
-                        self.worker_id, q.quorum_id, decision.reason, self.round)  # fmt: skip
-        self._load_base_into_model()  # commit: the new global model; abort: the last committed one
+            log.warning(
+                "worker %d: round of quorum %d aborted (%s); restarting from round %d",
+                self.worker_id,
+                q.quorum_id,
+                decision.reason,
+                self.round,
+            )
+        self.flat.load(self._base)
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        self.stats.rounds.append({
-            "round": self.round, "quorum_id": q.quorum_id, "committed": decision.committed, "heal": q.heal,
-            "world_size": q.world_size, "rank": q.rank, "quorum_wait_s": round(quorum_wait_s, 4),
-            "allreduce_s": round(allreduce_s, 4), "commit_wait_s": round(commit_wait_s, 4),
-            "end_s": time.monotonic(), "checksum": self.checksum(), "reason": decision.reason,
-        })  # fmt: skip
-        return decision.committed
-
-    def _vote(self, q: pb.QuorumReply, success: bool, total_weight: float, tokens: int, steps: int,
-              reason: str) -> pb.CommitReply:  # fmt: skip
-        while True:
-            reply = self.client.commit(
-                worker_id=self.worker_id, quorum_id=q.quorum_id, success=success, total_weight=total_weight,
-                num_tokens=tokens, num_local_steps=steps, reason=reason,
-                timeout_s=max(1.0, q.round_deadline_s + 1.0),
-            )  # fmt: skip
-            if reply.decided:
-                return reply
-
-    def _allreduce(self, q: pb.QuorumReply) -> None:
-        """Sum ``[w·Δ, w]`` over the quorum's members in a fresh process group, with
-        the fault injection of ``SyncWorkerConfig`` (``fail_at_round``, ``fail_mode``)."""
-        cfg = self.sync_config
-        failing = (
-            cfg.fail_at_round is not None and q.round + 1 >= cfg.fail_at_round
-            and q.world_size >= cfg.fail_min_world_size and not self._fault_fired
-        )  # fmt: skip
-        self._fault_fired |= failing  # once: the retried round goes through
-        if failing and cfg.fail_mode == "raise":
-            raise RuntimeError(f"injected fault at round {cfg.fail_at_round}")
-        if failing and cfg.fail_mode == "hang":
-            log.warning("fault injection: hanging in round %d", cfg.fail_at_round)
-            threading.Event().wait()  # never returns; the heartbeat thread keeps the lease
-
-        def die() -> None:
-            log.warning("fault injection: SIGKILL with the allreduce of round %d in flight", q.round + 1)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        self._collectives.allreduce_sum(
-            self._buf, quorum_id=q.quorum_id, rank=q.rank, world_size=q.world_size, store_host=q.store_host,
-            store_port=q.store_port, timeout_s=cfg.allreduce_timeout_s,
-            in_flight=die if failing and cfg.fail_mode == "kill" else None,
-        )  # fmt: skip
 
     # ------------------------------------------------------------- internals
+    def _server_run(self) -> pb.RunConfig:
+        """The server's run config (from Join; rounds only run after a join)."""
+        assert self.run_config is not None, "rounds run only after join"
+        return self.run_config
+
+    def _outer(self) -> OuterOptimizer:
+        """The outer optimizer (made by the first heal, which every join does)."""
+        assert self.outer is not None, "the outer optimizer is made by the first heal"
+        return self.outer
+
     def _heal(self) -> None:
         """Pull the committed θ and outer momentum and load them (θ_base and model)."""
-        rc = self.run_config
+        rc = self._server_run()
         with_momentum = rc.outer_momentum > 0
         pulled = self.client.pull_sync_state(self.manifest, self.worker_id, with_momentum)
         state = pulled.payload.view(torch.float32)  # (k·N,)
         n = self._numel
         self._base.copy_(state[:n])
-        if self.outer is None:
-            cfg = OuterConfig(
-                optimizer=rc.outer_optimizer,
-                lr=rc.outer_lr,
-                momentum=rc.outer_momentum,
-                lr_schedule=rc.outer_lr_schedule or "constant",
-                lr_warmup_versions=rc.outer_lr_warmup_versions,
-                lr_total_versions=rc.outer_lr_total_versions,
-                lr_min_ratio=rc.outer_lr_min_ratio,
-            )  # the server's, so that every member's outer step equals the server's bit for bit
-            self.outer = OuterOptimizer(self._base, cfg)
+        if self.outer is None:  # the server's, so that every member's outer step equals the server's bit for bit
+            self.outer = OuterOptimizer(self._base, _outer_config(rc))
         if with_momentum:
-            self.outer.momentum_buffer.copy_(state[n : 2 * n])
+            momentum = self.outer.momentum_buffer
+            assert momentum is not None, "an outer optimizer with momentum keeps a buffer"
+            momentum.copy_(state[n : 2 * n])
         self.round = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
-        self._load_base_into_model()
+        self.flat.load(self._base)
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
         self.stats.heals += 1
@@ -349,11 +477,17 @@ class SyncDiLoCoWorker(WorkerBase):
 
     def checksum(self) -> int:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
-        return zlib.crc32(memoryview(self._base.numpy()).cast("B")) & 0xFFFFFFFF
+        return zlib.crc32(self._base.numpy().data.cast("B")) & 0xFFFFFFFF
 
-    def _load_base_into_model(self) -> None:
-        pos, parts = 0, []
-        for p in self._params:
-            parts.append(self._base[pos : pos + p.numel()])
-            pos += p.numel()
-        self._load_into_model(parts)
+
+def _outer_config(rc: pb.RunConfig) -> OuterConfig:
+    """The server's outer optimizer, from its run config."""
+    return OuterConfig(
+        optimizer=rc.outer_optimizer,
+        lr=rc.outer_lr,
+        momentum=rc.outer_momentum,
+        lr_schedule=rc.outer_lr_schedule or "constant",
+        lr_warmup_versions=rc.outer_lr_warmup_versions,
+        lr_total_versions=rc.outer_lr_total_versions,
+        lr_min_ratio=rc.outer_lr_min_ratio,
+    )

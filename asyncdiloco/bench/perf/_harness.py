@@ -58,8 +58,10 @@ def server_process(*flags: str, env: dict | None = None) -> Iterator[tuple[subpr
         port_file = pathlib.Path(tmp) / "port"
         proc = subprocess.Popen(
             [sys.executable, "-m", "asyncdiloco", "-q", "server", "--port", "0", "--port-file", str(port_file), *flags],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )
         try:
             deadline = time.monotonic() + 60
             while not port_file.exists():

@@ -35,22 +35,29 @@ def main() -> None:
         manifest = Manifest.from_named_tensors([("w", torch.empty(n))])
         x = torch.randn(n)  # (N,) fp32
         decoded = torch.empty(n)
-        copy_s = median_seconds(lambda: decoded.copy_(x), args.repeats)
+        copy_s = median_seconds(lambda d=decoded, x=x: d.copy_(x), args.repeats)
         for name in ("bf16", "int8"):
             codec = make_codec(name, manifest, args.block_size)
             wire = torch.empty(codec.wire_bytes, dtype=torch.uint8)
-            enc_s = median_seconds(lambda: codec.encode(x, wire), args.repeats)
-            dec_s = median_seconds(lambda: codec.decode(wire, decoded), args.repeats)
-            emit({
-                "measure": "codec encode+decode throughput / copy_ throughput",
-                "codec": name, "block_size": args.block_size if name == "int8" else 0,
-                "model_mib": nbytes / 2**20, "ratio": copy_s / (enc_s + dec_s),
-                "encode_gb_s": nbytes / enc_s / 1e9, "decode_gb_s": nbytes / dec_s / 1e9,
-                "copy_gb_s": nbytes / copy_s / 1e9, "wire_ratio": codec.wire_bytes / nbytes,
-                "max_abs_error": float((decoded - x).abs().max()),
-                # the codec saves time on links slower than this: bytes saved ÷ (encode + decode) seconds
-                "breakeven_link_gb_s": (nbytes - codec.wire_bytes) / (enc_s + dec_s) / 1e9,
-            }, args.out)  # fmt: skip
+            enc_s = median_seconds(lambda c=codec, x=x, w=wire: c.encode(x, w), args.repeats)
+            dec_s = median_seconds(lambda c=codec, w=wire, d=decoded: c.decode(w, d), args.repeats)
+            emit(
+                {
+                    "measure": "codec encode+decode throughput / copy_ throughput",
+                    "codec": name,
+                    "block_size": args.block_size if name == "int8" else 0,
+                    "model_mib": nbytes / 2**20,
+                    "ratio": copy_s / (enc_s + dec_s),
+                    "encode_gb_s": nbytes / enc_s / 1e9,
+                    "decode_gb_s": nbytes / dec_s / 1e9,
+                    "copy_gb_s": nbytes / copy_s / 1e9,
+                    "wire_ratio": codec.wire_bytes / nbytes,
+                    "max_abs_error": float((decoded - x).abs().max()),
+                    # the codec saves time on links slower than this: bytes saved ÷ (encode + decode) seconds
+                    "breakeven_link_gb_s": (nbytes - codec.wire_bytes) / (enc_s + dec_s) / 1e9,
+                },
+                args.out,
+            )
 
 
 if __name__ == "__main__":

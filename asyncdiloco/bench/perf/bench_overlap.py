@@ -14,8 +14,8 @@ inner steps per second and the speed-up in steps per second of overlap over no o
 
     python -m asyncdiloco.bench.perf.bench_overlap [--rounds 10] [--repeats 3] [--local-steps 8] [--out FILE]
 
-Timings on a shared 2-core machine are noisy: the background sync, the server and the
-inner steps compete for the same cores (which also slows the inner steps with overlap on).
+Timings on shared cores are noisy: the background sync, the server and the inner steps
+compete for the same cores (which also slows the inner steps with overlap on).
 """
 
 from __future__ import annotations
@@ -92,14 +92,31 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    flags = ("--local-steps", str(args.local_steps), "--outer-optimizer", "sgd", "--outer-lr", "0.5",
-             "--outer-momentum", "0")  # fmt: skip
+    flags = (
+        "--local-steps",
+        str(args.local_steps),
+        "--outer-optimizer",
+        "sgd",
+        "--outer-lr",
+        "0.5",
+        "--outer-momentum",
+        "0",
+    )
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with server_process(*flags) as (_, address):
         for _ in range(args.repeats):
             for overlap in (False, True):  # alternating, so drift in the machine's load hits both
-                runs[overlap].append(run_once(address, overlap=overlap, h=args.local_steps, rounds=args.rounds,
-                                              width=args.width, depth=args.depth, batch=args.batch))  # fmt: skip
+                runs[overlap].append(
+                    run_once(
+                        address,
+                        overlap=overlap,
+                        h=args.local_steps,
+                        rounds=args.rounds,
+                        width=args.width,
+                        depth=args.depth,
+                        batch=args.batch,
+                    )
+                )
     base_rate = median([r["steps_per_s"] for r in runs[False]])
     for overlap in (False, True):
         rs = runs[overlap]

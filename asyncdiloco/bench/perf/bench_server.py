@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import threading
 import time
 
@@ -51,8 +52,7 @@ def bench_outer_step(n_bytes: int, repeats: int) -> dict:
 
     t_ours = median_seconds(lambda: ours.step(delta, 1.0, version=0), repeats)
     t_fused = median_seconds(fused.step, repeats)  # the warm-up call allocates torch's momentum buffer
-    return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused,
-            "ours_gb_s": n_bytes / t_ours / 1e9}  # fmt: skip
+    return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused, "ours_gb_s": n_bytes / t_ours / 1e9}
 
 
 def _join_and_init(address: str, manifest: Manifest, name: str) -> tuple[ParameterServerClient, int]:
@@ -174,14 +174,22 @@ def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: 
         "" if pull_snapshots == 2 else f", --pull-snapshots {pull_snapshots}"
     )
     held = 2 * n_bytes + max(64 * MIB, n_bytes) + (pull_snapshots * n_bytes if then_pull else 0)
+    snapshots = f" + {pull_snapshots} pull snapshot(s)" if then_pull else ""
     note = (
-        f"by design θ + m + receive budget max(64 MiB, 1 payload){' + ' + str(pull_snapshots) + ' pull snapshot(s)' if then_pull else ''} "
+        f"by design θ + m + receive budget max(64 MiB, 1 payload){snapshots} "
         f"= {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
         f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)"
     )
-    return {"pattern": pattern, "pushers": pushers, "idle_rss_mib": idle / MIB,
-            "after_one_push_mib": steady / MIB, "peak_rss_mib": peak / MIB, "state_mib": state / MIB,
-            "ratio": (peak - idle) / state, "note": note}  # fmt: skip
+    return {
+        "pattern": pattern,
+        "pushers": pushers,
+        "idle_rss_mib": idle / MIB,
+        "after_one_push_mib": steady / MIB,
+        "peak_rss_mib": peak / MIB,
+        "state_mib": state / MIB,
+        "ratio": (peak - idle) / state,
+        "note": note,
+    }
 
 
 def main() -> None:
@@ -198,26 +206,51 @@ def main() -> None:
     if args.only in (None, "outer_step"):
         for n in sizes:
             r = bench_outer_step(n, args.repeats)
-            emit({"bench": "server", "measure": "outer step / fused torch SGD(nesterov)", "model_mib": n / MIB,
-                  "target": 1.2, **r}, args.out)  # fmt: skip
+            emit(
+                {
+                    "bench": "server",
+                    "measure": "outer step / fused torch SGD(nesterov)",
+                    "model_mib": n / MIB,
+                    "target": 1.2,
+                    **r,
+                },
+                args.out,
+            )
     if args.only in (None, "peak_rss"):
         for n in sizes:
             runs = [(False, 2), (True, 2)] + ([(True, 1)] if n == max(sizes) else [])
             for then_pull, snapshots in runs:
                 r = bench_peak_rss(n, pushers=8, then_pull=then_pull, pull_snapshots=snapshots)
-                emit({"bench": "server", "measure": "peak RSS growth / (params + momentum), 8 pushers",
-                      "model_mib": n / MIB, "target": 2.0, **r}, args.out)  # fmt: skip
+                emit(
+                    {
+                        "bench": "server",
+                        "measure": "peak RSS growth / (params + momentum), 8 pushers",
+                        "model_mib": n / MIB,
+                        "target": 2.0,
+                        **r,
+                    },
+                    args.out,
+                )
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
         for bulk in (False, True):
             r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                f"here 16 clients (2 processes) and the server share the same 2 cores"
+                f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
             )
-            emit({"bench": "server", "measure": "pushes applied per second, 1M params, 16 workers",
-                  "model_mib": 4e6 / MIB, "target": 200, "in_process_pushes_per_s": alone, "note": note, **r},
-                 args.out)  # fmt: skip
+            emit(
+                {
+                    "bench": "server",
+                    "measure": "pushes applied per second, 1M params, 16 workers",
+                    "model_mib": 4e6 / MIB,
+                    "target": 200,
+                    "in_process_pushes_per_s": alone,
+                    "note": note,
+                    **r,
+                },
+                args.out,
+            )
 
 
 if __name__ == "__main__":

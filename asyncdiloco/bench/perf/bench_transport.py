@@ -1,13 +1,13 @@
 """Push+pull throughput through the parameter server ÷ raw TCP loopback throughput.
 
 Baseline (same run): two processes on 127.0.0.1, ``sendall`` of 1 MiB memoryview
-slices into ``recv_into`` a preallocated buffer (the fastest slicing measured) — the
-ceiling for moving bytes on this machine.
+slices into ``recv_into`` a preallocated buffer (``SLICE_BYTES``) — the ceiling for
+moving bytes between two processes on the machine it runs on.
 Measured: one worker process (this one) pushes a pseudo-gradient of the model's size and
 pulls the new global model from an ``asyncdiloco server`` process; throughput is
-2 × model bytes ÷ (push + pull seconds). Each round pairs one raw TCP transfer with one push+pull; ``ratio`` is the median of
-the rounds' ratios (the machine's load drifts, so pairs taken moments apart are compared),
-over ``--repeats`` rounds. Two paths per size,
+2 × model bytes ÷ (push + pull seconds). Each round pairs one raw TCP transfer with one
+push+pull; ``ratio`` is the median of the rounds' ratios (the machine's load drifts, so
+pairs taken moments apart are compared), over ``--repeats`` rounds. Two paths per size,
 one JSON line each: gRPC ("grpc-stream") and the bulk data channel ("bulk-tcp", server
 started with ``--bulk-port 0``). Both also report ``transfer_only_ratio``: the same bytes
 moved by a retried push (read and discarded by the server) and a pull of an unchanged
@@ -39,8 +39,8 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 
-#: Bytes per sendall / recv_into of the raw TCP baseline: 1 MiB slices measured 1.3-2x
-#: faster here than one call for the whole message (and than 256 KiB, 2 or 4 MiB).
+#: Bytes per sendall / recv_into of the raw TCP baseline: 1 MiB slices were the fastest of
+#: 256 KiB, 1, 2 and 4 MiB and one call for the whole message, so the baseline is a ceiling.
 _SLICE = 1 << 20
 
 
@@ -127,9 +127,16 @@ def push_pull(n: int, repeats: int, address: str, chunk_bytes: int, raw: RawTcp,
         cached_pull_s.append(time.perf_counter() - t1)
     fallbacks = client._bulk.fallbacks if client._bulk is not None else 0  # noqa: SLF001
     client.close()
-    return {"push_s": median(push_s), "pull_s": median(pull_s), "retry_s": median(retry_s),
-            "cached_pull_s": median(cached_pull_s), "fallbacks": fallbacks, "raw_s": median(raw_s),
-            "ratio": median(ratios), "ratios": ratios}  # fmt: skip
+    return {
+        "push_s": median(push_s),
+        "pull_s": median(pull_s),
+        "retry_s": median(retry_s),
+        "cached_pull_s": median(cached_pull_s),
+        "fallbacks": fallbacks,
+        "raw_s": median(raw_s),
+        "ratio": median(ratios),
+        "ratios": ratios,
+    }
 
 
 def server_work_s(n: int, repeats: int) -> float:
@@ -161,8 +168,16 @@ def main() -> None:
     paths = [x for x in args.paths.split(",") if x]
     torch.set_num_threads(1)
     keep_large_blocks()  # as the worker CLI does
-    server_flags = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0",
-                    "--chunk-bytes", str(args.chunk_bytes))  # fmt: skip
+    server_flags = (
+        "--outer-optimizer",
+        "sgd",
+        "--outer-lr",
+        "1",
+        "--outer-momentum",
+        "0",
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+    )
     for n in parse_sizes(args.sizes):
         work = server_work_s(n, args.repeats)
         for path in paths:

@@ -10,7 +10,7 @@ compared against. Prints one JSON line per eval point:
 ``steps_per_s`` is step / elapsed_s; ``eval_loss`` is in nats per character over a
 fixed set of validation batches. Asserts nothing.
 
-Run from the repository root:
+Run:
 
     python -m asyncdiloco.bench.perf.calibrate_single_process --threads 1
 """

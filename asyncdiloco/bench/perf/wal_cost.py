@@ -34,7 +34,7 @@ from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.client import ParameterServerClient
 
 MODES = {"memory": None, "wal": False, "wal+fsync": True}
@@ -71,6 +71,7 @@ def bench_state(manifest: Manifest, mode: str, pushes: int, folder: str) -> floa
             kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
         )
         assembler = state.begin_push(header)
+        assert isinstance(assembler, PayloadAssembler), assembler  # a fresh push id: never an early outcome
         for c in chunks:
             assembler.add(c)
         state.apply_push(header, assembler.finish())

@@ -404,13 +404,15 @@ class BulkRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
 
 class BulkReply(_message.Message):
-    __slots__ = ("code", "message", "push", "pull")
+    __slots__ = ("code", "message", "reason", "push", "pull")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
+    reason: str
     push: PushReply
     pull: PullHeader
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,228 @@
+"""The durable part of the state: a consistent copy of it for checkpoints, its restore,
+and the replay of logged pushes at start-up (store.py writes and reads them).
+
+A checkpoint's tensors are θ and the outer optimizer's vectors keyed by parameter name
+(``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``: float32, the parameter's
+shape); its JSON part holds the version, the manifest, the worker table with the
+applied push ids and outcomes, and the counters. Replaying a logged push redoes it with
+the τ, s(τ) and live-worker count N it was applied with, so θ and the outer optimizer's
+state come back bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+
+from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.errors import CheckpointError
+from asyncdiloco.ps.journal import Journal, StateDict
+from asyncdiloco.ps.parts import CoreParts
+from asyncdiloco.ps.records import WorkerRecord
+from asyncdiloco.ps.snapshots import Snapshots
+from asyncdiloco.ps.wal import manifest_from_json, manifest_to_json
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
+
+
+class Replayable(Protocol):
+    """A push kind whose logged pushes can be redone (apply.py)."""
+
+    def replay(
+        self,
+        rec: WorkerRecord,
+        header: pb.PushHeader,
+        delta: torch.Tensor,
+        *,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
+        """Redo a logged push (both locks held)."""
+
+
+class Durability:
+    """Checkpoint copies, restores and log replay of the state's parts (see the module docstring).
+
+    Args:
+        parts: the core parts (copied and restored; the journal is attached here).
+        snapshots: the pull snapshots (cleared when θ is replaced).
+        replayers: the push kinds a logged push is redone with, by ``pb.PUSH_KIND_*``.
+    """
+
+    def __init__(self, parts: CoreParts, snapshots: Snapshots, replayers: Mapping[int, Replayable]) -> None:
+        self.locks = parts.locks
+        self.model = parts.model
+        self.registry = parts.registry
+        self.counters = parts.counters
+        self.journal = parts.journal
+        self.clock = parts.clock
+        self.snapshots = snapshots
+        self.replayers = replayers
+
+    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        """Redo a logged Join (start-up replay)."""
+        with self.locks.books:
+            self.registry.register(worker_id, name, initialize, manifest, self.clock())
+
+    def attach_journal(self, journal: Journal) -> None:
+        """Log every Join and push into ``journal`` from now on."""
+        with self.locks.books:
+            self.journal.journal = journal
+
+    def detach_journal(self, then: Callable[[], None] | None = None) -> None:
+        """Stop logging; ``then`` runs under the books lock, so no append interleaves with it."""
+        with self.locks.books:
+            self.journal.journal = None
+            if then is not None:
+                then()
+
+    def state_dict(self, while_locked: Callable[[], int] | None = None) -> StateDict:
+        """A consistent copy of the durable state, for a checkpoint (store.py).
+
+        Args:
+            while_locked: called under both locks at the moment of the copy (the store
+                starts a new log segment there); its result is returned.
+        Returns:
+            (meta, tensors, result): ``meta`` is JSON-serializable (version, manifest,
+            worker table with the applied push ids and outcomes, counters);
+            ``tensors`` maps ``"param/<name>"`` and ``"momentum/<name>"`` (and
+            ``"dn_delta/<name>"``) to fp32 CPU tensors of the parameter's shape.
+        """
+        model, registry = self.model, self.registry
+        with self.locks.apply, self.locks.books:
+            result = while_locked() if while_locked is not None else 0
+            meta = {
+                "outer_arrivals": getattr(model.outer, "arrivals", 0),
+                "version": model.version,
+                "initialized": model.initialized,
+                "manifest": manifest_to_json(model.manifest) if model.manifest is not None else None,
+                "next_worker_id": registry.next_worker_id,
+                "initializer": registry.initializer,
+                "counters": self.counters.to_meta(),
+                "staleness_histogram": list(self.counters.staleness_histogram),
+                "workers": registry.to_meta(),
+            }
+            return meta, self._named_tensors(), result
+
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        """θ and the outer optimizer's vectors, cut per parameter and cloned (apply lock held)."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.model.params is None:
+            return tensors
+        vectors = {"param": self.model.params, **self.model.outer_buffers()}
+        pos = 0
+        for spec in self.model.known_manifest.tensors:
+            for kind, vec in vectors.items():
+                tensors[f"{kind}/{spec.name}"] = vec[pos : pos + spec.numel].clone().view(spec.shape)
+            pos += spec.numel
+        return tensors
+
+    def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a fresh state from a checkpoint's ``state_dict``. Workers that were
+        registered come back with a full lease, so they resume under their old ids;
+        those that had left or expired stay gone (they rejoin, as before the restart).
+
+        Raises:
+            CheckpointError: the tensors do not match the stored manifest, or the
+            momentum does not match the configured outer optimizer.
+        """
+        model = self.model
+        with self.locks.apply, self.locks.books:
+            now = self.clock()
+            model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
+            if meta["initialized"]:
+                self._load_tensors(tensors, int(meta.get("outer_arrivals", 0)))
+            model.version = meta["version"]
+            self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
+            self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
+            self.snapshots.clear()
+
+    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int) -> None:
+        model = self.model
+        config = model.config.outer
+        model.params = self._named_to_flat(tensors, "param")
+        model.outer = make_outer_optimizer(model.params, config, model.known_manifest.block_sizes())
+        buffers = model.outer_buffers()
+        for kind, vec in buffers.items():
+            vec.copy_(self._named_to_flat(tensors, kind))
+        extra = {k.split("/", 1)[0] for k in tensors} - {"param", *buffers}
+        if extra:
+            raise CheckpointError(
+                f"checkpoint holds outer-optimizer state {sorted(extra)} that the configured "
+                f"{config.optimizer} (momentum {config.momentum:g}) does not use; "
+                f"restart with the checkpoint's outer-optimizer settings"
+            )
+        if hasattr(model.outer, "arrivals"):
+            model.outer.arrivals = arrivals
+
+    def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
+        parts = []
+        for spec in self.model.known_manifest.tensors:
+            key = f"{kind}/{spec.name}"
+            t = tensors.get(key)
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
+                raise CheckpointError(
+                    f"checkpoint tensor {key!r} is {'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; "
+                    f"the manifest says float32 {spec.shape}: the checkpoint is inconsistent (or was written "
+                    f"with other outer-optimizer settings); restart with its settings or restore an older one"
+                )
+            parts.append(t.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def replay_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
+        """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
+
+        Raises:
+            CheckpointError: the log does not follow the state (unknown worker, or the
+            version it produced does not follow), or its payload does not fit the codec.
+        """
+        model = self.model
+        initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
+        delta = self._decode_logged(header, payload) if model.manifest is not None else None
+        with self.locks.apply, self.locks.books:
+            rec = self.registry.get(header.worker_id)
+            expected = model.version if initial else model.version + 1
+            if rec is None or delta is None or expected != version_after or initial == model.initialized:
+                raise CheckpointError(
+                    f"write-ahead log push {header.push_id} of worker {header.worker_id} (version {version_after}) "
+                    f"does not follow the checkpoint (version {model.version}); the log belongs to another run: "
+                    f"restore the folder from a backup"
+                )
+            kind = self.replayers[pb.PUSH_KIND_INITIAL_PARAMETERS if initial else pb.PUSH_KIND_PSEUDO_GRADIENT]
+            kind.replay(
+                rec, header, delta, tau=tau, weight=weight, version_after=version_after, num_workers=num_workers
+            )
+            self.snapshots.clear()
+
+    def _decode_logged(self, header: pb.PushHeader, payload: torch.Tensor) -> torch.Tensor:
+        """A logged push's payload as fp32 (N,): pseudo-gradients with the run's codec.
+
+        Raises:
+            CheckpointError: the payload's size does not fit this run's codec.
+        """
+        model, wire_codec = self.model, self.model.config.wire_codec
+        manifest = model.known_manifest
+        codec = model.wire_codec() if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else None
+        expected = codec.wire_bytes if codec is not None else manifest.total_bytes
+        if payload.numel() != expected:
+            raise CheckpointError(
+                f"write-ahead log push {header.push_id} of worker {header.worker_id} holds {payload.numel()} bytes; "
+                f"this server's wire codec {wire_codec} expects {expected}: restart with the codec "
+                f"the log was written with, or restore the folder from a backup"
+            )
+        if codec is None or wire_codec == "raw":
+            return manifest.unpack_flat(payload)
+        return codec.decode(payload, torch.empty(codec.numel, dtype=torch.float32))

@@ -1,0 +1,296 @@
+"""Push intake: a push's header checked before its payload is read, the payload
+received into a pooled buffer and checked (size, CRC-32, finite values), whatever
+carries it (gRPC, the bulk channel, an in-process call).
+
+A push goes ``begin`` (header checks, a receive buffer from the pool) → the transport
+fills the ``PayloadAssembler`` (which checks chunk order and the CRC-32) → ``apply``
+(the push kind's own apply: apply.py, rounds.py); ``receive`` runs the three and gives the
+buffer back however they end. Receiving, the CRC check, decoding and the finiteness
+check happen before the state's locks are taken, so a push being received never holds
+up another one being applied. ``(worker_id, push_id)`` makes a retried push idempotent:
+it is answered with its original outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import cast
+
+import torch
+
+from asyncdiloco.algo.schedule import GroupGate
+from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError
+from asyncdiloco.ps.buffers import ReceivePool
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.counters import Counters
+from asyncdiloco.ps.modes import KNOWN_KINDS, Mode, PushHandler, describe_push
+from asyncdiloco.ps.records import PushOutcome, StateLocks
+from asyncdiloco.ps.registry import WorkerRegistry
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.grpc_chunks import WireChunk
+from asyncdiloco.wire.tensors import PayloadAssembler, chunk_views, crc32_of, num_chunks_for
+
+#: Kinds a retried push_id does not short-circuit: a retried round-result upload
+#: re-stages the same Δ̄, and only the vote decides whether it is applied.
+_NOT_DEDUPLICATED = (pb.PUSH_KIND_ROUND_RESULT,)
+
+
+def largest_magnitude(x: torch.Tensor) -> float:
+    """max |x| of a 1-D float tensor (NaN if any NaN, inf if any ±inf; 0 when empty),
+    in one ``aminmax`` pass."""
+    if not x.numel():
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def check_values(delta: torch.Tensor, worker_id: int, max_abs_value: float) -> float:
+    """Refuse a decoded push (float32 (N,)) with non-finite values or values too large
+    for θ; returns ‖Δ‖∞ (the divergence monitor's input).
+
+    Raises:
+        InvalidPayloadError: a NaN or ±inf, or a magnitude over ``max_abs_value``.
+    """
+    largest = largest_magnitude(delta)  # NaN/Inf propagate
+    if not math.isfinite(largest):
+        bad = int((~torch.isfinite(delta)).sum())
+        raise InvalidPayloadError(
+            f"payload from worker {worker_id} holds {bad} non-finite values (NaN/Inf); "
+            f"the limit is 0: lower the inner learning rate or clip gradients"
+        )
+    if largest > max_abs_value:
+        raise InvalidPayloadError(
+            f"payload from worker {worker_id} holds a value of magnitude {largest:.3g}, over "
+            f"max_abs_value={max_abs_value:g} (it would overflow the global model); the worker "
+            f"diverged: lower its inner learning rate, or raise --max-abs-value for a model on that scale"
+        )
+    return largest
+
+
+def _check_fields(header: pb.PushHeader, max_payload_bytes: int) -> None:
+    """The header fields every kind shares, before the kind is known."""
+    if header.total_bytes > max_payload_bytes:
+        raise PayloadTooLargeError(
+            f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes="
+            f"{max_payload_bytes}; send a smaller model or raise the server's limit"
+        )
+    if header.push_id < 1:
+        raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
+    if header.base_version < 0:
+        raise InvalidPayloadError(
+            f"base_version is {header.base_version}; it must be >= 0, the version the worker pulled"
+        )
+
+
+def _check_counts(header: pb.PushHeader) -> None:
+    for name in ("num_local_steps", "num_tokens"):
+        if getattr(header, name) < 0:
+            raise InvalidPayloadError(f"{name} is {getattr(header, name)}; it must be >= 0")
+
+
+class PushIntake:
+    """Checks and receives pushes (see the module docstring).
+
+    Args:
+        config: ``max_payload_bytes``, ``chunk_bytes``, ``receive_buffer_bytes``.
+        locks: the state's locks (header checks run under ``books``).
+        registry: the worker table (leases, remembered outcomes, H_w).
+        counters: the status numbers (refused and retried pushes).
+        groups: holds push replies per group (schedule.py).
+        mode: the push kinds this server takes.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        locks: StateLocks,
+        registry: WorkerRegistry,
+        counters: Counters,
+        groups: GroupGate,
+        mode: Mode,
+    ) -> None:
+        self.config = config
+        self.locks = locks
+        self.registry = registry
+        self.counters = counters
+        self.groups = groups
+        self.mode = mode
+        #: Receive buffers of the pushes in flight, within ``receive_buffer_bytes``.
+        self.pool = ReceivePool(config.receive_buffer_bytes)
+
+    def kind_of(self, header: pb.PushHeader) -> PushHandler:
+        """The mode's handler of the header's push kind.
+
+        Raises:
+            ModeMismatchError: a kind of the other mode. InvalidPayloadError: an unknown kind.
+        """
+        kind = self.mode.kinds.get(header.kind)
+        if kind is not None:
+            return kind
+        if header.kind in KNOWN_KINDS:
+            raise self.mode.mismatch(describe_push(header))
+        raise InvalidPayloadError(
+            f"push kind {header.kind} is not one of PUSH_KIND_PSEUDO_GRADIENT (1), "
+            f"PUSH_KIND_INITIAL_PARAMETERS (2), PUSH_KIND_ROUND_RESULT (3)"
+        )
+
+    def begin(
+        self, header: pb.PushHeader, is_active: Callable[[], bool] | None = None
+    ) -> PayloadAssembler | PushOutcome:
+        """Check a push header before its payload arrives, then take a receive buffer
+        from the pool (waiting while other pushes in flight hold the budget).
+
+        Args:
+            header: the push's header.
+            is_active: optional ``() -> bool``, False once the caller's RPC ended (gRPC's
+                ``context.is_active``): the wait for a buffer then stops.
+        Returns:
+            A ``PayloadAssembler`` to feed the chunks to, or the original outcome when
+            this ``(worker_id, push_id)`` was applied before (a retry).
+        Raises:
+            UnknownWorkerError, InvalidPayloadError, PayloadTooLargeError, StalePushError,
+            NotInitializedError, ModeMismatchError, ServerBusyError (no buffer within
+            30 s): nothing is changed.
+        """
+        with self.locks.books:
+            retried = self._retried(header)
+            if retried is not None:
+                return retried
+            self.registry.touch(header.worker_id)
+            _check_fields(header, self.config.max_payload_bytes)
+            kind = self.kind_of(header)
+            kind.check(header)
+            _check_counts(header)
+            total, what = kind.payload_bytes()
+        if header.total_bytes != total:
+            raise InvalidPayloadError(
+                f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
+            )
+        return self._assembler(header, kind.pooled, is_active)
+
+    def _retried(self, header: pb.PushHeader) -> PushOutcome | None:
+        """The remembered outcome of a retried push (books lock held), else None."""
+        rec = self.registry.get(header.worker_id)
+        if rec is None or header.push_id not in rec.outcomes or header.kind in _NOT_DEDUPLICATED:
+            return None
+        return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
+
+    def _assembler(self, header: pb.PushHeader, pooled: bool, is_active: Callable[[], bool] | None) -> PayloadAssembler:
+        buffer = None  # not pooled (a round result, staged until the vote): a buffer of its own
+        if pooled:
+            buffer = self.pool.acquire(header.total_bytes, is_active=is_active)  # waits up to 30 s
+        try:
+            return PayloadAssembler(
+                total_bytes=header.total_bytes,
+                num_chunks=header.num_chunks,
+                crc32=header.crc32,
+                chunk_bytes=self.config.chunk_bytes,
+                max_bytes=self.config.max_payload_bytes,
+                buffer=buffer,
+            )
+        except Exception:
+            if buffer is not None:
+                self.pool.release(buffer)
+            raise
+
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        """Apply a complete, CRC-checked payload (uint8 (total_bytes,)) with its kind's apply.
+
+        Raises:
+            The kind's refusals (apply.py, rounds.py); ``kind_of``'s for a kind this mode
+            does not take. In every case θ, momentum, version and the counters are unchanged.
+        """
+        return self.kind_of(header).apply(header, payload)
+
+    def receive(
+        self,
+        header: pb.PushHeader,
+        fill: Callable[[PayloadAssembler], None],
+        drain: Callable[[], None],
+        is_active: Callable[[], bool] | None = None,
+    ) -> PushOutcome:
+        """One whole push: ``begin``, ``fill`` (copies the payload into the assembler),
+        ``apply``; the buffer goes back to the pool however that ends. A retry of an
+        applied push is answered with its original outcome after ``drain`` consumed its
+        payload.
+
+        Raises:
+            The exceptions of ``begin`` (raised before ``fill`` is called: nothing of the
+            payload was read), of ``fill`` and of ``apply``.
+        """
+        started = self.begin(header, is_active)
+        if isinstance(started, PushOutcome):
+            drain()
+            return started
+        try:
+            fill(started)
+            return self.apply(header, started.finish())
+        finally:  # the payload is not used after this; a buffer of its own is not the pool's
+            self.pool.release(started.buffer)
+
+    def receive_in_process(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        """``receive`` of a payload (uint8 (N,) CPU) held in memory, cut into chunks
+        exactly as the wire carries it; fills in the header's size, chunk count and CRC-32."""
+        chunk_bytes = self.config.chunk_bytes
+        header.total_bytes = payload.numel()
+        header.num_chunks = num_chunks_for(payload.numel(), chunk_bytes)
+        header.crc32 = crc32_of(payload)
+
+        def fill(assembler: PayloadAssembler) -> None:
+            for index, offset, data in chunk_views(payload, chunk_bytes):
+                assembler.add(cast(pb.PayloadChunk, WireChunk(index, offset, data)))  # quacks like one
+
+        return self.receive(header, fill, drain=lambda: None)
+
+    def reply(
+        self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True, max_wait_s: float = math.inf
+    ) -> pb.PushReply:
+        """The reply to a push that was applied or answered as a retry (gRPC and bulk).
+
+        Counts a duplicate, or holds an applied push until its group is released
+        (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
+        together pull the same model; not when ``hold`` is False (the worker's last
+        push, ``PushHeader.last``). H_w is taken after the wait, when the group's rates
+        are in.
+
+        Args:
+            outcome: what ``receive`` returned.
+            worker_id: the pusher (0: reply with the outcome's H).
+            hold: wait for the push's group.
+            max_wait_s: the wait ends by then in any case (the caller's deadline), seconds.
+        Returns:
+            The ``PushReply``; its ``group_max_wait_s`` bounds the worker's next push deadline.
+        """
+        held_s = 0.0
+        if outcome.duplicate:
+            self.count_duplicate()
+        elif outcome.group_id and hold:
+            held_s = self.groups.wait(outcome.group_id, max_wait_s)
+        with self.locks.books:
+            local_steps = self.registry.local_steps(worker_id) if worker_id else outcome.local_steps
+            max_wait_next_s = self.registry.group_max_wait_s()
+        return pb.PushReply(
+            applied=outcome.applied,
+            duplicate=outcome.duplicate,
+            version=outcome.version,
+            staleness=outcome.staleness,
+            staleness_weight=outcome.staleness_weight,
+            local_steps=local_steps,
+            held_s=held_s,
+            group_max_wait_s=max_wait_next_s,
+        )
+
+    def count_rejected(self, worker_id: int) -> None:
+        """A push of ``worker_id`` was refused or cut off."""
+        with self.locks.books:
+            self.counters.rejected_pushes += 1
+            rec = self.registry.get(worker_id)
+            if rec is not None:
+                rec.rejected_pushes += 1
+
+    def count_duplicate(self) -> None:
+        """A retried push was answered with its original outcome."""
+        with self.locks.books:
+            self.counters.duplicate_pushes += 1

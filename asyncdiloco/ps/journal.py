@@ -1,0 +1,105 @@
+"""The typed interface between the parameter server's state and its durable store.
+
+``Journal`` is what the state writes into (store.py's ``DurableStore`` implements it):
+every Join and every applied push is logged, with the state's books lock held, before it
+changes anything in memory or is acknowledged. ``JournaledState`` is what the store
+restores, checkpoints and journals (``ParameterServerState`` implements it), so the store
+never reaches into the state's locks or fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
+
+#: (meta, tensors, result of ``while_locked``): a checkpoint's JSON part and its tensors.
+StateDict = tuple[dict, dict[str, torch.Tensor], int]
+
+
+class Journal(Protocol):
+    """A write-ahead log of the state's changes (store.py)."""
+
+    def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        """Log a Join (books lock held); ``manifest`` when it becomes the server's."""
+
+    def log_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
+        """Log a push about to be applied (books lock held), with what its outer step depends on."""
+
+    def maybe_checkpoint(self) -> None:
+        """Checkpoint if enough pushes were logged since the last one (no lock held)."""
+
+
+class JournaledState(Protocol):
+    """What a durable store restores, checkpoints and journals."""
+
+    @property
+    def version(self) -> int:
+        """The global version."""
+
+    def state_dict(self, while_locked: Callable[[], int] | None = None) -> StateDict:
+        """A consistent copy of the durable state (``while_locked`` runs at the moment of the copy)."""
+
+    def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore a fresh state from a ``state_dict``."""
+
+    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        """Redo a logged Join."""
+
+    def replay_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
+        """Redo a logged push with the τ, s(τ) and live-worker count it was applied with."""
+
+    def attach_journal(self, journal: Journal) -> None:
+        """Log every change into ``journal`` from now on."""
+
+    def detach_journal(self, then: Callable[[], None] | None = None) -> None:
+        """Stop logging; ``then`` runs under the books lock, so no append interleaves with it."""
+
+
+class JournalSlot:
+    """The state's journal, if one is attached: forwards to it, does nothing without one.
+    Attached and detached under the books lock (the appends run under it too)."""
+
+    def __init__(self) -> None:
+        self.journal: Journal | None = None
+
+    def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+        if self.journal is not None:  # durable before the worker learns its id
+            self.journal.log_join(worker_id, name, initialize, manifest)
+
+    def log_push(
+        self,
+        header: pb.PushHeader,
+        payload: torch.Tensor,
+        tau: int,
+        weight: float,
+        version_after: int,
+        num_workers: int,
+    ) -> None:
+        if self.journal is not None:  # durable before it is applied and acknowledged
+            self.journal.log_push(header, payload, tau, weight, version_after, num_workers)
+
+    def maybe_checkpoint(self) -> None:
+        journal = self.journal
+        if journal is not None:
+            journal.maybe_checkpoint()

@@ -1,0 +1,321 @@
+"""The worker table: Joins, leases, the initializer choice, DyLU's rates and H_w, and
+who a push group waits for.
+
+Owns every ``WorkerRecord`` (records.py), the next worker id, the worker chosen to push
+the initial parameters, and each worker's measured inner-step rate v_w. From those it
+derives what the server dictates per worker: H_w by Dynamic Local Updates (Liu et al.
+2024, arXiv 2401.09135, Eq. 6), the grouping window and the barrier's cap (Alg. 2), and
+the expected-workers rule a push group (and Delayed Nesterov's N) waits for.
+
+Leases run on the server's monotonic clock: a worker silent for longer than
+``ServerConfig.lease_s`` is no longer registered (it calls Join again).
+
+Not thread-safe on its own: every method is called with the state's books lock held
+(records.py ``StateLocks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
+from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.journal import JournalSlot
+from asyncdiloco.ps.model import GlobalModel
+from asyncdiloco.ps.records import PushOutcome, WorkerRecord
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRegistry:
+    """Registered workers and their leases (see the module docstring).
+
+    Args:
+        config: ``lease_s``, H (``local_steps``), ``dylu``, ``grace_s``, ``group_max_wait_s``,
+            ``max_payload_bytes``.
+        clock: the server's monotonic clock, seconds.
+        grouping: the push replies' grouping mode in effect ("off", "window" or
+            "barrier"; always "off" in sync mode).
+        model: the global model (a Join checks, or brings, its manifest).
+        journal: where each Join is logged before the worker learns its id.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        grouping: str,
+        model: GlobalModel,
+        journal: JournalSlot,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.grouping = grouping
+        self.model = model
+        self.journal = journal
+        self.workers: dict[int, WorkerRecord] = {}
+        self.next_worker_id = 1
+        #: The worker told to push the initial parameters (None: none chosen yet).
+        self.initializer: int | None = None
+        self.rates = StepRateMeter()
+
+    # ------------------------------------------------------------ joins and leases
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> tuple[int, bool]:
+        """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
+        v_w it measured, steps/s, for DyLU); logged before it is answered.
+
+        Returns:
+            (worker_id, initialize): ``initialize`` is True when this worker must push
+            the initial parameters.
+        Raises:
+            ManifestMismatchError: the manifest differs from the server's.
+            PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
+        """
+        if manifest.total_bytes > self.config.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"model of {manifest.total_bytes} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}; "
+                f"start the server with a larger --max-payload-bytes"
+            )
+        now = self.clock()
+        self.expire(now)
+        # The manifest is provisional until the initial parameters arrive: if every
+        # worker that brought it is gone, the next join may bring another model.
+        known, initialized = self.model.manifest, self.model.initialized
+        replace = known is None or (not initialized and not self.any_alive())
+        if known is not None and not replace:
+            manifest.check_same(known)
+        worker_id = self.next_worker_id
+        initialize = not initialized and self.initializer_gone()
+        name = worker_name or f"worker-{worker_id}"
+        self.journal.log_join(worker_id, name, initialize, manifest if replace else None)
+        self.register(worker_id, name, initialize, manifest if replace else None, now)
+        self.rates.report(worker_id, steps_per_s)
+        log.info(
+            "worker %d (%s) joined at version %d%s",
+            worker_id,
+            name,
+            self.model.version,
+            " and initializes the global model" if initialize else "",
+        )
+        return worker_id, initialize
+
+    def get(self, worker_id: int) -> WorkerRecord | None:
+        """The worker's record, alive or not (None: never registered)."""
+        return self.workers.get(worker_id)
+
+    def register(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None, now: float) -> None:
+        """Add a worker with a fresh lease (a Join, or its replay); ``initialize`` makes
+        it the initializer; ``manifest`` (if given) becomes the server's."""
+        if manifest is not None:
+            self.model.manifest = manifest
+        self.next_worker_id = max(self.next_worker_id, worker_id + 1)
+        self.workers[worker_id] = WorkerRecord(worker_id, name, now, now)
+        self.rates.start(worker_id, now)
+        if initialize:
+            self.initializer = worker_id
+
+    def expire(self, now: float) -> None:
+        """End the lease of every worker silent for longer than ``lease_s`` seconds."""
+        for rec in self.workers.values():
+            if rec.alive and now - rec.last_seen > self.config.lease_s:
+                rec.alive = False
+                log.warning(
+                    "worker %d (%s): lease expired after %.1f s of silence",
+                    rec.worker_id,
+                    rec.name,
+                    now - rec.last_seen,
+                )
+
+    def touch(self, worker_id: int) -> WorkerRecord:
+        """Renew a live worker's lease.
+
+        Raises:
+            UnknownWorkerError: the id was never issued, or the worker left or its lease lapsed.
+        """
+        now = self.clock()
+        self.expire(now)
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            issued = f"ids 1..{self.next_worker_id - 1} were issued" if self.next_worker_id > 1 else "no ids issued yet"
+            raise UnknownWorkerError(f"worker_id {worker_id} is unknown to this server ({issued}); call Join again")
+        if not rec.alive:
+            raise UnknownWorkerError(
+                f"worker_id {worker_id} is no longer registered (it left, or was silent longer than "
+                f"lease_s={self.config.lease_s:g}); call Join again"
+            )
+        rec.last_seen = now
+        return rec
+
+    def leave(self, worker_id: int) -> None:
+        """The worker left cleanly: its lease ends now."""
+        rec = self.workers.get(worker_id)
+        if rec is not None:
+            rec.alive = False
+            self.rates.forget(worker_id)
+            log.info("worker %d (%s) left", worker_id, rec.name)
+
+    def any_alive(self) -> bool:
+        """True when some registered worker's lease is current (not re-checked here)."""
+        return any(r.alive for r in self.workers.values())
+
+    def live_ids(self) -> set[int]:
+        """Ids of the workers whose lease is current."""
+        self.expire(self.clock())
+        return {w for w, r in self.workers.items() if r.alive}
+
+    # ------------------------------------------------------------- initializer
+    def initializer_gone(self) -> bool:
+        """True when no live worker is the initializer (none chosen, or it is gone)."""
+        holder = self.workers.get(self.initializer) if self.initializer else None
+        return holder is None or not holder.alive
+
+    def claim_initializer(self, worker_id: int) -> bool:
+        """While no parameters exist: make ``worker_id`` the initializer if the chosen one
+        is gone (left, or its lease lapsed). True when ``worker_id`` must initialize."""
+        if self.initializer_gone():
+            if self.initializer is not None:
+                log.warning("initializer %s is gone; worker %d initializes instead", self.initializer, worker_id)
+            self.initializer = worker_id
+        return self.initializer == worker_id
+
+    # ------------------------------------------------------- DyLU and grouping
+    def report_rate(self, worker_id: int, steps_per_s: float) -> None:
+        """A rate v_w (inner steps/s) the worker measured itself; ignored unless > 0."""
+        self.rates.report(worker_id, steps_per_s)
+
+    def live_rates(self) -> dict[int, float]:
+        """v_w of each live worker with a known rate, inner steps per second."""
+        return {w: v for w, v in self.rates.rates.items() if w in self.workers and self.workers[w].alive}
+
+    def local_steps(self, worker_id: int) -> int:
+        """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates; H
+        when DyLU is off or the worker's rate is unknown."""
+        if not self.config.dylu:
+            return self.config.local_steps
+        return dylu_local_steps(self.live_rates(), self.config.local_steps).get(worker_id, self.config.local_steps)
+
+    def rounds_s(self) -> dict[int, float]:
+        """Seconds of a round of each live worker with a known rate: H_w / v_w."""
+        rates = self.live_rates()
+        steps = dylu_local_steps(rates, self.config.local_steps) if self.config.dylu else {}
+        return {w: steps.get(w, self.config.local_steps) / v for w, v in rates.items()}
+
+    def group_window_s(self) -> float:
+        """Seconds from a group's first arrival to its deadline ("window" mode): ``grace_s``,
+        or auto (``schedule.auto_window_s``); 0 when grouping is off."""
+        if self.grouping == "off":
+            return 0.0
+        if self.config.grace_s is not None:
+            return self.config.grace_s
+        return auto_window_s(self.live_rates().values(), self.config.local_steps)
+
+    def group_max_wait_s(self) -> float:
+        """The longest a push reply is held, seconds: the window, or the barrier's cap
+        (``group_max_wait_s``, or auto: the longest round plus the window, ≤ 1 h)."""
+        if self.grouping != "barrier":
+            return self.group_window_s()
+        if self.config.group_max_wait_s is not None:
+            return self.config.group_max_wait_s
+        longest = max(self.rounds_s().values(), default=30.0)
+        return min(3600.0, longest + self.group_window_s())
+
+    def expected(self, now: float) -> set[int]:
+        """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
+        those that pushed within two of their own rounds (H_w / v_w) plus the window, or
+        joined since. A worker that stopped pushing without leaving (killed, hung) stops
+        holding groups after that, long before its lease lapses."""
+        window = self.group_window_s()
+        rounds = self.rounds_s()
+        unknown_s = max(rounds.values(), default=math.inf)  # no rate yet: the longest known round
+        expected = set()
+        for w, rec in self.workers.items():
+            if rec.alive and now - max(rec.joined_at, rec.last_push) <= 2 * rounds.get(w, unknown_s) + window:
+                expected.add(w)
+        return expected
+
+    # ----------------------------------------------- run config, status, checkpoints
+    def run_config(self, worker_id: int, bulk_port: int) -> pb.RunConfig:
+        """The run the server dictates to ``worker_id`` (its H_w under DyLU; H for an
+        observer, id 0); ``bulk_port``: the bulk data channel's (0: none)."""
+        sync, outer = self.config.sync, self.config.outer
+        return pb.RunConfig(
+            local_steps=self.local_steps(worker_id),
+            chunk_bytes=self.config.chunk_bytes,
+            lease_s=self.config.lease_s,
+            max_staleness=outer.max_staleness,
+            mode=self.config.mode,
+            min_workers=sync.min_workers,
+            join_timeout_s=sync.join_timeout_s,
+            round_timeout_s=sync.round_timeout_s,
+            sync_weighting=sync.weighting,
+            outer_optimizer=outer.optimizer,
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
+            outer_lr_schedule=outer.lr_schedule,
+            outer_lr_warmup_versions=outer.lr_warmup_versions,
+            outer_lr_total_versions=outer.lr_total_versions,
+            outer_lr_min_ratio=outer.lr_min_ratio,
+            wire_codec=self.config.wire_codec,
+            codec_block_size=self.config.codec_block_size,
+            bulk_port=bulk_port,
+            dylu=self.config.dylu,
+            grouping=self.grouping,
+            group_window_s=self.group_window_s(),
+            group_max_wait_s=self.group_max_wait_s(),
+        )
+
+    def statuses(self, now: float) -> list[pb.WorkerStatus]:
+        """Every registered worker's row of ``StatusReply.workers``."""
+        return [
+            pb.WorkerStatus(
+                worker_id=r.worker_id,
+                worker_name=r.name,
+                applied_pushes=r.applied_pushes,
+                rejected_pushes=r.rejected_pushes,
+                tokens=r.tokens,
+                local_steps=r.local_steps,
+                last_seen_s=now - r.last_seen,
+                alive=r.alive,
+                local_steps_per_round=self.local_steps(r.worker_id),
+                steps_per_s=self.rates.rates.get(r.worker_id, 0.0),
+            )
+            for r in self.workers.values()
+        ]
+
+    def to_meta(self) -> list[dict]:
+        """The worker table for a checkpoint, with each worker's remembered push outcomes."""
+        return [
+            {
+                "worker_id": r.worker_id,
+                "name": r.name,
+                "alive": r.alive,
+                "applied_pushes": r.applied_pushes,
+                "rejected_pushes": r.rejected_pushes,
+                "tokens": r.tokens,
+                "local_steps": r.local_steps,
+                "outcomes": [
+                    [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
+                    for pid, o in r.outcomes.items()
+                ],
+            }
+            for r in self.workers.values()
+        ]
+
+    def load_meta(self, workers: list[dict], next_worker_id: int, initializer: int | None, now: float) -> None:
+        """Restore the table of a checkpoint: its workers come back with a full lease."""
+        self.next_worker_id = next_worker_id
+        self.initializer = initializer
+        self.workers = {}
+        self.rates = StepRateMeter()
+        for w in workers:
+            rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"])
+            rec.rejected_pushes, rec.tokens, rec.local_steps = w["rejected_pushes"], w["tokens"], w["local_steps"]
+            for pid, applied, version, tau, weight, steps in w["outcomes"]:
+                rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
+            self.workers[rec.worker_id] = rec
+            self.rates.start(rec.worker_id, now)

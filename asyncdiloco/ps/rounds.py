@@ -1,0 +1,217 @@
+"""Sync mode on the server's state: the round result, the committed round's outer
+step, the quorum and commit calls, and the healing pull (synchronous DiLoCo, Douillard
+et al. 2023, arXiv 2311.08105, Alg. 1; LocalSGD with the plain SGD outer step).
+
+The rounds themselves (quorum formation, votes, the round counter) are run by the
+network-free ``QuorumManager`` (quorum.py, whose docstring describes a round step by
+step). This module is what the state adds around it: rank 0 of each quorum uploads the
+reduced pseudo-gradient Δ̄ (``PUSH_KIND_ROUND_RESULT``, float32 (N,)) before it votes,
+and it is staged until the vote; on commit the state applies the same ``OuterOptimizer``
+step to θ and m that every member applies to its θ_base, and the version becomes the
+committed-round count. So the server always holds the committed θ and m, and a joining
+or healing member pulls both (``sync_state``) before its first round.
+
+Lock order: the quorum's condition, then the state's locks (records.py ``StateLocks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
+from asyncdiloco.ps.modes import PushHandler
+from asyncdiloco.ps.parts import CoreParts
+from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
+from asyncdiloco.ps.records import PushOutcome
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+_NOT_INITIALIZED = "not initialized: no worker has pushed the initial parameters yet"
+
+
+class RoundResult:
+    """``PUSH_KIND_ROUND_RESULT``: rank 0's reduced Δ̄, staged until the vote."""
+
+    #: Staged until the vote, so not in the receive pool: a buffer of its own.
+    pooled = False
+
+    def __init__(self, mode: SyncMode) -> None:
+        self.mode = mode
+
+    def check(self, header: pb.PushHeader) -> None:
+        """Raises NotInitializedError: no θ yet."""
+        if not self.mode.model.initialized:
+            raise NotInitializedError("not initialized: no global parameters yet to apply a round result to")
+
+    def payload_bytes(self) -> tuple[int, str]:
+        return self.mode.model.known_manifest.numel * 4, "(see the manifest from Join)"  # float32 Δ̄, any dtypes
+
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        """Stage Δ̄ (the payload viewed as float32 (N,)) for the quorum's vote.
+
+        Raises:
+            InvalidPayloadError: wrong size or non-finite values. UnknownWorkerError.
+            RoundRefusedError: not the round in flight, or not its rank 0.
+        """
+        return self.mode.stage_result(header, payload)
+
+
+class SyncMode:
+    """Sync mode: quorum rounds (see the module docstring).
+
+    Args:
+        parts: the core parts (θ and the version = committed rounds, the worker table,
+            the counters, the locks).
+        initial: the initial parameters' push kind (apply.py).
+        live_worker_ids: the live workers (takes the books lock; the quorum calls it).
+    """
+
+    name = "sync"
+
+    def __init__(self, parts: CoreParts, initial: PushHandler, live_worker_ids: Callable[[], set[int]]) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.locks = parts.locks
+        self.model = parts.model
+        self.registry = parts.registry
+        self.counters = parts.counters
+        self.kinds: Mapping[int, PushHandler] = {
+            pb.PUSH_KIND_INITIAL_PARAMETERS: initial,
+            pb.PUSH_KIND_ROUND_RESULT: RoundResult(self),
+        }
+        self.quorum: QuorumManager | None = QuorumManager(
+            self.config.sync, live_workers=live_worker_ids, on_commit=self.apply_round, clock=parts.clock
+        )
+
+    @property
+    def rounds(self) -> QuorumManager:
+        """The quorum manager (always there in sync mode)."""
+        assert self.quorum is not None
+        return self.quorum
+
+    def mismatch(self, what: str) -> ModeMismatchError:
+        return ModeMismatchError(
+            f"mode mismatch: {what} is a async-mode request but this server runs mode 'sync'; "
+            f"use SyncDiLoCoWorker (`asyncdiloco worker --mode sync`)"
+        )
+
+    def pull_round(self, version: int) -> int:
+        return version
+
+    def on_leave(self, worker_id: int) -> None:
+        self.rounds.withdraw(worker_id)  # outside the state's lock: the quorum calls live_worker_ids
+        self.rounds.notify()
+
+    # ------------------------------------------------------------ the round
+    def stage_result(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+        """Keep rank 0's Δ̄ (uint8 payload of float32 (N,)) for the vote."""
+        delta = payload.view(torch.float32)  # (N,) Δ̄, the assembler's own fresh buffer
+        numel = self.model.known_manifest.numel
+        if delta.numel() != numel:
+            raise InvalidPayloadError(f"round result holds {delta.numel()} floats; the model has {numel}")
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidPayloadError(
+                f"round result of quorum {header.quorum_id} holds non-finite values; the limit is 0: "
+                f"a member diverged, lower the inner learning rate"
+            )
+        with self.locks.books:
+            self.registry.touch(header.worker_id)
+        self.rounds.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
+        with self.locks.books:
+            self.counters.bytes_pushed += header.total_bytes
+            return PushOutcome(True, False, self.model.version, 0, 1.0, self.config.local_steps)
+
+    def apply_round(self, done: CommittedRound) -> None:
+        """Apply a committed round (called by the QuorumManager, its lock held): the same
+        outer step every member applies to θ_base, at the round it started from."""
+        with self.locks.apply, self.locks.books:
+            if done.result is not None:
+                self.model.optimizer.step(done.result, version=done.round - 1)
+                self.model.version = done.round
+            for worker_id, steps in done.steps_by_worker.items():
+                if steps <= 0:  # a healing member contributed nothing
+                    continue
+                tokens = done.tokens_by_worker.get(worker_id, 0)
+                self.counters.count_applied(0, tokens)  # synchronous: τ = 0 by construction
+                rec = self.registry.get(worker_id)
+                if rec is not None:
+                    rec.applied_pushes += 1
+                    rec.tokens += tokens
+                    rec.local_steps += steps
+
+    # ------------------------------------------------------- quorum and commit
+    def _check_request(self, worker_id: int) -> None:
+        with self.locks.books:
+            self.registry.touch(worker_id)
+            if not self.model.initialized:
+                raise NotInitializedError(_NOT_INITIALIZED)
+
+    def request_quorum(
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+    ) -> Assignment | None:
+        """Block up to ``timeout_s`` seconds for the next round's quorum (None: not formed).
+
+        Raises:
+            UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash
+            differs from the server's manifest), InvalidPayloadError (``timeout_s`` ≤ 0).
+        """
+        self._check_request(worker_id)
+        server_hash = self.model.known_manifest.manifest_hash
+        if manifest_hash != server_hash:
+            raise ManifestMismatchError(
+                f"manifest mismatch: worker {worker_id} asks for a quorum with manifest_hash {manifest_hash[:16]}..., "
+                f"the server's is {server_hash[:16]}...; every member must train the same model"
+            )
+        if not timeout_s > 0:
+            raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
+        return self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
+
+    def commit(
+        self,
+        worker_id: int,
+        quorum_id: int,
+        *,
+        success: bool,
+        total_weight: float,
+        num_tokens: int,
+        num_local_steps: int,
+        reason: str,
+        timeout_s: float,
+    ) -> Decision | None:
+        """Vote, then block up to ``timeout_s`` seconds for the decision (None: not
+        decided yet; ask again).
+
+        Raises:
+            UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member).
+        """
+        self._check_request(worker_id)
+        decision = self.rounds.vote(
+            worker_id,
+            quorum_id,
+            success=success,
+            total_weight=total_weight,
+            num_tokens=num_tokens,
+            num_local_steps=num_local_steps,
+            reason=reason,
+        )
+        if decision is None and timeout_s > 0:
+            decision = self.rounds.wait_decision(quorum_id, timeout_s)
+        return decision
+
+    def sync_state(self) -> tuple[int, torch.Tensor]:
+        """For healing: (round, payload), the payload θ as float32 bytes followed by the
+        outer momentum m as float32 bytes (absent when μ = 0); a private copy,
+        consistent with one committed round (uint8 (k·N·4,)).
+
+        Raises:
+            NotInitializedError: no θ yet.
+        """
+        with self.locks.apply, self.locks.books:
+            if self.model.params is None:
+                raise NotInitializedError(_NOT_INITIALIZED)
+            parts = [self.model.params]
+            momentum = self.model.optimizer.momentum_buffer
+            if momentum is not None:
+                parts.append(momentum)
+            return self.model.version, torch.cat(parts).view(torch.uint8)  # a copy

@@ -1,0 +1,77 @@
+"""Copies between a model's parameters and flat fp32 vectors, and the host buffers they use.
+
+The workers keep θ_base, Δ and their wire payloads as flat CPU vectors in manifest order
+(every parameter's elements, C order, one after the other: the layout of
+``wire.tensors.Manifest``), while the model's parameters stay on their own device and in
+their own dtype. ``FlatParams`` owns every copy between the two; ``host_buffer`` makes
+the CPU buffers, pinned when the model is on CUDA so that the copies to and from the
+device can run asynchronously (``non_blocking``) and are waited for once per copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def host_buffer(numel: int, *, dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
+    """A zeroed CPU tensor of ``numel`` elements of ``dtype``, in pinned memory when ``pin``."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+class FlatParams:
+    """A model's parameters seen as one flat fp32 vector (N,), in manifest order.
+
+    Args:
+        model: the module whose ``named_parameters()`` order is the manifest's.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for _, p in model.named_parameters()]
+        #: Elements per parameter, manifest order.
+        self.sizes = [p.numel() for p in self.params]
+        #: N, elements of the whole flat vector.
+        self.numel = sum(self.sizes)
+        #: Some parameter lives on CUDA: host buffers are pinned, copies are asynchronous.
+        self.on_cuda = any(p.is_cuda for p in self.params)
+
+    def host_buffer(self, numel: int | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A CPU buffer for copies of this model: ``numel`` (default N) elements of ``dtype``,
+        pinned when the model is on CUDA."""
+        return host_buffer(self.numel if numel is None else numel, dtype=dtype, pin=self.on_cuda)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter 1-D views of ``flat`` (N,), manifest order (no copy)."""
+        return list(torch.split(flat[: self.numel], self.sizes))
+
+    def copy_into(self, dst: torch.Tensor) -> torch.Tensor:
+        """θ_local → ``dst``: the parameters, as fp32, into the flat CPU vector ``dst`` (N,).
+
+        Returns:
+            ``dst``.
+        """
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(dst)):
+                view.copy_(p.detach().reshape(-1))
+        return dst
+
+    def load(self, flat: torch.Tensor) -> None:
+        """θ_local ← ``flat``: copy the flat fp32 CPU vector (N,) into the parameters
+        (cast to each parameter's dtype and device)."""
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(flat)):
+                p.copy_(view.view(p.shape), non_blocking=p.is_cuda)
+        self._wait()
+
+    def add(self, flat: torch.Tensor) -> None:
+        """θ_local ← θ_local + ``flat``, for a flat fp32 CPU vector (N,) (pinned when the
+        model is on CUDA), parameter by parameter."""
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(flat)):
+                p.add_(view.view(p.shape).to(p.device, non_blocking=p.is_cuda))
+        self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the asynchronous host-to-device copies: the host buffer may be reused next."""
+        if self.on_cuda:
+            torch.cuda.synchronize()

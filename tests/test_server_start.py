@@ -1,0 +1,82 @@
+"""``ParameterServer.start``: a start that fails at any step gives back everything it took.
+
+Each test makes one step of the start fail (the gRPC port, the rendezvous store's port or
+the bulk channel's port is taken) on a server with a checkpoint folder, then checks that
+the folder's lock, the ports and the rest were released: a second start on the same
+folder and the same ports works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps import ParameterServer
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
+
+
+def _taken_port() -> socket.socket:
+    """A listening socket on 127.0.0.1 (a free port, now taken); close it to free it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _durable(tmp_path, **fields) -> ServerConfig:
+    fields.setdefault("port", 0)
+    return ServerConfig(durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt")), **fields)
+
+
+def _start_again(config: ServerConfig) -> None:
+    """The next start on the same folder works (the failed one released its lock)."""
+    srv = ParameterServer(config).start()
+    try:
+        assert srv.port
+    finally:
+        srv.stop(None)
+
+
+def test_a_start_whose_rendezvous_store_port_is_taken_releases_the_checkpoint_folder(tmp_path):
+    taken = _taken_port()
+    store_port = taken.getsockname()[1]
+    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=store_port))
+    with pytest.raises(ConfigError, match="rendezvous store"):
+        ParameterServer(config).start()
+    taken.close()
+    _start_again(config)  # the same folder and the same store port
+
+
+def test_a_start_whose_bulk_port_is_taken_releases_the_folder_and_the_store(tmp_path):
+    taken = _taken_port()
+    bulk_port = taken.getsockname()[1]
+    store_port = _free_port()
+    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=store_port), bulk_port=bulk_port)
+    with pytest.raises(ConfigError, match="bulk data channel"):
+        ParameterServer(config).start()
+    taken.close()
+    _start_again(config)  # the same folder, store port and bulk port
+
+
+def test_a_start_whose_grpc_port_is_taken_releases_the_checkpoint_folder(tmp_path):
+    taken = _taken_port()
+    config = _durable(tmp_path, port=taken.getsockname()[1])
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        ParameterServer(config).start()
+    taken.close()
+    _start_again(dataclasses.replace(config, port=0))
+
+
+def test_a_stopped_server_releases_the_checkpoint_folder(tmp_path):
+    config = _durable(tmp_path, mode="sync", bulk_port=0)
+    _start_again(config)
+    _start_again(config)
