@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 
 import grpc
 import pytest
 import torch
+from helpers import wait_until
 from test_security import pki  # noqa: F401 - the certificate fixture
 
 from asyncdiloco.algo.config import OuterConfig
@@ -26,8 +26,12 @@ from asyncdiloco.worker.client import ParameterServerClient
 pytestmark = pytest.mark.timeout(120)
 
 #: Mixed dtypes, a 0-d tensor and a payload of several slices and chunks (~9 MiB).
-NAMED = [("emb", torch.zeros(1000, 1024)), ("bias", torch.zeros(3)), ("half", torch.zeros(700, 999, dtype=torch.bfloat16)),
-         ("scalar", torch.zeros(()))]  # fmt: skip
+NAMED = [
+    ("emb", torch.zeros(1000, 1024)),
+    ("bias", torch.zeros(3)),
+    ("half", torch.zeros(700, 999, dtype=torch.bfloat16)),
+    ("scalar", torch.zeros(())),
+]
 MANIFEST = Manifest.from_named_tensors(NAMED)
 CHUNK = 1 << 20
 
@@ -74,16 +78,6 @@ def _same(a: tuple, b: tuple) -> bool:
     )
 
 
-def _wait_for(condition, what: str) -> None:
-    """Poll ``condition`` (set on a server thread) for up to 10 s."""
-    ev = threading.Event()
-    for _ in range(1000):
-        if condition():
-            return
-        ev.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _initialized_client(srv: ParameterServer, **kw) -> tuple[ParameterServerClient, int]:
     client = ParameterServerClient(srv.address, rpc_timeout_s=10, **kw)
     reply = client.join(MANIFEST, "w")
@@ -104,8 +98,10 @@ def test_bulk_and_grpc_give_bit_identical_state_and_pulls(servers):
     buf_b = torch.empty(MANIFEST.total_bytes, dtype=torch.uint8)
     buf_p = torch.empty(MANIFEST.total_bytes, dtype=torch.uint8)
     for i, base in enumerate([0, 0, 1, 3]):  # stale pushes too: τ > 0
-        replies = [c.push(_payload(10 + i, 1e-2), worker_id=w, push_id=2 + i, base_version=base, num_tokens=7)
-                   for c, w in ((bulk, wb), (plain, wp))]  # fmt: skip
+        replies = [
+            c.push(_payload(10 + i, 1e-2), worker_id=w, push_id=2 + i, base_version=base, num_tokens=7)
+            for c, w in ((bulk, wb), (plain, wp))
+        ]
         assert replies[0] == replies[1]
         pulled = [c.pull(MANIFEST, w, buffer=b) for c, w, b in ((bulk, wb, buf_b), (plain, wp, buf_p))]
         assert pulled[0].version == pulled[1].version == i + 1
@@ -157,9 +153,15 @@ def test_every_push_gives_its_receive_buffer_back(servers, bulk):
 
 # ------------------------------------------------------------------ refusals
 def _header(worker_id: int, push_id: int, payload: torch.Tensor, **kw) -> pb.PushHeader:
-    fields = dict(worker_id=worker_id, push_id=push_id, base_version=0, total_bytes=payload.numel(),
-                  num_chunks=num_chunks_for(payload.numel(), CHUNK), crc32=crc32_of(payload),
-                  kind=pb.PUSH_KIND_PSEUDO_GRADIENT)  # fmt: skip
+    fields = dict(
+        worker_id=worker_id,
+        push_id=push_id,
+        base_version=0,
+        total_bytes=payload.numel(),
+        num_chunks=num_chunks_for(payload.numel(), CHUNK),
+        crc32=crc32_of(payload),
+        kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+    )
     fields.update(kw)
     return pb.PushHeader(**fields)
 
@@ -174,14 +176,20 @@ def test_refused_pushes_change_nothing_and_the_connection_keeps_working(servers)
     good = _payload(2, 1e-2)
     refusals = {
         # refused before the payload is read: the server drains it, then answers
-        "wrong size": (lambda: client.push(good[:-4].clone(), worker_id=w, push_id=3, base_version=1),
-                       InvalidPayloadError, "total_bytes"),
+        "wrong size": (
+            lambda: client.push(good[:-4].clone(), worker_id=w, push_id=3, base_version=1),
+            InvalidPayloadError,
+            "total_bytes",
+        ),
         # refused after the payload arrived: CRC-32 and staleness
-        "bad CRC": (lambda: client._bulk.push(_header(w, 4, good, base_version=1, crc32=crc32_of(good) ^ 1), good, 30),  # noqa: SLF001
-                    InvalidPayloadError, "CRC-32"),
+        "bad CRC": (
+            lambda: client._bulk.push(_header(w, 4, good, base_version=1, crc32=crc32_of(good) ^ 1), good, 30),  # noqa: SLF001
+            InvalidPayloadError,
+            "CRC-32",
+        ),
         "stale": (lambda: client.push(good, worker_id=w, push_id=5, base_version=0), StalePushError, "max_staleness"),
         "unknown worker": (lambda: client.push(good, worker_id=99, push_id=6, base_version=1), Exception, "unknown"),
-    }  # fmt: skip
+    }
     for name, (call, exc_type, words) in refusals.items():
         with pytest.raises(exc_type, match=words):
             call()
@@ -207,7 +215,7 @@ def test_a_connection_dropped_mid_payload_applies_nothing(servers):
     with _raw_connection(srv) as sock:
         send_frame(sock, pb.BulkRequest(push=_header(w, 3, good, base_version=1)))
         sock.sendall(memoryview(good.numpy())[: good.numel() // 2])
-    _wait_for(lambda: srv.state.status().rejected_pushes == rejected + 1, "the server to count the cut-off push")
+    wait_until(lambda: srv.state.status().rejected_pushes == rejected + 1, "the server to count the cut-off push")
     assert _same(_state(srv), before)
     # the same push_id, complete, is applied: the cut-off attempt left no trace
     _no_grpc_payloads(client)
@@ -253,13 +261,19 @@ def test_wrong_token_through_the_client_raises_unauthenticated(servers, pki):  #
 
 @pytest.mark.parametrize("mutual", [False, True])
 def test_tls_and_token_carry_pushes_and_pulls(servers, pki, mutual):  # noqa: F811
-    sec = ServerSecurityConfig(token_file=pki["token"], tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"],
-                               tls_client_ca=pki["ca_cert"] if mutual else None)  # fmt: skip
+    sec = ServerSecurityConfig(
+        token_file=pki["token"],
+        tls_cert=pki["ca_server_cert"],
+        tls_key=pki["ca_server_key"],
+        tls_client_ca=pki["ca_cert"] if mutual else None,
+    )
     srv = servers(security=sec)
     client_sec = ClientSecurityConfig(
-        token_file=pki["token"], tls_ca=pki["ca_cert"],
-        tls_cert=pki["ca_client_cert"] if mutual else None, tls_key=pki["ca_client_key"] if mutual else None,
-    )  # fmt: skip
+        token_file=pki["token"],
+        tls_ca=pki["ca_cert"],
+        tls_cert=pki["ca_client_cert"] if mutual else None,
+        tls_key=pki["ca_client_key"] if mutual else None,
+    )
     client, w = _initialized_client(srv, security=client_sec)
     _no_grpc_payloads(client)
     assert client.push(_payload(3, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
@@ -328,15 +342,29 @@ def test_a_worker_trains_over_the_bulk_channel(servers):
     assert srv.state.version >= 6
 
 
+@pytest.mark.multiprocess
 def test_the_cli_serves_a_bulk_port_and_tells_workers(tmp_path):
     import subprocess
     import sys
 
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncdiloco", "server", "--port", "0", "--port-file", str(port_file), "--bulk-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncdiloco",
+            "server",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--bulk-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(2)]
         assert "listening on 127.0.0.1:" in lines[0], lines
@@ -346,8 +374,9 @@ def test_the_cli_serves_a_bulk_port_and_tells_workers(tmp_path):
         reply = client.join(MANIFEST, "w")
         assert reply.run_config.bulk_port == bulk_port == client.bulk_port
         _no_grpc_payloads(client)
-        client.push(_payload(0), worker_id=reply.worker_id, push_id=1, base_version=0,
-                    kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # fmt: skip
+        client.push(
+            _payload(0), worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+        )
         assert torch.equal(client.pull(MANIFEST, reply.worker_id).payload, _payload(0))
         client.close()
     finally:
@@ -362,7 +391,7 @@ def test_a_connection_the_server_closed_is_replaced_within_the_call(servers, cap
     old = client._bulk._sock  # noqa: SLF001
     for conn, _ in list(srv.bulk._connections.values()):  # noqa: SLF001 - as an idle timeout would
         conn.shutdown(socket.SHUT_RDWR)
-    _wait_for(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
+    wait_until(lambda: not srv.bulk._connections, "the server to drop the connection")  # noqa: SLF001
     with caplog.at_level(logging.WARNING, logger="asyncdiloco.worker.bulk_client"):
         assert client.push(_payload(1, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
     assert client._bulk._sock is not old and client._bulk.fallbacks == 0  # noqa: SLF001
@@ -374,7 +403,7 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc(server
     srv = servers(max_concurrent_rpcs=4)
     client, w = _initialized_client(srv)  # holds one bulk connection
     extra = [_raw_connection(srv) for _ in range(3)]
-    _wait_for(lambda: len(srv.bulk._connections) == 4, "four open connections")  # noqa: SLF001
+    wait_until(lambda: len(srv.bulk._connections) == 4, "four open connections")  # noqa: SLF001
     with _raw_connection(srv) as fifth:
         assert fifth.recv(1) == b""  # closed at once
     other = ParameterServerClient(srv.address)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import crash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -42,9 +43,16 @@ def roundtrip(name: str, x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE):
 def vectors(draw):
     """fp32 vectors: empty, single, partial last blocks, zero blocks, magnitudes 2^-140..2^120."""
     n = draw(st.integers(0, 700))
-    unit = draw(st.lists(st.floats(-1, 1, width=32), min_size=n, max_size=n))
+    # up to 64 values chosen by hypothesis (its edge cases: 0, -0, ±1, the tiniest floats)
+    # at a chosen offset, the rest uniform in [-1, 1) from a chosen seed: drawing all 700
+    # one by one made generation, not the codec, the cost of these tests
+    chosen = draw(st.lists(st.floats(-1, 1, width=32), min_size=min(n, 64), max_size=min(n, 64)))
+    start = draw(st.integers(0, n - len(chosen)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    unit = torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1
+    unit[start : start + len(chosen)] = torch.tensor(chosen, dtype=torch.float64)
     exponent = draw(st.integers(-140, 120))
-    x = (torch.tensor(unit, dtype=torch.float64) * 2.0**exponent).float()
+    x = (unit.float().double() * 2.0**exponent).float()  # fp32 units, as before
     block = draw(st.sampled_from([1, 3, 64, 100, 128, 4096]))
     for b in draw(st.lists(st.integers(0, max(0, (n - 1) // block)), max_size=3)):
         x[b * block : (b + 1) * block] = 0  # all-zero blocks
@@ -248,13 +256,6 @@ def durable(tmp_path, codec: str, block_size: int = 16):
     store = DurableStore(cfg.durability, cfg)
     store.open(state)
     return state, store
-
-
-def crash(store: DurableStore) -> None:
-    store._segment.close()
-    store._segment = None
-    store._state.journal = None
-    store._unlock_dir()
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8"])

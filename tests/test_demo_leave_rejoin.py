@@ -18,10 +18,15 @@ TINY = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8)
 @pytest.mark.timeout(180)
 def test_worker_1_leaves_and_a_fresh_process_rejoins_with_the_same_index(tmp_path):
     cfg = DemoConfig(
-        num_workers=2, max_seconds=8.0, out_dir=str(tmp_path), slowdowns=(1.0, 1.0),
+        num_workers=2,
+        max_seconds=8.0,
+        out_dir=str(tmp_path),
+        slowdowns=(1.0, 1.0),
         server_args=("--local-steps", "5", "--outer-optimizer", "sgd", "--outer-lr", "0.5", "--outer-momentum", "0"),
-        job=TINY, eval_every_s=2.0, leave_rejoin=(1, 1.0, 2.0),
-    )  # fmt: skip
+        job=TINY,
+        eval_every_s=2.0,
+        leave_rejoin=(1, 1.0, 2.0),
+    )
     report = run_demo(cfg, progress=False)
     workers = report["workers"]
     assert [(w["index"], w["rejoin"]) for w in workers] == [(0, False), (1, False), (1, True)]

@@ -73,30 +73,6 @@ def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join(cli_exit)
     assert f"could not join the parameter server at 127.0.0.1:{port}" in err
 
 
-@pytest.fixture
-def cli_exit(monkeypatch, capsys):
-    """``asyncdiloco ARGV`` in-process (refusals happen before anything starts) -> (exit
-    status, standard error); the worker's process-wide settings (signal handler, torch
-    threads, allocator) are not applied to the test process."""
-    import signal
-
-    import torch
-
-    import asyncdiloco._malloc
-    from asyncdiloco.cli import app as cli
-
-    monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)
-    monkeypatch.setattr(signal, "signal", lambda *_: None)
-    monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
-
-    def run(argv) -> tuple[int, str]:
-        with pytest.raises(SystemExit) as exc:
-            cli.main(["-q", *argv])
-        return exc.value.code, capsys.readouterr().err
-
-    return run
-
-
 def test_worker_without_a_bound_is_refused(cli_exit):
     code, err = cli_exit(["worker", "--server", "127.0.0.1:1"])
     assert code == 2

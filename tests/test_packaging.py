@@ -19,6 +19,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # the wheel is built by pip in a child process
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "asyncdiloco"
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
@@ -14,17 +15,9 @@ from asyncdiloco.ps.quorum import QuorumManager
 pytestmark = pytest.mark.timeout(30)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def qm():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     live = {1, 2, 3}
     commits = []
 
@@ -228,8 +221,11 @@ def test_withdraw_forgets_a_waiting_worker(qm):
 
 def test_blocking_wait_quorum_and_decision_with_threads():
     live = {1, 2}
-    m = QuorumManager(SyncConfig(min_workers=2, join_timeout_s=5.0, round_timeout_s=5.0),
-                      live_workers=lambda: set(live), on_commit=lambda done: None)  # fmt: skip
+    m = QuorumManager(
+        SyncConfig(min_workers=2, join_timeout_s=5.0, round_timeout_s=5.0),
+        live_workers=lambda: set(live),
+        on_commit=lambda done: None,
+    )
     got = {}
     t = threading.Thread(target=lambda: got.setdefault(1, m.wait_quorum(1, 0, timeout_s=10.0)))
     t.start()
@@ -256,8 +252,12 @@ def test_sync_config_is_validated(kw):
 def test_callers_that_time_out_and_ask_again_do_not_postpone_the_join_timeout():
     now = [0.0]
     live = {1, 2, 3}
-    m = QuorumManager(SyncConfig(min_workers=2, join_timeout_s=4.0), live_workers=lambda: set(live),
-                      on_commit=lambda done: None, clock=lambda: now[0])  # fmt: skip
+    m = QuorumManager(
+        SyncConfig(min_workers=2, join_timeout_s=4.0),
+        live_workers=lambda: set(live),
+        on_commit=lambda done: None,
+        clock=lambda: now[0],
+    )
     for w in (1, 2, 3):
         m.request(w, 0)
     m.vote(1, 1, success=False, reason="peer died")

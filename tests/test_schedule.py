@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import FakeClock
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.schedule import GroupGate, GroupWindow, StepRateMeter, auto_window_s, dylu_local_steps
@@ -15,14 +16,6 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_dylu_follows_eq6():
@@ -189,9 +182,9 @@ def test_server_groups_replies_and_a_leave_releases_the_group():
     b, _, _ = state.join(manifest, "b", steps_per_s=1.0)
     _init(state, manifest, a)
     out = _push(state, manifest, a, 2, 20)
-    assert out.group_id and not state.groups.window.released(out.group_id, clock.t)
+    assert out.group_id and not state.groups.window.released(out.group_id, clock.now)
     state.leave(b)  # nobody else to wait for
-    assert state.groups.window.released(out.group_id, clock.t)
+    assert state.groups.window.released(out.group_id, clock.now)
     reply = state.finish_push(out, a)
     assert reply.applied and reply.local_steps == 20
     assert list(state.status().group_size_histogram) == [1]
@@ -224,10 +217,10 @@ def test_a_worker_that_stopped_pushing_stops_holding_groups_before_its_lease_lap
     dead, _, _ = state.join(manifest, "dead", steps_per_s=20.0)
     _init(state, manifest, a)
     out = _push(state, manifest, a, 2, 20, compute_s=1.0)
-    assert not state.groups.window.released(out.group_id, clock.t)  # "dead" may still come
-    clock.t = 10.0  # more than two of its rounds plus the window without a push: not expected
+    assert not state.groups.window.released(out.group_id, clock.now)  # "dead" may still come
+    clock.now = 10.0  # more than two of its rounds plus the window without a push: not expected
     out = _push(state, manifest, a, 3, 20, compute_s=1.0)
-    assert state.groups.window.released(out.group_id, clock.t)  # a group of one, released at once
+    assert state.groups.window.released(out.group_id, clock.now)  # a group of one, released at once
     assert state.outer.config.dn_buffer == 0 and state.outer.arrivals == 0  # N = 1 expected worker
     assert {w.worker_id for w in state.status().workers if w.alive} == {a, dead}  # still leased
 
@@ -257,9 +250,9 @@ def test_a_worker_without_a_rate_stops_holding_groups_after_the_longest_known_ro
     a, _, _ = state.join(manifest, "a", steps_per_s=20.0)  # rounds of 1 s
     ghost, _, _ = state.join(manifest, "ghost")  # joined, never steps, keeps its lease
     _init(state, manifest, a)
-    clock.t = 10.0
+    clock.now = 10.0
     out = _push(state, manifest, a, 2, 20, compute_s=1.0)
-    assert state.groups.window.released(out.group_id, clock.t)
+    assert state.groups.window.released(out.group_id, clock.now)
 
 
 def test_absurd_rates_are_clamped_and_the_auto_window_bounded():

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 import torch
+from helpers import STUCK_S, FakeClock, assert_same, fingerprint, flat, wait_until
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
@@ -27,29 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def make_server(start_server):
     return start_server
-
-
-def fingerprint(srv: ParameterServer) -> tuple:
-    """Everything a refused push must leave bit-identical."""
-    st = srv.state
-    mom = st.outer.momentum_buffer if st.outer is not None else None
-    return (
-        None if st.params is None else st.params.clone(),
-        None if mom is None else mom.clone(),
-        st.version,
-        st.applied_pushes,
-        st.tokens,
-        st.bytes_pushed,
-        tuple(st.staleness_histogram),
-    )
-
-
-def assert_same(a: tuple, b: tuple) -> None:
-    for x, y in zip(a, b):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y)
-        else:
-            assert x == y
 
 
 def regression_task(seed: int):
@@ -111,10 +89,6 @@ def test_two_in_process_workers_train_the_global_model(make_server):
     w = srv.state.params[:4]
     init_error = (make_model(0).weight.detach().reshape(-1) - torch.tensor([1.0, -2.0, 0.5, 3.0])).norm()
     assert (w - torch.tensor([1.0, -2.0, 0.5, 3.0])).norm() < 0.2 * init_error
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
 def test_sgd_lr1_mom0_global_becomes_the_workers_parameters(make_server):
@@ -318,7 +292,7 @@ def test_worker_trains_on_through_an_outage_and_rejoins_a_fresh_server(make_serv
     assert worker.stats.inner_steps == 10
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     fresh = make_server(port=port, local_steps=2)  # a restarted server without state
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + STUCK_S
     while fresh.state.version == 0 and time.monotonic() < deadline:
         steps(2)
     # the worker was unknown to the fresh server, rejoined, initialized it, and pushes again
@@ -345,12 +319,14 @@ def test_pulls_never_mix_two_versions_under_concurrent_pushes(make_server):
     def puller():
         c = ParameterServerClient(srv.address)
         try:
-            while not stop.is_set():
+            while True:  # at least one pull, however late this thread runs
                 pulled = c.pull(manifest)
                 (theta,) = manifest.unpack(pulled.payload)
                 if not torch.all(theta == float(pulled.version)):
                     errors.append(pulled.version)
                 seen.append(pulled.version)
+                if stop.is_set():
+                    break
         finally:
             c.close()
 
@@ -369,13 +345,24 @@ def test_pulls_never_mix_two_versions_under_concurrent_pushes(make_server):
     assert torch.all(srv.state.params == 80.0)
 
 
+def heartbeat_seen(srv, worker_id: int) -> None:
+    """Wait until ``worker_id``'s lease was renewed at the (fake) clock's current time."""
+    wait_until(
+        lambda: any(w.worker_id == worker_id and w.last_seen_s == 0.0 for w in srv.state.status().workers),
+        f"a heartbeat of worker {worker_id}",
+    )
+
+
 def test_heartbeats_keep_an_idle_worker_registered(make_server):
-    srv = make_server(lease_s=0.5, local_steps=1)
+    clock = FakeClock()
+    srv = make_server(clock=clock, lease_s=0.5, local_steps=1)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, heartbeat_s=0.1)) as worker:
         first_id = worker.worker_id
-        time.sleep(1.5)  # three leases without a push: only heartbeats
+        for _ in range(6):  # three leases without a push, half a lease at a time: only heartbeats
+            clock.advance(0.25)
+            heartbeat_seen(srv, first_id)
         x, y = regression_task(0)()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -384,12 +371,13 @@ def test_heartbeats_keep_an_idle_worker_registered(make_server):
 
 
 def test_a_silent_worker_expires_and_rejoins(make_server):
-    srv = make_server(lease_s=0.3, local_steps=1)
+    clock = FakeClock()
+    srv = make_server(clock=clock, lease_s=0.3, local_steps=1)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, heartbeat_s=30)) as worker:
         first_id = worker.worker_id
-        time.sleep(0.6)  # no heartbeat within the lease: expired
+        clock.advance(0.6)  # no heartbeat within the lease: expired
         x, y = regression_task(0)()
         for _ in range(3):
             nn.functional.mse_loss(model(x), y).backward()
@@ -402,14 +390,35 @@ def test_a_silent_worker_expires_and_rejoins(make_server):
 
 
 def test_a_waiting_worker_takes_over_when_the_initializer_dies(make_server):
-    srv = make_server(lease_s=0.5)
+    clock = FakeClock()
+    srv = make_server(clock=clock, lease_s=0.5)
     model = make_model()
     ghost = ParameterServerClient(srv.address)
-    assert ghost.join(Manifest.from_module(model), "ghost").initialize  # chosen, then never pushes
+    ghost_id = ghost.join(Manifest.from_module(model), "ghost")
+    assert ghost_id.initialize  # chosen, then never pushes
     worker = AsyncDiLoCoWorker(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), WorkerConfig(server=srv.address, join_timeout_s=10)
+        model, torch.optim.SGD(model.parameters(), lr=0.1), WorkerConfig(server=srv.address, join_timeout_s=60)
     )
-    worker.join()  # polls; once the ghost's lease lapses, the heartbeat hands it the job
+    joining = threading.Thread(
+        target=worker.join
+    )  # polls; once the ghost's lease lapses, the heartbeat hands it the job
+    joining.start()
+    waiter = wait_until(
+        lambda: [w.worker_id for w in srv.state.status().workers if w.worker_id != ghost_id.worker_id],
+        "the second worker to join",
+    )[0]
+    while not srv.state.initialized and joining.is_alive():
+        assert clock.now < 10.0, "the waiting worker never took over"
+        clock.advance(0.2)  # less than a lease: the waiting worker's own lease stays current
+        wait_until(
+            lambda: (
+                srv.state.initialized
+                or any(w.worker_id == waiter and w.last_seen_s == 0.0 for w in srv.state.status().workers)
+            ),
+            "a heartbeat of the waiting worker",
+        )
+    joining.join(timeout=60)
+    assert not joining.is_alive()
     assert srv.state.initialized
     assert torch.equal(srv.state.params, flat(model))
     worker.close()

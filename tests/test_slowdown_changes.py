@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from asyncdiloco.cli import main
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.slowdown import check_slowdown_changes, parse_slowdown_changes, slowdown_at
 
@@ -44,10 +43,7 @@ def test_factor_at_time_t_is_the_last_change_at_or_before_t():
     assert slowdown_at(5.0, 3.0, ()) == 3.0
 
 
-def test_worker_cli_refuses_a_bad_schedule_in_one_line(capsys):
-    # in-process: the worker command refuses its flags before it sets anything process-wide
-    with pytest.raises(SystemExit) as exc:
-        main(["-q", "worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--slowdown-changes", "5:0"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
+def test_worker_cli_refuses_a_bad_schedule_in_one_line(cli_exit):
+    code, err = cli_exit(["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--slowdown-changes", "5:0"])
+    assert code == 2, err
     assert "factor=0.0 at t=5.0 s is invalid" in err and "Traceback" not in err

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from helpers import assert_same, crash, fingerprint
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
@@ -38,15 +39,6 @@ def open_server(tmp_path, *, every=100, fallback=False, outer=None):
     store = DurableStore(cfg.durability, cfg)
     store.open(state)
     return state, store
-
-
-def crash(store: DurableStore) -> None:
-    """What kill -9 leaves: files as they are, the folder lock released by the kernel."""
-    if store._segment is not None:
-        store._segment.close()
-        store._segment = None
-    store._state.journal = None
-    store._unlock_dir()
 
 
 def push(state, wid, push_id, tensors, *, base_version=None, kind=pb.PUSH_KIND_PSEUDO_GRADIENT):
@@ -84,36 +76,6 @@ def run(state, n_pushes=6, first_seed=1):
     return a, b
 
 
-def fingerprint(state):
-    mom = state.outer.momentum_buffer
-    dn = getattr(state.outer, "delta_buffer", None)
-    workers = {
-        w.worker_id: (w.name, w.applied_pushes, w.tokens, w.local_steps, dict(w.outcomes))
-        for w in state.registry.workers.values()
-    }
-    return (
-        state.params.clone(),
-        None if mom is None else mom.clone(),
-        None if dn is None else dn.clone(),
-        getattr(state.outer, "arrivals", None),
-        state.version,
-        state.applied_pushes,
-        state.tokens,
-        state.bytes_pushed,
-        tuple(state.staleness_histogram),
-        workers,
-        state.registry.next_worker_id,
-    )
-
-
-def assert_same(a, b):
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x, y)
-        else:
-            assert x == y
-
-
 def test_clean_shutdown_and_restart_restore_everything(tmp_path):
     state, store = open_server(tmp_path)
     run(state)
@@ -122,6 +84,10 @@ def test_clean_shutdown_and_restart_restore_everything(tmp_path):
     state2, store2 = open_server(tmp_path)
     assert_same(before, fingerprint(state2))
     store2.close()
+
+
+def newest_checkpoint_version(tmp_path) -> int:
+    return json.loads(sorted((tmp_path / "ckpt").glob("ckpt-*.json"))[-1].read_text())["version"]
 
 
 @pytest.mark.parametrize(
@@ -135,17 +101,20 @@ def test_clean_shutdown_and_restart_restore_everything(tmp_path):
     ids=["nesterov", "sgd", "dn_workers", "dn_buffer3"],
 )
 def test_crash_replays_the_log_bit_identically(tmp_path, outer):
-    state, store = open_server(tmp_path, every=4, outer=outer)  # a checkpoint mid-run, then log records after it
-    run(state, n_pushes=7)
+    # 11 logged pushes (the initial parameters and 10 pseudo-gradients), a checkpoint
+    # every 4: the last one at version 7, so versions 8-10 exist only in the log.
+    state, store = open_server(tmp_path, every=4, outer=outer)
+    run(state, n_pushes=10)
     before = fingerprint(state)
     crash(store)
+    assert state.version == 10 and newest_checkpoint_version(tmp_path) == 7  # three pushes to replay
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(before, fingerprint(state2))
     # the server goes on where it stopped: same ids, next version, same outer step
     b = max(state2.registry.workers)
     assert push(state2, b, 100, rand_tensors(9)).version == state.version + 1
     push(state, b, 100, rand_tensors(9))
-    assert torch.equal(state.params, state2.params)
+    assert_same(fingerprint(state), fingerprint(state2))
     crash(store2)
 
 
@@ -338,6 +307,7 @@ def test_scheduled_outer_lr_after_a_crash_equals_the_uninterrupted_run(tmp_path,
     state, store = open_server(tmp_path, every=4, outer=outer)
     run(state, n_pushes=6)
     crash(store)  # ``state`` goes on in memory: the uninterrupted run
+    assert newest_checkpoint_version(tmp_path) == 3
     state2, store2 = open_server(tmp_path, every=4, outer=outer)
     assert_same(fingerprint(state), fingerprint(state2))
     b = max(state2.registry.workers)

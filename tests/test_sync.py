@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 from faults import FailAt, Fault, FaultySyncWorker
+from helpers import STUCK_S, flat, load, run_threads
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
@@ -23,36 +24,19 @@ from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 W_TRUE = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-reproducible CPU kernels, and kind to 2 shared cores
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
-def make_server():
-    servers = []
-
+def make_server(start_server):
     def make(*, outer: OuterConfig, local_steps: int, **sync) -> ParameterServer:
         sync.setdefault("join_timeout_s", 5.0)
         sync.setdefault("round_timeout_s", 20.0)
-        cfg = ServerConfig(
-            port=0, mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync)
-        )
-        srv = ParameterServer(cfg).start()
-        servers.append(srv)
-        return srv
+        return start_server(mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync))
 
-    yield make
-    for s in servers:
-        s.stop(None)
+    return make
 
 
 def make_model(width: int = 4) -> nn.Module:
@@ -84,42 +68,11 @@ def train(worker: SyncDiLoCoWorker, index: int, steps: int | None = None, until=
         done += 1
 
 
-def run_threads(targets) -> None:
-    errors = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=80)
-    assert not any(t.is_alive() for t in threads), "a worker thread hung"
-    if errors:
-        raise errors[0]
-
-
 def new_worker(srv: ParameterServer, model=None, **sync) -> SyncDiLoCoWorker:
     model = model if model is not None else make_model()
     sync.setdefault("allreduce_timeout_s", 10.0)
     sync.setdefault("quorum_timeout_s", 20.0)
     return SyncDiLoCoWorker(model, inner_opt(model), WorkerConfig(server=srv.address), sync=SyncWorkerConfig(**sync))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-
-
-def load(model: nn.Module, theta: torch.Tensor) -> None:
-    pos = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(theta[pos : pos + p.numel()].view(p.shape))
-            pos += p.numel()
 
 
 def committed_checksums(workers) -> dict[int, set[int]]:
@@ -224,8 +177,14 @@ def test_local_sgd_round_leaves_every_member_with_the_mean_of_the_members_parame
 
 def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_plus_1(make_server):
     H, R, K = 2, 8, 3
-    srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=1,
-                      join_timeout_s=2.0)  # fmt: skip
+    # a quorum waits (up to join_timeout_s) for every live worker: the joiner is waited
+    # for however long its join and heal take on a loaded machine
+    srv = make_server(
+        outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9),
+        local_steps=H,
+        min_workers=1,
+        join_timeout_s=STUCK_S,
+    )
     a, b = new_worker(srv), new_worker(srv)
     a.join()
     b.join()
@@ -239,7 +198,7 @@ def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_p
 
     def joiner():
         with quorum._cond:  # an event, not a sleep: wake when round K is committed
-            assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=60)
+            assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=STUCK_S)
         c = new_worker(srv)
         late.append(c)
         with c:
@@ -300,9 +259,22 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
         client.push(torch.zeros(manifest.total_bytes, dtype=torch.uint8), worker_id=wid, push_id=2, base_version=0)
     stub_err = None
     try:
-        client._stub.Push(iter([pb.PushMessage(header=pb.PushHeader(
-            worker_id=wid, push_id=3, total_bytes=manifest.total_bytes, num_chunks=1, kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
-        ))]), timeout=10)  # fmt: skip
+        client._stub.Push(
+            iter(
+                [
+                    pb.PushMessage(
+                        header=pb.PushHeader(
+                            worker_id=wid,
+                            push_id=3,
+                            total_bytes=manifest.total_bytes,
+                            num_chunks=1,
+                            kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                        )
+                    )
+                ]
+            ),
+            timeout=10,
+        )
     except grpc.RpcError as err:
         stub_err = err
     assert stub_err is not None and stub_err.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -331,12 +303,14 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
 def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server, mode):
     H, R = 2, 4
     # join_timeout_s above the allreduce timeout: survivors still in their collective
-    # timeout are waited for by the next quorum
-    srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2,
-                      join_timeout_s=3.0)  # fmt: skip
-    ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=5.0) for _ in range(2)]
+    # timeout are waited for by the next quorum. A quorum request waits up to STUCK_S: on
+    # a loaded machine a member can ask while a round without it is still running.
+    srv = make_server(
+        outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), local_steps=H, min_workers=2, join_timeout_s=3.0
+    )
+    ok = [new_worker(srv, allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S) for _ in range(2)]
     bad_model = make_model()
-    sync = SyncWorkerConfig(allreduce_timeout_s=2.0, quorum_timeout_s=5.0)
+    sync = SyncWorkerConfig(allreduce_timeout_s=2.0, quorum_timeout_s=STUCK_S)
     bad = FaultySyncWorker(
         bad_model, inner_opt(bad_model), WorkerConfig(server=srv.address), sync=sync, fail_at=FailAt(Fault(mode), 2)
     )
@@ -352,7 +326,8 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
         assert w.stats.rounds_skipped == 0
         failed = [r for r in w.stats.rounds if not r["committed"]]
         assert len(failed) == 1 and failed[0]["world_size"] == 3
-        assert failed[0]["allreduce_s"] < 2.0 + 1.5  # within the collective's bound
+        # ended by the collective's 2 s timeout, not hung (the slack is for a loaded machine)
+        assert failed[0]["allreduce_s"] < 2.0 + 10.0
         assert failed[0]["round"] == 1  # discarded: still at the last committed round
     assert committed_checksums(ok) and all(len(s) == 1 for s in committed_checksums(ok).values())
     assert srv.state.status().rounds_failed >= 1
@@ -364,8 +339,9 @@ def test_a_failing_member_aborts_the_round_on_all_and_the_rest_go_on(make_server
 
 def test_token_weighting_takes_the_token_weighted_mean(make_server):
     H = 2
-    srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=H, min_workers=2,
-                      weighting="tokens")  # fmt: skip
+    srv = make_server(
+        outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=H, min_workers=2, weighting="tokens"
+    )
     local: dict[int, torch.Tensor] = {}
     workers = []
     for i, tokens_per_step in enumerate((10, 30)):
@@ -394,8 +370,13 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
     w1 = first.join(manifest, "w1")
     assert w1.initialize and w1.run_config.mode == "sync" and w1.run_config.outer_lr == 0.5
     theta0 = flat(make_model())
-    first.push(manifest.pack_flat(theta0), worker_id=w1.worker_id, push_id=1, base_version=0,
-               kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # fmt: skip
+    first.push(
+        manifest.pack_flat(theta0),
+        worker_id=w1.worker_id,
+        push_id=1,
+        base_version=0,
+        kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+    )
     q = first.quorum(worker_id=w1.worker_id, round=0, manifest_hash=manifest.manifest_hash, timeout_s=5.0)
     w2 = other.join(manifest, "w2")  # joins while the round is in flight: not a member
     assert q.formed and list(q.members) == [w1.worker_id] and q.rank == 0 and not q.heal
@@ -411,8 +392,15 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
         other.commit(worker_id=w2.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0)
     assert torch.equal(srv.state.params, theta0)  # nothing applied before the vote
     first.push(delta.view(torch.uint8), worker_id=w1.worker_id, push_id=q.quorum_id, **kw)
-    reply = first.commit(worker_id=w1.worker_id, quorum_id=q.quorum_id, success=True, total_weight=1.0,
-                         num_tokens=64, num_local_steps=2, timeout_s=5.0)  # fmt: skip
+    reply = first.commit(
+        worker_id=w1.worker_id,
+        quorum_id=q.quorum_id,
+        success=True,
+        total_weight=1.0,
+        num_tokens=64,
+        num_local_steps=2,
+        timeout_s=5.0,
+    )
     assert reply.decided and reply.committed and reply.round == 1
 
     expected = theta0.clone()

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,10 +68,10 @@ def test_headers_and_odd_messages_go_through_protobuf():
     body = b"\x08\x01\x08\x07\x1a\x01x"
     raw = b"\x12" + bytes([len(body)]) + body
     assert decode_push_message(raw).index == pb.PushMessage.FromString(raw).chunk.index == 7
-    # truncated bytes fail exactly as protobuf fails
-    with pytest.raises(Exception):
+    # truncated bytes fail exactly as protobuf fails: a DecodeError
+    with pytest.raises(DecodeError):
         decode_push_message(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
-    with pytest.raises(Exception):
+    with pytest.raises(DecodeError):
         pb.PushMessage.FromString(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
 
 
@@ -148,8 +149,9 @@ def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
         snap = state.acquire_snapshot()
         state.release_snapshot(snap)
         assert snap.version == 1
-        assert torch.equal(torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.float32),
-                           torch.full((n,), 0.5))  # fmt: skip
+        assert torch.equal(
+            torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.float32), torch.full((n,), 0.5)
+        )
         state.heartbeat(wid)
         state.status()
         state.join(Manifest.from_named_tensors([("w", torch.zeros(n))]), "w2")
