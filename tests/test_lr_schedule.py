@@ -149,10 +149,19 @@ def test_job_config_schedule_errors_name_the_flag():
 
 
 def test_server_flags_build_the_outer_schedule_and_survive_the_demo_argv():
-    args = cli.build_parser().parse_args([
-        "server", "--outer-lr-schedule", "cosine", "--outer-warmup-versions", "5", "--outer-total-versions", "50",
-        "--outer-min-lr-ratio", "0.25",
-    ])  # fmt: skip
+    args = cli.build_parser().parse_args(
+        [
+            "server",
+            "--outer-lr-schedule",
+            "cosine",
+            "--outer-warmup-versions",
+            "5",
+            "--outer-total-versions",
+            "50",
+            "--outer-min-lr-ratio",
+            "0.25",
+        ]
+    )
     outer = cli_server.config(args).outer
     assert outer.schedule() == LRSchedule(kind="cosine", warmup=5, total=50, min_ratio=0.25)
     again = cli.build_parser().parse_args(["server", *SERVER.argv(cli_server.config(args))])  # the demo's server's
@@ -176,9 +185,22 @@ def test_worker_flags_reach_the_job_config(monkeypatch):
     monkeypatch.setattr(asyncdiloco.cli.train, "run_worker", lambda **kw: seen.update(kw) or WorkerStats())
     monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)
-    args = cli.build_parser().parse_args([
-        "worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--inner-lr-schedule", "cosine",
-        "--inner-warmup-steps", "10", "--inner-total-steps", "100", "--inner-min-lr-ratio", "0.05",
-    ])  # fmt: skip
+    args = cli.build_parser().parse_args(
+        [
+            "worker",
+            "--server",
+            "127.0.0.1:1",
+            "--max-steps",
+            "1",
+            "--inner-lr-schedule",
+            "cosine",
+            "--inner-warmup-steps",
+            "10",
+            "--inner-total-steps",
+            "100",
+            "--inner-min-lr-ratio",
+            "0.05",
+        ]
+    )
     assert args.func(args) == 0
     assert seen["job"].inner_schedule() == LRSchedule(kind="cosine", warmup=10, total=100, min_ratio=0.05)

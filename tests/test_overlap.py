@@ -418,8 +418,9 @@ def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent
     )(None, 2, 0, 3, 0, 0.0)
     snapshot = torch.tensor([0.0, float("nan"), 1.0])
     link = SyncLink(client=NoNetwork(), manifest=None, encode=lambda d: d.view(torch.uint8), decode=None)
-    request = SyncRequest(worker_id=7, pending=pending, base=torch.zeros(3), snapshot=snapshot,
-                          theta_g=torch.empty(3), pull_buffer=None)  # fmt: skip
+    request = SyncRequest(
+        worker_id=7, pending=pending, base=torch.zeros(3), snapshot=snapshot, theta_g=torch.empty(3), pull_buffer=None
+    )
     out = push_then_pull(link, request)
     assert isinstance(out.error, InvalidPayloadError) and "non-finite" in str(out.error)
     assert pending.payload is None and out.push_reply is None and not out.pulled

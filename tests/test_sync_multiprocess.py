@@ -43,7 +43,7 @@ def test_killing_one_of_three_workers_mid_allreduce_fails_the_round_then_two_tra
             "0.7",
             "--outer-momentum",
             "0.9",
-        ),  # fmt: skip
+        ),
         worker_args=("--allreduce-timeout-s", str(ALLREDUCE_TIMEOUT_S), "--quorum-timeout-s", "3"),
         # processes start at different times: die in the first round >= 3 that all three are in
         per_worker_command=((), (), (sys.executable, str(FAULTY_WORKER), "kill", "3", "3")),
