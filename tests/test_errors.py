@@ -174,3 +174,11 @@ def test_the_proto_and_errors_py_list_the_same_reasons_and_status_codes():
     assert proto == classes
     names = {m.group(1): m.group(3) for line in (errors.__doc__ or "").splitlines() if (m := _ROW.match(line))}
     assert all(names[cls.reason].split()[0] == cls.__name__ for cls in ERRORS)
+
+
+def test_docs_protocol_lists_the_same_reasons_status_codes_and_exceptions():
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([A-Z_]+)` \| `(\w+)` \|$", doc.read_text(), re.M)
+    assert {r: (code, name) for r, code, name in rows} == {
+        cls.reason: (cls.grpc_code.name, cls.__name__) for cls in ERRORS
+    }
