@@ -230,6 +230,7 @@ def test_a_missing_or_wrong_token_is_refused_and_the_connection_closed(servers, 
         send_frame(sock, pb.BulkRequest(token=token or "", pull=pb.PullRequest()))
         reply = recv_frame(sock, pb.BulkReply)
         assert reply.code == code_value(grpc.StatusCode.UNAUTHENTICATED) and "--token-file" in reply.message
+        assert reply.reason == "unauthenticated"
         assert sock.recv(1) == b""  # closed
     with _raw_connection(srv) as sock:  # the right token: NOT_INITIALIZED-like refusal, connection kept
         send_frame(sock, pb.BulkRequest(token="s3cret-token", pull=pb.PullRequest()))
@@ -244,6 +245,12 @@ def test_a_garbled_frame_is_refused_and_the_connection_closed(servers):
         sock.sendall(struct.pack("<I", 1 << 30))
         reply = recv_frame(sock, pb.BulkReply)
         assert reply.code == code_value(grpc.StatusCode.INVALID_ARGUMENT) and "frame length" in reply.message
+        assert reply.reason == "invalid_payload"
+        assert sock.recv(1) == b""
+    with _raw_connection(srv) as sock:  # a request with neither a push nor a pull
+        send_frame(sock, pb.BulkRequest())
+        reply = recv_frame(sock, pb.BulkReply)
+        assert reply.code == code_value(grpc.StatusCode.INVALID_ARGUMENT) and reply.reason == "invalid_payload"
         assert sock.recv(1) == b""
 
 

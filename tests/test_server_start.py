@@ -13,7 +13,8 @@ import socket
 
 import pytest
 
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.errors import CheckpointError, ConfigError
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
 
@@ -80,3 +81,44 @@ def test_a_stopped_server_releases_the_checkpoint_folder(tmp_path):
     config = _durable(tmp_path, mode="sync", bulk_port=0)
     _start_again(config)
     _start_again(config)
+
+
+def test_a_failed_first_start_leaves_the_folder_fresh_for_other_settings(tmp_path):
+    taken = _taken_port()
+    config = _durable(tmp_path, port=taken.getsockname()[1])
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        ParameterServer(config).start()
+    taken.close()
+    # the server never served: the next start is a fresh run with whatever settings it has
+    sgd = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    _start_again(dataclasses.replace(config, port=0, outer=sgd))
+
+
+def test_a_failed_start_of_a_restored_folder_keeps_its_checkpoint(tmp_path):
+    config = _durable(tmp_path)
+    _start_again(config)  # writes the folder's first checkpoint
+    written = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*"))
+    taken = _taken_port()
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        ParameterServer(dataclasses.replace(config, port=taken.getsockname()[1])).start()
+    taken.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*")) == written
+
+
+def test_a_checkpoint_dir_that_cannot_be_created_is_refused_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    config = ServerConfig(port=0, durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "a-file" / "ckpt")))
+    with pytest.raises(CheckpointError, match="cannot be created"):
+        ParameterServer(config).start()
+
+
+def test_starting_a_serving_server_again_is_refused_and_stop_frees_its_port():
+    srv = ParameterServer(ServerConfig(port=0)).start()
+    port = srv.port
+    try:
+        with pytest.raises(ConfigError, match="already serving"):
+            srv.start()
+    finally:
+        srv.stop(None)
+    with socket.socket() as s:  # the port is free again: nothing else kept serving on it
+        s.bind(("127.0.0.1", port))

@@ -32,7 +32,7 @@ import threading
 
 import grpc
 
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, InvalidPayloadError, UnauthenticatedError
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
@@ -199,6 +199,7 @@ class BulkServer:
                         conn,
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{exc}; send length-prefixed BulkRequest frames as parameter_server.proto describes",
+                        reason=InvalidPayloadError.reason,
                     )
                     return
                 if request is None:
@@ -228,6 +229,7 @@ class BulkServer:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "bulk channel: missing or wrong token (BulkRequest.token); start the client with the "
                 "server's --token-file",
+                reason=UnauthenticatedError.reason,
             )
             raise _Close
         kind = request.WhichOneof("body")
@@ -236,7 +238,12 @@ class BulkServer:
         elif kind == "pull":
             self._pull(conn, request.pull)
         else:
-            self._reply(conn, grpc.StatusCode.INVALID_ARGUMENT, "a BulkRequest must carry a push or a pull")
+            self._reply(
+                conn,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a BulkRequest must carry a push or a pull",
+                reason=InvalidPayloadError.reason,
+            )
             raise _Close
 
     def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:

@@ -84,13 +84,18 @@ class ParameterServer:
             ConfigError: an address cannot be bound, or a token/PEM file cannot be read.
             CheckpointError: the checkpoint folder is in use or unusable.
         """
+        if self._server is not None:
+            raise ConfigError(
+                f"this ParameterServer is already serving on {self.address}; call stop() before starting it "
+                f"again, or build a second ParameterServer"
+            )
         interceptors = server_interceptors(self.config.security)
         creds = server_credentials(self.config.security)
         self._warn_if_exposed(bool(interceptors), creds is not None)
         with contextlib.ExitStack() as undo:
             if self.store is not None:
                 self.store.open(self.state)  # restored before the port is bound
-                undo.callback(self.store.close, final_checkpoint=False)
+                undo.callback(self.store.abandon)
             server = self._grpc_server(interceptors)
             undo.callback(server.stop, None)
             port = self._bind(server, creds)

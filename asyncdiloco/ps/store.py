@@ -78,6 +78,7 @@ class DurableStore:
         self._state: JournaledState | None = None
         self._broken: str | None = None
         self._good_lsns: set[int] = set()  # checkpoints loaded or written by this process
+        self._opened_fresh = False  # open() found no checkpoint (a fresh run)
 
     # ------------------------------------------------------------ start-up
     def open(self, state: JournaledState) -> None:
@@ -88,12 +89,19 @@ class DurableStore:
             CheckpointError: the folder is in use, or its newest checkpoint or log is
             unusable (see the message for which file and the fix).
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint dir {self.dir} cannot be created ({exc.strerror}); give a folder path this "
+                f"process may write to"
+            ) from None
         self._lock_dir()
         try:
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink()
             checkpoints = checkpoint_lsns(self.dir)
+            self._opened_fresh = not checkpoints
             if not checkpoints:
                 if self._segments():
                     raise CheckpointError(
@@ -299,6 +307,17 @@ class DurableStore:
             if self._state is not None:
                 self._state.detach_journal(then=self._close_log)  # no append interleaves with closing it
             self._unlock_dir()
+
+    def abandon(self) -> None:
+        """Undo ``open`` for a server that never served (its start failed later): close
+        without a final checkpoint and, if the folder was empty when opened, remove the
+        checkpoint and log this start wrote, so the next start is a fresh run again (with
+        whatever settings it is given) instead of a restore of settings never used."""
+        fresh = self._opened_fresh
+        self.close(final_checkpoint=False)
+        if fresh:
+            for path in [*self.dir.glob("ckpt-*"), *self.dir.glob("wal-*.log")]:
+                path.unlink(missing_ok=True)
 
     def _close_log(self) -> None:
         self._broken = "the server is stopping"
