@@ -44,15 +44,29 @@ def _layer(module: str) -> str | None:
     return parts[1]
 
 
-def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+def _imports(path: pathlib.Path, module: str = "") -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path``: ``import``, ``from`` (relative
+    ones resolved against ``module``), and ``importlib.import_module`` / ``__import__``
+    with a constant name."""
+    package = module.split(".")[:-1] if not path.name == "__init__.py" else module.split(".")
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module))
-            if node.module == "asyncdiloco":  # the root's lazy exports load whole layers
-                out.append((node.lineno, "asyncdiloco.(root: import from the defining module)"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from .x import y / from .. import y
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                out += [(node.lineno, target)] + [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            elif node.module:
+                out.append((node.lineno, node.module))
+                if node.module == "asyncdiloco":  # the root's lazy exports load whole layers
+                    out.append((node.lineno, "asyncdiloco.(root: import from the defining module)"))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                out.append((node.lineno, node.args[0].value))
     return out
 
 
@@ -82,7 +96,7 @@ def test_imports_point_down_the_layers():
         own = _layer(module)
         if own not in ALLOWED:  # asyncdiloco/__init__.py (lazy exports) and __main__.py
             continue
-        for line, target in _imports(path):
+        for line, target in _imports(path, module):
             layer = _layer(target)
             if layer is None or layer == own:
                 continue
@@ -154,3 +168,18 @@ def test_public_names_resolve():
         assert getattr(asyncdiloco, name).__name__ == name
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         asyncdiloco.nonexistent  # noqa: B018
+
+
+def test_the_import_walk_sees_relative_and_dynamic_imports(tmp_path):
+    probe = tmp_path / "flat.py"
+    probe.write_text(
+        "import importlib\nfrom ..ps import config\nfrom . import client\n"
+        "importlib.import_module('asyncdiloco.ps.server')\n__import__('asyncdiloco.ps.store')\n"
+    )
+    found = {target for _, target in _imports(probe, "asyncdiloco.worker.flat")}
+    assert {
+        "asyncdiloco.ps.config",
+        "asyncdiloco.worker.client",
+        "asyncdiloco.ps.server",
+        "asyncdiloco.ps.store",
+    } <= found
