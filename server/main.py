@@ -5,13 +5,14 @@ container can start the server without relying on the console-script shim. See
 ``docs/operations.md`` for the operator's notes.
 """
 
+import re
 import sys
 
 from asyncdiloco.cli import main
 
 #: Flags of the ``asyncdiloco`` command itself, which must come before the subcommand.
-GLOBAL_FLAGS = {"-q", "--quiet", "-v", "-vv", "--verbose"}
+_GLOBAL = re.compile(r"^(-q|--quiet|--verbose|-v+)$")
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    main([*(a for a in argv if a in GLOBAL_FLAGS), "server", *(a for a in argv if a not in GLOBAL_FLAGS)])
+    main([*(a for a in argv if _GLOBAL.match(a)), "server", *(a for a in argv if not _GLOBAL.match(a))])

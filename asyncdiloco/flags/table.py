@@ -10,7 +10,7 @@ with its three uses:
 
 A field is a dotted path below the table's config class: ``outer.lr`` is
 ``ServerConfig.outer.lr``. A nested config that is None by default (durability,
-security) is built once one of its flags is given. The tables themselves are in flags.py.
+security) is built once one of its flags is given. The tables themselves are in settings.py.
 """
 
 from __future__ import annotations
