@@ -79,6 +79,13 @@ def test_worker_without_a_bound_is_refused(cli_exit):
     assert "give --max-steps N or --max-seconds S" in err
 
 
+def test_worker_with_an_unwritable_stats_file_is_refused_before_it_trains(cli_exit, tmp_path):
+    stats = tmp_path / "no-such-folder" / "stats.json"
+    code, err = cli_exit(["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--stats-file", str(stats)])
+    assert code == 2
+    assert "--stats-file" in err and "Traceback" not in err
+
+
 def test_server_on_a_busy_port_exits_with_a_clear_message(cli_exit):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -92,6 +92,13 @@ def configs(args: argparse.Namespace) -> _Configs:
     wcfg = WORKER.build(given)
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
+    if args.stats_file:
+        folder = os.path.dirname(os.path.abspath(args.stats_file))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ConfigError(
+                f"--stats-file {args.stats_file!r} is invalid: its folder {folder} does not exist or is not "
+                f"writable; give a path in a writable folder (checked now, not after training)"
+            )
     sync = None
     if args.mode == "sync":
         if wcfg.overlap:
