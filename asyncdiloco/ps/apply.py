@@ -27,7 +27,7 @@ from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import NotInitializedError, StalePushError
 from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import PUSH_MEMORY, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import PUSH_MEMORY, AppliedAs, PushOutcome, WorkerRecord
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
@@ -98,7 +98,8 @@ class InitialParameters:
                         f"initial parameters from worker {header.worker_id} refused: already initialized"
                     )
                 live = len(_live_workers(parts, header.worker_id))
-                parts.journal.log_push(header, payload, 0, 1.0, parts.model.version, live)
+                applied = AppliedAs(tau=0, weight=1.0, version_after=parts.model.version, num_workers=live)
+                parts.journal.log_push(header, payload, applied)
             parts.model.initialize(delta, header.worker_id)
             with parts.locks.books:
                 outcome = self.record(rec, header)
@@ -112,17 +113,7 @@ class InitialParameters:
         _remember(rec, header.push_id, outcome)
         return outcome
 
-    def replay(
-        self,
-        rec: WorkerRecord,
-        header: pb.PushHeader,
-        delta: torch.Tensor,
-        *,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged initialization (both locks held; τ = 0, s = 1, the version stays)."""
         self.parts.model.initialize(delta, header.worker_id)
         self.record(rec, header)
@@ -184,9 +175,10 @@ class PseudoGradient:
                     return rec
                 tau, weight, version_after = self.staleness(header)
                 expected = _live_workers(parts, header.worker_id)
-                parts.journal.log_push(header, payload, tau, weight, version_after, len(expected))
-            # the tensor math, books free meanwhile; the step making V + 1 is applied at V (η's schedule)
-            parts.model.optimizer.step(delta, weight, version=version_after - 1, num_workers=len(expected))
+                applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=len(expected))
+                parts.journal.log_push(header, payload, applied)
+            # the tensor math, books free meanwhile
+            self._step(delta, applied)
             snap = self.snapshots.after_apply(version_after)
             with parts.locks.books:
                 outcome = self.record(rec, header, tau, weight)
@@ -242,18 +234,14 @@ class PseudoGradient:
         # (the remembered outcome stays as replay rebuilds it; H_w is recomputed per reply)
         return dataclasses.replace(outcome, group_id=group_id)
 
-    def replay(
-        self,
-        rec: WorkerRecord,
-        header: pb.PushHeader,
-        delta: torch.Tensor,
-        *,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with its τ, s(τ) and N (both locks held); the logged
         version keys η's schedule."""
-        self.parts.model.optimizer.step(delta, weight, version=version_after - 1, num_workers=num_workers)
-        self.record(rec, header, tau, weight)
+        self._step(delta, applied)
+        self.record(rec, header, applied.tau, applied.weight)
+
+    def _step(self, delta: torch.Tensor, applied: AppliedAs) -> None:
+        """The outer step of one push; the step making version V + 1 is applied at V (η's schedule)."""
+        self.parts.model.optimizer.step(
+            delta, applied.weight, version=applied.version_after - 1, num_workers=applied.num_workers
+        )

@@ -20,7 +20,7 @@ from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, WorkerRecord
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.ps.wal import manifest_from_json, manifest_to_json
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -30,17 +30,7 @@ from asyncdiloco.wire.tensors import Manifest
 class Replayable(Protocol):
     """A push kind whose logged pushes can be redone (apply.py)."""
 
-    def replay(
-        self,
-        rec: WorkerRecord,
-        header: pb.PushHeader,
-        delta: torch.Tensor,
-        *,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push (both locks held)."""
 
 
@@ -174,15 +164,7 @@ class Durability:
             parts.append(t.reshape(-1))
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def replay_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with the τ and s(τ) it was applied with (start-up replay).
 
         Raises:
@@ -195,16 +177,14 @@ class Durability:
         with self.locks.apply, self.locks.books:
             rec = self.registry.get(header.worker_id)
             expected = model.version if initial else model.version + 1
-            if rec is None or delta is None or expected != version_after or initial == model.initialized:
+            if rec is None or delta is None or expected != applied.version_after or initial == model.initialized:
                 raise CheckpointError(
-                    f"write-ahead log push {header.push_id} of worker {header.worker_id} (version {version_after}) "
-                    f"does not follow the checkpoint (version {model.version}); the log belongs to another run: "
-                    f"restore the folder from a backup"
+                    f"write-ahead log push {header.push_id} of worker {header.worker_id} "
+                    f"(version {applied.version_after}) does not follow the checkpoint (version {model.version}); "
+                    f"the log belongs to another run: restore the folder from a backup"
                 )
             kind = self.replayers[pb.PUSH_KIND_INITIAL_PARAMETERS if initial else pb.PUSH_KIND_PSEUDO_GRADIENT]
-            kind.replay(
-                rec, header, delta, tau=tau, weight=weight, version_after=version_after, num_workers=num_workers
-            )
+            kind.replay(rec, header, delta, applied)
             self.snapshots.clear()
 
     def _decode_logged(self, header: pb.PushHeader, payload: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from asyncdiloco.ps.records import AppliedAs
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -27,15 +28,7 @@ class Journal(Protocol):
     def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
         """Log a Join (books lock held); ``manifest`` when it becomes the server's."""
 
-    def log_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Log a push about to be applied (books lock held), with what its outer step depends on."""
 
     def maybe_checkpoint(self) -> None:
@@ -58,15 +51,7 @@ class JournaledState(Protocol):
     def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
         """Redo a logged Join."""
 
-    def replay_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with the τ, s(τ) and live-worker count it was applied with."""
 
     def attach_journal(self, journal: Journal) -> None:
@@ -87,17 +72,9 @@ class JournalSlot:
         if self.journal is not None:  # durable before the worker learns its id
             self.journal.log_join(worker_id, name, initialize, manifest)
 
-    def log_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         if self.journal is not None:  # durable before it is applied and acknowledged
-            self.journal.log_push(header, payload, tau, weight, version_after, num_workers)
+            self.journal.log_push(header, payload, applied)
 
     def maybe_checkpoint(self) -> None:
         journal = self.journal

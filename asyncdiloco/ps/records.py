@@ -38,6 +38,21 @@ class PushOutcome:
     group_id: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class AppliedAs:
+    """What a push's outer step depended on when it was applied: logged with the push
+    (wal.py), so that replaying the log redoes exactly the same step."""
+
+    #: τ, the push's staleness in versions.
+    tau: int
+    #: s(τ), its staleness weight.
+    weight: float
+    #: The version the apply produced (η's schedule is keyed by version_after − 1).
+    version_after: int
+    #: Live workers at the apply: Delayed Nesterov's N (Liu et al. 2024, Alg. 3).
+    num_workers: int
+
+
 @dataclasses.dataclass
 class WorkerRecord:
     """One registered worker: its lease (server clock, seconds) and its totals."""

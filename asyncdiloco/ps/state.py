@@ -43,7 +43,7 @@ from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
-from asyncdiloco.ps.records import PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -420,14 +420,6 @@ class ParameterServerState:
         """Redo a logged Join (start-up replay)."""
         self.durability.replay_join(worker_id, name, initialize, manifest)
 
-    def replay_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push (durable.py ``Durability.replay_push``)."""
-        self.durability.replay_push(header, payload, tau, weight, version_after, num_workers)
+        self.durability.replay_push(header, payload, applied)

@@ -50,6 +50,7 @@ from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
+from asyncdiloco.ps.records import AppliedAs
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
@@ -240,18 +241,10 @@ class DurableStore:
             meta["manifest"] = manifest_to_json(manifest)
         self._append(JOIN, meta)
 
-    def log_push(
-        self,
-        header: pb.PushHeader,
-        payload: torch.Tensor,
-        tau: int,
-        weight: float,
-        version_after: int,
-        num_workers: int,
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
         everything its outer step depends on: τ, s(τ) and the live worker count."""
-        meta = push_meta(header, tau, weight, version_after, num_workers, self.server_config.wire_codec)
+        meta = push_meta(header, applied, self.server_config.wire_codec)
         self._append(PUSH, meta, payload.numpy().data)
         self._pushes_since_checkpoint += 1
 

@@ -27,6 +27,7 @@ import torch
 
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import JournaledState
+from asyncdiloco.ps.records import AppliedAs
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
 
@@ -143,7 +144,7 @@ def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
     return records
 
 
-def push_meta(header: pb.PushHeader, tau: int, weight: float, version_after: int, num_workers: int, codec: str) -> dict:
+def push_meta(header: pb.PushHeader, applied: AppliedAs, codec: str) -> dict:
     """The meta of a PUSH record: everything its outer step depends on."""
     return {
         "worker_id": header.worker_id,
@@ -153,10 +154,10 @@ def push_meta(header: pb.PushHeader, tau: int, weight: float, version_after: int
         "num_tokens": header.num_tokens,
         "total_bytes": header.total_bytes,
         "kind": header.kind,
-        "tau": tau,
-        "weight": weight,
-        "version_after": version_after,
-        "num_workers": num_workers,
+        "tau": applied.tau,
+        "weight": applied.weight,
+        "version_after": applied.version_after,
+        "num_workers": applied.num_workers,
         "codec": codec,
     }
 
@@ -186,4 +187,7 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
             f"--wire-codec {codec} (replaying the log needs it) or use a fresh --checkpoint-dir"
         )
     payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
-    state.replay_push(header, payload, m["tau"], m["weight"], m["version_after"], m["num_workers"])
+    applied = AppliedAs(
+        tau=m["tau"], weight=m["weight"], version_after=m["version_after"], num_workers=m["num_workers"]
+    )
+    state.replay_push(header, payload, applied)
