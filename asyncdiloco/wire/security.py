@@ -33,6 +33,16 @@ from asyncdiloco.errors import REASON_METADATA_KEY, ConfigError, Unauthenticated
 log = logging.getLogger(__name__)
 
 
+def _require_cert_and_key(tls_cert: str | None, tls_key: str | None) -> None:
+    """A certificate and its private key come together (both or neither)."""
+    require(
+        (tls_cert is None) == (tls_key is None),
+        "tls_cert/tls_key",
+        (tls_cert, tls_key),
+        "give both --tls-cert and --tls-key, or neither",
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerSecurityConfig:
     """Shared-token authentication and TLS for the server (security.py)."""
@@ -49,12 +59,7 @@ class ServerSecurityConfig:
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
             require_file(getattr(self, name), name)
-        require(
-            (self.tls_cert is None) == (self.tls_key is None),
-            "tls_cert/tls_key",
-            (self.tls_cert, self.tls_key),
-            "give both --tls-cert and --tls-key, or neither",
-        )
+        _require_cert_and_key(self.tls_cert, self.tls_key)
         require(
             self.tls_client_ca is None or self.tls_cert is not None,
             "tls_client_ca",
@@ -81,12 +86,7 @@ class ClientSecurityConfig:
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
             require_file(getattr(self, name), name)
-        require(
-            (self.tls_cert is None) == (self.tls_key is None),
-            "tls_cert/tls_key",
-            (self.tls_cert, self.tls_key),
-            "give both --tls-cert and --tls-key, or neither",
-        )
+        _require_cert_and_key(self.tls_cert, self.tls_key)
         require(
             self.tls_cert is None or self.tls_ca is not None,
             "tls_cert",
