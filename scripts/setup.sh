@@ -11,5 +11,5 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test,bench]"
+.venv/bin/python -m pip install --quiet -e ".[test,bench,tensorboard]"
 .venv/bin/python -c "import asyncdiloco, torch, grpc; print(f'asyncdiloco ready: torch {torch.__version__}, grpcio {grpc.__version__}')"

@@ -173,6 +173,7 @@ def _handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
         "Status": (pb.StatusRequest, pb.StatusReply),
         "Quorum": (pb.QuorumRequest, pb.QuorumReply),
         "Commit": (pb.CommitRequest, pb.CommitReply),
+        "ReportEval": (pb.EvalReport, pb.EvalReply),
     }
     handlers = {
         name: unary(

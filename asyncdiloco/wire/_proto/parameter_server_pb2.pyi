@@ -110,18 +110,22 @@ class JoinRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., worker_name: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize")
+    __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize", "resumed", "last_push_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZE_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     run_config: RunConfig
     manifest: Manifest
     version: int
     initialize: bool
-    def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ...) -> None: ...
+    resumed: bool
+    last_push_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ..., resumed: _Optional[bool] = ..., last_push_id: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "sync_state")
@@ -258,7 +262,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "applied_pushes", "rejected_pushes", "tokens", "local_steps", "last_seen_s", "alive", "local_steps_per_round", "steps_per_s")
+    __slots__ = ("worker_id", "worker_name", "applied_pushes", "rejected_pushes", "tokens", "local_steps", "last_seen_s", "alive", "local_steps_per_round", "steps_per_s", "mean_staleness", "last_staleness", "state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +273,9 @@ class WorkerStatus(_message.Message):
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_name: str
     applied_pushes: int
@@ -279,10 +286,13 @@ class WorkerStatus(_message.Message):
     alive: bool
     local_steps_per_round: int
     steps_per_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    mean_staleness: float
+    last_staleness: int
+    state: str
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., last_staleness: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed", "group_size_histogram", "divergence_warnings")
+    __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed", "group_size_histogram", "divergence_warnings", "pushes_per_s", "evals", "server_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +313,9 @@ class StatusReply(_message.Message):
     ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     DIVERGENCE_WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     applied_pushes: int
     rejected_pushes: int
@@ -323,7 +336,40 @@ class StatusReply(_message.Message):
     rounds_failed: int
     group_size_histogram: _containers.RepeatedScalarFieldContainer[int]
     divergence_warnings: int
-    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ..., rounds_committed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., group_size_histogram: _Optional[_Iterable[int]] = ..., divergence_warnings: _Optional[int] = ...) -> None: ...
+    pushes_per_s: float
+    evals: _containers.RepeatedCompositeFieldContainer[EvalPoint]
+    server_version: str
+    def __init__(self, version: _Optional[int] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_pushed: _Optional[int] = ..., bytes_pulled: _Optional[int] = ..., tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., initialized: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., outer_optimizer: _Optional[str] = ..., staleness_weighting: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., pulls: _Optional[int] = ..., rounds_committed: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., group_size_histogram: _Optional[_Iterable[int]] = ..., divergence_warnings: _Optional[int] = ..., pushes_per_s: _Optional[float] = ..., evals: _Optional[_Iterable[_Union[EvalPoint, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class EvalReport(_message.Message):
+    __slots__ = ("version", "loss", "num_tokens", "evaluator")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    loss: float
+    num_tokens: int
+    evaluator: str
+    def __init__(self, version: _Optional[int] = ..., loss: _Optional[float] = ..., num_tokens: _Optional[int] = ..., evaluator: _Optional[str] = ...) -> None: ...
+
+class EvalReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvalPoint(_message.Message):
+    __slots__ = ("version", "loss", "num_tokens", "evaluator", "at_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    loss: float
+    num_tokens: int
+    evaluator: str
+    at_s: float
+    def __init__(self, version: _Optional[int] = ..., loss: _Optional[float] = ..., num_tokens: _Optional[int] = ..., evaluator: _Optional[str] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class QuorumRequest(_message.Message):
     __slots__ = ("worker_id", "round", "manifest_hash", "timeout_s")

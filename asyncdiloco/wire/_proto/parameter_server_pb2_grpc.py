@@ -74,6 +74,11 @@ class ParameterServerStub:
                 request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
                 response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/asyncdiloco.v1.ParameterServer/ReportEval',
+                request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.SerializeToString,
+                response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -141,6 +146,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """An evaluator's held-out loss of the global model at some version (asyncdiloco
+        eval): kept for Status, the dashboard and the metrics; changes nothing else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +196,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.FromString,
                     response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.FromString,
+                    response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +419,33 @@ class ParameterServer:
             '/asyncdiloco.v1.ParameterServer/Commit',
             asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitRequest.SerializeToString,
             asyncdiloco_dot_v1_dot_parameter__server__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncdiloco.v1.ParameterServer/ReportEval',
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.SerializeToString,
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.FromString,
             options,
             channel_credentials,
             insecure,
