@@ -110,7 +110,7 @@ def test_a_push_cancelled_midway_applies_nothing(server):
     header_sent, release = threading.Event(), threading.Event()
     refused = threading.Event()
     record_rejected = srv.state.record_rejected
-    srv.state.record_rejected = lambda w: (record_rejected(w), refused.set())
+    srv.state.record_rejected = lambda *args: (record_rejected(*args), refused.set())
 
     def messages():
         yield pb.PushMessage(header=header_for(payload, wid, 3, srv.state.version))

@@ -103,6 +103,7 @@ class InitialParameters:
             parts.model.initialize(delta, header.worker_id)
             with parts.locks.books:
                 outcome = self.record(rec, header)
+        parts.observer.initialized()  # the health service turns SERVING
         parts.journal.maybe_checkpoint()
         return outcome
 
@@ -178,7 +179,8 @@ class PseudoGradient:
                 applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=len(expected))
                 parts.journal.log_push(header, payload, applied)
             # the tensor math, books free meanwhile
-            self._step(delta, applied)
+            with parts.observer.timed("outer_step"):
+                self._step(delta, applied)
             snap = self.snapshots.after_apply(version_after)
             with parts.locks.books:
                 outcome = self.record(rec, header, tau, weight)
@@ -216,6 +218,9 @@ class PseudoGradient:
         rec.applied_pushes += 1
         rec.tokens += header.num_tokens
         rec.local_steps += header.num_local_steps
+        rec.staleness_sum += tau
+        rec.staleness_pushes += 1
+        rec.last_staleness = tau
         outcome = PushOutcome(True, False, parts.model.version, tau, weight, parts.config.local_steps)
         _remember(rec, header.push_id, outcome)
         return outcome

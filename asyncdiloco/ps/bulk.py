@@ -265,11 +265,11 @@ class BulkServer:
                     worker_id,
                     self._idle_timeout_s,
                 )
-                self.state.record_rejected(worker_id)
+                self.state.record_rejected(worker_id, "cut_off")
             raise
         except AsyncDiLoCoError as exc:
             log.warning("bulk push from worker %d refused: %s", worker_id, exc)
-            self.state.record_rejected(worker_id)
+            self.state.record_rejected(worker_id, exc.reason)
             if not reading:  # refused from its header: the payload is still on the wire
                 if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
                     self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)

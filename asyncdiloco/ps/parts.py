@@ -2,7 +2,8 @@
 
 ``ParameterServerState`` (state.py) builds one ``CoreParts`` and hands it to the push
 kinds (apply.py, rounds.py) and the durable part (durable.py): the configuration, the
-clock, the two locks, the global model, the worker table, the counters and the journal.
+clock, the two locks, the global model, the worker table, the counters, the journal and
+the observer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.counters import Counters
 from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
+from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.records import StateLocks
 from asyncdiloco.ps.registry import WorkerRegistry
 
@@ -30,6 +32,7 @@ class CoreParts:
         registry: the worker table, leases, DyLU (registry.py).
         counters: the status numbers (counters.py).
         journal: where Joins and pushes are logged, if anywhere (journal.py).
+        observer: the hot path's timings and the initialization event (observer.py).
     """
 
     config: ServerConfig
@@ -39,6 +42,7 @@ class CoreParts:
     registry: WorkerRegistry
     counters: Counters
     journal: JournalSlot
+    observer: Observer = dataclasses.field(default_factory=Observer)
 
     @classmethod
     def build(cls, config: ServerConfig, clock: Callable[[], float], grouping: str) -> CoreParts:
@@ -50,6 +54,6 @@ class CoreParts:
             locks=StateLocks(),
             model=model,
             registry=WorkerRegistry(config, clock, grouping, model, journal),
-            counters=Counters(config.histogram_buckets),
+            counters=Counters(config.histogram_buckets, clock),
             journal=journal,
         )

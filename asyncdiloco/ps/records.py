@@ -69,6 +69,13 @@ class WorkerRecord:
     #: Server clock of the last applied pseudo-gradient (0: none yet; grouping expects a
     #: worker that pushed within about two of its rounds, or joined since).
     last_push: float = 0.0
+    #: The worker called Leave (False when its lease lapsed or it is alive).
+    left: bool = False
+    #: Σ τ and the count of the pseudo-gradients this process applied for it (status:
+    #: their mean), and τ of the newest one.
+    staleness_sum: int = 0
+    staleness_pushes: int = 0
+    last_staleness: int = 0
     outcomes: OrderedDict[int, PushOutcome] = dataclasses.field(default_factory=OrderedDict)
 
 

@@ -32,6 +32,19 @@ from asyncdiloco.wire.tensors import Manifest
 log = logging.getLogger(__name__)
 
 
+#: ``WorkerStatus.state``: a push group waits for it; alive but not pushing; gone.
+WORKER_STATES = ("training", "silent", "left", "expired")
+
+
+def worker_state(rec: WorkerRecord, expected: set[int]) -> str:
+    """One of ``WORKER_STATES``: "training" (among ``expected``, the workers a push
+    group waits for: pushed or joined within about two of its rounds), "silent" (lease
+    current, stopped pushing), "left" (called Leave) or "expired" (lease lapsed)."""
+    if rec.alive:
+        return "training" if rec.worker_id in expected else "silent"
+    return "left" if rec.left else "expired"
+
+
 class WorkerRegistry:
     """Registered workers and their leases (see the module docstring).
 
@@ -155,7 +168,7 @@ class WorkerRegistry:
         """The worker left cleanly: its lease ends now."""
         rec = self.workers.get(worker_id)
         if rec is not None:
-            rec.alive = False
+            rec.alive, rec.left = False, rec.left or rec.alive  # a lapsed lease stays "expired"
             self.rates.forget(worker_id)
             log.info("worker %d (%s) left", worker_id, rec.name)
 
@@ -270,7 +283,9 @@ class WorkerRegistry:
         )
 
     def statuses(self, now: float) -> list[pb.WorkerStatus]:
-        """Every registered worker's row of ``StatusReply.workers``."""
+        """Every registered worker's row of ``StatusReply.workers`` (leases checked at ``now``)."""
+        self.expire(now)
+        expected = self.expected(now)
         return [
             pb.WorkerStatus(
                 worker_id=r.worker_id,
@@ -283,6 +298,9 @@ class WorkerRegistry:
                 alive=r.alive,
                 local_steps_per_round=self.local_steps(r.worker_id),
                 steps_per_s=self.rates.rates.get(r.worker_id, 0.0),
+                mean_staleness=r.staleness_sum / r.staleness_pushes if r.staleness_pushes else 0.0,
+                last_staleness=r.last_staleness,
+                state=worker_state(r, expected),
             )
             for r in self.workers.values()
         ]

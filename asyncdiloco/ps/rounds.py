@@ -127,7 +127,8 @@ class SyncMode:
         outer step every member applies to θ_base, at the round it started from."""
         with self.locks.apply, self.locks.books:
             if done.result is not None:
-                self.model.optimizer.step(done.result, version=done.round - 1)
+                with self.parts.observer.timed("outer_step"):
+                    self.model.optimizer.step(done.result, version=done.round - 1)
                 self.model.version = done.round
             for worker_id, steps in done.steps_by_worker.items():
                 if steps <= 0:  # a healing member contributed nothing

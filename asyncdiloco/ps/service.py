@@ -87,13 +87,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
             log.warning("push from worker %d refused: %s", worker_id, exc)
-            self.state.record_rejected(worker_id)
+            self.state.record_rejected(worker_id, exc.reason)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
             log.warning(
                 "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied", worker_id
             )
-            self.state.record_rejected(worker_id)
+            self.state.record_rejected(worker_id, "cut_off")
             raise
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
@@ -118,6 +118,14 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self.state.status()
+
+    def ReportEval(self, request: pb.EvalReport, context: grpc.ServicerContext) -> pb.EvalReply:
+        try:
+            self.state.report_eval(request.version, request.loss, request.num_tokens, request.evaluator)
+        except AsyncDiLoCoError as exc:
+            log.warning("eval report (%s) refused: %s", request.evaluator or "unnamed", exc)
+            _abort(context, exc)
+        return pb.EvalReply()
 
     def Quorum(self, request: pb.QuorumRequest, context: grpc.ServicerContext) -> pb.QuorumReply:
         try:

@@ -23,6 +23,8 @@ so Join, Heartbeat and Status never wait for an apply. With a journal attached
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import math
 import time
@@ -41,6 +43,7 @@ from asyncdiloco.ps.durable import Durability
 from asyncdiloco.ps.intake import PushIntake
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.modes import AsyncMode, Mode
+from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
 from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
@@ -54,6 +57,15 @@ log = logging.getLogger(__name__)
 INITIAL, PSEUDO_GRADIENT = pb.PUSH_KIND_INITIAL_PARAMETERS, pb.PUSH_KIND_PSEUDO_GRADIENT
 
 __all__ = ["ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
+
+
+@functools.cache
+def server_version() -> str:
+    """The installed asyncdiloco package's version ("unknown" when not installed)."""
+    try:
+        return importlib.metadata.version("asyncdiloco")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _counter(name: str) -> Any:
@@ -78,6 +90,8 @@ class ParameterServerState:
         self.monitor = PseudoGradientMonitor()
         core = CoreParts.build(config, clock, self.groups.window.mode)
         self.locks, self.model, self.registry, self.counters = core.locks, core.model, core.registry, core.counters
+        #: Timings of the slow steps and the initialization event, for metrics and health (observer.py).
+        self.observer: Observer = core.observer
         self.snapshots = Snapshots(config, self.model, self.locks, clock)
         initial = InitialParameters(core)
         pseudo = PseudoGradient(core, self.snapshots, self.groups, self.monitor)
@@ -137,6 +151,10 @@ class ParameterServerState:
     def clock(self) -> float:
         """The server's monotonic clock, seconds."""
         return self._clock()
+
+    def uptime_s(self) -> float:
+        """Seconds since this state was built (the server's clock)."""
+        return self._clock() - self._started
 
     # --------------------------------------------------------- the counters (counters.py)
     applied_pushes = _counter("applied_pushes")
@@ -309,9 +327,12 @@ class ParameterServerState:
         )
         return self.intake.receive_in_process(header, payload)
 
-    def record_rejected(self, worker_id: int) -> None:
-        """A push of ``worker_id`` was refused or cut off."""
+    def record_rejected(self, worker_id: int, reason: str = "cut_off") -> None:
+        """A push of ``worker_id`` was refused with the exception's ``reason`` code
+        (errors.py), or cut off mid-stream ("cut_off")."""
         self.intake.count_rejected(worker_id)
+        with self.locks.books:
+            self.counters.note_refusal(reason)
 
     def record_duplicate(self) -> None:
         """A retried push was answered with its original outcome."""
@@ -346,7 +367,31 @@ class ParameterServerState:
                 rounds_failed=quorum.rounds_failed if quorum else 0,
                 group_size_histogram=self.groups.size_histogram(),
                 divergence_warnings=self.monitor.warnings,
+                pushes_per_s=self.counters.pushes_per_s(),
+                evals=list(self.counters.evals),
+                server_version=server_version(),
             )
+
+    def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> pb.EvalPoint:
+        """Keep an evaluator's held-out loss of the global model (ReportEval); nothing
+        else changes.
+
+        Args:
+            version: the global version evaluated, 0 <= version <= the current one.
+            loss: mean held-out loss, nats per token; finite.
+            num_tokens: tokens it was measured over, >= 1.
+            evaluator: a name for the dashboard (counters.py ``MAX_EVALUATOR_CHARS`` at most).
+        Returns:
+            The point kept (``StatusReply.evals``), stamped with the seconds since start.
+        Raises:
+            InvalidPayloadError: a value out of those ranges; nothing is kept.
+        """
+        with self.locks.books:
+            at_s = self._clock() - self._started
+            point = pb.EvalPoint(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator, at_s=at_s)
+            self.counters.record_eval(point, self.version)
+        log.info("eval of version %d: loss %.4f over %d tokens (%s)", version, loss, num_tokens, evaluator or "unnamed")
+        return point
 
     # ------------------------------------------------------------ sync mode
     def request_quorum(

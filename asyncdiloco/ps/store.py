@@ -50,6 +50,7 @@ from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
+from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.records import AppliedAs
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -80,6 +81,8 @@ class DurableStore:
         self._broken: str | None = None
         self._good_lsns: set[int] = set()  # checkpoints loaded or written by this process
         self._opened_fresh = False  # open() found no checkpoint (a fresh run)
+        #: Times each log write and checkpoint (the state's observer, set by server.py).
+        self.observer = Observer()
 
     # ------------------------------------------------------------ start-up
     def open(self, state: JournaledState) -> None:
@@ -215,12 +218,13 @@ class DurableStore:
         assert f is not None, "the log is open while a journal is attached"
         start = f.tell()
         try:
-            f.write(head)
-            f.write(meta_b)
-            f.write(payload)
-            f.flush()
-            if self.config.fsync:
-                os.fsync(f.fileno())
+            with self.observer.timed("log_write"):
+                f.write(head)
+                f.write(meta_b)
+                f.write(payload)
+                f.flush()
+                if self.config.fsync:
+                    os.fsync(f.fileno())
         except OSError as exc:
             try:  # leave no torn record in the middle of the log
                 f.truncate(start)
@@ -288,7 +292,9 @@ class DurableStore:
         write_checkpoint(self.dir, lsn, meta, tensors, self.server_config)
         self._good_lsns.add(lsn)
         prune(self.dir, self._segments())
-        log.info("checkpoint %s at version %d written in %.3f s", name, meta["version"], time.monotonic() - started)
+        took_s = time.monotonic() - started
+        self.observer.observe("checkpoint", took_s)
+        log.info("checkpoint %s at version %d written in %.3f s", name, meta["version"], took_s)
 
     # ------------------------------------------------------------ shutdown
     def close(self, *, final_checkpoint: bool = True) -> None:

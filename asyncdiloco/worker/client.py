@@ -342,3 +342,14 @@ class ParameterServerClient:
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())
+
+    def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> None:
+        """Report the held-out ``loss`` (nats per token, over ``num_tokens`` tokens) of the
+        global model at ``version`` (ReportEval), for the server's status, dashboard and metrics.
+
+        Raises:
+            InvalidPayloadError: a non-finite loss, num_tokens < 1 or a version the server
+                has not reached. ServerUnavailableError: the server cannot be reached.
+        """
+        report = pb.EvalReport(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator)
+        self._call(self._stub.ReportEval, report)
