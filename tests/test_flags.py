@@ -49,6 +49,7 @@ def _async_server(files) -> ServerConfig:
         host="0.0.0.0",
         port=0,
         bulk_port=0,
+        metrics_port=0,
         outer=OuterConfig(
             optimizer="nesterov",
             lr=0.5,
@@ -123,7 +124,7 @@ def test_the_mode_defaults_are_not_written_but_a_change_of_them_is():
 
 
 def test_the_demos_server_flags_rebuild_the_demos_server(files):
-    config = dataclasses.replace(_async_server(files), host="127.0.0.1", port=0, bulk_port=None)
+    config = dataclasses.replace(_async_server(files), host="127.0.0.1", port=0, bulk_port=None, metrics_port=None)
     config = dataclasses.replace(config, durability=None, security=None)
     args = app.build_parser().parse_args(["demo", *SERVER_RUN.argv(config)])
     assert demo.server_config(args) == config

@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
     if server.bulk_port:
         print(f"asyncdiloco server: bulk data channel on port {server.bulk_port}", flush=True)
+    if server.metrics_port:
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        url = f"http://{host}:{server.metrics_port}"
+        print(f"asyncdiloco server: dashboard at {url}/, Prometheus metrics at {url}/metrics", flush=True)
     stop.wait()
     server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
     st = server.state.status()

@@ -55,6 +55,13 @@ SERVER_ADDRESS = FlagTable.of(
             "0 = pick a free one). Workers learn the port on Join",
             default_means="off, gRPC only",
         ),
+        Flag(
+            flag="--metrics-port",
+            field="metrics_port",
+            help="serve Prometheus metrics (/metrics), the dashboard (/) and the status (/status.json) over "
+            "HTTP on this TCP port of --host (no token, no TLS: keep it on a trusted network; 0 = pick a free one)",
+            default_means="off",
+        ),
     ),
 )
 

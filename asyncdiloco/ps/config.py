@@ -153,6 +153,10 @@ class ServerConfig:
     #: TCP port of the optional bulk data channel (ps/bulk.py: push/pull payloads as raw
     #: bytes beside gRPC, same host, TLS and token); 0 picks a free one; None = off.
     bulk_port: int | None = None
+    #: TCP port of the HTTP monitoring endpoint on ``host`` (metrics.py, dashboard.py):
+    #: Prometheus metrics at /metrics, the dashboard at /, the status at /status.json;
+    #: 0 picks a free one; None = off.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         self._check_mode_and_ports()
@@ -176,6 +180,12 @@ class ServerConfig:
             "bulk_port",
             self.bulk_port,
             "must be in [0, 65535] (0 picks a free port), or None for no bulk channel",
+        )
+        require(
+            self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+            "metrics_port",
+            self.metrics_port,
+            "must be in [0, 65535] (0 picks a free port), or None for no metrics endpoint",
         )
 
     def _check_limits(self) -> None:

@@ -16,6 +16,14 @@ TCPStore listens on every interface, so the server binds the listening socket it
 With ``config.bulk_port`` set, the bulk data channel (bulk.py) listens beside the gRPC
 port on the same host, with the same token and TLS, and ``RunConfig.bulk_port`` tells
 workers where it is.
+
+The same gRPC port serves the standard health service (``grpc.health.v1.Health``; the
+overall status "" and ``asyncdiloco.v1.ParameterServer`` are NOT_SERVING until the global
+model is initialized, SERVING from then on, NOT_SERVING again from the moment ``stop()``
+begins) and server reflection (``grpc.reflection.v1alpha``) of both services. With
+``config.metrics_port`` set, every RPC is measured (grpc_metrics.py) and the HTTP
+monitoring endpoint (monitor.py: /metrics, the dashboard, /status.json) listens on the
+same host.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import ServerConfig
@@ -35,13 +45,17 @@ from asyncdiloco.ps.service import ParameterServerService
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire.channel import grpc_channel_options
-from asyncdiloco.wire.grpc_chunks import add_parameter_server
+from asyncdiloco.wire.grpc_chunks import SERVICE, add_parameter_server
 from asyncdiloco.wire.security import server_credentials, server_interceptors
 
 if TYPE_CHECKING:
     from asyncdiloco.ps.bulk import BulkServer
+    from asyncdiloco.ps.metrics import ServerMetrics
+    from asyncdiloco.ps.monitor import MonitorServer
 
 log = logging.getLogger(__name__)
+
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ParameterServer:
@@ -64,6 +78,9 @@ class ParameterServer:
         self.port: int | None = None
         self._store: object | None = None  # sync mode: torch.distributed.TCPStore (master)
         self.bulk: BulkServer | None = None  # when config.bulk_port is set
+        self.monitor: MonitorServer | None = None  # when config.metrics_port is set
+        self.health = health.HealthServicer()
+        self._health_of: ParameterServerState | None = None  # the state whose initialization it listens for
 
     @property
     def address(self) -> str:
@@ -89,14 +106,21 @@ class ParameterServer:
                 f"this ParameterServer is already serving on {self.address}; call stop() before starting it "
                 f"again, or build a second ParameterServer"
             )
-        interceptors = server_interceptors(self.config.security)
+        token_check = server_interceptors(self.config.security)
         creds = server_credentials(self.config.security)
-        self._warn_if_exposed(bool(interceptors), creds is not None)
+        self._warn_if_exposed(bool(token_check), creds is not None)
+        metrics = self._metrics()
         with contextlib.ExitStack() as undo:
+            if metrics is not None:
+                undo.callback(metrics.detach)
             if self.store is not None:
+                self.store.observer = self.state.observer
                 self.store.open(self.state)  # restored before the port is bound
                 undo.callback(self.store.abandon)
-            server = self._grpc_server(interceptors)
+            with self.state.locks.books:
+                self.state.counters.restart_rate()  # the replayed pushes were not applied just now
+            self._watch_health()
+            server = self._grpc_server(([metrics.interceptor] if metrics else []) + token_check)
             undo.callback(server.stop, None)
             port = self._bind(server, creds)
             if self.config.mode == "sync":
@@ -105,6 +129,9 @@ class ParameterServer:
             if self.config.bulk_port is not None:
                 self._start_bulk(self.config.bulk_port)
                 undo.callback(self._stop_bulk, None)
+            if metrics is not None:
+                self._start_monitor(metrics)
+                undo.callback(self._stop_monitor)
             server.start()
             undo.pop_all()  # serving: stop() gives everything back from here on
         self._server, self.port = server, port
@@ -119,6 +146,29 @@ class ParameterServer:
                 " and ".join(n for n, on in (("a token", token), ("TLS", tls)) if not on),
             )
 
+    def _metrics(self) -> ServerMetrics | None:
+        """The server's metrics registry, attached to the state (None when metrics are off)."""
+        if self.config.metrics_port is None:
+            return None
+        from asyncdiloco.ps.metrics import ServerMetrics
+
+        return ServerMetrics(self.state)
+
+    def _watch_health(self) -> None:
+        """NOT_SERVING until the model is initialized (now, if it was restored), then SERVING."""
+        self.health = health.HealthServicer()  # a stopped servicer stays NOT_SERVING: a fresh one per start
+        for service in ("", SERVICE):
+            self.health.set(service, _NOT_SERVING)
+        if self._health_of is not self.state:  # once per state (a server may be started again)
+            self.state.observer.when_initialized(self._serving)
+            self._health_of = self.state
+        if self.state.initialized:
+            self._serving()
+
+    def _serving(self) -> None:
+        for service in ("", SERVICE):
+            self.health.set(service, _SERVING)  # ignored once stop() began
+
     def _grpc_server(self, interceptors: list) -> grpc.Server:
         chunk_bytes = self.config.chunk_bytes
         server = grpc.server(
@@ -131,6 +181,8 @@ class ParameterServer:
             interceptors=interceptors,
         )
         add_parameter_server(ParameterServerService(self.state), server)  # chunk messages coded by hand
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         return server
 
     def _bind(self, server: grpc.Server, creds: grpc.ServerCredentials | None) -> int:
@@ -205,6 +257,30 @@ class ParameterServer:
         self.bulk = bulk.start()
         self.state.bulk_port = bulk.port  # told to workers in every RunConfig
 
+    def _start_monitor(self, metrics: ServerMetrics) -> None:
+        from asyncdiloco.ps.monitor import MonitorServer
+
+        self.monitor = MonitorServer(self.state, metrics, host=self.config.host, port=self.config.metrics_port or 0)
+        self.monitor.start()
+        if self.config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "metrics and dashboard on %s:%d without a token or TLS: anyone who can reach the port sees the "
+                "run's status (worker names, settings); keep it on a trusted network",
+                self.config.host,
+                self.monitor.port,
+            )
+
+    def _stop_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor.metrics.detach()
+            self.monitor = None
+
+    @property
+    def metrics_port(self) -> int:
+        """The HTTP monitoring endpoint's port (0 when it is off)."""
+        return self.monitor.port if self.monitor is not None else 0
+
     def _stop_bulk(self, grace_s: float | None) -> None:
         if self.bulk is not None:
             self.bulk.stop(grace_s)
@@ -221,7 +297,9 @@ class ParameterServer:
         return self.state.store_port
 
     def stop(self, grace_s: float | None = 1.0) -> None:
-        """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint."""
+        """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint.
+        The health service answers NOT_SERVING from the first moment."""
+        self.health.enter_graceful_shutdown()
         self.state.groups.close()  # held push replies go out now, not at their deadlines
         self._stop_bulk(grace_s)
         if self._server is not None:
@@ -230,6 +308,7 @@ class ParameterServer:
             if self.store is not None:
                 self.store.close()
         self._store = None
+        self._stop_monitor()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops (or ``timeout_s`` passes). True if stopped."""

@@ -3,7 +3,8 @@
 - **Token.** When the server has a token (``--token-file``), every RPC must carry the
   metadata ``authorization: Bearer <token>``; ``TokenAuthInterceptor`` compares it in
   constant time (``hmac.compare_digest``) and answers anything else with
-  ``UNAUTHENTICATED`` before the servicer runs, so a refused call changes nothing.
+  ``UNAUTHENTICATED`` before the servicer runs, so a refused call changes nothing. The
+  health checks (``UNAUTHENTICATED_METHODS``) are the one exception: probes carry no token.
 - **TLS.** ``server_credentials`` builds ``grpc.ssl_server_credentials`` from a PEM
   certificate chain and key; with a client CA the server requires client certificates
   (mutual TLS) and refuses others during the handshake. ``channel_credentials`` is
@@ -135,6 +136,12 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else ((AUTH_METADATA_KEY, _SCHEME + token),)
 
 
+#: Methods answered without a token: the standard health checks, which probes (a
+#: kubelet, grpc_health_probe, a load balancer) send without one. They reveal only
+#: SERVING or NOT_SERVING. Reflection and every ParameterServer call need the token.
+UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Refuses, with ``UNAUTHENTICATED``, every call whose token differs from ``token``.
 
@@ -154,7 +161,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or self._authorized(handler_call_details.invocation_metadata):
+        if handler is None or handler_call_details.method in UNAUTHENTICATED_METHODS:
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
             return handler
         method = handler_call_details.method
         log.warning("refused %s: missing or wrong token", method)

@@ -1,0 +1,123 @@
+"""The dashboard, /status.json and ReportEval (ps/dashboard.py, ps/monitor.py, the
+state's report_eval), over HTTP and gRPC on 127.0.0.1, and the version history's bounds."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from google.protobuf import json_format
+from helpers import assert_same, fingerprint
+
+from asyncdiloco.errors import InvalidPayloadError
+from asyncdiloco.ps.dashboard import RunHistory, render
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
+
+pytestmark = pytest.mark.timeout(60)
+
+MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
+NASTY = '<script>alert("x")</script>'
+
+
+def get(srv, path: str) -> tuple[int, str, str]:
+    """(status, content type, body) of GET ``path`` on the metrics port."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}{path}", timeout=10) as reply:
+            return reply.status, reply.headers["Content-Type"], reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["Content-Type"], err.read().decode()
+
+
+@pytest.fixture
+def run(start_server):
+    """A server with the metrics port, initialized by a worker named ``NASTY``, one push applied."""
+    srv = start_server(metrics_port=0, grouping="off", dylu=False)
+    client = ParameterServerClient(srv.address)
+    wid = client.join(MANIFEST, NASTY).worker_id
+    client.push(
+        MANIFEST.pack([torch.zeros(4)]), worker_id=wid, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
+    client.push(MANIFEST.pack([torch.ones(4)]), worker_id=wid, push_id=2, base_version=0)
+    yield srv, client
+    client.close()
+
+
+def test_the_page_shows_the_run_escaped_with_svg_and_no_external_reference(run):
+    srv, client = run
+    client.report_eval(1, 2.5, 1000, evaluator="held-out")
+    status, content_type, page = get(srv, "/")
+    assert status == 200 and content_type.startswith("text/html")
+    assert NASTY not in page and "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert page.count("<svg") == 3  # version over time, held-out loss, staleness histogram
+    assert "Held-out loss" in page and "no evaluator has reported yet" not in page
+    assert '<meta http-equiv="refresh"' in page
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+
+
+def test_status_json_is_the_status_reply(run):
+    srv, client = run
+    client.report_eval(1, 2.5, 1000)
+    status, content_type, body = get(srv, "/status.json")
+    assert status == 200 and content_type == "application/json"
+    st = json_format.Parse(body, pb.StatusReply())
+    assert st.version == 1 and st.workers[0].worker_name == NASTY and st.evals[0].loss == 2.5
+    assert st.server_version and st.workers[0].state == "training"
+
+
+def test_other_paths_are_not_found(run):
+    srv, _ = run
+    assert get(srv, "/nope")[0] == 404
+
+
+def test_a_valid_report_is_kept_in_the_status(run):
+    srv, client = run
+    client.report_eval(0, 3.0, 10, evaluator="e")
+    client.report_eval(1, 2.0, 10, evaluator="e")
+    evals = client.status().evals
+    assert [(e.version, e.loss, e.num_tokens, e.evaluator) for e in evals] == [(0, 3.0, 10, "e"), (1, 2.0, 10, "e")]
+
+
+@pytest.mark.parametrize(
+    "version, loss, num_tokens, needle",
+    [
+        (1, math.nan, 10, "must be finite"),
+        (1, math.inf, 10, "must be finite"),
+        (1, 2.0, 0, "num_tokens is 0"),
+        (2, 2.0, 10, "must be in [0, 1]"),  # the server is at version 1
+        (-1, 2.0, 10, "must be in [0, 1]"),
+    ],
+)
+def test_an_invalid_report_is_refused_and_changes_nothing(run, version, loss, num_tokens, needle):
+    srv, client = run
+    before, status_before = fingerprint(srv.state), client.status()
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ReportEval(pb.EvalReport(version=version, loss=loss, num_tokens=num_tokens), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in refused.value.details()
+    with pytest.raises(InvalidPayloadError):  # the client raises the library's exception
+        client.report_eval(version, loss, num_tokens)
+    assert_same(before, fingerprint(srv.state))
+    assert not client.status().evals and client.status().applied_pushes == status_before.applied_pushes
+
+
+def test_the_version_history_stays_bounded_and_covers_the_whole_run():
+    history = RunHistory(max_points=8, spacing_s=1.0)
+    for t in range(100):
+        history.sample(float(t), t // 2)
+    points = history.points()
+    assert len(points) <= 8 and points[0] == (0.0, 0)
+    assert points[-1][0] >= 100 - 2 * history.spacing_s  # the newest stretch is still there
+    assert all(b[0] - a[0] >= 1.0 for a, b in zip(points, points[1:], strict=False))
+
+
+def test_a_page_without_workers_or_evals_says_so():
+    page = render(pb.StatusReply(run_config=pb.RunConfig(mode="async")), [])
+    assert "no worker has joined yet" in page and "no evaluator has reported yet" in page
+    assert "waiting for the first worker" in page
