@@ -226,7 +226,7 @@ def test_a_push_kind_of_the_other_mode_is_refused_before_its_payload_is_read():
     sync = ParameterServerState(ServerConfig(port=0, mode="sync"))
     wid = sync.join(MANIFEST, "a")[0]
     header = pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_PSEUDO_GRADIENT)
-    with pytest.raises(ModeMismatchError, match="this server runs mode 'sync'"):
+    with pytest.raises(ModeMismatchError, match="this server runs --mode sync; start the worker with --mode sync"):
         sync.begin_push(header)
     state = ParameterServerState(_config())
     wid = state.join(MANIFEST, "a")[0]

@@ -255,7 +255,7 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
     client = ParameterServerClient(srv.address)
     manifest = Manifest.from_module(make_model())
     wid = client.join(manifest).worker_id
-    with pytest.raises(ModeMismatchError, match="mode mismatch: .* this server runs mode 'sync'"):
+    with pytest.raises(ModeMismatchError, match="mode mismatch: .* this server runs --mode sync"):
         client.push(torch.zeros(manifest.total_bytes, dtype=torch.uint8), worker_id=wid, push_id=2, base_version=0)
     stub_err = None
     try:
@@ -278,7 +278,7 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
     except grpc.RpcError as err:
         stub_err = err
     assert stub_err is not None and stub_err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    with pytest.raises(ModeMismatchError, match="use SyncDiLoCoWorker"):
+    with pytest.raises(ModeMismatchError, match="this worker runs --mode async; start the worker with --mode sync"):
         AsyncDiLoCoWorker(make_model(), inner_opt(make_model()), WorkerConfig(server=srv.address)).join()
     client.close()
     w.close()
@@ -287,13 +287,13 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
     try:
         client = ParameterServerClient(async_srv.address)
         wid = client.join(manifest).worker_id
-        with pytest.raises(ModeMismatchError, match="runs mode 'async'"):
+        with pytest.raises(ModeMismatchError, match="runs --mode async"):
             client.quorum(worker_id=wid, round=0, manifest_hash=manifest.manifest_hash, timeout_s=1.0)
-        with pytest.raises(ModeMismatchError, match="runs mode 'async'"):
+        with pytest.raises(ModeMismatchError, match="runs --mode async"):
             client.commit(worker_id=wid, quorum_id=1, success=True)
         client.close()
         m = make_model()
-        with pytest.raises(ModeMismatchError, match="needs `asyncdiloco server --mode sync`"):
+        with pytest.raises(ModeMismatchError, match="this worker runs --mode sync; start the worker with --mode async"):
             SyncDiLoCoWorker(m, inner_opt(m), WorkerConfig(server=async_srv.address)).join()
     finally:
         async_srv.stop(None)

@@ -377,6 +377,7 @@ def _watch(
         dynamic_ncols=True,
         bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}",
     )
+    bar.set_postfix_str(_starting_text(len(workers)))
     try:
         while watch.running():
             if time.monotonic() > watch.deadline:
@@ -460,7 +461,17 @@ class _Watch:
             if self.cfg.mode == "sync"
             else f"version {st.version} | pushes {st.applied_pushes} | staleness {mean_tau:.2f}"
         )
-        bar.set_postfix_str(f"{what} | eval loss {self.loss:.3f} | workers {sum(w.alive for w in st.workers)}")
+        alive = sum(w.alive for w in st.workers)
+        if not st.initialized:  # nothing trains yet: say what the demo waits for
+            bar.set_postfix_str(_starting_text(len(self.workers)) if alive == 0 else "waiting for the initial model")
+            return
+        bar.set_postfix_str(f"{what} | eval loss {self.loss:.3f} | workers {alive}")
+
+
+def _starting_text(num_processes: int) -> str:
+    """The bar's text until a worker joined: the worker processes load torch and build
+    the model first (seconds each, longer on a loaded machine)."""
+    return f"starting {num_processes} worker processes (loading torch, building the model); waiting for the first join"
 
 
 #: Seconds a leaving worker gets for its last push and Leave before it is stopped.

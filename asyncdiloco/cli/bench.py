@@ -1,12 +1,16 @@
 """``asyncdiloco bench``: the sync-vs-async suite (virtual or real clock) or the perf
-micro-benchmarks; prints the suite's markdown report."""
+micro-benchmarks; prints the suite's markdown report. The library's INFO lines are kept
+out of the progress bar unless -v (``QUIET_LOGGERS``)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,14 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["quick", "full", "perf"],
         default="quick",
         help="quick/full: sync vs async methods on speed profiles; "
-        "perf: transport, server and overlap micro-benchmarks",
+        "perf: transport, server and overlap micro-benchmarks (default %(default)s)",
     )
     p.add_argument(
         "--clock",
         choices=["virtual", "real"],
         default="virtual",
         help="virtual: deterministic one-process simulator (same server code, virtual time); "
-        "real: server and worker processes on 127.0.0.1",
+        "real: server and worker processes on 127.0.0.1 (default %(default)s)",
     )
     p.add_argument("--out", default="", help="output folder (default bench-SUITE-CLOCK, or perf-out)")
     p.add_argument("--sizes", default="4,64,256", help="perf: model sizes in MiB (default 4,64,256)")
@@ -31,7 +35,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: Loggers of the parts a benchmark runs in this process (servers, workers, the demo's
+#: processes): their INFO lines would break the progress bar, so they log at WARNING
+#: unless -v is given.
+QUIET_LOGGERS = ("asyncdiloco.ps", "asyncdiloco.worker", "asyncdiloco.bench")
+
+
+@contextlib.contextmanager
+def _library_logs(verbose: int) -> Iterator[None]:
+    """During the bench: the library's INFO lines only with -v, and every log line
+    written through tqdm (``logging_redirect_tqdm``) so none tears the progress bar."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    if verbose < 1:
+        for lg in loggers:
+            lg.setLevel(max(logging.WARNING, lg.getEffectiveLevel()))
+    try:
+        with logging_redirect_tqdm():
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
+    with _library_logs(getattr(args, "verbose", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.suite == "perf":
         cmd = [sys.executable, "-m", "asyncdiloco.bench.perf.perf_suite", "--out", args.out or "perf-out"]
         return subprocess.run([*cmd, "--sizes", args.sizes], check=False).returncode

@@ -9,11 +9,16 @@ same configuration; the model flags go to every worker the same way.
 from __future__ import annotations
 
 import argparse
+import logging
+import pathlib
 import signal
+import time
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import JOB, SERVER_RUN
 from asyncdiloco.ps.config import ServerConfig
+
+log = logging.getLogger(__name__)
 
 #: The demo runs the server's own defaults (the async default is what the benchmark suite
 #: shows to win); only the sync join timeout differs, per mode, where the flag is not
@@ -55,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--overlap", action="store_true", help="workers push and pull in the background while training on (async only)"
     )
     join = ", ".join(f"{mode} {s:g}" for mode, s in DEMO_JOIN_TIMEOUT_S.items())
-    SERVER_RUN.add_to(p, default_means={"--join-timeout-s": f"the demo's own: {join}"})
+    SERVER_RUN.add_to(p, default_means={"--quorum-wait-s": f"the demo's own: {join}"})
     JOB.add_to(p)
     p.set_defaults(func=run)
 
@@ -94,9 +99,23 @@ def run(args: argparse.Namespace) -> int:
         eval_every_s=args.eval_every,
         worker_args=("--overlap",) if args.overlap else (),
     )
+    _warn_if_overwriting(cfg.out_dir)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
     report = run_demo(cfg, progress=not args.no_progress)
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
+
+
+def _warn_if_overwriting(out_dir: str) -> None:
+    """Say so when ``out_dir`` holds an earlier run: its report, plot and logs are replaced."""
+    report = pathlib.Path(out_dir) / "report.json"
+    if report.exists():
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.stat().st_mtime))
+        log.warning(
+            "%s holds an earlier demo run (report.json of %s); this run overwrites its report, plot and logs "
+            "(give --out DIR to keep it)",
+            out_dir,
+            when,
+        )
 
 
 def _raise_keyboard_interrupt(*_: object) -> None:

@@ -17,7 +17,7 @@ from asyncdiloco.ps.config import ServerConfig
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("server", help="run the parameter server")
-    p.add_argument("--port-file", help="write the bound port to this file once listening")
+    p.add_argument("--port-file", help="write the bound port to this file once listening (default: none)")
     SERVER.add_to(p)
     p.set_defaults(func=run)
 
@@ -54,16 +54,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"asyncdiloco server: dashboard at {url}/, Prometheus metrics at {url}/metrics", flush=True)
     stop.wait()
     server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
-    st = server.state.status()
-    rounds = (
-        f", {st.rounds_committed} rounds committed, {st.rounds_failed} aborted" if server.config.mode == "sync" else ""
-    )
-    print(
-        f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
-        f"{st.rejected_pushes} refused, {st.pulls} pulls{rounds}",
-        flush=True,
-    )
+    print(_final_line(server.state.status(), server.config.mode), flush=True)
     return 0
+
+
+def _final_line(st, mode: str) -> str:
+    """The server's last line: its version and counters (sync: a push is one member's
+    contribution to a round, so rounds are counted apart from contributions)."""
+    if mode == "sync":
+        return (
+            f"asyncdiloco server stopped at version {st.version}: {st.rounds_committed} rounds committed, "
+            f"{st.rounds_failed} aborted, {st.applied_pushes} member contributions applied, "
+            f"{st.rejected_pushes} refused, {st.pulls} pulls"
+        )
+    return (
+        f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
+        f"{st.rejected_pushes} refused, {st.pulls} pulls"
+    )
 
 
 def _write_port_file(path: str, port: int) -> None:

@@ -3,13 +3,15 @@ by an ``AsyncDiLoCoWorker`` (or a ``SyncDiLoCoWorker`` in sync mode)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from asyncdiloco.cli.train_log import TrainLog, TrainLogConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
@@ -35,8 +37,9 @@ def run_worker(
     on_start: Callable[[], None] | None = None,
     stop: threading.Event | None = None,
     wait_to_join: Callable[[], bool] | None = None,
-    log_every: int = 100,
+    train_log: TrainLogConfig | None = None,
     sync: SyncWorkerConfig | None = None,
+    device: str = "cpu",
 ) -> WorkerStats | SyncWorkerStats:
     """Train the default job as one DiLoCo worker until a bound is hit: asynchronous,
     or synchronous (``SyncDiLoCoWorker``) when ``sync`` is given.
@@ -61,9 +64,12 @@ def run_worker(
         wait_to_join: called once the model and data are ready, before the join; it
             blocks until the worker may join and returns False to give up (nothing is
             trained and the server never hears of this worker).
-        log_every: log the training loss every this many inner steps (INFO).
+        train_log: the process log's, JSON lines' and TensorBoard's log points
+            (train_log.py); None: ``TrainLogConfig()``, the process log every 20 steps.
         sync: run as a sync-mode worker with these settings (the server must run
             ``--mode sync``); None: asynchronous.
+        device: where the model, its inner optimizer state and the batches live
+            ("cpu", "cuda", "cuda:N"; the worker's θ_base stays on the host).
     Returns:
         The worker's counters.
     Raises:
@@ -73,7 +79,7 @@ def run_worker(
     _check_bounds(slowdown, max_steps, max_seconds)
     slowdown_changes = check_slowdown_changes(slowdown_changes)
     corpus = CharCorpus.default()
-    model = job.build(corpus)
+    model = job.build(corpus).to(device)
     inner, inner_lr = job.build_inner(model.parameters())
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
     worker: AsyncDiLoCoWorker | SyncDiLoCoWorker
@@ -83,8 +89,12 @@ def run_worker(
         worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
     if wait_to_join is not None and not wait_to_join():
         return worker.stats
-    loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), log_every)
-    with worker:
+    tlog = TrainLog(train_log or TrainLogConfig())
+    loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), tlog, device)
+    name = worker_config.worker_name
+    log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
+    with _left(tlog, loop), worker:
+        tlog.joined(worker, name=worker_config.worker_name, server=worker_config.server)
         try:
             if on_start is not None:
                 on_start()
@@ -94,6 +104,16 @@ def run_worker(
         if stop is not None and stop.is_set():
             log.info("stopped after %d inner steps; leaving", loop.step)
     return worker.stats
+
+
+@contextlib.contextmanager
+def _left(tlog: TrainLog, loop: _Loop) -> Iterator[None]:
+    """The training log's last line once the worker closed (its final push sent), also
+    when training ended with an error."""
+    try:
+        yield
+    finally:
+        tlog.left(loop.step)
 
 
 def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | None) -> None:
@@ -128,9 +148,9 @@ class _Loop:
     """The plain PyTorch training loop of the default job; the worker syncs inside
     ``inner.step()`` every H-th step."""
 
-    def __init__(self, worker, model, inner, inner_lr, batches, pace: _Pace, log_every: int) -> None:
+    def __init__(self, worker, model, inner, inner_lr, batches, pace: _Pace, tlog: TrainLog, device: str) -> None:
         self.worker, self.model, self.inner, self.inner_lr = worker, model, inner, inner_lr
-        self.batches, self.pace, self.log_every = batches, pace, log_every
+        self.batches, self.pace, self.tlog, self.device = batches, pace, tlog, torch.device(device)
         self.step = 0
 
     def run(
@@ -150,24 +170,17 @@ class _Loop:
             loss = self.inner_step()
             compute_s = time.monotonic() - t0 - (self.worker.stats.blocked_s - blocked0)  # the sync is not slowed
             self.pace.after_step(self.step, time.monotonic() - started, compute_s)
+            self.tlog.after_step(self.step, loss)
             if on_step is not None:
-                on_step(self.step, float(loss))
+                on_step(self.step, loss.item())
 
     def inner_step(self) -> torch.Tensor:
-        """One inner step; returns its training loss (a scalar, nats/char)."""
-        x, y = next(self.batches)  # (B, T) int64 each
+        """One inner step; returns its training loss (a detached scalar, nats/char)."""
+        x, y = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T) int64 each
         loss = lm_loss(self.model(x), y)
         loss.backward()
         self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
         self.inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
         self.inner.zero_grad(set_to_none=True)
         self.step += 1
-        if self.step % self.log_every == 0:
-            log.info("step %d: train loss %.3f nats/char, %s", self.step, float(loss), self._progress())
-        return loss
-
-    def _progress(self) -> str:
-        st = self.worker.stats
-        if isinstance(st, SyncWorkerStats):
-            return f"{st.rounds_committed} rounds committed, {st.rounds_failed} failed"
-        return f"{st.pushes_applied} pushes applied (mean staleness {st.mean_staleness:.1f})"
+        return loss.detach()

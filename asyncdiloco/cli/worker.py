@@ -1,6 +1,6 @@
 """``asyncdiloco worker``: one worker process training the default job (train.py).
 
-Every flag is checked and turned into the configs before anything process-wide is set
+Every flag is checked and turned into the configs (and the PEM files loaded) before anything process-wide is set
 (signal handler, torch threads, allocator), so a refused flag leaves the process as it
 was. The first SIGTERM ends training after the current inner step; the worker then
 pushes its last steps and leaves.
@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from asyncdiloco.cli.train_log import TENSORBOARD_FIX, TrainLogConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SYNC_WORKER, WORKER, WORKER_JOB
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import MODES
+from asyncdiloco.wire.security import check_pem_files
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
 
@@ -29,13 +31,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker",
         help="run one worker training the default model on the default data",
-        description="One asynchronous DiLoCo worker. H and the outer optimizer are the server's (set them on "
-        "`asyncdiloco server`); the flags here choose the worker's model, data order, speed and run length.",
+        description="One DiLoCo worker, asynchronous (--mode async, the default) or synchronous (--mode sync, "
+        "for a server started with --mode sync). H and the outer optimizer are the server's (set them on "
+        "`asyncdiloco server`); the flags here choose the worker's model, data order, device, speed, run length "
+        "and training logs.",
     )
     WORKER.add_to(p)
     _add_run_args(p)
     SYNC_WORKER.add_to(p)
     WORKER_JOB.add_to(p)
+    _add_log_args(p)
     p.set_defaults(func=run)
 
 
@@ -64,10 +69,42 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="start up, then wait until PATH exists before joining (the demo starts a rejoining "
         "worker early this way, so its start-up is not part of the time away) (default: join at once)",
     )
-    g.add_argument("--max-steps", type=int, help="stop after N inner steps")
-    g.add_argument("--max-seconds", type=float, help="stop after S seconds of training")
+    g.add_argument("--max-steps", type=int, help="stop after N inner steps (default: no bound; this or --max-seconds)")
+    g.add_argument("--max-seconds", type=float, help="stop after S seconds of training (default: no bound)")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        metavar="{cpu,cuda,cuda:N,auto}",
+        help="where the model, its inner optimizer state and the batches live; auto = cuda when torch sees a GPU, "
+        "else cpu (default %(default)s)",
+    )
     g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    g.add_argument("--stats-file", help="write the worker's final counters as JSON here")
+    g.add_argument("--stats-file", help="write the worker's final counters as JSON here (default: none)")
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """The training log's outputs (train_log.py)."""
+    g = p.add_argument_group("training logs")
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=TrainLogConfig.every,
+        metavar="N",
+        help="inner steps between two log points: a line in the process log (stderr), in --train-log and "
+        "in --tensorboard-dir (default %(default)s)",
+    )
+    g.add_argument(
+        "--train-log",
+        metavar="FILE",
+        help="append JSON lines here: one per log point (step, loss_nats, tokens_per_s, local_steps, "
+        "staleness_versions, pushes, bytes, blocked_s, elapsed_s) and one per event (join, first_sync, leave); "
+        "flushed per line (default: none)",
+    )
+    g.add_argument(
+        "--tensorboard-dir",
+        metavar="DIR",
+        help=f"write the same scalars as TensorBoard events here (needs {TENSORBOARD_FIX}) (default: none)",
+    )
 
 
 # ------------------------------------------------------------------- the command
@@ -76,6 +113,9 @@ class _Configs:
     worker: WorkerConfig
     job: JobConfig
     sync: SyncWorkerConfig | None
+    train_log: TrainLogConfig = TrainLogConfig()
+    #: The torch device ("cpu", "cuda", "cuda:N"), "auto" resolved.
+    device: str = "cpu"
 
 
 def configs(args: argparse.Namespace) -> _Configs:
@@ -104,7 +144,35 @@ def configs(args: argparse.Namespace) -> _Configs:
         if wcfg.overlap:
             raise ConfigError("--overlap is invalid with --mode sync: a sync round is a barrier; drop --overlap")
         sync = SYNC_WORKER.build(SYNC_WORKER.given(args))
-    return _Configs(wcfg, WORKER_JOB.build(WORKER_JOB.given(args)), sync)
+    train_log = TrainLogConfig(every=args.log_every, jsonl_path=args.train_log, tensorboard_dir=args.tensorboard_dir)
+    job = WORKER_JOB.build(WORKER_JOB.given(args))
+    return _Configs(wcfg, job, sync, train_log, resolve_device(args.device))
+
+
+def resolve_device(text: str) -> str:
+    """The torch device of ``--device``: "cpu", "cuda" or "cuda:N" (checked against the
+    GPUs torch sees), or "auto" (cuda when torch sees one, else cpu).
+
+    Raises:
+        ConfigError: another value, or a CUDA device torch does not see.
+    """
+    import torch
+
+    value = text.strip().lower()
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = value.partition(":")
+    if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        if kind == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if int(index or 0) >= count:
+                seen = f"{count} CUDA device(s)" if count else "no CUDA device (torch.cuda.is_available() is False)"
+                raise ConfigError(
+                    f"--device {text} is invalid: torch {torch.__version__} here sees {seen}; use --device cpu "
+                    f"(or auto), or run on a machine with a GPU and a CUDA build of torch"
+                )
+        return value
+    raise ConfigError(f"--device {text!r} is invalid: choose cpu, cuda, cuda:N (N a GPU index) or auto")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from asyncdiloco.job.slowdown import parse_slowdown_changes
 
     cfg = configs(args)
+    check_pem_files(cfg.worker.security)  # a garbage PEM file is refused now, not at the handshake
     slowdown_changes = parse_slowdown_changes(args.slowdown_changes)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, _on_sigterm(stop))
@@ -130,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         max_seconds=args.max_seconds,
         sync=cfg.sync,
+        train_log=cfg.train_log,
+        device=cfg.device,
         on_start=lambda: began.append(time.time()),
         stop=stop,
         wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,

@@ -78,8 +78,9 @@ SERVER_RUN = FlagTable.of(
         ),
         Flag(flag="--min-workers", field="sync.min_workers", help="sync: workers a quorum needs"),
         Flag(
-            flag="--join-timeout-s",
+            flag="--quorum-wait-s",
             field="sync.join_timeout_s",
+            deprecated=("--join-timeout-s",),
             help="sync: seconds after a round's first request after which a quorum forms without missing members",
         ),
         Flag(
@@ -276,7 +277,12 @@ WORKER = FlagTable.of(
             help="name in the server's status",
             default_means="worker-I@HOST, I the --worker-index",
         ),
-        Flag(flag="--join-timeout", field="join_timeout_s", help="seconds to keep trying to join"),
+        Flag(
+            flag="--join-retry-s",
+            field="join_timeout_s",
+            deprecated=("--join-timeout",),
+            help="seconds to keep retrying the join before giving up (exit status 1)",
+        ),
         Flag(
             flag="--overlap",
             field="overlap",

@@ -113,8 +113,8 @@ class AsyncMode:
 
     def mismatch(self, what: str) -> ModeMismatchError:
         return ModeMismatchError(
-            f"mode mismatch: {what} is a sync-mode request but this server runs mode 'async'; use "
-            f"AsyncDiLoCoWorker (`asyncdiloco worker --mode async`), or start the server with --mode sync"
+            f"mode mismatch: {what} is a sync-mode request but this server runs --mode async; "
+            f"start the worker with --mode async, or the server with --mode sync"
         )
 
     def sync_state(self) -> tuple[int, torch.Tensor]:

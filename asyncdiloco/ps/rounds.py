@@ -92,8 +92,8 @@ class SyncMode:
 
     def mismatch(self, what: str) -> ModeMismatchError:
         return ModeMismatchError(
-            f"mode mismatch: {what} is a async-mode request but this server runs mode 'sync'; "
-            f"use SyncDiLoCoWorker (`asyncdiloco worker --mode sync`)"
+            f"mode mismatch: {what} is an async-mode request but this server runs --mode sync; "
+            f"start the worker with --mode sync, or the server with --mode async"
         )
 
     def pull_round(self, version: int) -> int:

@@ -192,11 +192,14 @@ class ParameterServer:
             ConfigError: the port is in use or the host is not an address of this machine.
         """
         target = f"{self.config.host}:{self.config.port}"
-        try:
-            port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
-        except RuntimeError as exc:  # grpcio raises when it cannot bind
-            port = 0
-            log.debug("bind failed: %s", exc)
+        port = 0
+        # A plain socket tries the address first: gRPC's own failed bind logs a raw C-core
+        # error line (add_port.cc) to stderr before the clear error below.
+        if _can_bind(self.config.host, self.config.port):
+            try:
+                port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
+            except RuntimeError as exc:  # grpcio raises when it cannot bind
+                log.debug("bind failed: %s", exc)
         if port == 0:
             raise ConfigError(
                 f"cannot listen on {target}: the port is already in use or the host is not an address of "
@@ -319,3 +322,22 @@ class ParameterServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """Whether a TCP socket binds ``host:port`` (with SO_REUSEADDR, as gRPC binds) for
+    at least one of the host's addresses: a port in use, or a host that is not an address
+    of this machine, is False. The socket is closed at once."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return True  # unresolvable here: gRPC's own bind decides (and reports)
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+                return True
+            except OSError:
+                continue
+    return False

@@ -13,6 +13,9 @@
 - **Bulk data channel** (ps/bulk.py): the same token travels in every BulkRequest and
   is compared with ``token_matches`` (constant time); ``server_ssl_context`` /
   ``client_ssl_context`` build Python ``ssl`` contexts from the same PEM files.
+- **PEM checks.** ``check_pem_files`` loads every PEM file with Python's ``ssl`` before
+  gRPC sees it (server start, channel creation, the worker command's flag check), so a
+  garbage or mismatched file is a ``ConfigError`` naming it, not a handshake failure later.
 
 A token sent over plaintext can be read by anyone on the path: use TLS whenever the
 server listens beyond 127.0.0.1.
@@ -131,6 +134,49 @@ def _read_bytes(path: str, what: str) -> bytes:
         raise ConfigError(f"{what} {path!r} cannot be read ({exc.strerror}); give a readable PEM file") from None
 
 
+# --------------------------------------------------------------- PEM checks
+def check_pem_files(config: ServerSecurityConfig | ClientSecurityConfig | None) -> None:
+    """Load every PEM file of ``config`` the way TLS will, so that a garbage or mismatched
+    file is refused now, naming it, instead of failing later as a handshake error: each
+    CA bundle (``tls_ca``, ``tls_client_ca``) must hold a certificate, ``tls_cert`` a
+    certificate and ``tls_key`` the private key of that certificate.
+
+    Raises:
+        ConfigError: a file cannot be read or is not what its flag needs; the message
+            names the flag, the file, the ssl library's reason and the fix.
+    """
+    if config is None:
+        return
+    for name in ("tls_ca", "tls_client_ca", "tls_cert"):
+        path = getattr(config, name, None)
+        if path is not None:
+            _load_pem(name, path, lambda ctx, p=path: ctx.load_verify_locations(cafile=p))
+    if config.tls_cert is not None and config.tls_key is not None:
+        cert, key = config.tls_cert, config.tls_key
+        _load_pem("tls_key", key, lambda ctx: ctx.load_cert_chain(cert, key), f" for the certificate {cert!r}")
+
+
+#: What each PEM file must hold, for the error message.
+_PEM_HOLDS = {
+    "tls_ca": "a CA certificate",
+    "tls_client_ca": "a CA certificate",
+    "tls_cert": "a certificate (chain)",
+    "tls_key": "the private key",
+}
+
+
+def _load_pem(name: str, path: str, load, what_for: str = "") -> None:
+    flag = "--" + name.replace("_", "-")
+    try:
+        load(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "reason", None) or exc.strerror or str(exc)
+        raise ConfigError(
+            f"{flag} {path!r} is invalid: it does not hold {_PEM_HOLDS[name]}{what_for} in PEM form ({reason}); "
+            f"give the PEM file (-----BEGIN ...-----) that matches, e.g. as written by openssl"
+        ) from None
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying ``token`` (empty when there is none)."""
     return () if token is None else ((AUTH_METADATA_KEY, _SCHEME + token),)
@@ -201,11 +247,12 @@ def server_credentials(config: ServerSecurityConfig | None) -> grpc.ServerCreden
     """TLS credentials for the listening port, or None for plaintext.
 
     Raises:
-        ConfigError: a PEM file cannot be read.
+        ConfigError: a PEM file cannot be read or does not hold what it must (``check_pem_files``).
     """
     if config is None or config.tls_cert is None:
         return None
     assert config.tls_key is not None  # ServerSecurityConfig requires tls_key with tls_cert
+    check_pem_files(config)
     cert = _read_bytes(config.tls_cert, "TLS certificate")
     key = _read_bytes(config.tls_key, "TLS key")
     client_ca = _read_bytes(config.tls_client_ca, "TLS client CA") if config.tls_client_ca else None
@@ -220,9 +267,14 @@ def client_token(config: ClientSecurityConfig | None) -> str | None:
 
 def channel_credentials(config: ClientSecurityConfig | None) -> grpc.ChannelCredentials | None:
     """TLS credentials for a channel (server verified against ``tls_ca``; a client
-    certificate when given), or None for plaintext."""
+    certificate when given), or None for plaintext.
+
+    Raises:
+        ConfigError: a PEM file cannot be read or does not hold what it must (``check_pem_files``).
+    """
     if config is None or config.tls_ca is None:
         return None
+    check_pem_files(config)
     ca = _read_bytes(config.tls_ca, "TLS CA")
     cert = _read_bytes(config.tls_cert, "TLS certificate") if config.tls_cert else None
     key = _read_bytes(config.tls_key, "TLS key") if config.tls_key else None

@@ -192,12 +192,6 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._closing = False
 
     # ------------------------------------------------------------ lifecycle
-    def _mode_mismatch_message(self, server_mode: str) -> str:
-        return (
-            f"mode mismatch: the server at {self.config.server} runs mode {server_mode!r}; use SyncDiLoCoWorker "
-            f"(`asyncdiloco worker --mode sync`), or start the server with --mode async"
-        )
-
     def _join_once(self) -> None:
         if not self.worker_id:
             self._register()

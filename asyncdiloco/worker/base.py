@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from asyncdiloco.errors import (
     RETRY_LATER,
+    AsyncDiLoCoError,
     ModeMismatchError,
     NotInitializedError,
     ServerUnavailableError,
@@ -126,7 +127,13 @@ class WorkerBase:
         Raises:
             ServerUnavailableError: no server, or no initial parameters, in time.
             ManifestMismatchError / ModeMismatchError: refused by the server.
+            AsyncDiLoCoError: the worker was closed (a closed worker cannot join again).
         """
+        if self._stop.is_set():
+            raise AsyncDiLoCoError(
+                f"join() after close(): this worker has left the server at {self.config.server} and closed its "
+                f"channel; create a new {type(self).__name__} (with the same model and inner optimizer) to join again"
+            )
         started = time.monotonic()
         delay = self.config.initial_backoff_s
         while True:
@@ -144,7 +151,7 @@ class WorkerBase:
                     raise ServerUnavailableError(
                         f"could not join the parameter server at {self.config.server} within "
                         f"join_timeout_s={self.config.join_timeout_s:g} ({exc}); check that `{server}` runs "
-                        f"there and that host and port are right, or raise --join-timeout"
+                        f"there and that host and port are right, or raise join_timeout_s (--join-retry-s)"
                     ) from None
                 log.info("join: %s; retrying in %.1f s", exc, wait_s)
                 time.sleep(wait_s)
@@ -258,7 +265,12 @@ class WorkerBase:
         return reply
 
     def _mode_mismatch_message(self, server_mode: str) -> str:
-        raise NotImplementedError
+        """Refusal of a server of the other mode, in the command line's words (both the
+        worker and the server take ``--mode``)."""
+        return (
+            f"mode mismatch: the server at {self.config.server} runs --mode {server_mode} but this worker runs "
+            f"--mode {self.mode}; start the worker with --mode {server_mode}, or the server with --mode {self.mode}"
+        )
 
     def _take_over_initialization_if_told(self) -> None:
         """While the global model is missing: ask whether the chosen initializer is gone

@@ -146,12 +146,6 @@ class SyncDiLoCoWorker(WorkerBase):
         self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.on_cuda)
 
     # ------------------------------------------------------------ lifecycle
-    def _mode_mismatch_message(self, server_mode: str) -> str:
-        return (
-            f"mode mismatch: the server at {self.config.server} runs mode {server_mode!r}; "
-            f"SyncDiLoCoWorker needs `asyncdiloco server --mode sync` (or use AsyncDiLoCoWorker)"
-        )
-
     def _join_once(self) -> None:
         if not self.worker_id:
             reply = self._register()
@@ -159,7 +153,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 log.warning(
                     "the server's join_timeout_s=%g is below this worker's allreduce_timeout_s=%g: after a failed "
                     "round a quorum may form before every survivor is back, splitting the replicas; start the "
-                    "server with a larger --join-timeout-s",
+                    "server with a larger --quorum-wait-s",
                     reply.run_config.join_timeout_s,
                     self.sync_config.allreduce_timeout_s,
                 )
