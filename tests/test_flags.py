@@ -136,7 +136,7 @@ def test_the_demo_has_its_own_join_timeout_unless_the_flag_is_given():
     parse = app.build_parser().parse_args
     assert demo.server_config(parse(["demo"])).sync.join_timeout_s == demo.DEMO_JOIN_TIMEOUT_S["async"]
     assert demo.server_config(parse(["demo", "--mode", "sync"])).sync.join_timeout_s == 30.0
-    assert demo.server_config(parse(["demo", "--mode", "sync", "--join-timeout-s", "4"])).sync.join_timeout_s == 4.0
+    assert demo.server_config(parse(["demo", "--mode", "sync", "--quorum-wait-s", "4"])).sync.join_timeout_s == 4.0
 
 
 def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):

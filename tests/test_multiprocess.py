@@ -68,7 +68,7 @@ def _closed_port() -> int:
 
 def test_worker_exits_nonzero_with_a_clear_message_when_it_cannot_join(cli_exit):
     port = _closed_port()
-    code, err = cli_exit(["worker", "--server", f"127.0.0.1:{port}", "--max-steps", "1", "--join-timeout", "1"])
+    code, err = cli_exit(["worker", "--server", f"127.0.0.1:{port}", "--max-steps", "1", "--join-retry-s", "1"])
     assert code == 1
     assert f"could not join the parameter server at 127.0.0.1:{port}" in err
 

@@ -251,7 +251,7 @@ def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp
             "2",
             "--context-len",
             "8",
-            "--join-timeout",
+            "--join-retry-s",
             "20",
         ]
         ok = subprocess.run(

@@ -31,7 +31,7 @@ def test_killing_one_of_three_workers_mid_allreduce_fails_the_round_then_two_tra
             "sync",
             "--min-workers",
             "2",
-            "--join-timeout-s",
+            "--quorum-wait-s",
             "4",
             "--round-timeout-s",
             "20",
