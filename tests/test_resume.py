@@ -289,3 +289,51 @@ def test_a_state_folder_refuses_another_model_another_name_and_a_second_process(
     with pytest.raises(ConfigError, match=rf"state_dir '{folder}' belongs to a model of another layout"):
         _worker(srv, folder, model=wider)
     WorkerStateDir(folder).close()  # the refusals released the folder again
+
+
+def test_the_data_stream_continues_exactly_where_its_state_was_saved():
+    from asyncdiloco.job.dataset import BatchStream, CharCorpus
+
+    corpus = CharCorpus.default()
+    stream = BatchStream(corpus, 2, 8, seed=1, worker_index=2)
+    for _ in range(5):
+        next(stream)
+    saved = stream.state_dict()
+    expected = [next(stream) for _ in range(3)]
+    again = BatchStream(corpus, 2, 8, seed=1, worker_index=2)
+    again.load_state_dict(saved)
+    assert again.position == 5
+    assert all(torch.equal(a[0], b[0]) for a, b in zip((next(again) for _ in range(3)), expected))
+    with pytest.raises(ConfigError, match="worker_index=2, this one has 0; start with the same --worker-index"):
+        BatchStream(corpus, 2, 8, seed=1, worker_index=0).load_state_dict(saved)
+
+
+def test_the_cli_refuses_a_worker_name_that_differs_from_the_saved_one(cli_exit, tmp_path):
+    folder = WorkerStateDir(tmp_path / "w")
+    folder.save({"format": 1, "worker_name": "gpu-a"}, {})
+    folder.close()
+    argv = ["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--state-dir", str(tmp_path / "w")]
+    code, err = cli_exit([*argv, "--worker-name", "gpu-b"])
+    assert code == 2
+    assert "worker name 'gpu-b' differs from the name 'gpu-a' saved in state_dir" in err and "Traceback" not in err
+
+
+def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, tmp_path):
+    srv = start_server(outer=SGD1, local_steps=3, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    worker, model, opt = _worker(srv, folder, name="w1")
+    worker.join()
+    _train(worker, model, opt, 3)  # one sync, saved
+    worker.state_dir.close()  # the process dies here
+    state = torch.load(folder / STATE_FILE, weights_only=True)
+    unsent = torch.linspace(-0.01, 0.01, state["theta_base"].numel())  # e.g. overlap's steps since its snapshot
+    state["theta_local"] = state["theta_base"] - unsent
+    state["steps_since_sync"] = 2
+    again, model2, _ = _worker(srv, tmp_path / "w2", model=_model())
+    again.load_state_dict(state)
+    with again:
+        local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+        assert torch.allclose(local, srv.state.params - unsent, atol=1e-6)
+        assert again._steps_since_sync == 2  # noqa: SLF001 - the round goes on from the saved step
+    saved = torch.load(tmp_path / "w2" / STATE_FILE, weights_only=True)
+    assert saved["worker_name"] == "w1"

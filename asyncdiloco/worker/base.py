@@ -22,6 +22,7 @@ step, so that step already trains the global model.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -382,7 +383,7 @@ class WorkerBase:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
         summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
-        summary.update(saves=self._saves + 1, extra=state["extra"])
+        summary.update(saves=self._saves + 1, pid=os.getpid(), extra=state["extra"])
         try:
             self.state_dir.save(state, summary)
         except OSError as exc:

@@ -122,19 +122,8 @@ class WorkerStateDir:
         return None if self.state is None else str(self.state["worker_name"])
 
     def resolve_name(self, given: str) -> str:
-        """The worker's name: ``given`` if set (it must equal the saved one), else the
-        saved one, else a new unique one (``default_worker_name``).
-
-        Raises:
-            ConfigError: ``given`` differs from the name saved in the folder.
-        """
-        saved = self.saved_name
-        if given and saved is not None and given != saved:
-            raise ConfigError(
-                f"worker name {given!r} differs from the name {saved!r} saved in state_dir {str(self.path)!r}; "
-                f"give --worker-name {saved} (or none), or another --state-dir for a different worker"
-            )
-        return given or saved or default_worker_name()
+        """The worker's name (``resolve_worker_name`` with the saved state's)."""
+        return resolve_worker_name(given, self.saved_name, self.path)
 
     def check_manifest(self, manifest: Manifest) -> None:
         """Raise ConfigError when the saved state belongs to a model of another layout."""
@@ -159,6 +148,40 @@ class WorkerStateDir:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
+
+
+def resolve_worker_name(given: str, saved: str | None, folder: str | os.PathLike[str]) -> str:
+    """The worker's name: ``given`` if set (it must equal ``saved``, the one saved in
+    ``folder``), else ``saved``, else a new unique one (``default_worker_name``).
+
+    Raises:
+        ConfigError: ``given`` differs from the name saved in the folder.
+    """
+    if given and saved is not None and given != saved:
+        raise ConfigError(
+            f"worker name {given!r} differs from the name {saved!r} saved in state_dir {str(folder)!r}; "
+            f"give --worker-name {saved} (or none), or another --state-dir for a different worker"
+        )
+    return given or saved or default_worker_name()
+
+
+def saved_worker_name(folder: str | os.PathLike[str]) -> str | None:
+    """The name saved in a state folder, read without taking its lock (the CLI checks
+    its flags with it before the worker opens the folder); None: no state saved there.
+
+    Raises:
+        ConfigError: the state file cannot be read.
+    """
+    file = pathlib.Path(folder) / STATE_FILE
+    if not file.is_file():
+        return None
+    try:
+        return str(torch.load(file, map_location="cpu", weights_only=True)["worker_name"])
+    except Exception as exc:  # noqa: BLE001 - any failure means an unusable file
+        raise ConfigError(
+            f"state_dir {str(folder)!r}: {STATE_FILE} cannot be loaded ({exc}); delete {file} to start this "
+            f"worker afresh"
+        ) from None
 
 
 def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None:
