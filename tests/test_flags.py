@@ -146,6 +146,7 @@ def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):
         join_timeout_s=3.0,
         overlap=True,
         bulk_channel=False,
+        state_dir="w7-state",  # read only if it holds a state (none here)
         security=ClientSecurityConfig(
             token_file=files("token"),
             tls_ca=files("ca"),

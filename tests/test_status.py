@@ -77,3 +77,23 @@ def test_a_live_worker_that_stopped_pushing_is_silent():
     clock.advance(60)  # far beyond two rounds
     state.heartbeat(a)
     assert state.status().workers[0].state == "silent"
+
+
+def test_staleness_and_left_survive_a_checkpoint_and_a_resumed_worker_is_no_longer_left():
+    clock = FakeClock()
+    state = _state(clock, lease_s=100.0)
+    a = _initialized(state, "a")
+    b = state.join(MANIFEST, "b")[0]
+    _push(state, a, 2, 0)  # τ 0
+    _push(state, b, 1, 0)  # τ 1
+    _push(state, b, 2, 0)  # τ 2
+    state.leave(b)
+    meta, tensors, _ = state.state_dict()
+    restored = _state(clock, lease_s=100.0)
+    restored.load_state_dict(meta, tensors)
+    rows = {w.worker_name: w for w in restored.status().workers}
+    assert (rows["b"].mean_staleness, rows["b"].last_staleness, rows["b"].state) == (1.5, 2, "left")
+    assert rows["a"].mean_staleness == 0.0 and rows["a"].state == "training"
+    assert restored.join(MANIFEST, "b")[0] == b  # b comes back under its name: training again, its τ kept
+    row = next(w for w in restored.status().workers if w.worker_name == "b")
+    assert (row.state, row.mean_staleness) == ("training", 1.5)

@@ -431,8 +431,9 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
         finish, i, h, compute, h_push = heapq.heappop(events)
         clock.t = max(clock.t, finish)
         if h_push == 0:  # a rejoin: a new registration that reports its rate, then a pull
-            ids[i] = state.join(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))[0]
-            push_ids[i] = 2
+            joined = state.join_worker(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))
+            ids[i] = joined.worker_id  # resumed under its name: its id, numbering pushes on
+            push_ids[i] = max(2, joined.last_push_id + 1)
             start(i, finish)
             continue
         r = replicas[i]

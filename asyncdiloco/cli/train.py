@@ -91,6 +91,9 @@ def run_worker(
         return worker.stats
     tlog = TrainLog(train_log or TrainLogConfig())
     loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), tlog, device)
+    if worker_config.state_dir is not None:  # the loop's position is saved with the worker's state
+        loop.load_state_dict(worker.restored_extra)
+        worker.extra_state = loop.state_dict
     name = worker_config.worker_name
     log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
     with _left(tlog, loop), worker:
@@ -152,6 +155,30 @@ class _Loop:
         self.worker, self.model, self.inner, self.inner_lr = worker, model, inner, inner_lr
         self.batches, self.pace, self.tlog, self.device = batches, pace, tlog, torch.device(device)
         self.step = 0
+        self._in_step = False  # inside inner.step(), where the worker syncs (and saves)
+
+    def state_dict(self) -> dict:
+        """The loop's part of the worker's saved state (``WorkerBase.extra_state``): inner
+        steps done, the data position, the inner LR schedule. Saved inside ``inner.step()``
+        (a sync point), that step counts as done but its LR step is still to come."""
+        return {
+            "step": self.step + self._in_step,
+            "batches": self.batches.state_dict(),
+            "inner_lr": self.inner_lr.state_dict(),
+            "inner_lr_stepped": not self._in_step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a ``state_dict`` ({}: a fresh start): the step count, the data
+        order exactly where it stopped, the inner LR schedule."""
+        if not state:
+            return
+        self.step = int(state["step"])
+        self.batches.load_state_dict(state["batches"])
+        self.inner_lr.load_state_dict(state["inner_lr"])
+        if not state["inner_lr_stepped"]:
+            self.inner_lr.step()
+        log.info("resuming at inner step %d (data position %d)", self.step, self.batches.position)
 
     def run(
         self,
@@ -179,7 +206,11 @@ class _Loop:
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T) int64 each
         loss = lm_loss(self.model(x), y)
         loss.backward()
-        self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+        self._in_step = True
+        try:
+            self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)
+        finally:
+            self._in_step = False
         self.inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
         self.inner.zero_grad(set_to_none=True)
         self.step += 1

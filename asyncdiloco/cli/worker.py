@@ -127,8 +127,7 @@ def configs(args: argparse.Namespace) -> _Configs:
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
     given = WORKER.given(args)
-    if not given.get("worker_name"):
-        given["worker_name"] = f"worker-{args.worker_index}@{os.uname().nodename}"
+    given["worker_name"] = _worker_name(given.get("worker_name") or "", given.get("state_dir"))
     wcfg = WORKER.build(given)
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
@@ -173,6 +172,20 @@ def resolve_device(text: str) -> str:
                 )
         return value
     raise ConfigError(f"--device {text!r} is invalid: choose cpu, cuda, cuda:N (N a GPU index) or auto")
+
+
+def _worker_name(given: str, state_dir: str | None) -> str:
+    """--worker-name, else the name saved in --state-dir, else a new unique one (saved
+    there by the worker): never a name another worker process may also take, since a
+    Join under a known name takes over that worker's id.
+
+    Raises:
+        ConfigError: --worker-name differs from the name saved in --state-dir.
+    """
+    from asyncdiloco.worker.state_dir import resolve_worker_name, saved_worker_name
+
+    saved = saved_worker_name(state_dir) if state_dir else None
+    return resolve_worker_name(given, saved, state_dir or "")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -272,10 +272,20 @@ WORKER = FlagTable.of(
     (
         Flag(flag="--server", field="server", required=True, metavar="HOST:PORT", help="the parameter server"),
         Flag(
-            flag="--name",
+            flag="--worker-name",
+            aliases=("--name",),
             field="worker_name",
-            help="name in the server's status",
-            default_means="worker-I@HOST, I the --worker-index",
+            help="the worker's identity: restarted under the same name it gets its worker id back; "
+            "two processes must not share one",
+            default_means="the name saved in --state-dir, else a new HOST-PID-XXXX",
+        ),
+        Flag(
+            flag="--state-dir",
+            field="state_dir",
+            metavar="DIR",
+            help="keep the worker's own state here (name, inner optimizer, data position, θ_base and unsent "
+            "steps, push counter), saved after every sync; a worker restarted on it continues where it stopped",
+            default_means="none: a restarted worker starts afresh",
         ),
         Flag(
             flag="--join-retry-s",

@@ -273,6 +273,41 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         self.num_batches_drawn += 1
         return sample_batch(self.corpus.train, self.batch_size, self.context_len, self._generator)
 
+    @property
+    def position(self) -> int:
+        """Batches drawn so far: the next one is batch ``position`` (0-based) of the stream."""
+        return self.num_batches_drawn
+
+    def state_dict(self) -> dict:
+        """Where the stream is, to continue it exactly (``load_state_dict``): its
+        ``position``, the generator's state (uint8 tensor) and the arguments that choose
+        the stream (``seed``, ``worker_index``, ``batch_size``, ``context_len``)."""
+        return {
+            "position": self.num_batches_drawn,
+            "generator": self._generator.get_state(),
+            "seed": self.seed,
+            "worker_index": self.worker_index,
+            "batch_size": self.batch_size,
+            "context_len": self.context_len,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue a stream saved by ``state_dict``: the next batch is the one that
+        would have followed there.
+
+        Raises:
+            ConfigError: the state is of another stream (seed, worker index, batch size
+                or context length differ).
+        """
+        for name in ("seed", "worker_index", "batch_size", "context_len"):
+            if state[name] != getattr(self, name):
+                raise ConfigError(
+                    f"the saved data position is of a stream with {name}={state[name]}, this one has "
+                    f"{getattr(self, name)}; start with the same --{name.replace('_', '-')} (or another --state-dir)"
+                )
+        self._generator.set_state(state["generator"])
+        self.num_batches_drawn = int(state["position"])
+
     def __repr__(self) -> str:
         return (
             f"BatchStream(batch_size={self.batch_size}, context_len={self.context_len}, "

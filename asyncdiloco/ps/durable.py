@@ -53,10 +53,28 @@ class Durability:
         self.snapshots = snapshots
         self.replayers = replayers
 
-    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
-        """Redo a logged Join (start-up replay)."""
+    def replay_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
+        """Redo a logged Join (start-up replay): a resumed one keeps the record's counters
+        and outcomes; ``seen_unix_s`` (wall clock; None in older logs: now) dates it.
+        ``named`` None (older logs): the name counts as given unless it is "worker-<id>"."""
+        if named is None:
+            named = name != f"worker-{worker_id}"
         with self.locks.books:
-            self.registry.register(worker_id, name, initialize, manifest, self.clock())
+            self.registry.replay_join(worker_id, name, initialize, manifest, named, seen_unix_s)
+
+    def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
+        """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""
+        with self.locks.books:
+            self.registry.replay_seen(worker_id, seen_unix_s)
 
     def attach_journal(self, journal: Journal) -> None:
         """Log every Join and push into ``journal`` from now on."""
@@ -113,8 +131,10 @@ class Durability:
 
     def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a fresh state from a checkpoint's ``state_dict``. Workers that were
-        registered come back with a full lease, so they resume under their old ids;
-        those that had left or expired stay gone (they rejoin, as before the restart).
+        registered keep the rest of their lease (counted on the wall clock from their
+        last contact; a full one for checkpoints that do not say), so they resume under
+        their old ids; those that had left, expired, or were silent for longer than the
+        lease by now stay gone (they rejoin under their name and get their id back).
 
         Raises:
             CheckpointError: the tensors do not match the stored manifest, or the

@@ -9,6 +9,7 @@ never reaches into the state's locks or fields.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,11 +26,24 @@ StateDict = tuple[dict, dict[str, torch.Tensor], int]
 class Journal(Protocol):
     """A write-ahead log of the state's changes (store.py)."""
 
-    def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
-        """Log a Join (books lock held); ``manifest`` when it becomes the server's."""
+    def log_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
+        """Log a Join (books lock held); ``manifest`` when it becomes the server's;
+        ``named``: the worker gave its name; ``seen_unix_s``: when, on the wall clock."""
 
-    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
-        """Log a push about to be applied (books lock held), with what its outer step depends on."""
+    def log_push(
+        self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
+    ) -> None:
+        """Log a push about to be applied (books lock held), with what its outer step
+        depends on and when it arrived (wall clock, seconds)."""
 
     def maybe_checkpoint(self) -> None:
         """Checkpoint if enough pushes were logged since the last one (no lock held)."""
@@ -48,8 +62,20 @@ class JournaledState(Protocol):
     def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a fresh state from a ``state_dict``."""
 
-    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
-        """Redo a logged Join."""
+    def replay_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
+        """Redo a logged Join (a resumed one keeps the record's counters and outcomes)."""
+
+    def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
+        """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""
 
     def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with the τ, s(τ) and live-worker count it was applied with."""
@@ -63,18 +89,32 @@ class JournaledState(Protocol):
 
 class JournalSlot:
     """The state's journal, if one is attached: forwards to it, does nothing without one.
-    Attached and detached under the books lock (the appends run under it too)."""
+    Attached and detached under the books lock (the appends run under it too).
 
-    def __init__(self) -> None:
+    Args:
+        wall_clock: wall-clock seconds; dates each logged push (the worker's last contact).
+    """
+
+    def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
         self.journal: Journal | None = None
+        self.wall_clock = wall_clock
 
-    def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+    def log_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
         if self.journal is not None:  # durable before the worker learns its id
-            self.journal.log_join(worker_id, name, initialize, manifest)
+            self.journal.log_join(worker_id, name, initialize, manifest, named=named, seen_unix_s=seen_unix_s)
 
     def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         if self.journal is not None:  # durable before it is applied and acknowledged
-            self.journal.log_push(header, payload, applied)
+            self.journal.log_push(header, payload, applied, seen_unix_s=self.wall_clock())
 
     def maybe_checkpoint(self) -> None:
         journal = self.journal

@@ -9,6 +9,7 @@ the observer.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 from asyncdiloco.ps.config import ServerConfig
@@ -45,15 +46,22 @@ class CoreParts:
     observer: Observer = dataclasses.field(default_factory=Observer)
 
     @classmethod
-    def build(cls, config: ServerConfig, clock: Callable[[], float], grouping: str) -> CoreParts:
-        """Fresh parts for a new state; ``grouping``: the grouping mode in effect."""
-        model, journal = GlobalModel(config), JournalSlot()
+    def build(
+        cls,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        grouping: str,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> CoreParts:
+        """Fresh parts for a new state; ``grouping``: the grouping mode in effect;
+        ``wall_clock``: wall-clock seconds (workers' last contacts outlive a restart)."""
+        model, journal = GlobalModel(config), JournalSlot(wall_clock)
         return cls(
             config=config,
             clock=clock,
             locks=StateLocks(),
             model=model,
-            registry=WorkerRegistry(config, clock, grouping, model, journal),
+            registry=WorkerRegistry(config, clock, grouping, model, journal, wall_clock),
             counters=Counters(config.histogram_buckets, clock),
             journal=journal,
         )

@@ -77,6 +77,33 @@ class WorkerRecord:
     staleness_pushes: int = 0
     last_staleness: int = 0
     outcomes: OrderedDict[int, PushOutcome] = dataclasses.field(default_factory=OrderedDict)
+    #: The worker gave this name (``JoinRequest.worker_name``): a later Join under it
+    #: resumes this record. False for the "worker-<id>" a nameless worker is given.
+    named: bool = False
+
+    @property
+    def last_push_id(self) -> int:
+        """The highest push_id this worker has a remembered outcome for (0: none)."""
+        return max(self.outcomes, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """The answer to a Join (``JoinReply``'s fields the state decides).
+
+    Attributes:
+        worker_id: the worker's id (its old one when it resumed).
+        initialize: the worker must push the initial parameters.
+        version: the global version at the join.
+        resumed: the Join's name matched a registered worker, whose id was given back.
+        last_push_id: the highest push_id with a remembered outcome from that id (0: new).
+    """
+
+    worker_id: int
+    initialize: bool
+    version: int
+    resumed: bool = False
+    last_push_id: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,7 +8,11 @@ derives what the server dictates per worker: H_w by Dynamic Local Updates (Liu e
 the expected-workers rule a push group (and Delayed Nesterov's N) waits for.
 
 Leases run on the server's monotonic clock: a worker silent for longer than
-``ServerConfig.lease_s`` is no longer registered (it calls Join again).
+``ServerConfig.lease_s`` is no longer registered (it calls Join again). A worker that
+joins under the name it gave before gets its id back (it resumes: counters and the
+outcomes of its pushes stay, so a retried push is answered as before). Checkpoints and
+the log date each worker's last contact on the wall clock, so that after a restart a
+worker keeps only the rest of its lease, and one dead before the restart gets none.
 
 Not thread-safe on its own: every method is called with the state's books lock held
 (records.py ``StateLocks``).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
@@ -25,7 +30,7 @@ from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
-from asyncdiloco.ps.records import PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import Joined, PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -56,6 +61,8 @@ class WorkerRegistry:
             "barrier"; always "off" in sync mode).
         model: the global model (a Join checks, or brings, its manifest).
         journal: where each Join is logged before the worker learns its id.
+        wall_clock: wall-clock seconds (``time.time``), for last contacts that outlive
+            a restart (checkpoints and log records).
     """
 
     def __init__(
@@ -65,26 +72,34 @@ class WorkerRegistry:
         grouping: str,
         model: GlobalModel,
         journal: JournalSlot,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.grouping = grouping
         self.model = model
         self.journal = journal
         self.workers: dict[int, WorkerRecord] = {}
+        #: Names the workers gave → their id (a Join under one resumes that id).
+        self.names: dict[str, int] = {}
         self.next_worker_id = 1
         #: The worker told to push the initial parameters (None: none chosen yet).
         self.initializer: int | None = None
         self.rates = StepRateMeter()
 
     # ------------------------------------------------------------ joins and leases
-    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> tuple[int, bool]:
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> Joined:
         """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
         v_w it measured, steps/s, for DyLU); logged before it is answered.
 
+        A non-empty ``worker_name`` that a registered worker gave (alive, left or
+        expired) resumes that worker: same id, counters and remembered push outcomes;
+        the old session's lease ends now and the new one starts as a fresh join.
+
         Returns:
-            (worker_id, initialize): ``initialize`` is True when this worker must push
-            the initial parameters.
+            The join's id, whether it must push the initial parameters, the version,
+            and whether (and from which push id on) it resumed.
         Raises:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
@@ -96,41 +111,110 @@ class WorkerRegistry:
             )
         now = self.clock()
         self.expire(now)
+        old = self.by_name(worker_name)
         # The manifest is provisional until the initial parameters arrive: if every
         # worker that brought it is gone, the next join may bring another model.
         known, initialized = self.model.manifest, self.model.initialized
-        replace = known is None or (not initialized and not self.any_alive())
+        others_alive = any(r.alive for r in self.workers.values() if r is not old)
+        replace = known is None or (not initialized and not others_alive)
         if known is not None and not replace:
             manifest.check_same(known)
-        worker_id = self.next_worker_id
-        initialize = not initialized and self.initializer_gone()
+        worker_id = old.worker_id if old is not None else self.next_worker_id
+        # A resumed initializer is told again (its previous session may have died before pushing).
+        initialize = not initialized and (self.initializer_gone() or self.initializer == worker_id)
         name = worker_name or f"worker-{worker_id}"
-        self.journal.log_join(worker_id, name, initialize, manifest if replace else None)
-        self.register(worker_id, name, initialize, manifest if replace else None, now)
+        named = bool(worker_name)
+        self.journal.log_join(
+            worker_id, name, initialize, manifest if replace else None, named=named, seen_unix_s=self.wall_clock()
+        )
+        if old is not None:
+            self.rates.forget(worker_id)  # the new session's rate is measured afresh
+        self.register(worker_id, name, initialize, manifest if replace else None, now, named=named)
         self.rates.report(worker_id, steps_per_s)
+        last_push_id = old.last_push_id if old is not None else 0
         log.info(
-            "worker %d (%s) joined at version %d%s",
+            "worker %d (%s) %s at version %d%s",
             worker_id,
             name,
+            f"resumed (last push id {last_push_id})" if old is not None else "joined",
             self.model.version,
             " and initializes the global model" if initialize else "",
         )
-        return worker_id, initialize
+        return Joined(worker_id, initialize, self.model.version, old is not None, last_push_id)
+
+    def by_name(self, name: str) -> WorkerRecord | None:
+        """The registered worker (alive or not) that gave ``name`` when it joined; None
+        for an empty name, or a name no worker gave ("worker-<id>" names given by the
+        server do not count)."""
+        worker_id = self.names.get(name) if name else None
+        return self.workers.get(worker_id) if worker_id is not None else None
 
     def get(self, worker_id: int) -> WorkerRecord | None:
         """The worker's record, alive or not (None: never registered)."""
         return self.workers.get(worker_id)
 
-    def register(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None, now: float) -> None:
-        """Add a worker with a fresh lease (a Join, or its replay); ``initialize`` makes
-        it the initializer; ``manifest`` (if given) becomes the server's."""
+    def register(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        now: float,
+        *,
+        named: bool = False,
+        silent_s: float = 0.0,
+    ) -> None:
+        """Start a session of a worker (a Join, or its replay): a new record, or a new
+        session of a known id (a resumed Join: its counters and outcomes stay).
+
+        Args:
+            now: the server clock, seconds.
+            named: the worker gave ``name`` (a later Join under it resumes this id).
+            silent_s: seconds since the worker was last seen (a replayed Join: its age);
+                0 for a live Join, whose lease is fresh.
+            initialize, manifest: it becomes the initializer; the server's manifest.
+        """
         if manifest is not None:
             self.model.manifest = manifest
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
-        self.workers[worker_id] = WorkerRecord(worker_id, name, now, now)
+        seen = now - silent_s
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            self.workers[worker_id] = WorkerRecord(worker_id, name, seen, seen, named=named)
+        else:
+            rec.name, rec.named, rec.alive, rec.left = name, named, True, False
+            rec.joined_at = rec.last_seen = seen
+        if named:
+            self.names[name] = worker_id
         self.rates.start(worker_id, now)
         if initialize:
             self.initializer = worker_id
+
+    def replay_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        named: bool,
+        seen_unix_s: float | None,
+    ) -> None:
+        """Redo a logged Join; ``seen_unix_s`` (wall clock, None: unknown) dates it, so
+        a worker that joined before the restart keeps only the rest of its lease."""
+        self.register(
+            worker_id, name, initialize, manifest, self.clock(), named=named, silent_s=self.silent_s(seen_unix_s)
+        )
+
+    def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
+        """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""
+        rec = self.workers.get(worker_id)
+        if rec is not None:
+            rec.last_seen = max(rec.last_seen, self.clock() - self.silent_s(seen_unix_s))
+
+    def silent_s(self, seen_unix_s: float | None) -> float:
+        """Seconds from ``seen_unix_s`` (wall clock) to now; 0 when unknown, or when the
+        wall clock went back."""
+        return 0.0 if seen_unix_s is None else max(0.0, self.wall_clock() - seen_unix_s)
 
     def expire(self, now: float) -> None:
         """End the lease of every worker silent for longer than ``lease_s`` seconds."""
@@ -306,16 +390,24 @@ class WorkerRegistry:
         ]
 
     def to_meta(self) -> list[dict]:
-        """The worker table for a checkpoint, with each worker's remembered push outcomes."""
+        """The worker table for a checkpoint, with each worker's remembered push outcomes
+        and when it was last seen on the wall clock (``last_seen_unix_s``: the monotonic
+        clock does not survive a restart)."""
+        now, wall_now = self.clock(), self.wall_clock()
+        self.expire(now)
         return [
             {
                 "worker_id": r.worker_id,
                 "name": r.name,
+                "named": r.named,
                 "alive": r.alive,
+                "last_seen_unix_s": wall_now - (now - r.last_seen),
                 "applied_pushes": r.applied_pushes,
                 "rejected_pushes": r.rejected_pushes,
                 "tokens": r.tokens,
                 "local_steps": r.local_steps,
+                "left": r.left,
+                "staleness": [r.staleness_sum, r.staleness_pushes, r.last_staleness],
                 "outcomes": [
                     [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
                     for pid, o in r.outcomes.items()
@@ -325,15 +417,24 @@ class WorkerRegistry:
         ]
 
     def load_meta(self, workers: list[dict], next_worker_id: int, initializer: int | None, now: float) -> None:
-        """Restore the table of a checkpoint: its workers come back with a full lease."""
+        """Restore the table of a checkpoint. A worker registered then keeps the rest of
+        its lease, counted from ``last_seen_unix_s``: one silent for longer than
+        ``lease_s`` by now expires at the next lease check (at start-up), and is not
+        handed a new lease. Checkpoints without the field give a full lease."""
         self.next_worker_id = next_worker_id
         self.initializer = initializer
-        self.workers = {}
+        self.workers, self.names = {}, {}
         self.rates = StepRateMeter()
         for w in workers:
-            rec = WorkerRecord(w["worker_id"], w["name"], now, now, w["alive"], w["applied_pushes"])
+            seen = now - self.silent_s(w.get("last_seen_unix_s"))
+            named = w.get("named", w["name"] != f"worker-{w['worker_id']}")  # older checkpoints: by the name
+            rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=named)
             rec.rejected_pushes, rec.tokens, rec.local_steps = w["rejected_pushes"], w["tokens"], w["local_steps"]
+            rec.left = w.get("left", False)  # older checkpoints: a stopped worker shows as "expired"
+            rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
             for pid, applied, version, tau, weight, steps in w["outcomes"]:
                 rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
             self.workers[rec.worker_id] = rec
+            if named:
+                self.names[rec.name] = rec.worker_id
             self.rates.start(rec.worker_id, now)

@@ -36,16 +36,18 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             manifest = Manifest.from_proto(request.manifest)
-            worker_id, initialize, version = self.state.join(manifest, request.worker_name, request.steps_per_s)
+            joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s)
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", request.worker_name or "unnamed", exc)
             _abort(context, exc)
         return pb.JoinReply(
-            worker_id=worker_id,
-            run_config=self.state.run_config(worker_id),
+            worker_id=joined.worker_id,
+            run_config=self.state.run_config(joined.worker_id),
             manifest=self.state.model.known_manifest.to_proto(),
-            version=version,
-            initialize=initialize,
+            version=joined.version,
+            initialize=joined.initialize,
+            resumed=joined.resumed,
+            last_push_id=joined.last_push_id,
         )
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):

@@ -46,7 +46,7 @@ from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
-from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, Joined, PushOutcome, WorkerRecord
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 INITIAL, PSEUDO_GRADIENT = pb.PUSH_KIND_INITIAL_PARAMETERS, pb.PUSH_KIND_PSEUDO_GRADIENT
 
-__all__ = ["ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
+__all__ = ["Joined", "ParameterServerState", "PushOutcome", "Snapshot", "WorkerRecord"]
 
 
 @functools.cache
@@ -78,17 +78,25 @@ class ParameterServerState:
 
     Args:
         config: the server configuration.
-        clock: monotonic seconds (injectable for tests and the simulator).
+        clock: monotonic seconds (injectable for tests and the simulator): leases, rates,
+            groups and rounds.
+        wall_clock: wall-clock seconds (``time.time``; injectable for tests): the workers'
+            last contacts in checkpoints and the log, which must outlive a restart.
     """
 
-    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self._clock = clock
         self._started = clock()
         #: Push replies held per group (schedule.py); sync mode has rounds instead.
         self.groups = GroupGate(config.grouping if config.mode == "async" else "off", clock)
         self.monitor = PseudoGradientMonitor()
-        core = CoreParts.build(config, clock, self.groups.window.mode)
+        core = CoreParts.build(config, clock, self.groups.window.mode, wall_clock)
         self.locks, self.model, self.registry, self.counters = core.locks, core.model, core.registry, core.counters
         #: Timings of the slow steps and the initialization event, for metrics and health (observer.py).
         self.observer: Observer = core.observer
@@ -205,9 +213,22 @@ class ParameterServerState:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
         """
+        joined = self.join_worker(manifest, worker_name, steps_per_s)
+        return joined.worker_id, joined.initialize, joined.version
+
+    def join_worker(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> Joined:
+        """``join`` with everything ``JoinReply`` says: a non-empty ``worker_name`` of a
+        registered worker (alive, left or expired) resumes it under its old id, with its
+        counters and remembered push outcomes; the old session ends at once (the groups,
+        Delayed Nesterov's N and sync mode's rounds stop waiting for it) and the new one
+        is a fresh join (rate, grouping). Raises as ``join``."""
         with self.locks.books:
-            worker_id, initialize = self.registry.join(manifest, worker_name, steps_per_s)
-            return worker_id, initialize, self.version
+            joined = self.registry.join(manifest, worker_name, steps_per_s)
+            expected = self.registry.expected(self._clock()) if joined.resumed else set()
+        if joined.resumed:  # as after a Leave of the old session
+            self.groups.recheck(expected)
+            self.mode.on_leave(joined.worker_id)
+        return joined
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> tuple[int, float, bool]:
         """Renew the lease (and take the worker's measured inner-step rate, steps/s, if > 0).
@@ -461,9 +482,22 @@ class ParameterServerState:
         """Restore a fresh state from a checkpoint (durable.py ``Durability.load_state_dict``)."""
         self.durability.load_state_dict(meta, tensors)
 
-    def replay_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
-        """Redo a logged Join (start-up replay)."""
-        self.durability.replay_join(worker_id, name, initialize, manifest)
+    def replay_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
+        """Redo a logged Join (durable.py ``Durability.replay_join``)."""
+        self.durability.replay_join(worker_id, name, initialize, manifest, named=named, seen_unix_s=seen_unix_s)
+
+    def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
+        """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""
+        self.durability.replay_seen(worker_id, seen_unix_s)
 
     def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push (durable.py ``Durability.replay_push``)."""

@@ -237,18 +237,37 @@ class DurableStore:
             ) from None
         self.lsn = lsn
 
-    def log_join(self, worker_id: int, name: str, initialize: bool, manifest: Manifest | None) -> None:
+    def log_join(
+        self,
+        worker_id: int,
+        name: str,
+        initialize: bool,
+        manifest: Manifest | None,
+        *,
+        named: bool | None = None,
+        seen_unix_s: float | None = None,
+    ) -> None:
         """Journal a Join before it is answered (state lock held); ``manifest`` when it
-        becomes the server's (the first Join)."""
+        becomes the server's (the first Join); ``named``: the worker gave its name (a
+        Join of a known name resumes its id); ``seen_unix_s``: when, on the wall clock."""
         meta = {"worker_id": worker_id, "name": name, "initialize": initialize}
         if manifest is not None:
             meta["manifest"] = manifest_to_json(manifest)
+        if named is not None:
+            meta["named"] = named
+        if seen_unix_s is not None:
+            meta["seen_unix_s"] = seen_unix_s
         self._append(JOIN, meta)
 
-    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
+    def log_push(
+        self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
+    ) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
-        everything its outer step depends on: τ, s(τ) and the live worker count."""
+        everything its outer step depends on: τ, s(τ) and the live worker count (and
+        ``seen_unix_s``, when it arrived on the wall clock: the worker's last contact)."""
         meta = push_meta(header, applied, self.server_config.wire_codec)
+        if seen_unix_s is not None:
+            meta["seen_unix_s"] = seen_unix_s
         self._append(PUSH, meta, payload.numpy().data)
         self._pushes_since_checkpoint += 1
 

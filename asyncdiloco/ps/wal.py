@@ -10,7 +10,9 @@ A record is a fixed head, a JSON meta and a payload::
 payload). ``JOIN`` records hold the worker id, name, whether it initializes and, for the
 first Join, the manifest; ``PUSH`` records hold the push header's fields, τ, s(τ), the
 version it produced, the live-worker count N and the wire codec, and the payload exactly
-as received. The format is fixed: old logs must replay.
+as received. Newer records add ``named`` (JOIN: the worker gave its name) and
+``seen_unix_s`` (both: the wall-clock time, the worker's last contact); records without
+them replay as before (a full lease). The format is fixed: old logs must replay.
 """
 
 from __future__ import annotations
@@ -173,7 +175,9 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
     m = rec.meta
     if rec.kind == JOIN:
         manifest = manifest_from_json(m["manifest"]) if "manifest" in m else None
-        state.replay_join(m["worker_id"], m["name"], m["initialize"], manifest)
+        state.replay_join(
+            m["worker_id"], m["name"], m["initialize"], manifest, named=m.get("named"), seen_unix_s=m.get("seen_unix_s")
+        )
         return
     if rec.kind != PUSH:
         raise CheckpointError(f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup")
@@ -191,3 +195,5 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
         tau=m["tau"], weight=m["weight"], version_after=m["version_after"], num_workers=m["num_workers"]
     )
     state.replay_push(header, payload, applied)
+    if "seen_unix_s" in m:
+        state.replay_seen(m["worker_id"], m["seen_unix_s"])

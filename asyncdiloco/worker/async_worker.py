@@ -36,6 +36,20 @@ Overlap (``WorkerConfig.overlap``): the push and the next pull run in a backgrou
 thread while the next inner steps proceed, and the new global model is merged keeping
 the progress made meanwhile; see overlap.py for the rule and its sources.
 
+Restarts (``WorkerConfig.state_dir``, state_dir.py): after every sync the worker adopts
+(a pull loaded, or overlap's merge) it saves ``state_dict()``: θ_base and its version,
+the model's θ_local (θ_base − θ_local is what the server has not received: the codec's
+residual, overlap's steps since the snapshot), an unacknowledged push, the push counter,
+the round's step count, the inner optimizer and the caller's ``extra``. A worker built on
+that folder loads it: the model holds θ_local again. When the server resumes its
+registration (same name, ``JoinReply.resumed``) it first retries the saved push with its
+push id (applied at most once: the server answers a retry with its original outcome),
+then pulls the newest global model keeping θ_base − θ_local on top of it, and counts on
+from the saved step. A restart so loses at most the inner steps since the last save;
+those are trained again on the same data when the caller restores its data position.
+If the server does not know the worker (a fresh run), only the inner optimizer and
+``extra`` carry over and the model is the global one (or initializes it).
+
 Device handling: parameters may live on any device; the worker keeps θ_base and its
 buffers as fp32 on the CPU (pinned when the model is on CUDA) and copies explicitly.
 """
@@ -46,6 +60,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -137,6 +152,16 @@ class _PendingPush:
         )
 
 
+@dataclasses.dataclass
+class _Resume:
+    """A restored state the first join continues (the server resumed this worker's id)."""
+
+    steps_since_sync: int
+    tokens_since_sync: int
+    #: Keep θ_base − θ_local over the pull (False once the saved push was refused as stale).
+    keep_unsent: bool = True
+
+
 def _payload_of(pending: PushToSend) -> torch.Tensor:
     """The payload of a push that was sent (it was encoded before)."""
     assert pending.payload is not None, "a sent push has its payload"
@@ -190,12 +215,15 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
         self._joined_at: float | None = None
         self._closing = False
+        self._restored_push_id: int | None = None  # the push counter of a restored state, until the join
+        self._restored_counts = (0, 0)  # (steps, tokens) since the last push, of a restored state
+        self._resume: _Resume | None = None
+        self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
     def _join_once(self) -> None:
         if not self.worker_id:
-            self._register()
-            self._next_push_id = 2  # push_id 1 is reserved for the initial parameters
+            self._resume = self._number_pushes(self._register())
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             payload = self.manifest.pack_flat(self.flat.copy_into(self._base))  # always raw, exact
             self._send_payload(
@@ -204,14 +232,55 @@ class AsyncDiLoCoWorker(WorkerBase):
             )
             self._must_initialize = False
             self.version = 0
+            self._pending, self._resume = None, None  # the model is the global one now
             self._start_round()  # the steps so far are in the initial parameters
             log.info("worker %d initialized the global model", self.worker_id)
+            self._save_state()
             return
         try:
-            self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+            if self._resume is not None:
+                self._continue_restored(self._resume)
+            else:
+                self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
         except NotInitializedError:
             self._take_over_initialization_if_told()
             raise
+
+    def _number_pushes(self, reply: pb.JoinReply) -> _Resume | None:
+        """Where this registration's push ids start (push_id 1 is the initial parameters'),
+        and whether it continues a restored state: only when the server resumed this
+        worker's id and holds no push past the restored counter. A restored counter is
+        kept, so the push that may have been in flight when the worker died is answered
+        with its original outcome; otherwise ids go on after ``last_push_id``."""
+        restored, self._restored_push_id = self._restored_push_id, None
+        if restored is not None and reply.resumed and restored >= reply.last_push_id:
+            self._next_push_id = restored
+            return _Resume(*self._restored_counts)
+        if restored is not None:
+            log.warning(
+                "worker %d: the saved state %s; continuing from the global model",
+                reply.worker_id,
+                "is older than the server's pushes" if reply.resumed else "is of a registration the server lacks",
+            )
+            self._forget_unsent()
+        self._next_push_id = max(2, reply.last_push_id + 1)
+        return None
+
+    def _continue_restored(self, resume: _Resume) -> None:
+        """The first sync of a restored worker the server resumed: retry the saved push
+        (a stale one is dropped with the steps after it, as at any sync point), then pull
+        keeping θ_base − θ_local, what the server has not received, and count on from the
+        saved step."""
+        if self._pending is not None:
+            refused = self.stats.pushes_refused
+            self._push_round()
+            resume.keep_unsent = self.stats.pushes_refused == refused
+        self._carry_residual = resume.keep_unsent
+        self._pull_and_load()
+        if resume.keep_unsent:
+            self._steps_since_sync, self._tokens_since_sync = resume.steps_since_sync, resume.tokens_since_sync
+        self._resume = None
+        self._save_state()
 
     def join(self) -> None:
         super().join()
@@ -245,6 +314,8 @@ class AsyncDiLoCoWorker(WorkerBase):
                 except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                     log.warning("final push failed: %s", exc)
                     break
+        if self.worker_id and not self._needs_rejoin:
+            self._save_state()  # the final pushes' ids (and one that failed, to retry) for a restart
         self._close_connection()
         if self._overlap is not None:
             self._overlap.close()
@@ -339,6 +410,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.pulls += 1
         self.stats.bytes_pulled += out.bytes_pulled
         self._backoff_s = self.config.initial_backoff_s
+        self._save_state()  # adopted, on the training thread, before the next sync starts
         return True
 
     def _record_push_outcome(self, out: SyncOutcome) -> None:
@@ -480,7 +552,66 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._start_round()
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
+        if self._resume is None:  # a resumed first pull saves once its step count is restored
+            self._save_state()
 
     def _forget_unsent(self) -> None:
         self._pending = None  # not applied (the server did not know this worker): Δ is recomputed
         self._carry_residual = False
+
+    # ---------------------------------------------------------- saved state
+    def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The worker's own state, to continue after a restart (``load_state_dict``;
+        saved into ``config.state_dir`` after every adopted sync). Call it on the
+        training thread; with overlap, a sync in flight is waited for and merged first.
+
+        Args:
+            extra: the caller's own state, ``torch.save``-able (e.g. its data position).
+        Returns:
+            ``WorkerBase.state_dict``'s keys and: ``version`` (θ_base's), ``theta_base``
+            and ``theta_local`` (fp32 (N,) CPU copies; θ_local is the model),
+            ``next_push_id``, ``steps_since_sync`` and ``tokens_since_sync`` (this
+            round's inner steps and tokens so far), and ``pending``: an unacknowledged
+            push (``push_id``, ``base_version``, ``num_local_steps``, ``num_tokens``,
+            ``compute_s`` and its ``payload``, uint8 as sent) or None.
+        """
+        if self._overlap is not None and self._overlap.in_flight:
+            self._guarded(self._wait_and_merge)  # θ_base and the pending push are the background's until then
+        state = super().state_dict(extra)
+        pending = self._pending
+        state.update(
+            version=self.version,
+            theta_base=self._base.clone(),
+            theta_local=self.flat.copy_into(torch.empty_like(self._base)),
+            next_push_id=self._next_push_id,
+            steps_since_sync=self._steps_since_sync,
+            tokens_since_sync=self._tokens_since_sync,
+            pending=None
+            if pending is None or pending.payload is None
+            else {
+                "payload": pending.payload.clone(),
+                "push_id": pending.push_id,
+                "base_version": pending.base_version,
+                "num_local_steps": pending.num_local_steps,
+                "num_tokens": pending.num_tokens,
+                "compute_s": pending.compute_s,
+            },
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` before the worker joins: the model holds the saved
+        θ_local, and the first join continues the saved round if the server resumes
+        this worker's registration (see the module docstring).
+
+        Raises:
+            ConfigError: as ``WorkerBase.load_state_dict``.
+        """
+        super().load_state_dict(state)
+        self._base.copy_(state["theta_base"])
+        self.flat.load(state["theta_local"].to(self._base.dtype))
+        self.version = int(state["version"])
+        self._restored_push_id = int(state["next_push_id"])
+        self._restored_counts = (int(state["steps_since_sync"]), int(state["tokens_since_sync"]))
+        saved = state.get("pending")
+        self._pending = None if saved is None else _PendingPush(**saved)

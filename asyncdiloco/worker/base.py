@@ -8,6 +8,11 @@ heartbeat thread, the wire codec the server dictates (``_encode_delta`` /
 and flat fp32 vectors are flat.py's (``self.flat``). ``AsyncDiLoCoWorker``
 (async_worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py) add what a sync point does.
 
+With ``WorkerConfig.state_dir`` the base also owns the worker's state folder
+(state_dir.py): its name, the common part of ``state_dict`` (name, model layout, inner
+optimizer, the caller's ``extra``) and the save after every adopted sync; the subclasses
+add their own part.
+
 The step hook is installed by ``join``, once the server has said what H is: before it a
 step would count towards a sync point of a registration that does not exist yet. A worker
 used without ``with`` and never joined joins from a pre-step hook before its first inner
@@ -17,10 +22,11 @@ step, so that step already trains the global model.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from asyncdiloco.errors import (
     RETRY_LATER,
     AsyncDiLoCoError,
+    ConfigError,
     ModeMismatchError,
     NotInitializedError,
     ServerUnavailableError,
@@ -40,6 +47,7 @@ from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.flat import FlatParams
+from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,15 @@ class WorkerBase:
 
     Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
     ``self.stats`` the ``WorkerCounters``, and implement ``_join_once`` (register,
-    initialize or load the global model), ``_sync_once`` and ``close``.
+    initialize or load the global model), ``_sync_once`` and ``close``; with a state
+    folder they extend ``state_dict`` / ``load_state_dict`` and call
+    ``_restore_saved_state`` at the end of their ``__init__`` and ``_save_state`` after
+    every sync they adopt.
+
+    Raises:
+        ConfigError: ``config.state_dir`` is in use by another worker, holds the state
+            of another model or mode, or was saved under another name than
+            ``config.worker_name``.
     """
 
     mode = "async"
@@ -75,6 +91,24 @@ class WorkerBase:
         self.config = config
         self.tokens_per_step = tokens_per_step
         self.manifest = Manifest.from_module(model)
+        #: The name this worker joins under: ``config.worker_name``, else the one saved in
+        #: ``config.state_dir``, else (with a state folder) a new unique one saved there.
+        self.worker_name = config.worker_name
+        #: The worker's state folder (None: ``config.state_dir`` unset), locked while it runs.
+        self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir else None
+        if self.state_dir is not None:
+            try:
+                self.state_dir.check_manifest(self.manifest)
+                self.worker_name = self.state_dir.resolve_name(config.worker_name)
+            except ConfigError:
+                self.state_dir.close()
+                raise
+        #: Called at every save: the caller's own state to keep with the worker's, a dict
+        #: of ``torch.save``-able values (the CLI keeps its data position and LR schedule).
+        self.extra_state: Callable[[], dict[str, Any]] | None = None
+        #: ``extra`` of the state this worker was restored from ({} when none was).
+        self.restored_extra: dict[str, Any] = {}
+        self._saves = 0
         #: The model's parameters as one flat fp32 vector: every copy to and from it.
         self.flat = FlatParams(model)
         #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
@@ -250,7 +284,7 @@ class WorkerBase:
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server
         of the other mode (and leave it again)."""
-        reply = self.client.join(self.manifest, self.config.worker_name)
+        reply = self.client.join(self.manifest, self.worker_name)
         if reply.run_config.mode != self.mode:
             self.client.leave(reply.worker_id)
             raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
@@ -262,6 +296,13 @@ class WorkerBase:
         self._grouped = reply.run_config.grouping not in ("", "off")
         self._rate_known = self.mode != "async" or not reply.run_config.dylu
         self._rate_t0 = None
+        if reply.resumed:
+            log.info(
+                "worker %d (%s) resumed its registration (the server holds outcomes up to push %d)",
+                self.worker_id,
+                self.worker_name,
+                reply.last_push_id,
+            )
         return reply
 
     def _mode_mismatch_message(self, server_mode: str) -> str:
@@ -289,6 +330,80 @@ class WorkerBase:
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         self.client.close()
+        if self.state_dir is not None:
+            self.state_dir.close()
+
+    # ---------------------------------------------------------- saved state
+    def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What every worker saves (the subclasses add their own part).
+
+        Args:
+            extra: the caller's own state, ``torch.save``-able (default: none).
+        Returns:
+            ``format``, ``mode``, ``worker_name``, ``worker_id`` (informational: the
+            server gives the id back by name), ``manifest`` ([[name, shape, dtype]]),
+            ``inner_optimizer`` (its ``state_dict()``) and ``extra``.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "mode": self.mode,
+            "worker_name": self.worker_name,
+            "worker_id": self.worker_id,
+            "manifest": manifest_entries(self.manifest),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "extra": dict(extra or {}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` before the worker joins: its name, the inner
+        optimizer's state and ``extra`` (then ``restored_extra``).
+
+        Raises:
+            ConfigError: the worker joined already, or the state is of another model,
+                mode or name (``config.worker_name`` set and different).
+        """
+        what = f"the state of worker {state.get('worker_name')!r}"
+        if self.worker_id:
+            raise ConfigError(f"load_state_dict after join: {what} must be loaded before the worker joins")
+        check_manifest(state, self.manifest, what)
+        if state.get("mode") != self.mode:
+            raise ConfigError(
+                f"{what} was saved by a {state.get('mode')}-mode worker; this one runs mode {self.mode!r}: "
+                f"run it with --mode {state.get('mode')}, or give another --state-dir"
+            )
+        name = str(state["worker_name"])
+        if self.config.worker_name and self.config.worker_name != name:
+            raise ConfigError(
+                f"{what} was saved under another name than worker_name={self.config.worker_name!r}; "
+                f"give worker_name={name!r} (or none)"
+            )
+        self.worker_name = name
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.restored_extra = dict(state.get("extra", {}))
+
+    def _restore_saved_state(self) -> None:
+        """Load the state folder's newest state, if any (end of a subclass's ``__init__``)."""
+        if self.state_dir is not None and self.state_dir.state is not None:
+            self.load_state_dict(self.state_dir.state)
+            log.info("worker %s: state restored from %s", self.worker_name, self.state_dir.path)
+
+    def _save_state(self) -> None:
+        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder:
+        after every sync this worker adopted, on the training thread. A failed write is
+        logged and training goes on (a restart then resumes from the previous save)."""
+        if self.state_dir is None:
+            return
+        state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
+        summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
+        summary.update(saves=self._saves + 1, pid=os.getpid(), extra=state["extra"])
+        try:
+            self.state_dir.save(state, summary)
+        except OSError as exc:
+            log.warning(
+                "worker %s: state not saved in %s (%s); training on", self.worker_name, self.state_dir.path, exc
+            )
+            return
+        self._saves += 1
 
     def __enter__(self: _Worker) -> _Worker:
         self.join()

@@ -21,7 +21,10 @@ class WorkerConfig:
 
     #: "HOST:PORT" of the parameter server.
     server: str = "127.0.0.1:29500"
-    #: Name shown in the server's status and reports.
+    #: The worker's identity: a Join under the name a worker gave before gets that
+    #: worker's id back (a restarted worker resumes as itself), so two processes must
+    #: never share one. Empty: the server names it "worker-<id>" and it never resumes
+    #: (with ``state_dir``: the name saved there, or a new unique one saved there).
     worker_name: str = ""
     #: Deadline for small RPCs (join, heartbeat, status), seconds.
     rpc_timeout_s: float = 10.0
@@ -46,6 +49,11 @@ class WorkerConfig:
     #: Push and pull over the server's bulk data channel when it offers one
     #: (RunConfig.bulk_port > 0), falling back to gRPC per call; False = gRPC only.
     bulk_channel: bool = True
+    #: Folder of the worker's own state (worker/state_dir.py): saved atomically after
+    #: every sync, loaded when the worker is built, so a restarted worker continues
+    #: under its name with its inner optimizer, θ_base and unsent progress, push counter
+    #: and the caller's ``extra``. None: nothing is saved.
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         host, sep, port = self.server.rpartition(":")

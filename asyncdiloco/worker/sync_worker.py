@@ -25,6 +25,11 @@ describes each step, its timeouts and its failures once, for both sides.
 with the reason this member votes failure with; the collective itself is the
 ``_allreduce`` seam.
 
+With ``WorkerConfig.state_dir`` the worker saves its name, inner optimizer and the
+caller's ``extra`` (base.py ``state_dict``) after its join and every decided round, and
+a worker built on that folder loads them; the model itself always comes from the server
+(the join heals), so a restart loses the steps since the last round.
+
 The inner optimizer's state is kept across rounds. If no quorum forms within
 ``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
 next sync point tries again (Δ then spans more steps, still against θ_base).
@@ -144,6 +149,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
         self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.on_cuda)
+        self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
     def _join_once(self) -> None:
@@ -173,6 +179,7 @@ class SyncDiLoCoWorker(WorkerBase):
         except NotInitializedError:
             self._take_over_initialization_if_told()
             raise
+        self._save_state()
 
     def close(self) -> None:
         """Leave (so that no quorum waits for this worker) and release resources. Steps
@@ -420,6 +427,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.flat.load(self._base)
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
+        self._save_state()
 
     # ------------------------------------------------------------- internals
     def _server_run(self) -> pb.RunConfig:

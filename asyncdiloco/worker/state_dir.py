@@ -1,0 +1,220 @@
+"""A worker's own state on disk (``WorkerConfig.state_dir``), so that a restarted worker
+continues where it stopped: under its name, with its inner optimizer, θ_base and what it
+had not sent yet, its push counter and whatever its caller keeps there (``extra``).
+
+The folder holds:
+
+* ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
+  with ``torch.save`` after every sync the worker adopted: written to ``state.pt.tmp``,
+  fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
+  sees the previous save or the new one, never a torn file. Read back with
+  ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, no
+  pickled code.
+* ``state.json``: a summary of the newest save for people and scripts (name, worker id,
+  syncs saved, version, next push id, wall-clock time, the caller's ``extra`` where it is
+  plain JSON); written after ``state.pt`` and never read back by the worker.
+* ``LOCK``: held (``flock``) while a worker uses the folder, so two processes never share
+  one state, and with it one name. The kernel releases it when the process dies.
+
+Why one ``torch.save`` file and not safetensors plus JSON: the inner optimizer's and an
+LR scheduler's state are nested structures of tensors, numbers and lists; safetensors
+holds a flat map of tensors only, so they would be flattened into it and the rest kept in
+a second file, and two files need a commit protocol to change together. One file is one
+atomic rename.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import pathlib
+import secrets
+import socket
+import time
+from typing import Any, TextIO
+
+import torch
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.wire.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+#: ``state.pt``'s ``format``: what this version writes and reads.
+STATE_FORMAT = 1
+STATE_FILE, SUMMARY_FILE, LOCK_FILE = "state.pt", "state.json", "LOCK"
+
+
+def default_worker_name() -> str:
+    """A name no other process uses: ``<host>-<pid>-<4 hex digits>``. Saved into a new
+    state folder, it is the worker's name for every restart with that folder."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def manifest_entries(manifest: Manifest) -> list[list]:
+    """``[[name, shape, dtype], ...]`` of a model, e.g. ``[["fc.weight", [4, 2], "torch.float32"]]``."""
+    return [[t.name, list(t.shape), str(t.dtype)] for t in manifest.tensors]
+
+
+class WorkerStateDir:
+    """The state folder of one worker process (see the module docstring): locked while
+    the worker uses it, its newest state loaded at open.
+
+    Args:
+        path: the folder; created if missing.
+    Raises:
+        ConfigError: the folder cannot be created, another process uses it, or its
+            state file cannot be read (each message names the folder and the fix).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = pathlib.Path(path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"state_dir {str(self.path)!r} cannot be created ({exc.strerror}); give a folder this process "
+                f"may write to"
+            ) from None
+        self._lock: TextIO | None = self._take_lock()
+        #: The newest saved state (None: the folder holds none yet).
+        self.state: dict[str, Any] | None = self._read()
+
+    def _take_lock(self) -> TextIO:
+        f = open(self.path / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise ConfigError(
+                f"state_dir {str(self.path)!r} is in use by another running worker; stop it first, or give "
+                f"this worker its own --state-dir (two workers must not share a state, nor a name)"
+            ) from None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
+
+    def _read(self) -> dict[str, Any] | None:
+        file = self.path / STATE_FILE
+        if not file.exists():
+            return None
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+            raise ConfigError(
+                f"state_dir {str(self.path)!r}: {STATE_FILE} cannot be loaded ({exc}); delete {file} to start "
+                f"this worker afresh (it then rejoins as a new worker unless --worker-name is given)"
+            ) from None
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(
+                f"state_dir {str(self.path)!r}: {STATE_FILE} has format {found!r}; this worker reads format "
+                f"{STATE_FORMAT}: delete {file} to start this worker afresh"
+            )
+        return state
+
+    @property
+    def saved_name(self) -> str | None:
+        """The worker name of the saved state (None: no state saved yet)."""
+        return None if self.state is None else str(self.state["worker_name"])
+
+    def resolve_name(self, given: str) -> str:
+        """The worker's name (``resolve_worker_name`` with the saved state's)."""
+        return resolve_worker_name(given, self.saved_name, self.path)
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Raise ConfigError when the saved state belongs to a model of another layout."""
+        if self.state is not None:
+            check_manifest(self.state, manifest, f"the state in state_dir {str(self.path)!r}")
+
+    def save(self, state: dict[str, Any], summary: dict[str, Any]) -> None:
+        """Write ``state`` atomically as ``state.pt`` (then ``summary`` as ``state.json``).
+
+        Args:
+            state: a worker's ``state_dict()`` (tensors on the CPU).
+            summary: plain JSON values describing it (non-JSON values are dropped).
+        """
+        _write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
+        self.state = state
+        text = json.dumps({**summary, "saved_unix_s": time.time()}, indent=1, default=lambda _: None)
+        _write_atomically(self.path / SUMMARY_FILE, lambda f: f.write(text.encode()))
+
+    def close(self) -> None:
+        """Release the folder (the process that exits releases it too)."""
+        if self._lock is not None:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+
+def resolve_worker_name(given: str, saved: str | None, folder: str | os.PathLike[str]) -> str:
+    """The worker's name: ``given`` if set (it must equal ``saved``, the one saved in
+    ``folder``), else ``saved``, else a new unique one (``default_worker_name``).
+
+    Raises:
+        ConfigError: ``given`` differs from the name saved in the folder.
+    """
+    if given and saved is not None and given != saved:
+        raise ConfigError(
+            f"worker name {given!r} differs from the name {saved!r} saved in state_dir {str(folder)!r}; "
+            f"give --worker-name {saved} (or none), or another --state-dir for a different worker"
+        )
+    return given or saved or default_worker_name()
+
+
+def saved_worker_name(folder: str | os.PathLike[str]) -> str | None:
+    """The name saved in a state folder, read without taking its lock (the CLI checks
+    its flags with it before the worker opens the folder); None: no state saved there.
+
+    Raises:
+        ConfigError: the state file cannot be read.
+    """
+    file = pathlib.Path(folder) / STATE_FILE
+    if not file.is_file():
+        return None
+    try:
+        return str(torch.load(file, map_location="cpu", weights_only=True)["worker_name"])
+    except Exception as exc:  # noqa: BLE001 - any failure means an unusable file
+        raise ConfigError(
+            f"state_dir {str(folder)!r}: {STATE_FILE} cannot be loaded ({exc}); delete {file} to start this "
+            f"worker afresh"
+        ) from None
+
+
+def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None:
+    """Raise ConfigError naming the first parameter where ``state``'s model differs.
+
+    Args:
+        state: a worker's ``state_dict()``.
+        manifest: the layout of the model it is loaded into.
+        what: names the state in the message (e.g. its folder).
+    """
+    saved, mine = state.get("manifest", []), manifest_entries(manifest)
+    if saved == mine:
+        return
+    diff = next(
+        (f"parameter #{i}: {a} saved, {b} in this model" for i, (a, b) in enumerate(zip(saved, mine)) if a != b),
+        f"{len(saved)} parameters saved, {len(mine)} in this model",
+    )
+    raise ConfigError(
+        f"{what} belongs to a model of another layout ({diff}); start the worker with the model it was saved "
+        f"with, or give another (or an empty) --state-dir for this one"
+    )
+
+
+def _write_atomically(path: pathlib.Path, write) -> None:
+    """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,339 @@
+"""Workers that resume as themselves: the server gives a named worker its id back (ps/
+registry.py), leases survive a restart only as far as the wall clock allows, and a
+worker's own state folder (worker/state_dir.py) brings back its inner optimizer, θ_base,
+push counter and the caller's data position.
+
+The server's side runs on ``FakeClock``s (monotonic and wall clock); the worker's side
+against an in-process server. The end-to-end test (a CLI worker killed with SIGKILL and
+restarted) is ``test_resume_cli.py``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.state_dir import STATE_FILE, WorkerStateDir
+from tests.helpers import FakeClock, assert_same, crash, fingerprint
+
+MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
+SGD1 = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+
+
+def _state(folder: pathlib.Path | None = None, lease_s: float = 60.0, wall: FakeClock | None = None, **fields):
+    mono, wall = FakeClock(), wall or FakeClock(1_000_000.0)
+    if folder is not None:
+        fields["durability"] = DurabilityConfig(checkpoint_dir=str(folder), checkpoint_every=1000)
+    config = ServerConfig(port=0, lease_s=lease_s, outer=SGD1, dylu=False, **fields)
+    return ParameterServerState(config, clock=mono, wall_clock=wall), mono, wall
+
+
+def _init(state: ParameterServerState, name: str = "a") -> int:
+    joined = state.join_worker(MANIFEST, name)
+    assert joined.initialize
+    state.push(
+        MANIFEST.pack([torch.zeros(4)]), worker_id=joined.worker_id, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
+    return joined.worker_id
+
+
+def _push(state: ParameterServerState, worker_id: int, push_id: int, value: float = 0.5):
+    return state.push(
+        MANIFEST.pack([torch.full((4,), value)]),
+        worker_id=worker_id,
+        push_id=push_id,
+        base_version=state.version,
+        num_local_steps=3,
+        num_tokens=10,
+    )
+
+
+# ------------------------------------------------------------------ the server's side
+def test_a_join_under_a_known_name_gets_the_id_back_with_its_outcomes():
+    state, mono, _ = _state()
+    a = _init(state, "a")
+    b = state.join_worker(MANIFEST, "b").worker_id
+    first = _push(state, a, 2)
+    mono.advance(30.0)  # a's process died; a restarted one joins under its name
+    again = state.join_worker(MANIFEST, "a")
+    assert (again.worker_id, again.resumed, again.last_push_id, again.initialize) == (a, True, 2, False)
+    assert state.live_worker_ids() == {a, b}  # one worker a, not a dead one and a new one
+    assert [w.worker_id for w in state.status().workers] == [a, b]
+    retry = _push(state, a, 2, value=9.0)  # the push that was in flight: its original outcome, not applied again
+    assert retry.duplicate and (retry.version, retry.staleness) == (first.version, first.staleness)
+    rec = state.registry.get(a)
+    assert (rec.applied_pushes, rec.tokens, rec.local_steps) == (1, 10, 3)
+    assert state.registry.next_worker_id == 3
+    assert state.join_worker(MANIFEST, "c").last_push_id == 0  # a new worker
+
+
+def test_the_old_session_ends_at_once_and_the_new_one_is_a_fresh_join():
+    state, mono, _ = _state(grouping="window", grace_s=1.0, local_steps=10)
+    a = _init(state, "a")
+    state.report_rate(a, 4.0)  # rounds of 2.5 s
+    _push(state, a, 2)
+    mono.advance(40.0)  # a is silent for 16 of its rounds: no group waits for it any more
+    assert a not in state.registry.expected(mono())
+    again = state.join_worker(MANIFEST, "a")
+    rec = state.registry.get(a)
+    assert again.resumed and rec.alive and rec.joined_at == rec.last_seen == mono()
+    assert a not in state.registry.rates.rates  # its rate is measured afresh
+    assert a in state.registry.expected(mono())  # the new session has just joined
+
+
+def test_a_left_or_expired_worker_resumes_and_an_empty_name_never_does():
+    state, mono, _ = _state(lease_s=10.0)
+    a = _init(state, "a")
+    state.leave(a)
+    assert state.join_worker(MANIFEST, "a").worker_id == a
+    mono.advance(11.0)  # expired
+    assert state.live_worker_ids() == set()
+    assert state.join_worker(MANIFEST, "a").worker_id == a
+    x, y = state.join_worker(MANIFEST, ""), state.join_worker(MANIFEST, "")
+    assert not x.resumed and not y.resumed and x.worker_id != y.worker_id
+    auto = state.registry.get(x.worker_id).name  # "worker-<id>", given by the server
+    z = state.join_worker(MANIFEST, auto)  # a worker that calls itself that is someone else
+    assert not z.resumed and z.worker_id not in (x.worker_id, y.worker_id)
+
+
+def test_a_resumed_initializer_is_told_to_initialize_again():
+    state, mono, _ = _state(lease_s=10.0)
+    first = state.join_worker(MANIFEST, "a")
+    assert first.initialize
+    other = state.join_worker(MANIFEST, "b")
+    assert not other.initialize  # a is chosen and alive
+    again = state.join_worker(MANIFEST, "a")  # a died before pushing; it comes back
+    assert again.worker_id == first.worker_id and again.initialize
+
+
+def test_a_resumed_join_refuses_another_model_once_others_hold_one():
+    state, _, _ = _state()
+    _init(state, "a")
+    state.join_worker(MANIFEST, "b")
+    other = Manifest.from_named_tensors([("w", torch.zeros(5))])
+    with pytest.raises(Exception, match="manifest mismatch"):
+        state.join_worker(other, "a")
+
+
+# ------------------------------------------------------------ restarts of the server
+def _restart(folder: pathlib.Path, wall_s: float, lease_s: float = 60.0):
+    state, mono, wall = _state(folder, lease_s=lease_s, wall=FakeClock(wall_s))
+    store = DurableStore(state.config.durability, state.config)
+    store.open(state)
+    return state, store, mono, wall
+
+
+def test_the_log_replays_a_resumed_join_without_wiping_its_outcomes(tmp_path):
+    state, store, mono, wall = _restart(tmp_path / "ckpt", 1_000_000.0)
+    a = _init(state, "a")
+    b = state.join_worker(MANIFEST, "b").worker_id
+    _push(state, a, 2)
+    _push(state, b, 2, value=0.25)
+    assert state.join_worker(MANIFEST, "a").resumed  # logged
+    _push(state, a, 3)
+    before = fingerprint(state)
+    crash(store)
+    again, store2, _, _ = _restart(tmp_path / "ckpt", wall())
+    try:
+        assert_same(fingerprint(again), before)
+        assert sorted(again.registry.get(a).outcomes) == [1, 2, 3]
+        assert again.join_worker(MANIFEST, "a").last_push_id == 3  # its id, after the restart too
+        assert _push(again, a, 3).duplicate
+    finally:
+        store2.close()
+
+
+def test_a_restart_gives_no_lease_to_a_worker_dead_before_it_and_the_rest_of_it_to_others(tmp_path):
+    state, store, mono, wall = _restart(tmp_path / "ckpt", 1_000_000.0)
+    a = _init(state, "a")  # last seen at wall 1_000_000
+    b = state.join_worker(MANIFEST, "b").worker_id
+    mono.advance(40.0), wall.advance(40.0)
+    state.heartbeat(b)  # b last seen at +40 (heartbeats are not logged: the checkpoint dates it)
+    store.checkpoint()
+    crash(store)
+    again, store2, mono2, _ = _restart(tmp_path / "ckpt", wall() + 50.0)  # a silent 90 s, b 50 s; lease 60 s
+    try:
+        assert again.live_worker_ids() == {b}
+        alive = {w.worker_id: w.alive for w in again.status().workers}
+        assert alive == {a: False, b: True}
+        mono2.advance(9.0)
+        assert again.live_worker_ids() == {b}
+        mono2.advance(2.0)  # b's 60 s are up: 50 before the restart, 11 after
+        assert again.live_worker_ids() == set()
+    finally:
+        store2.close()
+
+
+def test_a_push_logged_after_the_checkpoint_dates_its_worker(tmp_path):
+    state, store, mono, wall = _restart(tmp_path / "ckpt", 1_000_000.0)
+    a = _init(state, "a")
+    b = state.join_worker(MANIFEST, "b").worker_id
+    store.checkpoint()  # both seen at 1_000_000
+    mono.advance(45.0), wall.advance(45.0)
+    _push(state, b, 2)  # logged with its wall-clock time
+    crash(store)
+    again, store2, _, _ = _restart(tmp_path / "ckpt", wall() + 30.0)  # a silent 75 s, b 30 s
+    try:
+        assert again.live_worker_ids() == {b}
+        assert a in again.registry.workers
+    finally:
+        store2.close()
+
+
+def test_a_checkpoint_without_last_contacts_gives_a_full_lease():
+    state, mono, _ = _state(lease_s=10.0)
+    old = [
+        {"worker_id": 1, "name": "a", "alive": True, "applied_pushes": 0, "rejected_pushes": 0, "tokens": 0}
+        | {"local_steps": 0, "outcomes": [[1, True, 0, 0, 1.0, 5]]}
+    ]
+    with state.locks.books:
+        state.registry.load_meta(old, 2, 1, mono())
+    mono.advance(9.0)
+    assert state.live_worker_ids() == {1}
+    assert state.join_worker(MANIFEST, "a").last_push_id == 1  # old records resume by their name
+
+
+# ------------------------------------------------------------------- the worker's side
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _train(worker: AsyncDiLoCoWorker, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=gen)
+        nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _worker(srv, folder: pathlib.Path, name: str = "", model: nn.Module | None = None):
+    model = model or _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cfg = WorkerConfig(server=srv.address, worker_name=name, state_dir=str(folder), heartbeat_s=30)
+    return AsyncDiLoCoWorker(model, opt, cfg), model, opt
+
+
+def _adam_steps(opt: torch.optim.Optimizer) -> list[float]:
+    return [float(s["step"]) for s in opt.state.values()]
+
+
+def test_the_worker_state_round_trips_through_its_folder(start_server, tmp_path):
+    srv = start_server(outer=SGD1, local_steps=3, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    worker, model, opt = _worker(srv, folder)
+    worker.extra_state = lambda: {"position": 7}
+    with worker:
+        _train(worker, model, opt, 7)  # two syncs, then one step of the next round
+        name, wid = worker.worker_name, worker.worker_id
+    saved = torch.load(folder / STATE_FILE, weights_only=True)
+    assert saved["worker_name"] == name and name.count("-") >= 2  # <host>-<pid>-<hex>, made once
+    assert saved["next_push_id"] == 5 and saved["extra"] == {"position": 7}  # pushes 2, 3, then close's 4
+    again, model2, opt2 = _worker(srv, folder)  # a fresh model: the state brings it back
+    assert again.worker_name == name and again.restored_extra == {"position": 7}
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model2.parameters()]), saved["theta_local"])
+    assert _adam_steps(opt2) == _adam_steps(opt) == [7.0] * 4
+    with again:
+        assert again.worker_id == wid  # the server resumed it under its saved name
+        assert again._next_push_id == 5  # noqa: SLF001
+    assert [w.worker_id for w in srv.state.status().workers] == [wid]
+
+
+def test_a_push_in_flight_when_the_worker_died_is_applied_once(start_server, tmp_path):
+    srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off")
+    folder, before_kill = tmp_path / "w", tmp_path / "copy"
+    worker, model, opt = _worker(srv, folder, name="w1")
+    worker.join()
+    _train(worker, model, opt, 2)  # sync: push 2, saved with next_push_id 3
+    shutil.copytree(folder, before_kill, ignore=shutil.ignore_patterns("LOCK"))
+    _train(worker, model, opt, 2, seed=1)  # push 3 is applied... and the process "dies" before it saves
+    applied = srv.state.registry.get(worker.worker_id).applied_pushes
+    worker.state_dir.close()  # what the kernel does to a dead process's lock
+    shutil.rmtree(folder)
+    shutil.copytree(before_kill, folder)
+    again, model2, opt2 = _worker(srv, folder)
+    with again:
+        _train(again, model2, opt2, 2, seed=1)  # the same batches again; push 3 is answered as before
+        assert srv.state.duplicate_pushes == 1
+        assert srv.state.registry.get(again.worker_id).applied_pushes == applied
+        _train(again, model2, opt2, 2, seed=2)  # push 4: new
+        assert srv.state.registry.get(again.worker_id).applied_pushes == applied + 1
+
+
+def test_a_state_folder_refuses_another_model_another_name_and_a_second_process(start_server, tmp_path):
+    srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    worker, model, opt = _worker(srv, folder, name="w1")
+    with pytest.raises(ConfigError, match="in use by another running worker"):
+        WorkerStateDir(folder)
+    with worker:
+        _train(worker, model, opt, 2)
+    with pytest.raises(ConfigError, match=r"differs from the name 'w1' saved in state_dir .*--worker-name w1"):
+        _worker(srv, folder, name="w2")
+    torch.manual_seed(0)
+    wider = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 1))
+    with pytest.raises(ConfigError, match=rf"state_dir '{folder}' belongs to a model of another layout"):
+        _worker(srv, folder, model=wider)
+    WorkerStateDir(folder).close()  # the refusals released the folder again
+
+
+def test_the_data_stream_continues_exactly_where_its_state_was_saved():
+    from asyncdiloco.job.dataset import BatchStream, CharCorpus
+
+    corpus = CharCorpus.default()
+    stream = BatchStream(corpus, 2, 8, seed=1, worker_index=2)
+    for _ in range(5):
+        next(stream)
+    saved = stream.state_dict()
+    expected = [next(stream) for _ in range(3)]
+    again = BatchStream(corpus, 2, 8, seed=1, worker_index=2)
+    again.load_state_dict(saved)
+    assert again.position == 5
+    assert all(torch.equal(a[0], b[0]) for a, b in zip((next(again) for _ in range(3)), expected))
+    with pytest.raises(ConfigError, match="worker_index=2, this one has 0; start with the same --worker-index"):
+        BatchStream(corpus, 2, 8, seed=1, worker_index=0).load_state_dict(saved)
+
+
+def test_the_cli_refuses_a_worker_name_that_differs_from_the_saved_one(cli_exit, tmp_path):
+    folder = WorkerStateDir(tmp_path / "w")
+    folder.save({"format": 1, "worker_name": "gpu-a"}, {})
+    folder.close()
+    argv = ["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--state-dir", str(tmp_path / "w")]
+    code, err = cli_exit([*argv, "--worker-name", "gpu-b"])
+    assert code == 2
+    assert "worker name 'gpu-b' differs from the name 'gpu-a' saved in state_dir" in err and "Traceback" not in err
+
+
+def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, tmp_path):
+    srv = start_server(outer=SGD1, local_steps=3, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    worker, model, opt = _worker(srv, folder, name="w1")
+    worker.join()
+    _train(worker, model, opt, 3)  # one sync, saved
+    worker.state_dir.close()  # the process dies here
+    state = torch.load(folder / STATE_FILE, weights_only=True)
+    unsent = torch.linspace(-0.01, 0.01, state["theta_base"].numel())  # e.g. overlap's steps since its snapshot
+    state["theta_local"] = state["theta_base"] - unsent
+    state["steps_since_sync"] = 2
+    again, model2, _ = _worker(srv, tmp_path / "w2", model=_model())
+    again.load_state_dict(state)
+    with again:
+        local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+        assert torch.allclose(local, srv.state.params - unsent, atol=1e-6)
+        assert again._steps_since_sync == 2  # noqa: SLF001 - the round goes on from the saved step
+    saved = torch.load(tmp_path / "w2" / STATE_FILE, weights_only=True)
+    assert saved["worker_name"] == "w1"

@@ -1,0 +1,89 @@
+"""Done-when of workers that resume as themselves: a CLI worker with --worker-name and
+--state-dir is killed with SIGKILL after a few syncs and started again; it gets its
+worker id back (the server shows one worker), its data order goes on from the saved
+position, and its AdamW state (the step count) from the saved one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asyncdiloco.job.dataset import BatchStream, CharCorpus
+from asyncdiloco.worker.state_dir import STATE_FILE, SUMMARY_FILE
+from tests.helpers import wait_until
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+JOB = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "4", "--context-len", "16"]
+
+
+def _start(address: str, folder, log_file) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "asyncdiloco", "worker", "--server", address, "--worker-name", "resumer"]
+    argv += ["--state-dir", str(folder), "--max-steps", "100000", "--threads", "1", "--worker-index", "3", *JOB]
+    return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def _summary(folder) -> dict:
+    try:
+        return json.loads((folder / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _saves_by(folder, pid: int, at_least: int) -> dict:
+    return wait_until(
+        lambda: (s := _summary(folder)).get("pid") == pid and s.get("saves", 0) >= at_least and s,
+        f"{at_least} saves of worker process {pid}",
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+def test_a_killed_cli_worker_restarts_as_itself_and_continues(start_server, tmp_path):
+    srv = start_server(local_steps=4, dylu=False, grouping="off", lease_s=60.0)
+    folder = tmp_path / "state"
+    with open(tmp_path / "first.log", "w") as log1:
+        first = _start(srv.address, folder, log1)
+        try:
+            _saves_by(folder, first.pid, 4)  # the join's save and three syncs
+            os.kill(first.pid, signal.SIGKILL)
+        finally:
+            _stop(first)
+    killed = torch.load(folder / STATE_FILE, weights_only=True)  # what the restart continues from
+    [row] = srv.state.status().workers
+    worker_id, step = row.worker_id, killed["extra"]["step"]
+    assert killed["worker_id"] == worker_id and step >= 12
+    with open(tmp_path / "second.log", "w") as log2:
+        second = _start(srv.address, folder, log2)
+        try:
+            later = _saves_by(folder, second.pid, 3)
+            now = torch.load(folder / STATE_FILE, weights_only=True)
+            status = srv.state.status().workers
+        finally:
+            _stop(second)
+    assert [(w.worker_id, w.worker_name, w.alive) for w in status] == [(worker_id, "resumer", True)]
+    assert later["worker_id"] == worker_id
+    log = (tmp_path / "second.log").read_text()
+    assert f"resuming at inner step {step} (data position {step})" in log
+    # the data order went on from the saved position: replay it from there, batch by batch
+    done = now["extra"]["step"]
+    assert now["extra"]["batches"]["position"] == done > step
+    stream = BatchStream(CharCorpus.default(), 4, 16, 0, 3)
+    stream.load_state_dict(killed["extra"]["batches"])
+    for _ in range(done - step):
+        next(stream)
+    assert torch.equal(stream.state_dict()["generator"], now["extra"]["batches"]["generator"])
+    # AdamW's step count went on too (a fresh optimizer would count done − step)
+    adam_steps = {float(s["step"]) for s in now["inner_optimizer"]["state"].values()}
+    assert adam_steps == {float(done)}
+    assert {float(s["step"]) for s in killed["inner_optimizer"]["state"].values()} == {float(step)}
