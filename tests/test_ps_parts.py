@@ -118,8 +118,10 @@ def test_the_same_run_writes_the_same_log_bytes_and_checkpoint_contents(tmp_path
         for meta in (a, b):  # the write time, and the checksums over it, differ by construction
             for key in ("created_unix_s", "meta_sha256", "tensor_sha256", "tensor_bytes"):
                 meta.pop(key)
-        for w in b["workers"]:  # added since: whether the name was given, the last contact (wall clock)
+        for w in b["workers"]:  # added since: whether the name was given, the last contact (wall clock),
+            # whether it left, its staleness sums
             assert isinstance(w.pop("named"), bool) and isinstance(w.pop("last_seen_unix_s"), float)
+            assert isinstance(w.pop("left"), bool) and len(w.pop("staleness")) == 3
         assert a == b, side
         assert list(json.loads((old / side).read_text())) == list(json.loads((new / side).read_text()))
         tensors = side.replace(".json", ".pt")
