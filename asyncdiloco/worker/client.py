@@ -342,3 +342,9 @@ class ParameterServerClient:
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())
+
+    def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> None:
+        self._call(
+            self._stub.ReportEval,
+            pb.EvalReport(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator),
+        )
