@@ -215,3 +215,16 @@ def test_the_staleness_summary_reads_the_histogram():
     assert staleness_summary([1, 0, 2])["max_is_lower_bound"]  # the last bucket counts every larger τ
     assert staleness_summary([0, 0])["mean"] is None
     assert "max >=2" in render(status_dict(_reply(staleness_histogram=[1, 0, 2])))
+
+
+def test_the_token_flag_is_the_workers(start_server, tmp_path, capsys, cli_exit):
+    from asyncdiloco.wire.security import ServerSecurityConfig
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    srv = start_server(security=ServerSecurityConfig(token_file=str(token)))
+    code, err = cli_exit(["status", "--server", srv.address])
+    assert code == 1 and "token" in err and err.count("\n") == 1
+    code, out = run_status(["--server", srv.address, "--token-file", str(token), "--json"], capsys)
+    assert code == 0 and json.loads(out)["workers"] == []

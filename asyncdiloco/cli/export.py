@@ -8,6 +8,7 @@ one line: the file, the global version, the parameters and the bytes written.
 from __future__ import annotations
 
 import argparse
+import logging
 
 from asyncdiloco.flags.settings import EXPORT
 
@@ -37,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from asyncdiloco.tools.export import export_global_model
 
+    if args.verbose == 0:  # the restore's own lines ("restored version ...") only with -v
+        logging.getLogger("asyncdiloco.ps").setLevel(logging.WARNING)
     durability = EXPORT.build(EXPORT.given(args)).durability
     done = export_global_model(durability.checkpoint_dir, args.out, dtype=args.dtype)
     print(
