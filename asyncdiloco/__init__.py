@@ -33,6 +33,7 @@ _EXPORTS = {
     "WorkerStats": "asyncdiloco.worker.async_worker",
     "SyncDiLoCoWorker": "asyncdiloco.worker.sync_worker",
     "SyncWorkerStats": "asyncdiloco.worker.sync_worker",
+    "load_global_model": "asyncdiloco.worker.global_model",
     **{
         name: "asyncdiloco.errors"
         for name in (
@@ -83,6 +84,7 @@ __all__ = [
     "UnknownWorkerError",
     "WorkerConfig",
     "WorkerStats",
+    "load_global_model",
 ]
 
 
@@ -123,4 +125,5 @@ if TYPE_CHECKING:
     from asyncdiloco.wire.tensors import Manifest
     from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
     from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+    from asyncdiloco.worker.global_model import load_global_model
     from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats

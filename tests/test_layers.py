@@ -6,6 +6,7 @@ down the picture in docs/architecture.md, and importing one side does not load t
     algo   (outer optimizers, schedules, DyLU, grouping)
     ps     (the server)          worker (the workers and clients)      job (model, data)
     flags  (each server/worker setting declared once: argparse, configs, argv)
+    tools  (status view, evaluator, export)
     bench  (simulator, suites, demo, perf)
     cli    (the command)
 """
@@ -32,8 +33,9 @@ ALLOWED = {
     "worker": {"errors", "_malloc", "wire", "algo"},
     "job": {"errors", "algo"},
     "flags": {"errors", "wire", "algo", "ps", "worker", "job"},
-    "bench": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags"},
-    "cli": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags", "bench"},
+    "tools": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags"},
+    "bench": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags", "tools"},
+    "cli": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags", "bench", "tools"},
 }
 
 

@@ -44,10 +44,8 @@ from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.flags.settings import WORKER_JOB
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
-from asyncdiloco.job.models import evaluate
+from asyncdiloco.tools.evaluator import Evaluator
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.codec import codec_for
-from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 
 log = logging.getLogger(__name__)
@@ -154,30 +152,6 @@ class WorkerProcess:
 def _file_stem(index: int, rejoin: bool) -> str:
     """Of a worker process's log and stats files: worker-I, or worker-I-rejoin."""
     return f"worker-{index}" + ("-rejoin" if rejoin else "")
-
-
-class _Evaluator:
-    """Pulls the global model as an observer and measures held-out loss (nats/char)."""
-
-    def __init__(self, address: str, job: JobConfig) -> None:
-        corpus = CharCorpus.default()
-        self.model = job.build(corpus)
-        self.batches = job.eval_set(corpus)
-        self.manifest = Manifest.from_module(self.model)
-        self.client = ParameterServerClient(address)
-        self.initial_loss = evaluate(self.model, self.batches)  # the seed's model = the server's version 0
-        #: The run config the server dictated while workers trained (auto values need their rates).
-        self.run_config: pb.RunConfig | None = None
-
-    def evaluate_global(self) -> tuple[int, float]:
-        pulled = self.client.pull(self.manifest)
-        flat = codec_for(pulled.run_config, self.manifest).decode(pulled.payload, torch.empty(self.manifest.numel))
-        with torch.no_grad():
-            pos = 0
-            for p in self.model.parameters():
-                p.copy_(flat[pos : pos + p.numel()].view(p.shape))
-                pos += p.numel()
-        return pulled.version, evaluate(self.model, self.batches)
 
 
 def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
@@ -330,9 +304,12 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
     started = time.monotonic()
     address = procs.start_server()
     workers = procs.start_workers(address)
-    evaluator = _Evaluator(address, cfg.job)
-    curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": evaluator.initial_loss}]
-    watched, train_start_s, train_start_unix_s = _watch(cfg, evaluator, workers, started, progress)
+    evaluator = Evaluator(ParameterServerClient(address), cfg.job, name="demo")
+    initial_loss = evaluator.held_out_loss()  # the seed's model = the server's version 0
+    curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": initial_loss}]
+    watched, train_start_s, train_start_unix_s, run_config = _watch(
+        cfg, evaluator, workers, started, progress, initial_loss
+    )
     curve += watched
     exit_codes = [_stop(w.popen) for w in workers]  # overdue workers (hung, stopped) are terminated
     status = evaluator.client.status()
@@ -340,18 +317,18 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
         raise AsyncDiLoCoError(
             f"no worker initialized the global model (exit codes {exit_codes}); see {cfg.out_dir}/worker-*.log"
         )
-    version, final_loss = evaluator.evaluate_global()
+    final = evaluator.evaluate_global()  # reported too: the server's status shows the final loss
     wall_s = time.monotonic() - started
-    curve.append({"wall_s": wall_s, "version": version, "tokens": status.tokens, "eval_loss": final_loss})
+    curve.append({"wall_s": wall_s, "version": final.version, "tokens": status.tokens, "eval_loss": final.loss})
     evaluator.client.close()
-    if evaluator.run_config is not None:
-        status.run_config.CopyFrom(evaluator.run_config)
+    if run_config is not None:
+        status.run_config.CopyFrom(run_config)
     return Outcome(
         address=address,
         status=status,
         curve=curve,
-        initial_loss=evaluator.initial_loss,
-        final_loss=final_loss,
+        initial_loss=initial_loss,
+        final_loss=final.loss,
         wall_s=wall_s,
         workers=workers,
         exit_codes=exit_codes,
@@ -361,15 +338,16 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
 
 
 def _watch(
-    cfg: DemoConfig, ev: _Evaluator, workers: list[WorkerProcess], started: float, progress: bool
-) -> tuple[list[dict], float, float | None]:
-    """Poll status every second, evaluate every ``eval_every_s``, stop the
-    ``leave_rejoin`` worker and release its fresh process (the last in ``workers``),
-    until workers exit (or the token budget is spent). Returns the eval curve and when
-    training started (s since ``started``; and on the wall clock, None if it never did)."""
+    cfg: DemoConfig, ev: Evaluator, workers: list[WorkerProcess], started: float, progress: bool, initial_loss: float
+) -> tuple[list[dict], float, float | None, pb.RunConfig | None]:
+    """Poll status every second, evaluate every ``eval_every_s`` (each loss reported to
+    the server), stop the ``leave_rejoin`` worker and release its fresh process (the last
+    in ``workers``), until workers exit (or the token budget is spent). Returns the eval
+    curve, when training started (s since ``started``; and on the wall clock, None if it
+    never did) and the run config once every worker was live (None if never)."""
     from tqdm import tqdm
 
-    watch = _Watch(cfg, ev, workers, started)
+    watch = _Watch(cfg, ev, workers, started, initial_loss)
     bar = tqdm(
         total=round(cfg.max_seconds),
         unit="s",
@@ -400,14 +378,18 @@ def _watch(
     finally:
         bar.close()
     since = watch.training_since
-    return watch.curve, (since - started) if since is not None else 0.0, watch.training_since_unix
+    return watch.curve, (since - started) if since is not None else 0.0, watch.training_since_unix, watch.run_config
 
 
 class _Watch:
     """What the demo's status poll keeps between polls."""
 
-    def __init__(self, cfg: DemoConfig, ev: _Evaluator, workers: list[WorkerProcess], started: float) -> None:
+    def __init__(
+        self, cfg: DemoConfig, ev: Evaluator, workers: list[WorkerProcess], started: float, initial_loss: float
+    ) -> None:
         self.cfg, self.ev, self.workers, self.started = cfg, ev, workers, started
+        #: The run config the server dictated while every worker trained (auto values need their rates).
+        self.run_config: pb.RunConfig | None = None
         self.curve: list[dict] = []
         self.leaver = workers[cfg.leave_rejoin[0]] if cfg.leave_rejoin is not None else None
         self.rejoiner = workers[-1] if cfg.leave_rejoin is not None else None
@@ -415,7 +397,7 @@ class _Watch:
         self.training_since: float | None = None  # when the global model was first there
         self.training_since_unix: float | None = None
         self.last_eval = time.monotonic()
-        self.loss = ev.initial_loss
+        self.loss = initial_loss
         self.deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
 
     def running(self) -> bool:
@@ -426,7 +408,7 @@ class _Watch:
         None once the token budget is spent (the workers are then stopped)."""
         cfg, st = self.cfg, self.ev.client.status()
         if sum(w.alive for w in st.workers) >= cfg.num_workers:  # the auto values need every rate
-            self.ev.run_config = st.run_config
+            self.run_config = st.run_config
         if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
             for w in self.workers:  # budget spent: workers stop (their final push may land)
                 if w.popen.poll() is None:
@@ -437,12 +419,12 @@ class _Watch:
                 train_s = time.monotonic() - self.training_since
                 self.rejoined = _leave_or_rejoin(cfg, self.leaver, self.rejoiner, st, train_s)
         if st.initialized and time.monotonic() - self.last_eval >= cfg.eval_every_s:
-            version, self.loss = self.ev.evaluate_global()
-            self.last_eval = time.monotonic()
+            result = self.ev.evaluate_global()
+            self.loss, self.last_eval = result.loss, time.monotonic()
             self.curve.append(
                 {
                     "wall_s": self.last_eval - self.started,
-                    "version": version,
+                    "version": result.version,
                     "tokens": st.tokens,
                     "eval_loss": self.loss,
                 }

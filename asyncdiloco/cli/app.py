@@ -1,5 +1,6 @@
 """The ``asyncdiloco`` command: the parser built from the subcommands (one module each:
-server.py, worker.py, demo.py, bench.py), logging, and the one-line error report.
+server.py, worker.py, demo.py, bench.py, status.py, eval.py, export.py), logging, and the
+one-line error report.
 
 Thin: each subcommand parses its flags into the config dataclasses (flags.py) and calls
 the library. Errors from the library are printed as one line and exit with status 2
@@ -12,11 +13,12 @@ import argparse
 import logging
 import sys
 
-from asyncdiloco.cli import bench, demo, server, worker
+from asyncdiloco.cli import bench, demo, export, server, status, worker
+from asyncdiloco.cli import eval as evaluate
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 #: The subcommands, in the order --help lists them.
-SUBCOMMANDS = (server, worker, demo, bench)
+SUBCOMMANDS = (server, worker, demo, bench, status, evaluate, export)
 
 
 def _setup_logging(verbose: int) -> None:

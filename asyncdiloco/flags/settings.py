@@ -425,3 +425,31 @@ JOB_EXCLUDED = {
     # Batches of the demo's held-out evaluation, which runs in the demo process, not a worker.
     "eval_batches",
 }
+
+#: How ``asyncdiloco status`` reaches the server: the worker's own --server, token and
+#: TLS flags (the same ``Flag`` objects, so they read and check the same), building a
+#: ``WorkerConfig`` whose ``server`` and ``security`` the command uses.
+STATUS = FlagTable.of(
+    WorkerConfig,
+    "connection",
+    tuple(f for f in WORKER.flags if f.field == "server" or f.field.startswith("security.")),
+)
+
+#: ``asyncdiloco eval`` reaches the server as ``status`` does (its model: the JOB flags).
+EVAL = STATUS
+
+#: ``asyncdiloco export``: the checkpoint folder it reads (never writes), as the
+#: ``ServerConfig.durability`` of the server that wrote it.
+EXPORT = FlagTable.of(
+    ServerConfig,
+    "the checkpoint folder",
+    (
+        Flag(
+            flag="--checkpoint-dir",
+            field="durability.checkpoint_dir",
+            required=True,
+            metavar="DIR",
+            help="the server's --checkpoint-dir; read only, the server may be running",
+        ),
+    ),
+)

@@ -31,12 +31,14 @@ the dedup table is part of the durable state). Cost: one fsync per push; measure
 asyncdiloco/bench/perf/wal_cost.py.
 
 Folder layout: ``ckpt-<LSN>.pt`` / ``ckpt-<LSN>.json``, ``wal-<first LSN>.log``, and a
-``LOCK`` file (flock) so two servers never share a folder.
+``LOCK`` file (flock) so two servers never share a folder. ``restore_read_only`` reads
+a folder without the lock and without changing it, while its server runs (the export).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import pathlib
@@ -46,6 +48,7 @@ from typing import BinaryIO, TextIO
 
 import torch
 
+from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
@@ -54,6 +57,7 @@ from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.records import AppliedAs
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -122,6 +126,28 @@ class DurableStore:
             self._unlock_dir()
             raise
 
+    def restore_read_only(self, state: JournaledState) -> None:
+        """Restore ``state`` as ``open`` does (the newest good checkpoint, then the log
+        after it), leaving the folder exactly as it is, so that it can be read while its
+        server runs (``asyncdiloco export``, tools/export.py): no lock is taken, no temp
+        file removed, no torn tail cut (a record being appended reads as one: reading
+        stops before it), no checkpoint written and no journal attached.
+
+        A running server may prune the checkpoint or a log segment being read (after it
+        wrote two newer checkpoints); that read fails and the caller tries again.
+
+        Raises:
+            CheckpointError: the folder holds no checkpoint, or its checkpoints or log are
+            unusable (the message says which file and why). OSError: a file went away.
+        """
+        checkpoints = checkpoint_lsns(self.dir)
+        if not checkpoints:
+            raise CheckpointError(
+                f"{self.dir} holds no checkpoint (ckpt-*.json): give the --checkpoint-dir of a server, which "
+                f"writes its first checkpoint as it starts"
+            )
+        self._restore(state, checkpoints, repair=False)
+
     def _lock_dir(self) -> None:
         f = open(self.dir / "LOCK", "a+")
         try:
@@ -152,12 +178,12 @@ class DurableStore:
                 continue
         return sorted(out)
 
-    def _restore(self, state: JournaledState, checkpoints: list[int]) -> None:
+    def _restore(self, state: JournaledState, checkpoints: list[int], repair: bool = True) -> None:
         meta, tensors = self._newest_good_checkpoint(checkpoints)
         state.load_state_dict(meta, tensors)
         self.lsn = meta["lsn"]
         self._good_lsns.add(self.lsn)
-        replayed = self._replay_log(state)
+        replayed = self._replay_log(state, repair)
         log.info(
             "restored version %d from checkpoint ckpt-%020d and %d log records (LSN %d)",
             state.version,
@@ -187,12 +213,13 @@ class DurableStore:
                 log.warning("%s; falling back to the previous checkpoint ckpt-%020d", exc, older)
         raise CheckpointError("no checkpoint to restore")  # unreachable: called with at least one
 
-    def _replay_log(self, state: JournaledState) -> int:
-        """Redo the log records after ``self.lsn``, in order; returns how many."""
+    def _replay_log(self, state: JournaledState, repair: bool = True) -> int:
+        """Redo the log records after ``self.lsn``, in order; returns how many.
+        ``repair``: cut a torn tail off the last segment (else only stop reading there)."""
         replayed = 0
         segments = self._segments()
         for j, (_first, path) in enumerate(segments):
-            for rec in read_segment(path, is_last=j == len(segments) - 1):
+            for rec in read_segment(path, is_last=j == len(segments) - 1, repair=repair):
                 if rec.lsn <= self.lsn:
                     continue
                 if rec.lsn != self.lsn + 1:
@@ -342,3 +369,36 @@ class DurableStore:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+
+
+def read_only_config(folder: pathlib.Path) -> ServerConfig:
+    """A server configuration that restores ``folder`` read-only (``restore_read_only``):
+    the newest checkpoint's outer optimizer and wire codec (replaying its log needs
+    them), every other setting the default (none affects θ).
+
+    Raises:
+        CheckpointError: ``folder`` is not a folder, holds no checkpoint, or the newest
+        sidecar cannot be read.
+    """
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"checkpoint dir {folder} does not exist or is not a folder: give the --checkpoint-dir a server ran with"
+        )
+    lsns = checkpoint_lsns(folder)
+    if not lsns:
+        raise CheckpointError(
+            f"{folder} holds no checkpoint (ckpt-*.json): give the --checkpoint-dir of a server, which writes "
+            f"its first checkpoint as it starts"
+        )
+    side = folder / f"ckpt-{lsns[0]:020d}.json"
+    try:
+        meta = json.loads(side.read_bytes())
+        wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
+        return ServerConfig(
+            outer=OuterConfig(**meta["outer"]),
+            wire_codec=wire["wire_codec"],
+            codec_block_size=wire["codec_block_size"] or DEFAULT_BLOCK_SIZE,
+            durability=DurabilityConfig(checkpoint_dir=str(folder), fallback_to_previous=True),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {side} cannot be read ({exc!r}); restore the folder from a backup") from None

@@ -115,12 +115,14 @@ def _cut_torn_tail(path: pathlib.Path, pos: int, problem: str) -> None:
         os.fsync(f.fileno())
 
 
-def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
+def read_segment(path: pathlib.Path, *, is_last: bool, repair: bool = True) -> list[LogRecord]:
     """The intact records of one log segment.
 
     Damage in the last segment with no intact record after it is a torn tail: the
     crash hit during that append, whose fsync never returned, so it was never
-    acknowledged; it is cut off the file. Any other damage is an error.
+    acknowledged; it is cut off the file (``repair``), or, read-only (``repair=False``:
+    the segment a running server appends to, read by an export), reading stops there and
+    the file is left as it is. Any other damage is an error.
 
     Raises:
         CheckpointError: a damaged record that is not a torn tail.
@@ -131,7 +133,15 @@ def read_segment(path: pathlib.Path, *, is_last: bool) -> list[LogRecord]:
         problem, end = _check_record(data, pos)
         if problem is not None:
             if is_last and not _intact_record_after(data, pos):
-                _cut_torn_tail(path, pos, problem)
+                if repair:
+                    _cut_torn_tail(path, pos, problem)
+                else:
+                    log.info(
+                        "write-ahead log %s: reading stops at byte %d (%s: an append in progress)",
+                        path,
+                        pos,
+                        problem,
+                    )
                 break
             raise CheckpointError(
                 f"write-ahead log {path} is damaged at byte {pos} ({problem}); the records after it cannot be "

@@ -1,0 +1,143 @@
+"""The evaluator: the held-out loss of the live global model, reported to the server.
+
+``Evaluator`` pulls θ as an observer (worker id 0: no Join, no lease; worker/global_model.py
+``pull_into``) into the default job's model and measures its mean next-character loss on
+the fixed held-out batches of the default corpus's validation split (job/dataset.py
+``eval_batches``), in nats per character (ln V ≈ 4.17 for a uniform guess over the V = 65
+characters of Tiny Shakespeare). Each result is reported to the server
+(``ReportEval``), which keeps the newest ones for its status and dashboard.
+
+A server that predates ``ReportEval`` answers UNIMPLEMENTED: the evaluator says so once
+and keeps evaluating (the losses are then the caller's only). Any other failed report is
+logged and dropped: the loss was measured, the next report may get through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from asyncdiloco.errors import AsyncDiLoCoError, NotInitializedError, ServerUnavailableError
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import CharCorpus
+from asyncdiloco.job.models import evaluate
+from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.global_model import pull_into
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """One held-out evaluation of the global model."""
+
+    #: The global version evaluated.
+    version: int
+    #: Mean held-out loss, nats per character.
+    loss: float
+    #: Characters (tokens) the loss is measured over.
+    num_tokens: int
+    #: The server took the report.
+    reported: bool
+
+
+class Evaluator:
+    """Held-out loss of the global model of the server ``client`` talks to.
+
+    Args:
+        client: a client of the server; the evaluator pulls and reports through it (the
+            caller closes it).
+        job: the default job's model shape and evaluation batches; must be the job the
+            workers train (its model's manifest is checked against the server's).
+        name: the evaluator's name in the server's status and dashboard.
+    """
+
+    def __init__(self, client: ParameterServerClient, job: JobConfig | None = None, name: str = "") -> None:
+        job = job if job is not None else JobConfig()
+        corpus = CharCorpus.default()
+        self.client = client
+        self.name = name
+        self.model = job.build(corpus)  # the seed's model: the server's version 0
+        self.manifest = Manifest.from_module(self.model)
+        self.batches = job.eval_set(corpus)  # [(x, y)], each (B, T) int64
+        #: Characters each evaluation's loss is the mean over.
+        self.num_tokens = sum(y.numel() for _, y in self.batches)
+        #: False once the server answered that it takes no reports.
+        self.reporting = True
+
+    def held_out_loss(self) -> float:
+        """The held-out loss of the model as it is now (before any pull: the seed's), nats/char."""
+        return evaluate(self.model, self.batches)
+
+    def evaluate_global(self, report: bool = True) -> Evaluation:
+        """Pull the newest global model, measure its held-out loss and (``report``) report it.
+
+        Raises:
+            NotInitializedError: the server has no global model yet. ManifestMismatchError:
+            the job's model is not the server's. ServerUnavailableError: no connection.
+        """
+        version = pull_into(self.client, self.model, self.manifest)
+        loss = self.held_out_loss()
+        reported = self._report(version, loss) if report else False
+        return Evaluation(version=version, loss=loss, num_tokens=self.num_tokens, reported=reported)
+
+    def _report(self, version: int, loss: float) -> bool:
+        if not self.reporting:
+            return False
+        try:
+            self.client.report_eval(version, loss, self.num_tokens, self.name)
+            return True
+        except AsyncDiLoCoError as exc:
+            if str(exc).startswith("UNIMPLEMENTED"):  # from_rpc_error: the code's name, then the message
+                self.reporting = False
+                log.warning(
+                    "the server at %s takes no evaluation reports (an older asyncdiloco); the losses are "
+                    "only printed here",
+                    self.client.address,
+                )
+            else:
+                log.warning("the report of version %d's loss was not taken (%s); evaluating on", version, exc)
+            return False
+
+
+def evaluate_every(
+    evaluator: Evaluator,
+    every_s: float,
+    on_result: Callable[[Evaluation], None],
+    *,
+    max_evals: int | None = None,
+    wait: Callable[[float], object],
+) -> int:
+    """Evaluate the global model, then again ``every_s`` seconds after each attempt,
+    skipping a version already evaluated, until ``max_evals`` evaluations (None: no end)
+    or until ``wait`` returns true.
+
+    A server with no model yet, or one that cannot be reached (restarting), is asked
+    again at the next attempt; a manifest mismatch ends the loop with its error.
+
+    Args:
+        evaluator: what evaluates and reports.
+        every_s: seconds between attempts, > 0.
+        on_result: called with each evaluation.
+        max_evals: stop after this many evaluations; None: until ``wait`` says stop.
+        wait: ``wait(seconds)`` sleeps, and returns true to stop (``threading.Event.wait``).
+    Returns:
+        The number of evaluations made.
+    """
+    done, last = 0, None
+    while max_evals is None or done < max_evals:
+        try:
+            status = evaluator.client.status()
+            if status.initialized and status.version != last:
+                result = evaluator.evaluate_global()
+                last, done = result.version, done + 1
+                on_result(result)
+            elif not status.initialized:
+                log.info("the server has no global model yet; asking again in %g s", every_s)
+        except (NotInitializedError, ServerUnavailableError) as exc:
+            log.warning("no evaluation this time (%s); trying again in %g s", exc, every_s)
+        if (max_evals is None or done < max_evals) and wait(every_s):
+            break
+    return done

@@ -1,0 +1,141 @@
+"""The global model of a checkpoint folder, written as a safetensors file.
+
+``export_global_model(folder, out)`` restores the newest durable state of a server's
+``--checkpoint-dir`` read-only (ps/store.py ``restore_read_only``: the newest good
+checkpoint plus the write-ahead log's pushes after it, exactly what a restarted server
+would hold) and writes θ with ``safetensors.torch.save_file``: one tensor per parameter,
+keyed by its ``named_parameters()`` name, in the manifest's dtype (what the workers
+train in) or float32 (the server's master copy), and the metadata below. The folder is
+not changed and not locked, so the export runs while the server does.
+
+Load it into the model the workers train::
+
+    state = safetensors.torch.load_file("model.safetensors")
+    model.load_state_dict(state, strict=True)
+
+``strict=True`` holds when the model's ``state_dict()`` is its parameters, as for the
+default job's model. The file holds parameters only (the server never sees buffers): a
+model with persistent buffers (e.g. BatchNorm's running statistics) loads with
+``strict=False`` and keeps its own buffers.
+
+Metadata (all strings, as safetensors requires): ``format`` "pt" (the safetensors
+convention for torch tensors), ``asyncdiloco_export`` "1" (this layout), ``version`` (the
+global version), ``manifest_hash`` (hex SHA-256 of the names, shapes and dtypes, as the
+server's status reports it), ``dtype`` ("manifest" or "float32"), ``lsn`` (the last log
+record included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+
+import torch
+
+from asyncdiloco.errors import CheckpointError, ConfigError
+from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.store import DurableStore, read_only_config
+from asyncdiloco.wire.tensors import Manifest
+
+log = logging.getLogger(__name__)
+
+#: ``--dtype``: each parameter's manifest dtype, or float32 for all.
+EXPORT_DTYPES = ("manifest", "float32")
+#: The layout written (metadata ``asyncdiloco_export``).
+EXPORT_FORMAT = "1"
+#: Reads of a folder its running server changes meanwhile (a pruned checkpoint or log
+#: segment) are tried this many times.
+ATTEMPTS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What ``export_global_model`` wrote."""
+
+    path: str
+    version: int
+    manifest: Manifest
+    #: The last write-ahead log record the model includes.
+    lsn: int
+    num_bytes: int
+
+
+def restore(folder: pathlib.Path) -> tuple[ParameterServerState, int]:
+    """The newest durable state of ``folder``, read-only, and its LSN; a read that a
+    running server's pruning overtook is tried again.
+
+    Raises:
+        CheckpointError: no folder, no checkpoint, or an unusable one (the message says
+        which file and the fix).
+    """
+    for attempt in range(1, ATTEMPTS + 1):
+        config = read_only_config(folder)
+        assert config.durability is not None, "read_only_config names the folder"
+        state = ParameterServerState(config)
+        store = DurableStore(config.durability, config)
+        try:
+            store.restore_read_only(state)
+            return state, store.lsn
+        except (CheckpointError, OSError) as exc:
+            if attempt == ATTEMPTS:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(f"{folder} cannot be read ({exc}); check the folder's permissions") from None
+            log.info("reading %s failed (%s), probably pruned by its running server; trying again", folder, exc)
+    raise AssertionError("unreachable")
+
+
+def export_global_model(folder: str | os.PathLike, out: str | os.PathLike, dtype: str = "manifest") -> Exported:
+    """Write the newest durable global model of the checkpoint folder ``folder`` to the
+    safetensors file ``out`` (replaced atomically; see the module docstring).
+
+    Args:
+        folder: a server's ``--checkpoint-dir`` (read, never changed; the server may run).
+        out: the file to write; its folder must exist.
+        dtype: "manifest" (each parameter in its dtype in the manifest) or "float32".
+    Returns:
+        What was written: path, version, manifest, LSN, size in bytes.
+    Raises:
+        ConfigError: an unknown ``dtype``, or ``out``'s folder does not exist.
+        CheckpointError: the folder holds no usable checkpoint, or no global model yet.
+    """
+    from safetensors.torch import save_file
+
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is invalid: choose one of {EXPORT_DTYPES}")
+    target = pathlib.Path(out)
+    if not target.parent.is_dir():
+        raise ConfigError(f"--out {str(target)!r} is invalid: folder {target.parent} does not exist; create it first")
+    state, lsn = restore(pathlib.Path(folder))
+    if state.params is None or state.manifest is None:
+        raise CheckpointError(
+            f"{folder} holds no global model yet: no worker had pushed its initial parameters when it was "
+            f"written; export once a worker has joined and pushed"
+        )
+    tensors = named_parameters(state.params, state.manifest, dtype)
+    metadata = {
+        "format": "pt",
+        "asyncdiloco_export": EXPORT_FORMAT,
+        "version": str(state.version),
+        "manifest_hash": state.manifest.manifest_hash,
+        "dtype": dtype,
+        "lsn": str(lsn),
+    }
+    tmp = target.with_name(target.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, target)  # a reader sees the old file or the whole new one
+    return Exported(str(target), state.version, state.manifest, lsn, target.stat().st_size)
+
+
+def named_parameters(params: torch.Tensor, manifest: Manifest, dtype: str = "manifest") -> dict[str, torch.Tensor]:
+    """θ (float32 (N,), manifest order) cut into ``{name: tensor of its shape}``, each in
+    its manifest dtype (``dtype="manifest"``) or float32; contiguous copies, as
+    safetensors stores them."""
+    out, pos = {}, 0
+    for spec in manifest.tensors:
+        t = params[pos : pos + spec.numel].view(spec.shape)
+        out[spec.name] = t.to(spec.dtype if dtype == "manifest" else torch.float32).clone().contiguous()
+        pos += spec.numel
+    return out
