@@ -40,8 +40,7 @@ def direct_loss(srv) -> float:
 
 
 class Reports:
-    """Stands in for ``client.report_eval``: records each report (the server side of
-    ReportEval is another part of the project)."""
+    """Stands in for ``client.report_eval``: records each report, or fails it."""
 
     def __init__(self, fail: Exception | None = None) -> None:
         self.calls: list[tuple] = []
@@ -56,7 +55,6 @@ class Reports:
 def test_the_reported_loss_is_the_global_models_held_out_loss(trained, one_thread):
     srv, _, _ = trained
     with ParameterServerClient(srv.address) as client:
-        client.report_eval = reports = Reports()
         ev = Evaluator(client, name="probe")
         seed_loss = ev.held_out_loss()
         result = ev.evaluate_global()
@@ -64,7 +62,8 @@ def test_the_reported_loss_is_the_global_models_held_out_loss(trained, one_threa
     assert result.version == srv.state.version == 2
     assert result.loss == pytest.approx(expected, rel=1e-6) and result.loss != pytest.approx(seed_loss, rel=1e-3)
     assert result.num_tokens == 8 * 32 * 64 and result.reported  # eval_batches x batch_size x context_len
-    assert reports.calls == [(2, result.loss, result.num_tokens, "probe")]
+    (point,) = srv.state.status().evals  # the report reached the server's status (and so its dashboard)
+    assert (point.version, point.loss, point.num_tokens, point.evaluator) == (2, result.loss, result.num_tokens, "probe")
 
 
 def test_evaluate_every_skips_a_version_already_evaluated(trained):
