@@ -261,7 +261,7 @@ class _Processes:
             str(cfg.max_seconds if max_seconds is None else max_seconds),
             "--stats-file",
             str(self.out / f"{stem}.json"),
-            "--name",
+            "--worker-name",
             _worker_name(i, self.speeds[i], rejoin),
             "--mode",
             cfg.mode,
