@@ -121,3 +121,12 @@ def test_a_page_without_workers_or_evals_says_so():
     page = render(pb.StatusReply(run_config=pb.RunConfig(mode="async")), [])
     assert "no worker has joined yet" in page and "no evaluator has reported yet" in page
     assert "waiting for the first worker" in page
+
+
+def test_the_run_table_shows_what_the_mode_uses_with_short_numbers():
+    config = pb.RunConfig(mode="async", group_window_s=2.75534782131024, round_timeout_s=60.0, min_workers=1)
+    page = render(pb.StatusReply(run_config=config), [])
+    assert "2.755" in page and "2.7553478" not in page
+    assert "round_timeout_s" not in page and "min_workers" not in page  # sync settings, not an async run's
+    config.mode = "sync"
+    assert "round_timeout_s" in render(pb.StatusReply(run_config=config), [])

@@ -145,12 +145,21 @@ def workers_table(workers: Sequence[pb.WorkerStatus]) -> str:
     return _table(head, rows)
 
 
+#: RunConfig fields that mean nothing to an async run (not shown for one).
+_SYNC_ONLY = frozenset({"min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting"})
+
+
 def _run_config_rows(st: pb.StatusReply) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = [
         ("outer optimizer", st.outer_optimizer),
         ("staleness weighting", st.staleness_weighting),
     ]
-    rows += [(field.name, value) for field, value in st.run_config.ListFields()]
+    sync = st.run_config.mode == "sync"
+    rows += [
+        (field.name, f"{value:.4g}" if isinstance(value, float) else value)
+        for field, value in st.run_config.ListFields()
+        if sync or field.name not in _SYNC_ONLY
+    ]
     if st.HasField("manifest"):
         numel = sum(math.prod(t.shape) for t in st.manifest.tensors)
         rows.append(("model", f"{len(st.manifest.tensors)} tensors, {numel:,} parameters"))
