@@ -27,6 +27,7 @@ from asyncdiloco.errors import (
 )
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.counters import Counters
+from asyncdiloco.ps.records import LoggedJoin
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, read_segment
@@ -190,7 +191,7 @@ def test_the_store_talks_to_the_state_only_through_its_interface(tmp_path):
     fake = _RecordingState()
     store = DurableStore(config.durability, config)
     store.open(fake)  # an empty folder: a fresh run, checkpointed at once
-    store.log_join(1, "a", True, MANIFEST)
+    store.log_join(LoggedJoin(1, "a", True, MANIFEST))
     store.close(final_checkpoint=False)
     assert fake.calls == ["attach_journal", "state_dict", "detach_journal"]
     fake2 = _RecordingState()

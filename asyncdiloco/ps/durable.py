@@ -20,11 +20,10 @@ from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import AppliedAs, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, LoggedJoin, WorkerRecord
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.ps.wal import manifest_from_json, manifest_to_json
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import Manifest
 
 
 class Replayable(Protocol):
@@ -53,23 +52,11 @@ class Durability:
         self.snapshots = snapshots
         self.replayers = replayers
 
-    def replay_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
+    def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (start-up replay): a resumed one keeps the record's counters
-        and outcomes; ``seen_unix_s`` (wall clock; None in older logs: now) dates it.
-        ``named`` None (older logs): the name counts as given unless it is "worker-<id>"."""
-        if named is None:
-            named = name != f"worker-{worker_id}"
+        and outcomes; ``join.seen_unix_s`` (wall clock; None in older logs: now) dates it."""
         with self.locks.books:
-            self.registry.replay_join(worker_id, name, initialize, manifest, named, seen_unix_s)
+            self.registry.replay_join(join)
 
     def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
         """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""

@@ -15,9 +15,8 @@ from typing import Protocol
 
 import torch
 
-from asyncdiloco.ps.records import AppliedAs
+from asyncdiloco.ps.records import AppliedAs, LoggedJoin
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import Manifest
 
 #: (meta, tensors, result of ``while_locked``): a checkpoint's JSON part and its tensors.
 StateDict = tuple[dict, dict[str, torch.Tensor], int]
@@ -26,18 +25,8 @@ StateDict = tuple[dict, dict[str, torch.Tensor], int]
 class Journal(Protocol):
     """A write-ahead log of the state's changes (store.py)."""
 
-    def log_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
-        """Log a Join (books lock held); ``manifest`` when it becomes the server's;
-        ``named``: the worker gave its name; ``seen_unix_s``: when, on the wall clock."""
+    def log_join(self, join: LoggedJoin) -> None:
+        """Log a Join (books lock held), before the worker learns its id."""
 
     def log_push(
         self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
@@ -62,16 +51,7 @@ class JournaledState(Protocol):
     def load_state_dict(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Restore a fresh state from a ``state_dict``."""
 
-    def replay_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
+    def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (a resumed one keeps the record's counters and outcomes)."""
 
     def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
@@ -99,18 +79,9 @@ class JournalSlot:
         self.journal: Journal | None = None
         self.wall_clock = wall_clock
 
-    def log_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
+    def log_join(self, join: LoggedJoin) -> None:
         if self.journal is not None:  # durable before the worker learns its id
-            self.journal.log_join(worker_id, name, initialize, manifest, named=named, seen_unix_s=seen_unix_s)
+            self.journal.log_join(join)
 
     def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:
         if self.journal is not None:  # durable before it is applied and acknowledged

@@ -1,7 +1,8 @@
 """Plain records of the parameter server's state, and the two locks its parts share.
 
 ``PushOutcome`` is what a push's reply says (and what a retried push is answered with);
-``WorkerRecord`` is one row of the worker table (registry.py); ``StateLocks`` are the
+``WorkerRecord`` is one row of the worker table (registry.py); ``LoggedJoin`` a Join as
+the log keeps it; ``StateLocks`` are the
 locks every part of ``ParameterServerState`` (state.py) takes, in one documented order.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+
+from asyncdiloco.wire.tensors import Manifest
 
 #: Outcomes remembered per worker for answering retried pushes.
 PUSH_MEMORY = 256
@@ -51,6 +54,29 @@ class AppliedAs:
     version_after: int
     #: Live workers at the apply: Delayed Nesterov's N (Liu et al. 2024, Alg. 3).
     num_workers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggedJoin:
+    """A Join as the write-ahead log keeps it (wal.py) and its replay redoes it."""
+
+    worker_id: int
+    #: The worker's name ("worker-<id>" when it gave none).
+    name: str
+    #: It was told to push the initial parameters.
+    initialize: bool
+    #: The manifest it brought, when that became the server's (the first Join); else None.
+    manifest: Manifest | None = None
+    #: The worker gave ``name`` (a later Join under it resumes this id); None in logs
+    #: older than the field: given unless it is "worker-<id>".
+    named: bool | None = None
+    #: When it joined, wall-clock seconds (None in older logs: at the replay).
+    seen_unix_s: float | None = None
+
+    @property
+    def gave_name(self) -> bool:
+        """``named``, or for older logs: the name is not the server's "worker-<id>"."""
+        return self.named if self.named is not None else self.name != f"worker-{self.worker_id}"
 
 
 @dataclasses.dataclass

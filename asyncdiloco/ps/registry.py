@@ -30,7 +30,7 @@ from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
-from asyncdiloco.ps.records import Joined, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import Joined, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -125,7 +125,7 @@ class WorkerRegistry:
         name = worker_name or f"worker-{worker_id}"
         named = bool(worker_name)
         self.journal.log_join(
-            worker_id, name, initialize, manifest if replace else None, named=named, seen_unix_s=self.wall_clock()
+            LoggedJoin(worker_id, name, initialize, manifest if replace else None, named, self.wall_clock())
         )
         if old is not None:
             self.rates.forget(worker_id)  # the new session's rate is measured afresh
@@ -190,19 +190,18 @@ class WorkerRegistry:
         if initialize:
             self.initializer = worker_id
 
-    def replay_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        named: bool,
-        seen_unix_s: float | None,
-    ) -> None:
-        """Redo a logged Join; ``seen_unix_s`` (wall clock, None: unknown) dates it, so
-        a worker that joined before the restart keeps only the rest of its lease."""
+    def replay_join(self, join: LoggedJoin) -> None:
+        """Redo a logged Join; ``join.seen_unix_s`` (wall clock, None: unknown) dates it,
+        so a worker that joined before the restart keeps only the rest of its lease."""
+        silent_s = self.silent_s(join.seen_unix_s)
         self.register(
-            worker_id, name, initialize, manifest, self.clock(), named=named, silent_s=self.silent_s(seen_unix_s)
+            join.worker_id,
+            join.name,
+            join.initialize,
+            join.manifest,
+            self.clock(),
+            named=join.gave_name,
+            silent_s=silent_s,
         )
 
     def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:

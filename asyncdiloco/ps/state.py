@@ -46,7 +46,7 @@ from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
-from asyncdiloco.ps.records import AppliedAs, Joined, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -482,18 +482,9 @@ class ParameterServerState:
         """Restore a fresh state from a checkpoint (durable.py ``Durability.load_state_dict``)."""
         self.durability.load_state_dict(meta, tensors)
 
-    def replay_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
+    def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (durable.py ``Durability.replay_join``)."""
-        self.durability.replay_join(worker_id, name, initialize, manifest, named=named, seen_unix_s=seen_unix_s)
+        self.durability.replay_join(join)
 
     def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
         """A logged push shows the worker alive at ``seen_unix_s`` (wall clock)."""

@@ -54,11 +54,10 @@ from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoi
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
 from asyncdiloco.ps.observer import Observer
-from asyncdiloco.ps.records import AppliedAs
+from asyncdiloco.ps.records import AppliedAs, LoggedJoin
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE
-from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -264,26 +263,17 @@ class DurableStore:
             ) from None
         self.lsn = lsn
 
-    def log_join(
-        self,
-        worker_id: int,
-        name: str,
-        initialize: bool,
-        manifest: Manifest | None,
-        *,
-        named: bool | None = None,
-        seen_unix_s: float | None = None,
-    ) -> None:
-        """Journal a Join before it is answered (state lock held); ``manifest`` when it
-        becomes the server's (the first Join); ``named``: the worker gave its name (a
-        Join of a known name resumes its id); ``seen_unix_s``: when, on the wall clock."""
-        meta = {"worker_id": worker_id, "name": name, "initialize": initialize}
-        if manifest is not None:
-            meta["manifest"] = manifest_to_json(manifest)
-        if named is not None:
-            meta["named"] = named
-        if seen_unix_s is not None:
-            meta["seen_unix_s"] = seen_unix_s
+    def log_join(self, join: LoggedJoin) -> None:
+        """Journal a Join before it is answered (state lock held): its manifest when it
+        becomes the server's (the first Join), whether the worker gave its name (a Join of
+        a known name resumes its id) and when, on the wall clock."""
+        meta: dict = {"worker_id": join.worker_id, "name": join.name, "initialize": join.initialize}
+        if join.manifest is not None:
+            meta["manifest"] = manifest_to_json(join.manifest)
+        if join.named is not None:
+            meta["named"] = join.named
+        if join.seen_unix_s is not None:
+            meta["seen_unix_s"] = join.seen_unix_s
         self._append(JOIN, meta)
 
     def log_push(

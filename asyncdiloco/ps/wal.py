@@ -29,7 +29,7 @@ import torch
 
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import JournaledState
-from asyncdiloco.ps.records import AppliedAs
+from asyncdiloco.ps.records import AppliedAs, LoggedJoin
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
 
@@ -186,7 +186,7 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
     if rec.kind == JOIN:
         manifest = manifest_from_json(m["manifest"]) if "manifest" in m else None
         state.replay_join(
-            m["worker_id"], m["name"], m["initialize"], manifest, named=m.get("named"), seen_unix_s=m.get("seen_unix_s")
+            LoggedJoin(m["worker_id"], m["name"], m["initialize"], manifest, m.get("named"), m.get("seen_unix_s"))
         )
         return
     if rec.kind != PUSH:
