@@ -27,15 +27,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "asyncdiloco"
 ALLOWED = {
     "errors": set(),
     "_malloc": set(),
+    "_atomic": set(),
     "wire": {"errors"},
     "algo": {"errors"},
-    "ps": {"errors", "_malloc", "wire", "algo"},
-    "worker": {"errors", "_malloc", "wire", "algo"},
+    "ps": {"errors", "_malloc", "_atomic", "wire", "algo"},
+    "worker": {"errors", "_malloc", "_atomic", "wire", "algo"},
     "job": {"errors", "algo"},
     "flags": {"errors", "wire", "algo", "ps", "worker", "job"},
-    "tools": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags"},
-    "bench": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags", "tools"},
-    "cli": {"errors", "_malloc", "wire", "algo", "ps", "worker", "job", "flags", "bench", "tools"},
+    "tools": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags"},
+    "bench": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags", "tools"},
+    "cli": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags", "bench", "tools"},
 }
 
 

@@ -15,40 +15,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import time
-from collections.abc import Callable
-from typing import BinaryIO
 
 import torch
 
+from asyncdiloco._atomic import write_atomically
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.config import ServerConfig
 
 #: Checkpoint format (the sidecar's ``format``).
 FORMAT = 1
 KEEP_CHECKPOINTS = 2
-
-
-def fsync_dir(path: pathlib.Path) -> None:
-    """fsync a folder, so that a rename or a new file in it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def sha256_file(path: pathlib.Path) -> str:

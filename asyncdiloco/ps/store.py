@@ -48,9 +48,10 @@ from typing import BinaryIO, TextIO
 
 import torch
 
+from asyncdiloco._atomic import fsync_dir
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.checkpoints import checkpoint_lsns, fsync_dir, load_checkpoint, prune, write_checkpoint
+from asyncdiloco.ps.checkpoints import checkpoint_lsns, load_checkpoint, prune, write_checkpoint
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
 from asyncdiloco.ps.observer import Observer

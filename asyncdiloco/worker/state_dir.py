@@ -37,6 +37,7 @@ from typing import Any, TextIO
 
 import torch
 
+from asyncdiloco._atomic import write_atomically
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.wire.tensors import Manifest
 
@@ -137,10 +138,10 @@ class WorkerStateDir:
             state: a worker's ``state_dict()`` (tensors on the CPU).
             summary: plain JSON values describing it (non-JSON values are dropped).
         """
-        _write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
+        write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
         self.state = state
         text = json.dumps({**summary, "saved_unix_s": time.time()}, indent=1, default=lambda _: None)
-        _write_atomically(self.path / SUMMARY_FILE, lambda f: f.write(text.encode()))
+        write_atomically(self.path / SUMMARY_FILE, lambda f: f.write(text.encode()))
 
     def close(self) -> None:
         """Release the folder (the process that exits releases it too)."""
@@ -203,18 +204,3 @@ def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None
         f"{what} belongs to a model of another layout ({diff}); start the worker with the model it was saved "
         f"with, or give another (or an empty) --state-dir for this one"
     )
-
-
-def _write_atomically(path: pathlib.Path, write) -> None:
-    """Write via ``write(file)`` to a temp file, fsync it, rename it onto ``path``, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
