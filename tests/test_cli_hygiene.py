@@ -258,10 +258,7 @@ class _Bar:
 def test_the_demo_bar_says_what_it_waits_for_before_training(tmp_path):
     from asyncdiloco.bench.demo import DemoConfig, _Watch
 
-    class _Evaluator:
-        initial_loss = 4.2
-
-    watch = _Watch(DemoConfig(num_workers=3, out_dir=str(tmp_path)), _Evaluator(), [object()] * 3, 0.0)
+    watch = _Watch(DemoConfig(num_workers=3, out_dir=str(tmp_path)), None, [object()] * 3, 0.0, initial_loss=4.2)
     bar = _Bar()
     watch.show(bar, pb.StatusReply(initialized=False))
     assert bar.postfix.startswith("starting 3 worker processes (loading torch") and "workers 0" not in bar.postfix

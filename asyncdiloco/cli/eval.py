@@ -35,7 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="evaluate every S seconds, skipping a version already evaluated, until Ctrl-C (default: once)",
     )
-    g.add_argument("--max-evals", type=int, default=None, metavar="N", help="with --every: stop after N evaluations")
+    g.add_argument(
+        "--max-evals",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --every: stop after N evaluations (default: no limit)",
+    )
     g.add_argument("--name", default=None, help="this evaluator's name in the server's status (default: eval@HOST)")
     g.add_argument("--json", action="store_true", help="print each evaluation as one JSON line")
     JOB.add_to(p)
