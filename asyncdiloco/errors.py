@@ -24,6 +24,7 @@ checks that the two agree):
     round_refused         FAILED_PRECONDITION    RoundRefusedError
     not_initialized       UNAVAILABLE            NotInitializedError
     unknown_worker        NOT_FOUND              UnknownWorkerError
+    worker_superseded     FAILED_PRECONDITION    WorkerSupersededError
     server_unavailable    UNAVAILABLE            ServerUnavailableError
     server_busy           UNAVAILABLE            ServerBusyError
     checkpoint_failed     UNAVAILABLE            CheckpointError
@@ -139,6 +140,15 @@ class UnknownWorkerError(AsyncDiLoCoError):
 
     grpc_code = grpc.StatusCode.NOT_FOUND
     reason = "unknown_worker"
+
+
+class WorkerSupersededError(AsyncDiLoCoError):
+    """Another process joined under this worker's name since this one joined (a
+    restarted worker took its id back): this session's calls are refused. Two live
+    processes shared one name; stop one, or give each its own name."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "worker_superseded"
 
 
 class ServerUnavailableError(AsyncDiLoCoError, ConnectionError):

@@ -45,7 +45,7 @@ def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcom
     rec = parts.registry.get(header.worker_id)
     if rec is not None and header.push_id in rec.outcomes:
         return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
-    return parts.registry.touch(header.worker_id)
+    return parts.registry.touch(header.worker_id, header.session_id)
 
 
 def _live_workers(parts: CoreParts, worker_id: int) -> set[int]:

@@ -150,15 +150,16 @@ class PushIntake:
             A ``PayloadAssembler`` to feed the chunks to, or the original outcome when
             this ``(worker_id, push_id)`` was applied before (a retry).
         Raises:
-            UnknownWorkerError, InvalidPayloadError, PayloadTooLargeError, StalePushError,
+            UnknownWorkerError, WorkerSupersededError, InvalidPayloadError, PayloadTooLargeError, StalePushError,
             NotInitializedError, ModeMismatchError, ServerBusyError (no buffer within
             30 s): nothing is changed.
         """
         with self.locks.books:
+            self.registry.check_session(header.worker_id, header.session_id)  # before a retry's answer
             retried = self._retried(header)
             if retried is not None:
                 return retried
-            self.registry.touch(header.worker_id)
+            self.registry.touch(header.worker_id, header.session_id)
             _check_fields(header, self.config.max_payload_bytes)
             kind = self.kind_of(header)
             kind.check(header)

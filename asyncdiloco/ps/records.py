@@ -106,6 +106,9 @@ class WorkerRecord:
     #: The worker gave this name (``JoinRequest.worker_name``): a later Join under it
     #: resumes this record. False for the "worker-<id>" a nameless worker is given.
     named: bool = False
+    #: Joins of this id so far: the current session (``JoinReply.session_id``); calls of
+    #: an older one are refused. 0: unknown (a checkpoint from before sessions).
+    session: int = 0
 
     @property
     def last_push_id(self) -> int:
@@ -123,6 +126,7 @@ class Joined:
         version: the global version at the join.
         resumed: the Join's name matched a registered worker, whose id was given back.
         last_push_id: the highest push_id with a remembered outcome from that id (0: new).
+        session_id: this Join's session of the id (``JoinReply.session_id``).
     """
 
     worker_id: int
@@ -130,6 +134,7 @@ class Joined:
     version: int
     resumed: bool = False
     last_push_id: int = 0
+    session_id: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,12 +26,13 @@ import time
 from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError
+from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError, WorkerSupersededError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
 from asyncdiloco.ps.records import Joined, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.names import check_worker_name
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -103,12 +104,14 @@ class WorkerRegistry:
         Raises:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
+            ConfigError: ``worker_name`` is not a valid name (wire/names.py).
         """
         if manifest.total_bytes > self.config.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"model of {manifest.total_bytes} bytes exceeds max_payload_bytes={self.config.max_payload_bytes}; "
                 f"start the server with a larger --max-payload-bytes"
             )
+        check_worker_name(worker_name)
         now = self.clock()
         self.expire(now)
         old = self.by_name(worker_name)
@@ -140,7 +143,9 @@ class WorkerRegistry:
             self.model.version,
             " and initializes the global model" if initialize else "",
         )
-        return Joined(worker_id, initialize, self.model.version, old is not None, last_push_id)
+        return Joined(
+            worker_id, initialize, self.model.version, old is not None, last_push_id, self.workers[worker_id].session
+        )
 
     def by_name(self, name: str) -> WorkerRecord | None:
         """The registered worker (alive or not) that gave ``name`` when it joined; None
@@ -180,10 +185,11 @@ class WorkerRegistry:
         seen = now - silent_s
         rec = self.workers.get(worker_id)
         if rec is None:
-            self.workers[worker_id] = WorkerRecord(worker_id, name, seen, seen, named=named)
+            rec = self.workers[worker_id] = WorkerRecord(worker_id, name, seen, seen, named=named)
         else:
             rec.name, rec.named, rec.alive, rec.left = name, named, True, False
             rec.joined_at = rec.last_seen = seen
+        rec.session += 1  # a replayed Join counts too, so a restart gives the same sessions
         if named:
             self.names[name] = worker_id
         self.rates.start(worker_id, now)
@@ -227,14 +233,31 @@ class WorkerRegistry:
                     now - rec.last_seen,
                 )
 
-    def touch(self, worker_id: int) -> WorkerRecord:
-        """Renew a live worker's lease.
+    def check_session(self, worker_id: int, session_id: int) -> None:
+        """Refuse a call of a superseded session of ``worker_id`` (``session_id`` 0, or
+        an unknown id or session: not checked here).
+
+        Raises:
+            WorkerSupersededError: a later Join under the worker's name started a newer session.
+        """
+        rec = self.workers.get(worker_id)
+        if rec is not None and session_id and rec.session and session_id != rec.session:
+            raise WorkerSupersededError(
+                f"worker {worker_id} ({rec.name!r}): session {session_id} was superseded by a later Join under the "
+                f"same name (session {rec.session}); two processes must not share a worker name: stop this one, "
+                f"or give each process its own --worker-name"
+            )
+
+    def touch(self, worker_id: int, session_id: int = 0) -> WorkerRecord:
+        """Renew a live worker's lease; ``session_id``: the caller's session (0: not checked).
 
         Raises:
             UnknownWorkerError: the id was never issued, or the worker left or its lease lapsed.
+            WorkerSupersededError: the caller's session is not the worker's newest.
         """
         now = self.clock()
         self.expire(now)
+        self.check_session(worker_id, session_id)
         rec = self.workers.get(worker_id)
         if rec is None:
             issued = f"ids 1..{self.next_worker_id - 1} were issued" if self.next_worker_id > 1 else "no ids issued yet"
@@ -247,13 +270,18 @@ class WorkerRegistry:
         rec.last_seen = now
         return rec
 
-    def leave(self, worker_id: int) -> None:
-        """The worker left cleanly: its lease ends now."""
+    def leave(self, worker_id: int, session_id: int = 0) -> bool:
+        """The worker left cleanly: its lease ends now. The Leave of a superseded session
+        (``session_id`` not the newest; 0: not checked) ends nothing. True when it ended a lease."""
         rec = self.workers.get(worker_id)
+        if rec is not None and session_id and rec.session and session_id != rec.session:
+            log.warning("worker %d (%r): Leave of superseded session %d ignored", worker_id, rec.name, session_id)
+            return False
         if rec is not None:
             rec.alive, rec.left = False, rec.left or rec.alive  # a lapsed lease stays "expired"
             self.rates.forget(worker_id)
             log.info("worker %d (%s) left", worker_id, rec.name)
+        return rec is not None
 
     def any_alive(self) -> bool:
         """True when some registered worker's lease is current (not re-checked here)."""
@@ -406,6 +434,7 @@ class WorkerRegistry:
                 "tokens": r.tokens,
                 "local_steps": r.local_steps,
                 "left": r.left,
+                "session": r.session,
                 "staleness": [r.staleness_sum, r.staleness_pushes, r.last_staleness],
                 "outcomes": [
                     [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
@@ -429,7 +458,10 @@ class WorkerRegistry:
             named = w.get("named", w["name"] != f"worker-{w['worker_id']}")  # older checkpoints: by the name
             rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=named)
             rec.rejected_pushes, rec.tokens, rec.local_steps = w["rejected_pushes"], w["tokens"], w["local_steps"]
-            rec.left = w.get("left", False)  # older checkpoints: a stopped worker shows as "expired"
+            rec.left, rec.session = (
+                w.get("left", False),
+                w.get("session", 0),
+            )  # older checkpoints: a stopped worker shows as "expired"
             rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
             for pid, applied, version, tau, weight, steps in w["outcomes"]:
                 rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)

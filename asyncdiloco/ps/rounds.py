@@ -116,7 +116,7 @@ class SyncMode:
                 f"a member diverged, lower the inner learning rate"
             )
         with self.locks.books:
-            self.registry.touch(header.worker_id)
+            self.registry.touch(header.worker_id, header.session_id)
         self.rounds.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
         with self.locks.books:
             self.counters.bytes_pushed += header.total_bytes

@@ -15,6 +15,7 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import is_chunk
+from asyncdiloco.wire.names import shown
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             manifest = Manifest.from_proto(request.manifest)
             joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s)
         except AsyncDiLoCoError as exc:
-            log.warning("join refused (%s): %s", request.worker_name or "unnamed", exc)
+            log.warning("join refused (%s): %s", shown(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)
         return pb.JoinReply(
             worker_id=joined.worker_id,
@@ -48,6 +49,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             initialize=joined.initialize,
             resumed=joined.resumed,
             last_push_id=joined.last_push_id,
+            session_id=joined.session_id,
         )
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
@@ -103,7 +105,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:
-            version, remaining, initialize = self.state.heartbeat(request.worker_id, request.steps_per_s)
+            version, remaining, initialize = self.state.heartbeat(
+                request.worker_id, request.steps_per_s, request.session_id
+            )
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         return pb.HeartbeatReply(
@@ -115,7 +119,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         )
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        self.state.leave(request.worker_id)
+        self.state.leave(request.worker_id, request.session_id)
         return pb.LeaveReply()
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

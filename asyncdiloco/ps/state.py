@@ -230,25 +230,29 @@ class ParameterServerState:
             self.mode.on_leave(joined.worker_id)
         return joined
 
-    def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> tuple[int, float, bool]:
-        """Renew the lease (and take the worker's measured inner-step rate, steps/s, if > 0).
+    def heartbeat(self, worker_id: int, steps_per_s: float = 0.0, session_id: int = 0) -> tuple[int, float, bool]:
+        """Renew the lease (and take the worker's measured inner-step rate, steps/s, if > 0);
+        ``session_id``: the caller's session (``JoinReply.session_id``; 0: not checked).
 
         Returns:
             (version, seconds until the lease expires, whether this worker must now push
             the initial parameters).
         Raises:
             UnknownWorkerError: the worker left or its lease lapsed.
+            WorkerSupersededError: a later Join under the worker's name started a newer session.
         """
         with self.locks.books:
-            self.registry.touch(worker_id)
+            self.registry.touch(worker_id, session_id)
             self.registry.report_rate(worker_id, steps_per_s)
             initialize = not self.initialized and self.registry.claim_initializer(worker_id)
             return self.version, self.config.lease_s, initialize
 
-    def leave(self, worker_id: int) -> None:
-        """The worker left: its lease ends, the groups and rounds stop waiting for it."""
+    def leave(self, worker_id: int, session_id: int = 0) -> None:
+        """The worker left: its lease ends, the groups and rounds stop waiting for it (the
+        Leave of a superseded session, ``session_id`` not the newest, changes nothing)."""
         with self.locks.books:
-            self.registry.leave(worker_id)
+            if not self.registry.leave(worker_id, session_id):
+                return
             expected = self.registry.expected(self._clock())
         self.groups.recheck(expected)  # the open group may now hold every expected worker
         self.mode.on_leave(worker_id)
@@ -324,6 +328,7 @@ class ParameterServerState:
         num_tokens: int = 0,
         kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         compute_s: float = 0.0,
+        session_id: int = 0,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut
         into chunks exactly as the wire carries it, with every check the servicer applies.
@@ -331,7 +336,7 @@ class ParameterServerState:
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout (or the wire codec's).
             worker_id, push_id, base_version, num_local_steps, num_tokens, kind,
-            compute_s: the ``PushHeader`` fields (compute_s in seconds).
+            compute_s, session_id: the ``PushHeader`` fields (compute_s in seconds).
         Returns:
             The outcome (``duplicate`` for a retried push_id).
         Raises:
@@ -345,6 +350,7 @@ class ParameterServerState:
             num_tokens=num_tokens,
             kind=kind,
             compute_s=compute_s,
+            session_id=session_id,
         )
         return self.intake.receive_in_process(header, payload)
 

@@ -40,6 +40,7 @@ from asyncdiloco.errors import (
     NotInitializedError,
     ServerUnavailableError,
     UnknownWorkerError,
+    WorkerSupersededError,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
@@ -136,6 +137,9 @@ class WorkerBase:
         self._backoff_s = config.initial_backoff_s
         self._next_attempt = 0.0
         self._needs_rejoin = False
+        #: Set when the server said another process joined under this worker's name since:
+        #: the next sync point raises it (this process must stop; nothing is retried).
+        self._superseded: WorkerSupersededError | None = None
         self._rejoining = False
         self._must_initialize = False
         self._stop = threading.Event()
@@ -223,6 +227,8 @@ class WorkerBase:
             the server was unreachable: training goes on locally and a later sync point
             retries, with exponential backoff.
         """
+        if self._superseded is not None:
+            raise self._superseded
         if self._stop.is_set() or time.monotonic() < self._next_attempt:
             return False
         started = time.monotonic()
@@ -521,5 +527,8 @@ class WorkerBase:
             except UnknownWorkerError:
                 if worker_id == self.worker_id:
                     self._needs_rejoin = True
+            except WorkerSupersededError as exc:  # the next sync point raises it
+                self._superseded = exc
+                return
             except Exception as exc:  # noqa: BLE001 - the next sync reports real trouble
                 log.debug("heartbeat failed: %s", exc)

@@ -95,6 +95,9 @@ class ParameterServerClient:
         self._metadata = auth_metadata(self._token)
         self._security = security
         self._bulk_allowed = bulk_channel
+        #: JoinReply.session_id per worker id joined through this client: sent with its
+        #: pushes, heartbeats and Leave (the server refuses a superseded session's calls).
+        self._sessions: dict[int, int] = {}
         self._bulk: BulkChannel | None = None
         creds = channel_credentials(security)
         if creds is None:
@@ -155,11 +158,13 @@ class ParameterServerClient:
 
     # ---------------------------------------------------------------- calls
     def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> pb.JoinReply:
-        """Register; raises ManifestMismatchError, ServerUnavailableError, ..."""
+        """Register; raises ManifestMismatchError, ServerUnavailableError, ...; the
+        reply's session goes with this worker id's later calls through this client."""
         reply = self._call(
             self._stub.Join,
             pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
         )
+        self._sessions[reply.worker_id] = reply.session_id
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
         self.group_wait_s = reply.run_config.group_max_wait_s
         self._use_bulk_port(reply.run_config.bulk_port)
@@ -260,6 +265,7 @@ class ParameterServerClient:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
         Raises:
             StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
+            WorkerSupersededError (another process joined under this worker's name),
             ServerUnavailableError (outcome unknown: retry with the same push_id).
         """
         total = payload.numel()
@@ -276,6 +282,7 @@ class ParameterServerClient:
             compute_s=compute_s,
             quorum_id=quorum_id,
             last=last,
+            session_id=self._sessions.get(worker_id, 0),
         )
 
         if self._bulk is not None and payload.is_contiguous():
@@ -295,12 +302,15 @@ class ParameterServerClient:
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
         """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker
         measured (DyLU). The reply's ``local_steps`` is H_w for the current round."""
-        reply = self._call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=worker_id, steps_per_s=steps_per_s))
+        request = pb.HeartbeatRequest(
+            worker_id=worker_id, steps_per_s=steps_per_s, session_id=self._sessions.get(worker_id, 0)
+        )
+        reply = self._call(self._stub.Heartbeat, request)
         self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
         return reply
 
     def leave(self, worker_id: int) -> None:
-        self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id))
+        self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id, session_id=self._sessions.get(worker_id, 0)))
 
     def quorum(self, *, worker_id: int, round: int, manifest_hash: str, timeout_s: float) -> pb.QuorumReply:
         """Sync mode: ask to join the next round; blocks up to ``timeout_s`` seconds

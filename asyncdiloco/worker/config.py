@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from asyncdiloco.errors import require
+from asyncdiloco.wire.names import check_worker_name
 from asyncdiloco.wire.security import ClientSecurityConfig
 
 
@@ -56,6 +57,7 @@ class WorkerConfig:
     state_dir: str | None = None
 
     def __post_init__(self) -> None:
+        check_worker_name(self.worker_name)
         host, sep, port = self.server.rpartition(":")
         require(
             bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,

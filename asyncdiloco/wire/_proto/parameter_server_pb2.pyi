@@ -110,7 +110,7 @@ class JoinRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., worker_name: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize", "resumed", "last_push_id")
+    __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize", "resumed", "last_push_id", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class JoinReply(_message.Message):
     INITIALIZE_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     LAST_PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     run_config: RunConfig
     manifest: Manifest
@@ -125,7 +126,8 @@ class JoinReply(_message.Message):
     initialize: bool
     resumed: bool
     last_push_id: int
-    def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ..., resumed: _Optional[bool] = ..., last_push_id: _Optional[int] = ...) -> None: ...
+    session_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., version: _Optional[int] = ..., initialize: _Optional[bool] = ..., resumed: _Optional[bool] = ..., last_push_id: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "sync_state")
@@ -170,7 +172,7 @@ class PullMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id", "last")
+    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id", "last", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,7 @@ class PushHeader(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     push_id: int
     base_version: int
@@ -195,7 +198,8 @@ class PushHeader(_message.Message):
     compute_s: float
     quorum_id: int
     last: bool
-    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+    session_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ..., last: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -226,12 +230,14 @@ class PushReply(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., staleness_weight: _Optional[float] = ..., local_steps: _Optional[int] = ..., held_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "steps_per_s")
+    __slots__ = ("worker_id", "steps_per_s", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     steps_per_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    session_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("version", "lease_remaining_s", "initialize", "local_steps", "group_max_wait_s")
@@ -248,10 +254,12 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., lease_remaining_s: _Optional[float] = ..., initialize: _Optional[bool] = ..., local_steps: _Optional[int] = ..., group_max_wait_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "session_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    session_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

@@ -1,0 +1,42 @@
+"""What a worker's name may be (``JoinRequest.worker_name``): checked by the worker's
+config and again by the server, so a name cannot break the status table, forge lines of
+the server's log or flood it."""
+
+from __future__ import annotations
+
+from asyncdiloco.errors import ConfigError
+
+#: The longest worker name, in characters.
+MAX_NAME_CHARS = 200
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` for a log line or an error message: ``repr`` (control characters
+    escaped), cut to ``limit`` characters with an ellipsis."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit - 1] + "…"
+
+
+def check_worker_name(name: str) -> str:
+    """``name`` when it is a valid worker name: empty (the server names the worker
+    "worker-<id>"), or at most ``MAX_NAME_CHARS`` printable characters (no newline, tab or
+    other control character) that are not all spaces.
+
+    Raises:
+        ConfigError: the name breaks one of those rules (the message says which).
+    """
+    if not name:
+        return name
+    if len(name) > MAX_NAME_CHARS:
+        raise ConfigError(
+            f"worker_name {shown(name)} has {len(name)} characters; the limit is {MAX_NAME_CHARS}: give a shorter "
+            f"--worker-name"
+        )
+    if not name.isprintable():
+        raise ConfigError(
+            f"worker_name {shown(name)} holds a control character (newline, tab, escape, ...); give a --worker-name "
+            f"of printable characters"
+        )
+    if not name.strip():
+        raise ConfigError(f"worker_name {shown(name)} is only spaces; give a --worker-name with a visible character")
+    return name
