@@ -172,3 +172,15 @@ def test_load_global_model_before_any_worker_pushed(start_server):
     srv = start_server()
     with pytest.raises(NotInitializedError, match="no global model yet"):
         asyncdiloco.load_global_model(default_model(), srv.address)
+
+
+def test_the_export_command_puts_the_library_log_levels_back(durable_run, tmp_path, cli_exit):
+    """An in-process export (as here) must not leave the server's loggers at WARNING for
+    whatever runs next in the process."""
+    import logging
+
+    _, folder = durable_run
+    ps_log = logging.getLogger("asyncdiloco.ps")
+    before = ps_log.level
+    code, _ = cli_exit(["export", "--checkpoint-dir", str(folder), "--out", str(tmp_path / "m.safetensors")])
+    assert code == 0 and ps_log.level == before
