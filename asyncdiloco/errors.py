@@ -235,6 +235,24 @@ def _reason_of(err: grpc.RpcError) -> str:
     return ""
 
 
+def reason_codes() -> tuple[str, ...]:
+    """Every reason code of the table above, sorted."""
+    return tuple(sorted(_BY_REASON))
+
+
+#: Characters of an outside string ``quoted`` keeps.
+QUOTED_CHARS = 80
+
+
+def quoted(text: str, limit: int = QUOTED_CHARS) -> str:
+    """``text`` from outside (a worker's or evaluator's name) as it may go into a log line
+    or message: ``repr()``, so a newline or control character cannot forge another line,
+    cut to ``limit`` characters with the full length said (``'xx…'… (5017 chars)``)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} chars)"
+
+
 def require(ok: bool, field: str, value: object, rule: str) -> None:
     """Raise ``ConfigError("<field>=<value> is invalid: <rule>")`` unless ``ok``.
 

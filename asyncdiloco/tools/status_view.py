@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from asyncdiloco.ps.counters import newest_eval
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: A worker's states whose lease is over; the others are live.
@@ -75,9 +76,9 @@ def worker_dict(w: pb.WorkerStatus) -> dict[str, Any]:
 
 
 def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
-    if not st.evals:
+    e = newest_eval(st.evals)
+    if e is None:
         return None
-    e = st.evals[-1]
     return {
         "version": e.version,
         "loss_nats_per_token": e.loss,
@@ -89,7 +90,8 @@ def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
 
 def status_dict(st: pb.StatusReply, *, address: str = "", all_workers: bool = False) -> dict[str, Any]:
     """The status as JSON-ready values: the run, its counters, the staleness summary, the
-    newest held-out loss (None without one) and one entry per live worker (``all_workers``:
+    newest held-out loss (of the highest version, ps/counters.py ``newest_eval``; None
+    without one) and one entry per live worker (``all_workers``:
     also those that left or expired)."""
     workers = [worker_dict(w) for w in st.workers if all_workers or (w.alive and w.state not in GONE_STATES)]
     out: dict[str, Any] = {
