@@ -228,3 +228,20 @@ def test_the_token_flag_is_the_workers(start_server, tmp_path, capsys, cli_exit)
     assert code == 1 and "token" in err and err.count("\n") == 1
     code, out = run_status(["--server", srv.address, "--token-file", str(token), "--json"], capsys)
     assert code == 0 and json.loads(out)["workers"] == []
+
+
+def test_a_reader_that_closed_the_pipe_ends_status_quietly(start_server, monkeypatch, capsys):
+    """``asyncdiloco status | head -1``: the reader is gone before the table is written."""
+    import os
+    import sys
+
+    srv = start_server()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        with pytest.raises(SystemExit) as done:
+            app.main(["status", "--server", srv.address])
+        monkeypatch.undo()
+        assert done.value.code == 1 and capsys.readouterr().err == ""
+    # closing it flushed nothing into the broken pipe: its descriptor is /dev/null now
