@@ -240,6 +240,25 @@ def reason_codes() -> tuple[str, ...]:
     return tuple(sorted(_BY_REASON))
 
 
+#: Words of gRPC's connection error when the TLS handshake failed, or when a plaintext
+#: client met a TLS server (the server closes the socket: "Socket closed").
+_TLS_FAILURE_WORDS = ("socket closed", "handshake", "ssl", "certificate")
+
+
+def unreachable_message(server: str, exc: Exception, *, tls: bool) -> str:
+    """The CLI's one line for a server that cannot be reached at ``server`` (HOST:PORT),
+    with ``exc``'s text and the fix; where that text has the words of a failed TLS
+    handshake, a hint: give ``--tls-ca`` (a plaintext client, ``tls`` false), or check
+    that it holds the CA that signed the server's certificate (``tls`` true)."""
+    line = f"cannot reach the server at {server} ({exc}); check --server and that the server is running"
+    if any(word in str(exc).lower() for word in _TLS_FAILURE_WORDS):
+        if tls:
+            line += "; check that --tls-ca holds the CA that signed the server's certificate"
+        else:
+            line += "; if the server uses TLS, give --tls-ca (the CA that signed its certificate)"
+    return line
+
+
 #: Characters of an outside string ``quoted`` keeps.
 QUOTED_CHARS = 80
 

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.errors import ConfigError, ServerUnavailableError, unreachable_message
 from asyncdiloco.flags.settings import EVAL, JOB
 
 
@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
     with ParameterServerClient(cfg.server, security=cfg.security) as client:
         evaluator = Evaluator(client, job, name=args.name or f"eval@{os.uname().nodename}")
         if args.every is None:
-            show(evaluator.evaluate_global())
+            try:
+                show(evaluator.evaluate_global())
+            except ServerUnavailableError as exc:
+                line = unreachable_message(cfg.server, exc, tls=getattr(cfg.security, "tls_ca", None) is not None)
+                raise ServerUnavailableError(line) from None
             return 0
         try:
             evaluate_every(evaluator, args.every, show, max_evals=args.max_evals, wait=threading.Event().wait)
