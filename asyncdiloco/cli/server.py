@@ -16,7 +16,12 @@ from asyncdiloco.ps.config import ServerConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("server", help="run the parameter server")
+    p = sub.add_parser(
+        "server",
+        help="run the parameter server",
+        description="The parameter server: holds the global model, applies the workers' pseudo-gradients "
+        "(or, with --mode sync, their rounds) and serves pulls, until SIGINT or SIGTERM.",
+    )
     p.add_argument("--port-file", help="write the bound port to this file once listening (default: none)")
     SERVER.add_to(p)
     p.set_defaults(func=run)
