@@ -245,3 +245,21 @@ def test_a_reader_that_closed_the_pipe_ends_status_quietly(start_server, monkeyp
         monkeypatch.undo()
         assert done.value.code == 1 and capsys.readouterr().err == ""
     # closing it flushed nothing into the broken pipe: its descriptor is /dev/null now
+
+
+def test_a_sync_run_is_told_in_rounds_and_member_contributions():
+    st = _reply(
+        staleness_histogram=[130, 0, 0, 0],
+        rounds_committed=65,
+        rounds_failed=2,
+        outer_optimizer="nesterov(lr=0.7, momentum=0.9)",
+    )
+    st.run_config.CopyFrom(pb.RunConfig(mode="sync", local_steps=20, wire_codec="raw", dylu=True, max_staleness=8))
+    text = render(status_dict(st))
+    assert "65 rounds committed, 2 aborted" in text and "130 member contributions applied" in text
+    for async_only in ("pushes/s", "pushes applied", "dylu", "staleness weighting", "max_staleness", "staleness tau"):
+        assert async_only not in text, async_only
+    header = next(line for line in text.splitlines() if line.startswith("NAME"))
+    assert header.split() == ["NAME", "ID", "STEPS/S", "H_W", "CONTRIBUTIONS", "LAST", "SEEN", "STATE"]
+    async_text = render(status_dict(_reply()))
+    assert "3.25 pushes/s" in async_text and "MEAN TAU" in async_text and "rounds" not in async_text
