@@ -4,6 +4,7 @@ the new one, never half of one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from collections.abc import Callable
@@ -24,12 +25,18 @@ def write_atomically(path: pathlib.Path, write: Callable[[BinaryIO], object]) ->
     fsync the folder.
 
     Raises:
-        OSError: the folder cannot be written (the previous ``path``, if any, is intact).
+        OSError: the folder cannot be written (the previous ``path``, if any, is intact,
+            and no ``<path>.tmp`` is left behind); ``write``'s own exceptions likewise.
     """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the original error is the one to report
+            tmp.unlink()
+        raise
     fsync_dir(path.parent)

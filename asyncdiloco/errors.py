@@ -245,6 +245,43 @@ def _reason_of(err: grpc.RpcError) -> str:
     return ""
 
 
+def reason_codes() -> tuple[str, ...]:
+    """Every reason code of the table above, sorted."""
+    return tuple(sorted(_BY_REASON))
+
+
+#: Words of gRPC's connection error when the TLS handshake failed, or when a plaintext
+#: client met a TLS server (the server closes the socket: "Socket closed").
+_TLS_FAILURE_WORDS = ("socket closed", "handshake", "ssl", "certificate")
+
+
+def unreachable_message(server: str, exc: Exception, *, tls: bool) -> str:
+    """The CLI's one line for a server that cannot be reached at ``server`` (HOST:PORT),
+    with ``exc``'s text and the fix; where that text has the words of a failed TLS
+    handshake, a hint: give ``--tls-ca`` (a plaintext client, ``tls`` false), or check
+    that it holds the CA that signed the server's certificate (``tls`` true)."""
+    line = f"cannot reach the server at {server} ({exc}); check --server and that the server is running"
+    if any(word in str(exc).lower() for word in _TLS_FAILURE_WORDS):
+        if tls:
+            line += "; check that --tls-ca holds the CA that signed the server's certificate"
+        else:
+            line += "; if the server uses TLS, give --tls-ca (the CA that signed its certificate)"
+    return line
+
+
+#: Characters of an outside string ``quoted`` keeps.
+QUOTED_CHARS = 80
+
+
+def quoted(text: str, limit: int = QUOTED_CHARS) -> str:
+    """``text`` from outside (a worker's or evaluator's name) as it may go into a log line
+    or message: ``repr()``, so a newline or control character cannot forge another line,
+    cut to ``limit`` characters with the full length said (``'xx…'… (5017 chars)``)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} chars)"
+
+
 def require(ok: bool, field: str, value: object, rule: str) -> None:
     """Raise ``ConfigError("<field>=<value> is invalid: <rule>")`` unless ``ok``.
 

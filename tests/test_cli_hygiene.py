@@ -275,3 +275,16 @@ def test_a_second_demo_run_in_the_same_folder_says_it_overwrites(tmp_path, caplo
     with caplog.at_level(logging.WARNING):
         demo._warn_if_overwriting(str(tmp_path))
     assert "holds an earlier demo run" in caplog.text and "give --out DIR to keep it" in caplog.text
+
+
+def test_eval_help_lists_the_model_shape_flags_only():
+    text = _subparsers()["eval"].format_help()
+    assert all(flag in text for flag in ("--n-layer", "--n-embd", "--n-head", "--context-len"))
+    assert not any(flag in text for flag in ("--inner-lr", "--batch-size", "--seed", "--inner-lr-schedule"))
+
+
+@pytest.mark.parametrize("command", ["server", "demo", "bench"])
+def test_every_command_help_says_what_it_does(command):
+    usage, _, rest = _subparsers()[command].format_help().partition("\n\n")
+    first = rest.splitlines()[0]
+    assert not first.startswith(("options", "positional")) and len(first) > 20, first

@@ -3,6 +3,7 @@ state's report_eval), over HTTP and gRPC on 127.0.0.1, and the version history's
 
 from __future__ import annotations
 
+import logging
 import math
 import urllib.error
 import urllib.request
@@ -12,9 +13,11 @@ import pytest
 import torch
 from google.protobuf import json_format
 from helpers import assert_same, fingerprint
+from prometheus_client.parser import text_string_to_metric_families
 
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.ps.dashboard import RunHistory, render
+from asyncdiloco.tools.status_view import status_dict
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.tensors import Manifest
@@ -92,6 +95,8 @@ def test_a_valid_report_is_kept_in_the_status(run):
         (1, 2.0, 0, "num_tokens is 0"),
         (2, 2.0, 10, "must be in [0, 1]"),  # the server is at version 1
         (-1, 2.0, 10, "must be in [0, 1]"),
+        (1, -0.5, 10, "loss is -0.5 nats per token; it must be in [0, 10000]"),
+        (1, 2e4, 10, "loss is 20000 nats per token; it must be in [0, 10000]"),
     ],
 )
 def test_an_invalid_report_is_refused_and_changes_nothing(run, version, loss, num_tokens, needle):
@@ -130,3 +135,39 @@ def test_the_run_table_shows_what_the_mode_uses_with_short_numbers():
     assert "round_timeout_s" not in page and "min_workers" not in page  # sync settings, not an async run's
     config.mode = "sync"
     assert "round_timeout_s" in render(pb.StatusReply(run_config=config), [])
+
+
+def _eval_gauges(srv) -> tuple[float, float]:
+    """(asyncdiloco_eval_loss_nats, asyncdiloco_eval_version) of the server's /metrics."""
+    text = get(srv, "/metrics")[2]
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return samples["asyncdiloco_eval_loss_nats"], samples["asyncdiloco_eval_version"]
+
+
+def test_the_newest_eval_is_the_highest_version_everywhere(run):
+    """A slow evaluator's late report of an older version does not replace a newer one
+    (ties: the later report), in the status, the metrics and the dashboard's chart."""
+    srv, client = run
+    client.report_eval(1, 2.0, 10, evaluator="fast")
+    client.report_eval(0, 3.0, 10, evaluator="slow")  # measured before, received after
+    assert status_dict(client.status())["eval"]["version"] == 1
+    assert _eval_gauges(srv) == (2.0, 1.0)
+    page = get(srv, "/")[2]
+    loss_chart = page.split("Held-out loss by version")[1].split("</svg>")[0]
+    xs = [float(pair.split(",")[0]) for pair in loss_chart.split('points="')[1].split('"')[0].split()]
+    assert xs == sorted(xs) and xs[0] < xs[-1]  # version 0 drawn left of version 1
+    client.report_eval(1, 2.25, 10, evaluator="again")
+    assert status_dict(client.status())["eval"]["evaluator"] == "again" and _eval_gauges(srv) == (2.25, 1.0)
+
+
+def test_a_refused_reports_log_line_shows_a_short_escaped_name(run, caplog):
+    srv, client = run
+    huge = "x" * 5000 + "\nINFO forged line"
+    with caplog.at_level(logging.INFO, logger="asyncdiloco.ps"), pytest.raises(InvalidPayloadError):
+        client.report_eval(1, 2.0, 10, evaluator=huge)
+    (line,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(line) < 400 and "\n" not in line and "x" * 81 not in line and "5017 characters" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncdiloco.ps"):
+        client.report_eval(1, 2.0, 10, evaluator="two\nlines")
+    assert any("'two\\nlines'" in r.getMessage() for r in caplog.records)

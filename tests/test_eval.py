@@ -6,6 +6,7 @@ that is not the server's is refused."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 from _default_job import DefaultJobRun, model_with
@@ -150,3 +151,12 @@ def test_a_model_other_than_the_servers_is_refused_naming_the_parameter(trained,
 def test_bad_eval_flags_are_refused(cli_exit):
     assert "--max-evals needs --every" in cli_exit(["eval", "--server", "127.0.0.1:1", "--max-evals", "2"])[1]
     assert "give seconds > 0" in cli_exit(["eval", "--server", "127.0.0.1:1", "--every", "-1"])[1]
+
+
+def test_a_server_that_cannot_be_reached_is_one_line_like_status(cli_exit):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, err = cli_exit(["eval", "--server", f"127.0.0.1:{port}"])
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert f"cannot reach the server at 127.0.0.1:{port}" in err and "check --server" in err

@@ -172,3 +172,43 @@ def test_load_global_model_before_any_worker_pushed(start_server):
     srv = start_server()
     with pytest.raises(NotInitializedError, match="no global model yet"):
         asyncdiloco.load_global_model(default_model(), srv.address)
+
+
+def test_the_export_command_puts_the_library_log_levels_back(durable_run, tmp_path, cli_exit):
+    """An in-process export (as here) must not leave the server's loggers at WARNING for
+    whatever runs next in the process."""
+    import logging
+
+    _, folder = durable_run
+    ps_log = logging.getLogger("asyncdiloco.ps")
+    before = ps_log.level
+    code, _ = cli_exit(["export", "--checkpoint-dir", str(folder), "--out", str(tmp_path / "m.safetensors")])
+    assert code == 0 and ps_log.level == before
+
+
+def test_an_out_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(tmp_path, cli_exit, monkeypatch):
+    folder, _, _ = crashed_folder(tmp_path)
+    (tmp_path / "d").mkdir()
+    code, err = cli_exit(["export", "--checkpoint-dir", str(folder), "--out", str(tmp_path / "d")])
+    assert code == 2 and f"--out '{tmp_path / 'd'}' is invalid: it is a folder" in err and "model.safetensors" in err
+    assert not os.listdir(tmp_path / "d")
+    code, err = cli_exit(["export", "--checkpoint-dir", str(folder), "--out", "/proc/x"])
+    assert code == 2 and "--out '/proc/x' cannot be written" in err and len(err.strip().splitlines()) == 1
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save", disk_full)
+    code, err = cli_exit(["export", "--checkpoint-dir", str(folder), "--out", str(tmp_path / "m.safetensors")])
+    assert code == 2 and "No space left on device" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d"]  # no m.safetensors.tmp
+
+
+def test_the_exported_file_has_the_usual_permissions(tmp_path):
+    folder, _, _ = crashed_folder(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        export_global_model(folder, tmp_path / "m.safetensors")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644  # readable by others, as cp would leave it

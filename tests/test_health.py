@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import STUCK_S
 
+from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import DurabilityConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
@@ -92,3 +93,35 @@ def test_health_checks_need_no_token_but_reflection_does(start_server, tmp_path)
     assert SERVICE in list_services(srv.address, metadata=(("authorization", "Bearer s3cret"),))
     initialize(srv, ClientSecurityConfig(token_file=str(token)))
     assert check(srv.address, SERVICE) == SERVING
+
+
+def test_a_probe_sees_not_serving_while_the_server_drains_and_calls_are_still_served(start_server, monkeypatch):
+    """``stop(drain_s=...)``: NOT_SERVING first, then ``drain_s`` seconds of serving as
+    usual (a probe's Check and a Status are answered), then the stop. The drain's wait is
+    replaced by the probes themselves: no wall-clock race."""
+    import asyncdiloco.ps.server as server_module
+
+    srv = start_server()
+    initialize(srv)
+    seen = []
+
+    def drain(seconds: float) -> None:
+        with ParameterServerClient(srv.address) as client:
+            seen.extend([seconds, check(srv.address), check(srv.address, SERVICE), client.status().version])
+
+    monkeypatch.setattr(server_module, "_drain", drain)
+    srv.stop(grace_s=1.0, drain_s=1.5)
+    assert seen == [1.5, NOT_SERVING, NOT_SERVING, 0]
+    with pytest.raises(grpc.RpcError):  # stopped after the drain
+        check(srv.address)
+
+
+def test_the_cli_server_drains_for_drain_s_after_a_signal(monkeypatch):
+    from asyncdiloco.cli import app, server
+
+    assert app.build_parser().parse_args(["server"]).drain_s == 1.0
+    args = app.build_parser().parse_args(["server", "--drain-s", "0.25"])
+    assert args.drain_s == 0.25 and server.stop_kwargs(args) == {"grace_s": 2.0, "drain_s": 0.25}
+    code = app.build_parser().parse_args(["server", "--drain-s", "-1"])
+    with pytest.raises(ConfigError, match="--drain-s -1 is invalid"):
+        server.stop_kwargs(code)

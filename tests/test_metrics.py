@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncdiloco.errors import StalePushError
+from asyncdiloco.errors import StalePushError, reason_codes
 from asyncdiloco.ps.config import DurabilityConfig
 from asyncdiloco.ps.metrics import staleness_family
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -139,3 +139,12 @@ def test_the_staleness_histogram_keeps_its_buckets_and_counts_the_last_at_its_in
     assert samples[("asyncdiloco_push_staleness_versions_bucket", "+Inf")] == 6
     assert samples[("asyncdiloco_push_staleness_versions_count", None)] == 6
     assert samples[("asyncdiloco_push_staleness_versions_sum", None)] == 2 + 9
+
+
+def test_every_refusal_reason_is_exposed_at_zero_before_any_refusal(start_server):
+    srv = start_server(metrics_port=0)
+    m = scrape(srv)
+    name = "asyncdiloco_pushes_refused_total"
+    refused = {dict(labels)["reason"]: v for (sample, labels), v in m.items() if sample == name}
+    assert set(refused) == {*reason_codes(), "cut_off"} and set(refused.values()) == {0.0}
+    assert "stale_push" in refused and "invalid_payload" in refused

@@ -337,3 +337,33 @@ def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, t
         assert again._steps_since_sync == 2  # noqa: SLF001 - the round goes on from the saved step
     saved = torch.load(tmp_path / "w2" / STATE_FILE, weights_only=True)
     assert saved["worker_name"] == "w1"
+
+
+def _denied(*args, **kwargs):
+    raise PermissionError(13, "Permission denied")
+
+
+def test_a_state_folder_this_process_cannot_write_is_a_config_error_naming_it(tmp_path, monkeypatch, cli_exit):
+    """Tests run as root, who may write anywhere: the refusals are the kernel's as the
+    folder's ``open`` and first save would meet them."""
+    import asyncdiloco.worker.state_dir as state_dir
+
+    folder = tmp_path / "w"
+    monkeypatch.setattr(state_dir, "open", _denied, raising=False)
+    with pytest.raises(ConfigError, match=rf"state_dir '{folder}' cannot be written \(Permission denied\); give"):
+        WorkerStateDir(folder)
+    argv = ["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--state-dir", str(folder)]
+    code, err = cli_exit(argv)
+    assert code == 2 and f"state_dir '{folder}' cannot be written" in err and "Traceback" not in err
+    monkeypatch.undo()
+
+    opened = WorkerStateDir(folder)
+    monkeypatch.setattr(state_dir, "write_atomically", _denied)
+    with pytest.raises(ConfigError, match=rf"state_dir '{folder}' cannot be written \(Permission denied\)"):
+        opened.save({"format": 1, "worker_name": "a"}, {})  # the first save: the folder is unusable
+    monkeypatch.undo()
+    opened.save({"format": 1, "worker_name": "a"}, {})
+    monkeypatch.setattr(state_dir, "write_atomically", _denied)
+    with pytest.raises(PermissionError):  # a later one: the worker logs it and trains on
+        opened.save({"format": 1, "worker_name": "a"}, {})
+    opened.close()

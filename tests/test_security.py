@@ -307,3 +307,13 @@ def test_a_sync_worker_rounds_through_a_token_protected_server(pki):
         assert srv.state.status().rounds_committed == 2
     finally:
         srv.stop(None)
+
+
+def test_a_plaintext_cli_against_a_tls_server_is_told_to_give_the_ca(serve, pki, cli_exit):
+    srv = serve(tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"])
+    for command in ("status", "eval"):
+        code, err = cli_exit([command, "--server", srv.address])
+        assert code == 1 and f"cannot reach the server at {srv.address}" in err, err
+        assert "if the server uses TLS, give --tls-ca" in err and len(err.strip().splitlines()) == 1, err
+    code, err = cli_exit(["status", "--server", srv.address, "--tls-ca", pki["rogue_cert"]])
+    assert code == 1 and "if the server uses TLS" not in err  # TLS given: the CA is the one to check

@@ -9,6 +9,7 @@ folder and the same ports works.
 from __future__ import annotations
 
 import dataclasses
+import re
 import socket
 
 import pytest
@@ -122,3 +123,31 @@ def test_starting_a_serving_server_again_is_refused_and_stop_frees_its_port():
         srv.stop(None)
     with socket.socket() as s:  # the port is free again: nothing else kept serving on it
         s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"port": 29500, "metrics_port": 29500}, "metrics_port=29500 is invalid: it is also the gRPC port (port)"),
+        ({"port": 29500, "bulk_port": 29500}, "bulk_port=29500 is invalid: it is also the gRPC port (port)"),
+        ({"port": 0, "bulk_port": 9100, "metrics_port": 9100}, "metrics_port=9100 is invalid: it is also the bulk"),
+        (
+            {
+                "port": 29500,
+                "mode": "sync",
+                "outer": OuterConfig(optimizer="nesterov"),
+                "sync": SyncConfig(store_port=29500),
+            },
+            "store_port=29500 is invalid: it is also the gRPC port (port)",
+        ),
+    ],
+)
+def test_two_listeners_on_one_port_are_refused_at_config_time(fields, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        ServerConfig(**fields)
+    ServerConfig(port=0, bulk_port=0, metrics_port=0)  # 0 picks a free port for each: no clash
+
+
+def test_the_server_command_refuses_its_metrics_port_on_its_grpc_port(cli_exit):
+    code, err = cli_exit(["server", "--port", "29500", "--metrics-port", "29500"])
+    assert code == 2 and "metrics_port=29500 is invalid" in err and "give another --metrics-port" in err

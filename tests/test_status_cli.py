@@ -228,3 +228,38 @@ def test_the_token_flag_is_the_workers(start_server, tmp_path, capsys, cli_exit)
     assert code == 1 and "token" in err and err.count("\n") == 1
     code, out = run_status(["--server", srv.address, "--token-file", str(token), "--json"], capsys)
     assert code == 0 and json.loads(out)["workers"] == []
+
+
+def test_a_reader_that_closed_the_pipe_ends_status_quietly(start_server, monkeypatch, capsys):
+    """``asyncdiloco status | head -1``: the reader is gone before the table is written."""
+    import os
+    import sys
+
+    srv = start_server()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        with pytest.raises(SystemExit) as done:
+            app.main(["status", "--server", srv.address])
+        monkeypatch.undo()
+        assert done.value.code == 1 and capsys.readouterr().err == ""
+    # closing it flushed nothing into the broken pipe: its descriptor is /dev/null now
+
+
+def test_a_sync_run_is_told_in_rounds_and_member_contributions():
+    st = _reply(
+        staleness_histogram=[130, 0, 0, 0],
+        rounds_committed=65,
+        rounds_failed=2,
+        outer_optimizer="nesterov(lr=0.7, momentum=0.9)",
+    )
+    st.run_config.CopyFrom(pb.RunConfig(mode="sync", local_steps=20, wire_codec="raw", dylu=True, max_staleness=8))
+    text = render(status_dict(st))
+    assert "65 rounds committed, 2 aborted" in text and "130 member contributions applied" in text
+    for async_only in ("pushes/s", "pushes applied", "dylu", "staleness weighting", "max_staleness", "staleness tau"):
+        assert async_only not in text, async_only
+    header = next(line for line in text.splitlines() if line.startswith("NAME"))
+    assert header.split() == ["NAME", "ID", "STEPS/S", "H_W", "CONTRIBUTIONS", "LAST", "SEEN", "STATE"]
+    async_text = render(status_dict(_reply()))
+    assert "3.25 pushes/s" in async_text and "MEAN TAU" in async_text and "rounds" not in async_text

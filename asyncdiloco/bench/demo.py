@@ -227,6 +227,7 @@ class _Processes:
         port_file = self.out / "server.port"
         port_file.unlink(missing_ok=True)
         cmd = [*self.python, "server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
+        cmd += ["--drain-s", "0"]  # no load balancer routes to it: stop at once
         server = _spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
         self.popens.append(server)
         return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"

@@ -4,13 +4,15 @@ one-line error report.
 
 Thin: each subcommand parses its flags into the config dataclasses (flags.py) and calls
 the library. Errors from the library are printed as one line and exit with status 2
-(bad configuration) or 1 (could not run).
+(bad configuration) or 1 (could not run); a reader that closed stdout's pipe early
+(``| head``) ends the command with status 1 and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from asyncdiloco.cli import bench, demo, export, server, status, worker
@@ -41,6 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Run ``asyncdiloco ARGV`` (default: ``sys.argv[1:]``) and exit with its status."""
+    try:
+        code = _run(argv)
+    except BrokenPipeError:
+        code = _reader_went_away()
+    sys.exit(code)
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe (``asyncdiloco status | head -5``): exit 1 without a
+    traceback, the Python docs' recipe (library/signal.html, "Note on SIGPIPE"): stdout
+    goes to /dev/null, so the interpreter's last flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a descriptor (an embedding caller's)
+        pass
+    return 1
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(-1 if args.quiet else args.verbose)
     try:
@@ -53,4 +76,4 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
-    sys.exit(code)
+    return code

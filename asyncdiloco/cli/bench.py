@@ -14,7 +14,12 @@ from collections.abc import Iterator
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run a benchmark suite (JSON lines + markdown summary)")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark suite (JSON lines + markdown summary)",
+        description="Sync vs async DiLoCo on speed profiles (in a virtual-clock simulator, or real processes "
+        "on 127.0.0.1), or the transport and server micro-benchmarks; writes JSON lines and a markdown report.",
+    )
     p.add_argument(
         "--suite",
         choices=["quick", "full", "perf"],

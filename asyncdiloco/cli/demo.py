@@ -32,7 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from asyncdiloco.bench.demo import DemoConfig
 
     d = DemoConfig()
-    p = sub.add_parser("demo", help="server + N workers of different speeds on loopback, with a report")
+    p = sub.add_parser(
+        "demo",
+        help="server + N workers of different speeds on loopback, with a report",
+        description="A server and N worker processes of different speeds on 127.0.0.1 train the default job; "
+        "the held-out loss before and after, a report and its plots are written to --out.",
+    )
     g = p.add_argument_group("the demo")
     g.add_argument(
         "--workers", type=int, default=d.num_workers, help="number of worker processes (default %(default)s)"

@@ -3,8 +3,8 @@ and reported to the server (tools/evaluator.py).
 
 Once, or with ``--every S`` every S seconds (a version already evaluated is skipped)
 until ``--max-evals`` evaluations or Ctrl-C. Each evaluation prints ``version V:
-held-out loss L nats/char`` (``--json``: one JSON line). The model flags must be those
-the workers train with (the default job's by default); a different model is refused,
+held-out loss L nats/char`` (``--json``: one JSON line). The model-shape flags must be
+those the workers train with (the default job's by default); a different model is refused,
 naming the first parameter that differs.
 """
 
@@ -15,8 +15,8 @@ import json
 import os
 import threading
 
-from asyncdiloco.errors import ConfigError
-from asyncdiloco.flags.settings import EVAL, JOB
+from asyncdiloco.errors import ConfigError, ServerUnavailableError, unreachable_message
+from asyncdiloco.flags.settings import EVAL, EVAL_MODEL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--name", default=None, help="this evaluator's name in the server's status (default: eval@HOST)")
     g.add_argument("--json", action="store_true", help="print each evaluation as one JSON line")
-    JOB.add_to(p)
+    EVAL_MODEL.add_to(p)
     p.set_defaults(func=run)
 
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     cfg = EVAL.build(EVAL.given(args))
-    job = JOB.build(JOB.given(args))
+    job = EVAL_MODEL.build(EVAL_MODEL.given(args))
 
     def show(e: Evaluation) -> None:
         if args.json:
@@ -75,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
     with ParameterServerClient(cfg.server, security=cfg.security) as client:
         evaluator = Evaluator(client, job, name=args.name or f"eval@{os.uname().nodename}")
         if args.every is None:
-            show(evaluator.evaluate_global())
+            try:
+                show(evaluator.evaluate_global())
+            except ServerUnavailableError as exc:
+                line = unreachable_message(cfg.server, exc, tls=getattr(cfg.security, "tls_ca", None) is not None)
+                raise ServerUnavailableError(line) from None
             return 0
         try:
             evaluate_every(evaluator, args.every, show, max_evals=args.max_evals, wait=threading.Event().wait)

@@ -8,7 +8,9 @@ one line: the file, the global version, the parameters and the bytes written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from asyncdiloco.flags.settings import EXPORT
 
@@ -38,13 +40,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from asyncdiloco.tools.export import export_global_model
 
-    if args.verbose == 0:  # the restore's own lines ("restored version ...") only with -v
-        logging.getLogger("asyncdiloco.ps").setLevel(logging.WARNING)
     durability = EXPORT.build(EXPORT.given(args)).durability
-    done = export_global_model(durability.checkpoint_dir, args.out, dtype=args.dtype)
+    with _restore_lines_only_if_verbose(args.verbose):
+        done = export_global_model(durability.checkpoint_dir, args.out, dtype=args.dtype)
     print(
         f"asyncdiloco export: wrote {done.path}: version {done.version}, {len(done.manifest.tensors)} parameters "
         f"({done.manifest.numel} values, {done.num_bytes} bytes)",
         flush=True,
     )
     return 0
+
+
+@contextlib.contextmanager
+def _restore_lines_only_if_verbose(verbose: int) -> Iterator[None]:
+    """The restore's own INFO lines ("restored version ...") only with -v; the server
+    loggers' level is put back afterwards, as an in-process caller (a test) had it."""
+    ps_log = logging.getLogger("asyncdiloco.ps")
+    before = ps_log.level
+    if verbose == 0:
+        ps_log.setLevel(max(logging.WARNING, ps_log.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        ps_log.setLevel(before)

@@ -1,25 +1,60 @@
 """``asyncdiloco server``: the parameter server process, until SIGINT or SIGTERM.
 
 Prints one line once it listens (after writing ``--port-file``, so a watcher of either
-knows it is ready) and one line of counters when it stops.
+knows it is ready) and one line of counters when it stops. On the signal the health
+service says NOT_SERVING at once, the server serves on for ``--drain-s`` seconds (so
+probes route new work elsewhere), then stops with a grace of ``GRACE_S`` for the calls
+in flight.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import threading
 
+from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("server", help="run the parameter server")
+    p = sub.add_parser(
+        "server",
+        help="run the parameter server",
+        description="The parameter server: holds the global model, applies the workers' pseudo-gradients "
+        "(or, with --mode sync, their rounds) and serves pulls, until SIGINT or SIGTERM.",
+    )
     p.add_argument("--port-file", help="write the bound port to this file once listening (default: none)")
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=DRAIN_S,
+        metavar="S",
+        help="on SIGTERM/SIGINT: answer health checks NOT_SERVING but keep serving for S seconds, so load "
+        "balancers and readiness probes stop sending new work before the port closes (default %(default)s)",
+    )
     SERVER.add_to(p)
     p.set_defaults(func=run)
+
+
+#: Seconds of serving on, NOT_SERVING, after a stop signal (``--drain-s``).
+DRAIN_S = 1.0
+#: Seconds the calls in flight get once the drain is over.
+GRACE_S = 2.0
+
+
+def stop_kwargs(args: argparse.Namespace) -> dict[str, float]:
+    """``ParameterServer.stop``'s arguments from the flags.
+
+    Raises:
+        ConfigError: ``--drain-s`` is negative or not finite.
+    """
+    if not 0 <= args.drain_s < math.inf:
+        raise ConfigError(f"--drain-s {args.drain_s:g} is invalid: give seconds >= 0 (0: stop at once)")
+    return {"grace_s": GRACE_S, "drain_s": args.drain_s}
 
 
 def config(args: argparse.Namespace) -> ServerConfig:
@@ -33,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from asyncdiloco._malloc import keep_large_blocks
     from asyncdiloco.ps import ParameterServer
 
-    cfg = config(args)
+    cfg, stopping = config(args), stop_kwargs(args)
     torch.set_num_threads(1)  # one intra-op thread: the outer step competes with the RPC threads for cores
     keep_large_blocks()  # reuse payload-sized memory instead of faulting it in again for every push
     server = ParameterServer(cfg).start()
@@ -53,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{host}:{server.metrics_port}"
         print(f"asyncdiloco server: dashboard at {url}/, Prometheus metrics at {url}/metrics", flush=True)
     stop.wait()
-    server.stop(grace_s=2.0)  # then the final checkpoint, when --checkpoint-dir is set
+    server.stop(**stopping)  # the drain, the grace, then the final checkpoint (--checkpoint-dir)
     print(_final_line(server.state.status(), server.config.mode), flush=True)
     return 0
 

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from asyncdiloco.errors import ConfigError, ServerUnavailableError
+from asyncdiloco.errors import ConfigError, ServerUnavailableError, unreachable_message
 from asyncdiloco.flags.settings import STATUS
 
 #: Seconds between refreshes of ``--watch`` without a number.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.watch is not None and not args.watch > 0:
         raise ConfigError(f"--watch {args.watch:g} is invalid: give seconds > 0 between refreshes, e.g. --watch 2")
     cfg = STATUS.build(STATUS.given(args))
-    tty = sys.stdout.isatty()
+    tty, tls = sys.stdout.isatty(), getattr(cfg.security, "tls_ca", None) is not None
 
     def show(client: ParameterServerClient) -> None:
         d = status_dict(client.status(), address=cfg.server, all_workers=args.all)
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             show(client)
         except ServerUnavailableError as exc:
-            raise ServerUnavailableError(_unreachable(cfg.server, exc)) from None
+            raise ServerUnavailableError(unreachable_message(cfg.server, exc, tls=tls)) from None
         if args.watch is None:
             return 0
         try:
@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     show(client)
                 except ServerUnavailableError as exc:
-                    print(f"asyncdiloco status: {_unreachable(cfg.server, exc)}; still watching", file=sys.stderr)
+                    line = unreachable_message(cfg.server, exc, tls=tls)
+                    print(f"asyncdiloco status: {line}; still watching", file=sys.stderr)
         except KeyboardInterrupt:
             pass
     return 0
@@ -86,7 +87,3 @@ def run(args: argparse.Namespace) -> int:
 def _sleep(seconds: float) -> None:
     """The pause between two refreshes (Ctrl-C ends it)."""
     time.sleep(seconds)
-
-
-def _unreachable(server: str, exc: Exception) -> str:
-    return f"cannot reach the server at {server} ({exc}); check --server and that the server is running"

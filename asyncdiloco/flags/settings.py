@@ -435,8 +435,18 @@ STATUS = FlagTable.of(
     tuple(f for f in WORKER.flags if f.field == "server" or f.field.startswith("security.")),
 )
 
-#: ``asyncdiloco eval`` reaches the server as ``status`` does (its model: the JOB flags).
+#: ``asyncdiloco eval`` reaches the server as ``status`` does (its model: ``EVAL_MODEL``).
 EVAL = STATUS
+
+#: ``asyncdiloco eval``'s model: the shape flags of ``JOB`` only, which must be the
+#: workers'. The parameters come from the server, and the held-out batches are the
+#: default job's fixed set (so that every evaluator measures the same loss), so the
+#: training flags (--batch-size, --inner-lr, --seed) mean nothing to it.
+EVAL_MODEL = FlagTable.of(
+    JobConfig,
+    "the workers' model",
+    tuple(f for f in JOB.flags if f.field in ("context_len", "n_layer", "n_embd", "n_head")),
+)
 
 #: ``asyncdiloco export``: the checkpoint folder it reads (never writes), as the
 #: ``ServerConfig.durability`` of the server that wrote it.

@@ -12,7 +12,7 @@ import math
 
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig
 from asyncdiloco.algo.schedule import GROUPINGS
-from asyncdiloco.errors import require
+from asyncdiloco.errors import ConfigError, require
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
 from asyncdiloco.wire.security import ServerSecurityConfig
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES
@@ -187,6 +187,29 @@ class ServerConfig:
             self.metrics_port,
             "must be in [0, 65535] (0 picks a free port), or None for no metrics endpoint",
         )
+
+        self._check_distinct_ports()
+
+    def _check_distinct_ports(self) -> None:
+        """Each listener of this server on its own port (0, a free one, never clashes)."""
+        listeners = [
+            ("port", "--port", "the gRPC port", self.port),
+            ("bulk_port", "--bulk-port", "the bulk channel's port", self.bulk_port),
+            ("metrics_port", "--metrics-port", "the metrics port", self.metrics_port),
+        ]
+        if self.mode == "sync":
+            listeners.append(("store_port", "--store-port", "the rendezvous store's port", self.sync.store_port))
+        seen: dict[int, tuple[str, str]] = {}
+        for field, flag, what, port in listeners:
+            if not port:
+                continue
+            if port in seen:
+                other_field, other_what = seen[port]
+                raise ConfigError(
+                    f"{field}={port} is invalid: it is also {other_what} ({other_field}), and each listener needs "
+                    f"its own: give another {flag}, or 0 for a free one"
+                )
+            seen[port] = (field, what)
 
     def _check_limits(self) -> None:
         require(self.local_steps >= 1, "local_steps", self.local_steps, "H must be >= 1 inner step")

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -35,12 +35,33 @@ RATE_WINDOW_S = 60
 MAX_EVALS = 256
 #: Longest ``EvalReport.evaluator`` name taken, characters.
 MAX_EVALUATOR_CHARS = 200
+#: Largest held-out loss taken, nats per token. A mean cross-entropy is >= 0, and a
+#: uniform guess over a vocabulary of V tokens costs ln V (13.8 nats for V = 10^6), so
+#: 10^4 is far above any real model's loss: a larger number is a sum over tokens rather
+#: than their mean, or another unit, and would flatten the dashboard's curve.
+MAX_EVAL_LOSS = 1e4
+
+
+def newest_eval(evals: Sequence[pb.EvalPoint]) -> pb.EvalPoint | None:
+    """The report of the highest version among ``evals`` (oldest received first, as
+    ``StatusReply.evals``); of equal versions the one received last. None when empty.
+    A slow evaluator's late report of an older version does not replace a newer one."""
+    best = None
+    for point in evals:
+        if best is None or point.version >= best.version:
+            best = point
+    return best
 
 
 def _check_eval(point: pb.EvalPoint, current: int) -> None:
     if not math.isfinite(point.loss):
         raise InvalidPayloadError(
             f"eval loss is {point.loss}; it must be finite: evaluate a model that has not diverged"
+        )
+    if not 0.0 <= point.loss <= MAX_EVAL_LOSS:
+        raise InvalidPayloadError(
+            f"eval loss is {point.loss:g} nats per token; it must be in [0, {MAX_EVAL_LOSS:g}] (a cross-entropy "
+            f"is >= 0, and a uniform guess over 10^6 tokens is 13.8 nats): report the mean loss per token"
         )
     if point.num_tokens < 1:
         raise InvalidPayloadError(
@@ -133,8 +154,9 @@ class Counters:
         the server's current one.
 
         Raises:
-            InvalidPayloadError: a non-finite loss, num_tokens < 1, a version outside
-                [0, version], or a name over ``MAX_EVALUATOR_CHARS``; nothing is kept.
+            InvalidPayloadError: a loss that is not finite or outside [0, ``MAX_EVAL_LOSS``],
+                num_tokens < 1, a version outside [0, version], or a name over
+                ``MAX_EVALUATOR_CHARS``; nothing is kept.
         """
         _check_eval(point, version)
         self.evals.append(point)

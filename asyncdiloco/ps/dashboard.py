@@ -197,7 +197,7 @@ def render(st: pb.StatusReply, history: Sequence[tuple[float, int]]) -> str:
     points = [(t / 60, v) for t, v in history] + [(st.uptime_s / 60, st.version)]
     hist = list(st.staleness_histogram)
     shown = max([i + 1 for i, c in enumerate(hist) if c] + [min(len(hist), 8)])
-    losses = [(e.version, e.loss) for e in st.evals]
+    losses = sorted(((e.version, e.loss) for e in st.evals), key=lambda p: p[0])  # reports may arrive out of order
     state = "" if st.initialized else " · waiting for the first worker's initial parameters"
     parts = [
         f'<!doctype html><html lang="en"><head><meta charset="utf-8">'

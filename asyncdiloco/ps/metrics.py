@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from asyncdiloco.errors import reason_codes
+from asyncdiloco.ps.counters import newest_eval
 from asyncdiloco.ps.grpc_metrics import GrpcMetricsInterceptor
 from asyncdiloco.ps.observer import TIMED_STEPS
 from asyncdiloco.ps.registry import WORKER_STATES
@@ -42,6 +44,10 @@ _TIMINGS = {
     "checkpoint": ("asyncdiloco_checkpoint_seconds", "Seconds to write one checkpoint.", CHECKPOINT_BUCKETS_S),
 }
 assert set(_TIMINGS) == set(TIMED_STEPS)
+
+#: The ``reason`` labels of ``asyncdiloco_pushes_refused_total``, each exposed from the
+#: start (at 0), so a rate or an alert on one exists before the first such refusal.
+REFUSAL_REASONS = (*reason_codes(), "cut_off")
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -82,10 +88,16 @@ class StateCollector(Collector):
         yield from self._model(st)
         yield from self._traffic(st, refused)
         yield from self._workers(st)
-        if st.evals:
-            last = st.evals[-1]
-            yield _gauge("asyncdiloco_eval_loss", "Held-out loss of the newest ReportEval, nats per token.", last.loss)
-            yield _gauge("asyncdiloco_eval_version", "Global version of the newest ReportEval.", last.version)
+        newest = newest_eval(st.evals)
+        if newest is not None:
+            yield _gauge(
+                "asyncdiloco_eval_loss_nats",
+                "Held-out loss of the newest ReportEval (of the highest version), nats per token.",
+                newest.loss,
+            )
+            yield _gauge(
+                "asyncdiloco_eval_version", "Global version of the newest ReportEval (the highest).", newest.version
+            )
 
     def _model(self, st: pb.StatusReply) -> Iterator:
         info = InfoMetricFamily("asyncdiloco_server", "The server's version and run.")
@@ -119,8 +131,8 @@ class StateCollector(Collector):
             "Pushes refused (or cut off: reason cut_off) since this process started, by reason code.",
             labels=["reason"],
         )
-        for reason, count in sorted(refused.items()):
-            by_reason.add_metric([reason], count)
+        for reason in sorted({*REFUSAL_REASONS, *refused}):  # every known code from the start, at 0
+            by_reason.add_metric([reason], refused.get(reason, 0))
         yield by_reason
         yield _counter(
             "asyncdiloco_pushes_duplicate", "Retried pushes answered with their outcome.", st.duplicate_pushes

@@ -20,10 +20,10 @@ workers where it is.
 The same gRPC port serves the standard health service (``grpc.health.v1.Health``; the
 overall status "" and ``asyncdiloco.v1.ParameterServer`` are NOT_SERVING until the global
 model is initialized, SERVING from then on, NOT_SERVING again from the moment ``stop()``
-begins) and server reflection (``grpc.reflection.v1alpha``) of both services. With
-``config.metrics_port`` set, every RPC is measured (grpc_metrics.py) and the HTTP
-monitoring endpoint (monitor.py: /metrics, the dashboard, /status.json) listens on the
-same host.
+begins, through its ``drain_s`` of serving on) and server reflection
+(``grpc.reflection.v1alpha``) of both services. With ``config.metrics_port`` set, every
+RPC is measured (grpc_metrics.py) and the HTTP monitoring endpoint (monitor.py:
+/metrics, the dashboard, /status.json) listens on the same host.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import contextlib
 import datetime
 import logging
 import socket
+import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
@@ -299,10 +300,17 @@ class ParameterServer:
         """Sync mode: the rendezvous store's port (0 in async mode)."""
         return self.state.store_port
 
-    def stop(self, grace_s: float | None = 1.0) -> None:
+    def stop(self, grace_s: float | None = 1.0, drain_s: float = 0.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint.
-        The health service answers NOT_SERVING from the first moment."""
+
+        The health service answers NOT_SERVING from the first moment; for ``drain_s``
+        seconds after it every call is still served as usual, so that probes (a load
+        balancer's, a Kubernetes readiness probe) see NOT_SERVING and send no new work
+        before the port closes. 0 (the default) stops at once.
+        """
         self.health.enter_graceful_shutdown()
+        if drain_s > 0:
+            _drain(drain_s)
         self.state.groups.close()  # held push replies go out now, not at their deadlines
         self._stop_bulk(grace_s)
         if self._server is not None:
@@ -322,6 +330,11 @@ class ParameterServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _drain(seconds: float) -> None:
+    """``stop``'s drain: the server serves on, NOT_SERVING, for ``seconds``."""
+    time.sleep(seconds)
 
 
 def _can_bind(host: str, port: int) -> bool:

@@ -10,7 +10,7 @@ import logging
 
 import grpc
 
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, reason_metadata
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
@@ -129,7 +129,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         try:
             self.state.report_eval(request.version, request.loss, request.num_tokens, request.evaluator)
         except AsyncDiLoCoError as exc:
-            log.warning("eval report (%s) refused: %s", request.evaluator or "unnamed", exc)
+            name = quoted(request.evaluator) if request.evaluator else "unnamed"
+            log.warning("eval report (%s) refused: %s", name, exc)
             _abort(context, exc)
         return pb.EvalReply()
 

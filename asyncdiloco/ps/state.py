@@ -35,7 +35,7 @@ import torch
 
 from asyncdiloco.algo.outer import OuterOptimizer, PseudoGradientMonitor, describe
 from asyncdiloco.algo.schedule import GroupGate
-from asyncdiloco.errors import ModeMismatchError
+from asyncdiloco.errors import ModeMismatchError, quoted
 from asyncdiloco.ps.apply import InitialParameters, PseudoGradient
 from asyncdiloco.ps.buffers import PullSource, Snapshot
 from asyncdiloco.ps.config import ServerConfig
@@ -405,7 +405,7 @@ class ParameterServerState:
 
         Args:
             version: the global version evaluated, 0 <= version <= the current one.
-            loss: mean held-out loss, nats per token; finite.
+            loss: mean held-out loss, nats per token; in [0, counters.py ``MAX_EVAL_LOSS``].
             num_tokens: tokens it was measured over, >= 1.
             evaluator: a name for the dashboard (counters.py ``MAX_EVALUATOR_CHARS`` at most).
         Returns:
@@ -417,7 +417,8 @@ class ParameterServerState:
             at_s = self._clock() - self._started
             point = pb.EvalPoint(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator, at_s=at_s)
             self.counters.record_eval(point, self.version)
-        log.info("eval of version %d: loss %.4f over %d tokens (%s)", version, loss, num_tokens, evaluator or "unnamed")
+        name = quoted(evaluator) if evaluator else "unnamed"
+        log.info("eval of version %d: loss %.4f over %d tokens (%s)", version, loss, num_tokens, name)
         return point
 
     # ------------------------------------------------------------ sync mode

@@ -3,10 +3,10 @@
 ``export_global_model(folder, out)`` restores the newest durable state of a server's
 ``--checkpoint-dir`` read-only (ps/store.py ``restore_read_only``: the newest good
 checkpoint plus the write-ahead log's pushes after it, exactly what a restarted server
-would hold) and writes θ with ``safetensors.torch.save_file``: one tensor per parameter,
-keyed by its ``named_parameters()`` name, in the manifest's dtype (what the workers
-train in) or float32 (the server's master copy), and the metadata below. The folder is
-not changed and not locked, so the export runs while the server does.
+would hold) and writes θ in the safetensors format (``safetensors.torch.save``): one
+tensor per parameter, keyed by its ``named_parameters()`` name, in the manifest's dtype
+(what the workers train in) or float32 (the server's master copy), and the metadata
+below. The folder is not changed and not locked, so the export runs while the server does.
 
 Load it into the model the workers train::
 
@@ -34,6 +34,7 @@ import pathlib
 
 import torch
 
+from asyncdiloco._atomic import write_atomically
 from asyncdiloco.errors import CheckpointError, ConfigError
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore, read_only_config
@@ -98,16 +99,13 @@ def export_global_model(folder: str | os.PathLike, out: str | os.PathLike, dtype
     Returns:
         What was written: path, version, manifest, LSN, size in bytes.
     Raises:
-        ConfigError: an unknown ``dtype``, or ``out``'s folder does not exist.
+        ConfigError: an unknown ``dtype``; ``out`` is a folder, its folder does not exist,
+            or it cannot be written (nothing is left behind).
         CheckpointError: the folder holds no usable checkpoint, or no global model yet.
     """
-    from safetensors.torch import save_file
-
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is invalid: choose one of {EXPORT_DTYPES}")
-    target = pathlib.Path(out)
-    if not target.parent.is_dir():
-        raise ConfigError(f"--out {str(target)!r} is invalid: folder {target.parent} does not exist; create it first")
+    target = _checked_out(pathlib.Path(out))
     state, lsn = restore(pathlib.Path(folder))
     if state.params is None or state.manifest is None:
         raise CheckpointError(
@@ -123,10 +121,38 @@ def export_global_model(folder: str | os.PathLike, out: str | os.PathLike, dtype
         "dtype": dtype,
         "lsn": str(lsn),
     }
-    tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, target)  # a reader sees the old file or the whole new one
+    _write(target, tensors, metadata)
     return Exported(str(target), state.version, state.manifest, lsn, target.stat().st_size)
+
+
+def _checked_out(target: pathlib.Path) -> pathlib.Path:
+    """``out`` if a file can be written there, else ConfigError (before the restore)."""
+    if target.is_dir():
+        raise ConfigError(
+            f"--out {str(target)!r} is invalid: it is a folder; give a file, e.g. {target / 'model.safetensors'}"
+        )
+    if not target.parent.is_dir():
+        raise ConfigError(f"--out {str(target)!r} is invalid: folder {target.parent} does not exist; create it first")
+    return target
+
+
+def _write(target: pathlib.Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors bytes, written atomically (a reader sees the old file or the whole
+    new one; a failed write leaves no temp file) with the usual permissions, 0666 less
+    the umask (``save_file`` would leave 0600, its temp file's). The whole file is held
+    in memory once, beside θ.
+
+    Raises:
+        ConfigError: ``target`` cannot be written (permissions, no space, not a real folder).
+    """
+    from safetensors.torch import save
+
+    try:
+        write_atomically(target, lambda f: f.write(save(tensors, metadata=metadata)))
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {str(target)!r} cannot be written ({exc}); give a file in a folder you can write"
+        ) from None
 
 
 def named_parameters(params: torch.Tensor, manifest: Manifest, dtype: str = "manifest") -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from asyncdiloco.ps.counters import newest_eval
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: A worker's states whose lease is over; the others are live.
@@ -75,9 +76,9 @@ def worker_dict(w: pb.WorkerStatus) -> dict[str, Any]:
 
 
 def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
-    if not st.evals:
+    e = newest_eval(st.evals)
+    if e is None:
         return None
-    e = st.evals[-1]
     return {
         "version": e.version,
         "loss_nats_per_token": e.loss,
@@ -89,7 +90,8 @@ def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
 
 def status_dict(st: pb.StatusReply, *, address: str = "", all_workers: bool = False) -> dict[str, Any]:
     """The status as JSON-ready values: the run, its counters, the staleness summary, the
-    newest held-out loss (None without one) and one entry per live worker (``all_workers``:
+    newest held-out loss (of the highest version, ps/counters.py ``newest_eval``; None
+    without one) and one entry per live worker (``all_workers``:
     also those that left or expired)."""
     workers = [worker_dict(w) for w in st.workers if all_workers or (w.alive and w.state not in GONE_STATES)]
     out: dict[str, Any] = {
@@ -133,22 +135,34 @@ def _count(n: float) -> str:
     return f"{n:g}"
 
 
-def _header(d: dict[str, Any]) -> list[str]:
+def _run_lines(d: dict[str, Any]) -> list[str]:
+    """The version, throughput and outer settings; a sync run's in rounds and member
+    contributions, without the async-only settings (staleness, grouping, DyLU)."""
     rc = d["run_config"]
-    where = f" at {d['server']}" if d["server"] else ""
-    lines = [
-        f"asyncdiloco server {d['server_version'] or '(version unknown)'}{where}: mode {d['mode']}, "
-        f"up {_duration(d['uptime_s'])}" + ("" if d["initialized"] else ", no global model yet"),
-        f"version {d['version']} | {d['pushes_per_s']:.2f} pushes/s | {d['applied_pushes']} pushes applied "
-        f"({d['rejected_pushes']} refused, {d['duplicate_pushes']} duplicate) | {_count(d['tokens'])} tokens",
+    counts = f"({d['rejected_pushes']} refused, {d['duplicate_pushes']} duplicate) | {_count(d['tokens'])} tokens"
+    if d["mode"] == "sync":
+        return [
+            f"version {d['version']} | {d['rounds_committed']} rounds committed, {d['rounds_failed']} aborted "
+            f"| {d['applied_pushes']} member contributions applied {counts}",
+            f"outer {d['outer_optimizer']} | H {rc['local_steps']} | codec {rc['wire_codec'] or 'raw'}",
+        ]
+    return [
+        f"version {d['version']} | {d['pushes_per_s']:.2f} pushes/s | {d['applied_pushes']} pushes applied {counts}",
         f"outer {d['outer_optimizer']} | staleness weighting {d['staleness_weighting']} | H {rc['local_steps']} "
         f"| codec {rc['wire_codec'] or 'raw'} | grouping {rc['grouping'] or 'off'} "
         f"| dylu {'on' if rc['dylu'] else 'off'}",
     ]
-    if d["mode"] == "sync":
-        lines.append(f"rounds {d['rounds_committed']} committed, {d['rounds_failed']} aborted")
+
+
+def _header(d: dict[str, Any]) -> list[str]:
+    where = f" at {d['server']}" if d["server"] else ""
+    lines = [
+        f"asyncdiloco server {d['server_version'] or '(version unknown)'}{where}: mode {d['mode']}, "
+        f"up {_duration(d['uptime_s'])}" + ("" if d["initialized"] else ", no global model yet"),
+        *_run_lines(d),
+    ]
     tau = d["staleness"]
-    if tau["pushes"]:
+    if tau["pushes"] and d["mode"] != "sync":  # a sync round has no staleness: every τ is 0
         top = f">={tau['max']}" if tau["max_is_lower_bound"] else str(tau["max"])
         lines.append(f"staleness tau: mean {tau['mean']:.2f} | p50 {tau['p50']} | p90 {tau['p90']} | max {top}")
     ev = d["eval"]
@@ -164,10 +178,12 @@ def _header(d: dict[str, Any]) -> list[str]:
 
 
 _COLUMNS = ("NAME", "ID", "STEPS/S", "H_W", "PUSHES", "LAST SEEN", "MEAN TAU", "STATE")
+#: Sync mode's: a worker's applied pushes are its contributions to committed rounds, τ is 0.
+_SYNC_COLUMNS = ("NAME", "ID", "STEPS/S", "H_W", "CONTRIBUTIONS", "LAST SEEN", "STATE")
 
 
-def _row(w: dict[str, Any]) -> tuple[str, ...]:
-    return (
+def _row(w: dict[str, Any], sync: bool) -> tuple[str, ...]:
+    cells = (
         w["name"],
         str(w["id"]),
         f"{w['steps_per_s']:.2f}" if w["steps_per_s"] else "-",
@@ -177,6 +193,7 @@ def _row(w: dict[str, Any]) -> tuple[str, ...]:
         f"{w['mean_staleness']:.2f}" if w["applied_pushes"] else "-",
         w["state"],
     )
+    return cells[:6] + cells[7:] if sync else cells
 
 
 def render(d: dict[str, Any]) -> str:
@@ -185,9 +202,11 @@ def render(d: dict[str, Any]) -> str:
     shown = "" if len(d["workers"]) == d["live_workers"] else f", {len(d['workers']) - d['live_workers']} gone"
     lines += ["", f"workers: {d['live_workers']} live{shown}"]
     if d["workers"]:
-        rows = [_COLUMNS, *(_row(w) for w in d["workers"])]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-        numeric = {1, 2, 3, 4, 6}
+        sync = d["mode"] == "sync"
+        columns = _SYNC_COLUMNS if sync else _COLUMNS
+        rows = [columns, *(_row(w, sync) for w in d["workers"])]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+        numeric = {1, 2, 3, 4} if sync else {1, 2, 3, 4, 6}
         for r in rows:
             cells = [c.rjust(widths[i]) if i in numeric else c.ljust(widths[i]) for i, c in enumerate(r)]
             lines.append("  ".join(cells).rstrip())

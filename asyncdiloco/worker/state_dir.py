@@ -66,8 +66,8 @@ class WorkerStateDir:
     Args:
         path: the folder; created if missing.
     Raises:
-        ConfigError: the folder cannot be created, another process uses it, or its
-            state file cannot be read (each message names the folder and the fix).
+        ConfigError: the folder cannot be created or written, another process uses it,
+            or its state file cannot be read (each message names the folder and the fix).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -80,11 +80,22 @@ class WorkerStateDir:
                 f"may write to"
             ) from None
         self._lock: TextIO | None = self._take_lock()
+        #: Whether this process saved into the folder yet (a first save that fails is a ConfigError).
+        self._saved = False
         #: The newest saved state (None: the folder holds none yet).
         self.state: dict[str, Any] | None = self._read()
 
+    def _unwritable(self, exc: OSError) -> ConfigError:
+        return ConfigError(
+            f"state_dir {str(self.path)!r} cannot be written ({exc.strerror or exc}); give a folder this process "
+            f"may write to, or make this one writable by its user (ls -ld {self.path})"
+        )
+
     def _take_lock(self) -> TextIO:
-        f = open(self.path / LOCK_FILE, "a+")
+        try:
+            f = open(self.path / LOCK_FILE, "a+")
+        except OSError as exc:
+            raise self._unwritable(exc) from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -137,8 +148,18 @@ class WorkerStateDir:
         Args:
             state: a worker's ``state_dict()`` (tensors on the CPU).
             summary: plain JSON values describing it (non-JSON values are dropped).
+        Raises:
+            ConfigError: this process's first save failed: the folder is not usable
+                (permissions, a read-only or full disk), and a restart could not resume.
+            OSError: a later save failed (the previous one is intact).
         """
-        write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
+        try:
+            write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
+        except OSError as exc:
+            if not self._saved:
+                raise self._unwritable(exc) from None
+            raise
+        self._saved = True
         self.state = state
         text = json.dumps({**summary, "saved_unix_s": time.time()}, indent=1, default=lambda _: None)
         write_atomically(self.path / SUMMARY_FILE, lambda f: f.write(text.encode()))
