@@ -361,6 +361,8 @@ def test_the_cli_serves_a_bulk_port_and_tells_workers(tmp_path):
             "-m",
             "asyncdiloco",
             "server",
+            "--drain-s",
+            "0",
             "--port",
             "0",
             "--port-file",

@@ -54,7 +54,7 @@ class ServerProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [*CLI, "server", "--port", str(self.port), *self.flags],
+            [*CLI, "server", "--drain-s", "0", "--port", str(self.port), *self.flags],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
@@ -346,7 +346,7 @@ def test_server_refuses_to_start_from_a_corrupt_checkpoint_unless_told_to_fall_b
     assert "stopped at version 3" in server.stop()
     newest = sorted(folder.glob("ckpt-*.pt"))[-1]
     newest.write_bytes(newest.read_bytes()[:-10])  # truncated
-    flags = [*CLI, "server", "--port", "0", "--checkpoint-dir", str(folder), *OUTER_FLAGS]
+    flags = [*CLI, "server", "--drain-s", "0", "--port", "0", "--checkpoint-dir", str(folder), *OUTER_FLAGS]
     refused = subprocess.run(flags, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1
     assert f"checkpoint tensors {newest} are missing, truncated or corrupt" in refused.stderr

@@ -99,7 +99,7 @@ def test_server_on_a_busy_port_exits_with_a_clear_message(cli_exit):
 def test_server_prints_the_chosen_port_and_stops_on_sigterm(tmp_path):
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [*CLI, "-q", "server", "--port", "0", "--port-file", str(port_file)],
+        [*CLI, "-q", "server", "--drain-s", "0", "--port", "0", "--port-file", str(port_file)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

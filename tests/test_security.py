@@ -218,6 +218,8 @@ def test_cli_worker_with_token_and_tls_trains_and_a_wrong_token_exits_1(pki, tmp
         [
             *cli,
             "server",
+            "--drain-s",
+            "0",
             "--port",
             "0",
             "-H",

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.errors import ConfigError, WorkerSupersededError
+from asyncdiloco.errors import ConfigError, WorkerSupersededError, quoted
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.names import MAX_NAME_CHARS, shown
+from asyncdiloco.wire.names import MAX_NAME_CHARS
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
@@ -118,7 +118,7 @@ def test_names_that_break_tables_or_logs_are_refused_on_both_sides(name, needle)
     assert state.registry.workers == {}
     with pytest.raises(ConfigError, match=needle):
         WorkerConfig(server="127.0.0.1:1", worker_name=name)
-    assert len(shown(name)) <= 80 and "\n" not in shown(name)
+    assert len(quoted(name)) <= 120 and "\n" not in quoted(name)
 
 
 def _model() -> nn.Module:

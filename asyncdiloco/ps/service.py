@@ -15,7 +15,6 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import is_chunk
-from asyncdiloco.wire.names import shown
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             manifest = Manifest.from_proto(request.manifest)
             joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s)
         except AsyncDiLoCoError as exc:
-            log.warning("join refused (%s): %s", shown(request.worker_name) if request.worker_name else "unnamed", exc)
+            log.warning("join refused (%s): %s", quoted(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)
         return pb.JoinReply(
             worker_id=joined.worker_id,

@@ -4,17 +4,10 @@ the server's log or flood it."""
 
 from __future__ import annotations
 
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.errors import ConfigError, quoted
 
 #: The longest worker name, in characters.
 MAX_NAME_CHARS = 200
-
-
-def shown(text: str, limit: int = 80) -> str:
-    """``text`` for a log line or an error message: ``repr`` (control characters
-    escaped), cut to ``limit`` characters with an ellipsis."""
-    r = repr(text)
-    return r if len(r) <= limit else r[: limit - 1] + "…"
 
 
 def check_worker_name(name: str) -> str:
@@ -29,14 +22,14 @@ def check_worker_name(name: str) -> str:
         return name
     if len(name) > MAX_NAME_CHARS:
         raise ConfigError(
-            f"worker_name {shown(name)} has {len(name)} characters; the limit is {MAX_NAME_CHARS}: give a shorter "
+            f"worker_name {quoted(name)} has {len(name)} characters; the limit is {MAX_NAME_CHARS}: give a shorter "
             f"--worker-name"
         )
     if not name.isprintable():
         raise ConfigError(
-            f"worker_name {shown(name)} holds a control character (newline, tab, escape, ...); give a --worker-name "
+            f"worker_name {quoted(name)} holds a control character (newline, tab, escape, ...); give a --worker-name "
             f"of printable characters"
         )
     if not name.strip():
-        raise ConfigError(f"worker_name {shown(name)} is only spaces; give a --worker-name with a visible character")
+        raise ConfigError(f"worker_name {quoted(name)} is only spaces; give a --worker-name with a visible character")
     return name

@@ -395,8 +395,12 @@ class WorkerBase:
 
     def _save_state(self) -> None:
         """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder:
-        after every sync this worker adopted, on the training thread. A failed write is
-        logged and training goes on (a restart then resumes from the previous save)."""
+        after every sync this worker adopted, on the training thread. A later failed write
+        is logged and training goes on (a restart then resumes from the previous save).
+
+        Raises:
+            ConfigError: this process's first save failed (the folder is not writable).
+        """
         if self.state_dir is None:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
