@@ -133,8 +133,10 @@ def test_the_run_table_shows_what_the_mode_uses_with_short_numbers():
     page = render(pb.StatusReply(run_config=config), [])
     assert "2.755" in page and "2.7553478" not in page
     assert "round_timeout_s" not in page and "min_workers" not in page  # sync settings, not an async run's
-    config.mode = "sync"
-    assert "round_timeout_s" in render(pb.StatusReply(run_config=config), [])
+    config.mode, config.grouping = "sync", "off"
+    page = render(pb.StatusReply(run_config=config, staleness_weighting="constant"), [])
+    assert "round_timeout_s" in page and "contributions/s" in page
+    assert "pushes/s" not in page and "staleness weighting" not in page and "grouping" not in page
 
 
 def _eval_gauges(srv) -> tuple[float, float]:

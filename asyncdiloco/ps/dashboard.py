@@ -145,20 +145,20 @@ def workers_table(workers: Sequence[pb.WorkerStatus]) -> str:
     return _table(head, rows)
 
 
-#: RunConfig fields that mean nothing to an async run (not shown for one).
+#: RunConfig fields that mean nothing to an async run, and to a sync run (not shown for one).
 _SYNC_ONLY = frozenset({"min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting"})
+_ASYNC_ONLY = frozenset({"max_staleness", "dylu", "grouping", "group_window_s", "group_max_wait_s"})
 
 
 def _run_config_rows(st: pb.StatusReply) -> list[tuple[str, object]]:
-    rows: list[tuple[str, object]] = [
-        ("outer optimizer", st.outer_optimizer),
-        ("staleness weighting", st.staleness_weighting),
-    ]
     sync = st.run_config.mode == "sync"
+    rows: list[tuple[str, object]] = [("outer optimizer", st.outer_optimizer)]
+    if not sync:  # every round is applied at staleness 0
+        rows.append(("staleness weighting", st.staleness_weighting))
     rows += [
         (field.name, f"{value:.4g}" if isinstance(value, float) else value)
         for field, value in st.run_config.ListFields()
-        if sync or field.name not in _SYNC_ONLY
+        if field.name not in (_ASYNC_ONLY if sync else _SYNC_ONLY)
     ]
     if st.HasField("manifest"):
         numel = sum(math.prod(t.shape) for t in st.manifest.tensors)
@@ -182,17 +182,18 @@ def render(st: pb.StatusReply, history: Sequence[tuple[float, int]]) -> str:
     """The dashboard page for ``st`` (a ``StatusReply``) and the version's ``history``
     ((uptime s, version) samples, oldest first; the current version is added)."""
     alive = sum(w.alive for w in st.workers)
+    sync = st.run_config.mode == "sync"  # a sync run applies rounds; its "pushes" are member contributions
     cards = [
         ("version", st.version),
         ("mode", st.run_config.mode or "?"),
-        ("pushes/s (last min)", f"{st.pushes_per_s:.2f}"),
-        ("applied", st.applied_pushes),
+        ("contributions/s (last min)" if sync else "pushes/s (last min)", f"{st.pushes_per_s:.2f}"),
+        ("contributions" if sync else "applied", st.applied_pushes),
         ("refused", st.rejected_pushes),
         ("retried", st.duplicate_pushes),
         ("live workers", alive),
         ("uptime", _duration(st.uptime_s)),
     ]
-    if st.run_config.mode == "sync":
+    if sync:
         cards.append(("rounds committed / aborted", f"{st.rounds_committed} / {st.rounds_failed}"))
     points = [(t / 60, v) for t, v in history] + [(st.uptime_s / 60, st.version)]
     hist = list(st.staleness_histogram)
