@@ -414,3 +414,37 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
     assert (st.version, st.rounds_committed, st.rounds_failed, st.tokens, st.applied_pushes) == (1, 1, 0, 64, 1)
     first.close()
     other.close()
+
+
+def test_stopping_the_server_returns_a_quorum_wait_at_once(make_server):
+    """A worker blocked in Quorum (its quorum cannot form: min_workers 2) must not keep
+    the stopping server's RPC thread, and so its process, alive until the call's timeout."""
+    srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), local_steps=2, min_workers=2)
+    manifest = Manifest.from_module(make_model())
+    client = ParameterServerClient(srv.address)
+    w1 = client.join(manifest, "w1")
+    client.push(
+        manifest.pack_flat(flat(make_model())),
+        worker_id=w1.worker_id,
+        push_id=1,
+        base_version=0,
+        kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+    )
+    replies: list[pb.QuorumReply] = []
+    waiting = threading.Thread(
+        target=lambda: replies.append(
+            client.quorum(worker_id=w1.worker_id, round=0, manifest_hash=manifest.manifest_hash, timeout_s=STUCK_S)
+        )
+    )
+    waiting.start()
+    assert srv.state.quorum is not None
+    deadline = threading.Event()
+    while w1.worker_id not in srv.state.quorum._waiting and not deadline.wait(0.01):  # noqa: SLF001
+        pass  # the request is in: the thread now blocks in wait_quorum
+    stopping = threading.Thread(target=srv.stop, kwargs={"grace_s": STUCK_S})  # a grace that would wait for it
+    stopping.start()
+    waiting.join(timeout=STUCK_S / 2)  # without the wake-up the call would block for all of STUCK_S
+    assert not waiting.is_alive()
+    assert replies and not replies[0].formed
+    stopping.join(timeout=STUCK_S)
+    client.close()

@@ -145,6 +145,8 @@ class QuorumManager:
         self._assigned: dict[int, Assignment] = {}  # handed out, not yet collected
         self._decisions: OrderedDict[int, Decision] = OrderedDict()
         self._next_quorum_id = 1
+        #: Set by ``close`` (the server is stopping): blocked calls return at once.
+        self._closed = False
 
     # --------------------------------------------------------- non-blocking core
     def request(self, worker_id: int, worker_round: int) -> Assignment | None:
@@ -261,7 +263,7 @@ class QuorumManager:
                 if got is not None:
                     break
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     # The round's join clock keeps running: resetting it here would let
                     # callers that time out and ask again postpone the join timeout forever.
                     self._waiting.pop(worker_id, None)
@@ -281,9 +283,17 @@ class QuorumManager:
                 if quorum_id in self._decisions:
                     return self._decisions[quorum_id]
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self._closed:
                     return None
                 self._cond.wait(min(left, self._next_wake_locked()))
+
+    def close(self) -> None:
+        """The server is stopping: every blocked ``wait_quorum`` / ``wait_decision``
+        returns None now (formed = false, decided = false: the worker asks again and finds
+        the server gone), so no RPC thread keeps the process alive until its timeout."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def notify(self) -> None:
         """Wake blocked callers to re-evaluate (e.g. after a worker left)."""

@@ -312,6 +312,8 @@ class ParameterServer:
         if drain_s > 0:
             _drain(drain_s)
         self.state.groups.close()  # held push replies go out now, not at their deadlines
+        if self.state.quorum is not None:  # and sync mode's blocked Quorum/Commit calls return
+            self.state.quorum.close()
         self._stop_bulk(grace_s)
         if self._server is not None:
             self._server.stop(grace_s).wait()
