@@ -137,6 +137,9 @@ def test_the_run_table_shows_what_the_mode_uses_with_short_numbers():
     page = render(pb.StatusReply(run_config=config, staleness_weighting="constant"), [])
     assert "round_timeout_s" in page and "contributions/s" in page
     assert "pushes/s" not in page and "staleness weighting" not in page and "grouping" not in page
+    workers = [pb.WorkerStatus(worker_id=1, worker_name="s0", state="training", applied_pushes=7, alive=True)]
+    page = render(pb.StatusReply(run_config=config, workers=workers, staleness_histogram=[7, 0]), [])
+    assert "Staleness τ" not in page and "mean τ" not in page and "v_w" not in page and "contributions" in page
 
 
 def _eval_gauges(srv) -> tuple[float, float]:

@@ -122,10 +122,29 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def workers_table(workers: Sequence[pb.WorkerStatus]) -> str:
-    """One row per registered worker: name, id, state, H_w, v_w, pushes, last seen, τ."""
+def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str:
+    """One row per registered worker: name, id, state, H_w, v_w, pushes, last seen, τ;
+    ``sync``: name, id, state, H, round contributions, refused, last seen (no rates, no τ)."""
     if not workers:
         return '<p class="empty">no worker has joined yet</p>'
+    order = sorted(workers, key=lambda w: (w.state not in ("training", "silent"), w.worker_id))
+    if sync:
+        head = ("name", "id", "state", "H", "contributions", "refused", "last seen")
+        return _table(
+            head,
+            [
+                (
+                    w.worker_name,
+                    w.worker_id,
+                    w.state,
+                    w.local_steps_per_round,
+                    w.applied_pushes,
+                    w.rejected_pushes,
+                    f"{w.last_seen_s:.1f} s ago",
+                )
+                for w in order
+            ],
+        )
     head = ("name", "id", "state", "H_w", "v_w (steps/s)", "pushes", "refused", "last seen", "mean τ", "last τ")
     rows = [
         (
@@ -140,14 +159,16 @@ def workers_table(workers: Sequence[pb.WorkerStatus]) -> str:
             f"{w.mean_staleness:.2f}",
             w.last_staleness,
         )
-        for w in sorted(workers, key=lambda w: (w.state not in ("training", "silent"), w.worker_id))
+        for w in order
     ]
     return _table(head, rows)
 
 
 #: RunConfig fields that mean nothing to an async run, and to a sync run (not shown for one).
 _SYNC_ONLY = frozenset({"min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting"})
-_ASYNC_ONLY = frozenset({"max_staleness", "dylu", "grouping", "group_window_s", "group_max_wait_s"})
+_ASYNC_ONLY = frozenset(
+    {"max_staleness", "dylu", "grouping", "group_window_s", "group_max_wait_s", "wire_codec", "codec_block_size"}
+)
 
 
 def _run_config_rows(st: pb.StatusReply) -> list[tuple[str, object]]:
@@ -212,10 +233,11 @@ def render(st: pb.StatusReply, history: Sequence[tuple[float, int]]) -> str:
         line_chart(losses, "version", "loss (nats/token)")
         if losses
         else '<p class="empty">no evaluator has reported yet (asyncdiloco eval)</p>',
-        "</div><div><h2>Staleness τ of applied pushes</h2>",
-        bar_chart(hist[:shown], "τ (versions)"),
+        ""
+        if sync  # every round applies at τ = 0
+        else "</div><div><h2>Staleness τ of applied pushes</h2>" + bar_chart(hist[:shown], "τ (versions)"),
         "</div></div><h2>Workers</h2>",
-        workers_table(st.workers),
+        workers_table(st.workers, sync),
         "<h2>Run</h2>",
         _table(("setting", "value"), _run_config_rows(st)),
         f'<p class="empty">reloads every {REFRESH_S} s · <a href="/metrics">/metrics</a> · '
