@@ -129,7 +129,7 @@ def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str
         return '<p class="empty">no worker has joined yet</p>'
     order = sorted(workers, key=lambda w: (w.state not in ("training", "silent"), w.worker_id))
     if sync:
-        head = ("name", "id", "state", "H", "contributions", "refused", "last seen")
+        head: tuple[str, ...] = ("name", "id", "state", "H", "contributions", "refused", "last seen")
         return _table(
             head,
             [
