@@ -108,6 +108,8 @@ def test_a_restart_replays_the_same_sessions(tmp_path):
         ("a\nfake log line", "control character"),
         ("ansi\x1b[31mred", "control character"),
         ("   ", "only spaces"),
+        (" lead", "starts or ends with a space"),
+        ("trail ", "starts or ends with a space"),
         ("x" * (MAX_NAME_CHARS + 1), f"the limit is {MAX_NAME_CHARS}"),
     ],
 )

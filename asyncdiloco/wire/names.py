@@ -13,7 +13,7 @@ MAX_NAME_CHARS = 200
 def check_worker_name(name: str) -> str:
     """``name`` when it is a valid worker name: empty (the server names the worker
     "worker-<id>"), or at most ``MAX_NAME_CHARS`` printable characters (no newline, tab or
-    other control character) that are not all spaces.
+    other control character), neither all spaces nor starting or ending with one.
 
     Raises:
         ConfigError: the name breaks one of those rules (the message says which).
@@ -32,4 +32,8 @@ def check_worker_name(name: str) -> str:
         )
     if not name.strip():
         raise ConfigError(f"worker_name {quoted(name)} is only spaces; give a --worker-name with a visible character")
+    if name != name.strip():  # it would look like another name in the status table and the logs
+        raise ConfigError(
+            f"worker_name {quoted(name)} starts or ends with a space; give --worker-name {quoted(name.strip())}"
+        )
     return name
