@@ -18,7 +18,7 @@ import torch
 
 from asyncdiloco.errors import ModeMismatchError
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
-from asyncdiloco.ps.records import PushOutcome
+from asyncdiloco.ps.records import PushOutcome, Vote
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: Every push kind a header may name (the others are refused as invalid).
@@ -80,18 +80,7 @@ class Mode(Protocol):
     ) -> Assignment | None:
         """Block up to ``timeout_s`` seconds for the next round's quorum."""
 
-    def commit(
-        self,
-        worker_id: int,
-        quorum_id: int,
-        *,
-        success: bool,
-        total_weight: float,
-        num_tokens: int,
-        num_local_steps: int,
-        reason: str,
-        timeout_s: float,
-    ) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
         """Vote on a round, then block up to ``timeout_s`` seconds for its decision."""
 
 
@@ -132,17 +121,6 @@ class AsyncMode:
         self._touch(worker_id)
         raise self.mismatch(f"the quorum request of worker {worker_id}")
 
-    def commit(
-        self,
-        worker_id: int,
-        quorum_id: int,
-        *,
-        success: bool,
-        total_weight: float,
-        num_tokens: int,
-        num_local_steps: int,
-        reason: str,
-        timeout_s: float,
-    ) -> Decision | None:
-        self._touch(worker_id)
-        raise self.mismatch(f"the commit vote of worker {worker_id}")
+    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
+        self._touch(vote.worker_id)
+        raise self.mismatch(f"the commit vote of worker {vote.worker_id}")

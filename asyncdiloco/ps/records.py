@@ -57,6 +57,23 @@ class AppliedAs:
 
 
 @dataclasses.dataclass(frozen=True)
+class Vote:
+    """A member's vote on a sync round (``CommitRequest``), as the mode takes it."""
+
+    worker_id: int
+    quorum_id: int
+    #: The allreduce (and, on rank 0, the round-result upload) succeeded.
+    success: bool
+    #: The allreduced total weight, identical on every member.
+    total_weight: float = 0.0
+    #: This member's own tokens and inner steps in the round (0 when healing).
+    num_tokens: int = 0
+    num_local_steps: int = 0
+    #: Why the round failed here, when ``success`` is False.
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggedJoin:
     """A Join as the write-ahead log keeps it (wal.py) and its replay redoes it."""
 

@@ -24,7 +24,7 @@ from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeM
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
-from asyncdiloco.ps.records import PushOutcome
+from asyncdiloco.ps.records import PushOutcome, Vote
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 _NOT_INITIALIZED = "not initialized: no worker has pushed the initial parameters yet"
@@ -168,36 +168,25 @@ class SyncMode:
             raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
         return self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
 
-    def commit(
-        self,
-        worker_id: int,
-        quorum_id: int,
-        *,
-        success: bool,
-        total_weight: float,
-        num_tokens: int,
-        num_local_steps: int,
-        reason: str,
-        timeout_s: float,
-    ) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
         """Vote, then block up to ``timeout_s`` seconds for the decision (None: not
         decided yet; ask again).
 
         Raises:
             UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member).
         """
-        self._check_request(worker_id)
+        self._check_request(vote.worker_id)
         decision = self.rounds.vote(
-            worker_id,
-            quorum_id,
-            success=success,
-            total_weight=total_weight,
-            num_tokens=num_tokens,
-            num_local_steps=num_local_steps,
-            reason=reason,
+            vote.worker_id,
+            vote.quorum_id,
+            success=vote.success,
+            total_weight=vote.total_weight,
+            num_tokens=vote.num_tokens,
+            num_local_steps=vote.num_local_steps,
+            reason=vote.reason,
         )
         if decision is None and timeout_s > 0:
-            decision = self.rounds.wait_decision(quorum_id, timeout_s)
+            decision = self.rounds.wait_decision(vote.quorum_id, timeout_s)
         return decision
 
     def sync_state(self) -> tuple[int, torch.Tensor]:

@@ -46,7 +46,7 @@ from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
-from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, Vote, WorkerRecord
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -448,16 +448,8 @@ class ParameterServerState:
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
         not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
-        return self.mode.commit(
-            worker_id,
-            quorum_id,
-            success=success,
-            total_weight=total_weight,
-            num_tokens=num_tokens,
-            num_local_steps=num_local_steps,
-            reason=reason,
-            timeout_s=timeout_s,
-        )
+        vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
+        return self.mode.commit(vote, timeout_s)
 
     def sync_state(self) -> tuple[int, torch.Tensor]:
         """Sync mode, for healing: (round, θ then m as float32 bytes, uint8) (rounds.py)."""
