@@ -97,3 +97,17 @@ def test_staleness_and_left_survive_a_checkpoint_and_a_resumed_worker_is_no_long
     assert restored.join(MANIFEST, "b")[0] == b  # b comes back under its name: training again, its τ kept
     row = next(w for w in restored.status().workers if w.worker_name == "b")
     assert (row.state, row.mean_staleness) == ("training", 1.5)
+
+
+def test_a_torchrun_group_shows_its_rank_count_until_it_rejoins_alone():
+    from asyncdiloco.tools.status_view import render, status_dict
+
+    state = _state(FakeClock())
+    _initialized(state, "solo")
+    state.join_worker(MANIFEST, "box", ranks=4)
+    rows = {w.worker_name: w.ranks for w in state.status().workers}
+    assert rows == {"solo": 1, "box": 4}
+    text = render(status_dict(state.status()))
+    assert "box (4 ranks)" in text and "solo (" not in text
+    state.join_worker(MANIFEST, "box")  # the same name, now one process
+    assert {w.worker_name: w.ranks for w in state.status().workers}["box"] == 1

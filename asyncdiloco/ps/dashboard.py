@@ -122,6 +122,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _shown_name(w: pb.WorkerStatus) -> str:
+    """The worker's name, with its rank count when it is a torchrun group."""
+    return w.worker_name + (f" ({w.ranks} ranks)" if w.ranks > 1 else "")
+
+
 def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str:
     """One row per registered worker: name, id, state, H_w, v_w, pushes, last seen, τ;
     ``sync``: name, id, state, H, round contributions, refused, last seen (no rates, no τ)."""
@@ -134,7 +139,7 @@ def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str
             head,
             [
                 (
-                    w.worker_name,
+                    _shown_name(w),
                     w.worker_id,
                     w.state,
                     w.local_steps_per_round,
@@ -148,7 +153,7 @@ def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str
     head = ("name", "id", "state", "H_w", "v_w (steps/s)", "pushes", "refused", "last seen", "mean τ", "last τ")
     rows = [
         (
-            w.worker_name,
+            _shown_name(w),
             w.worker_id,
             w.state,
             w.local_steps_per_round,

@@ -126,6 +126,8 @@ class WorkerRecord:
     #: Joins of this id so far: the current session (``JoinReply.session_id``); calls of
     #: an older one are refused. 0: unknown (a checkpoint from before sessions).
     session: int = 0
+    #: Processes of the current session's torchrun group (``JoinRequest.ranks``; 1 alone).
+    ranks: int = 1
 
     @property
     def last_push_id(self) -> int:

@@ -90,7 +90,7 @@ class WorkerRegistry:
         self.rates = StepRateMeter()
 
     # ------------------------------------------------------------ joins and leases
-    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> Joined:
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1) -> Joined:
         """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
         v_w it measured, steps/s, for DyLU); logged before it is answered.
 
@@ -134,6 +134,7 @@ class WorkerRegistry:
             self.rates.forget(worker_id)  # the new session's rate is measured afresh
         self.register(worker_id, name, initialize, manifest if replace else None, now, named=named)
         self.rates.report(worker_id, steps_per_s)
+        self.workers[worker_id].ranks = max(1, ranks)  # not logged: the next Join says it again
         last_push_id = old.last_push_id if old is not None else 0
         log.info(
             "worker %d (%s) %s at version %d%s",
@@ -412,6 +413,7 @@ class WorkerRegistry:
                 mean_staleness=r.staleness_sum / r.staleness_pushes if r.staleness_pushes else 0.0,
                 last_staleness=r.last_staleness,
                 state=worker_state(r, expected),
+                ranks=r.ranks,
             )
             for r in self.workers.values()
         ]

@@ -36,7 +36,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             manifest = Manifest.from_proto(request.manifest)
-            joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s)
+            joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s, request.ranks)
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", quoted(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)

@@ -72,6 +72,7 @@ def worker_dict(w: pb.WorkerStatus) -> dict[str, Any]:
         "last_seen_s": w.last_seen_s,
         "mean_staleness": w.mean_staleness,
         "last_staleness": w.last_staleness,
+        "ranks": w.ranks or 1,
     }
 
 
@@ -184,7 +185,7 @@ _SYNC_COLUMNS = ("NAME", "ID", "STEPS/S", "H_W", "CONTRIBUTIONS", "LAST SEEN", "
 
 def _row(w: dict[str, Any], sync: bool) -> tuple[str, ...]:
     cells = (
-        w["name"],
+        w["name"] + (f" ({w['ranks']} ranks)" if w["ranks"] > 1 else ""),  # a torchrun group
         str(w["id"]),
         f"{w['steps_per_s']:.2f}" if w["steps_per_s"] else "-",
         str(w["local_steps_per_round"]),

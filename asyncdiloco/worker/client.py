@@ -157,12 +157,13 @@ class ParameterServerClient:
             raise from_rpc_error(err) from None
 
     # ---------------------------------------------------------------- calls
-    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0) -> pb.JoinReply:
-        """Register; raises ManifestMismatchError, ServerUnavailableError, ...; the
-        reply's session goes with this worker id's later calls through this client."""
+    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1) -> pb.JoinReply:
+        """Register (``ranks``: processes training this replica together, a torchrun
+        group's world size); raises ManifestMismatchError, ServerUnavailableError, ...;
+        the reply's session goes with this worker id's later calls through this client."""
         reply = self._call(
             self._stub.Join,
-            pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s),
+            pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s, ranks=ranks),
         )
         self._sessions[reply.worker_id] = reply.session_id
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes

@@ -100,14 +100,16 @@ class RunConfig(_message.Message):
     def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ..., outer_lr_schedule: _Optional[str] = ..., outer_lr_warmup_versions: _Optional[int] = ..., outer_lr_total_versions: _Optional[int] = ..., outer_lr_min_ratio: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("manifest", "worker_name", "steps_per_s")
+    __slots__ = ("manifest", "worker_name", "steps_per_s", "ranks")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     worker_name: str
     steps_per_s: float
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., worker_name: _Optional[str] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
+    ranks: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., worker_name: _Optional[str] = ..., steps_per_s: _Optional[float] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("worker_id", "run_config", "manifest", "version", "initialize", "resumed", "last_push_id", "session_id")
@@ -270,7 +272,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "applied_pushes", "rejected_pushes", "tokens", "local_steps", "last_seen_s", "alive", "local_steps_per_round", "steps_per_s", "mean_staleness", "last_staleness", "state")
+    __slots__ = ("worker_id", "worker_name", "applied_pushes", "rejected_pushes", "tokens", "local_steps", "last_seen_s", "alive", "local_steps_per_round", "steps_per_s", "mean_staleness", "last_staleness", "state", "ranks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     APPLIED_PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class WorkerStatus(_message.Message):
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     LAST_STALENESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_name: str
     applied_pushes: int
@@ -297,7 +300,8 @@ class WorkerStatus(_message.Message):
     mean_staleness: float
     last_staleness: int
     state: str
-    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., last_staleness: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    ranks: int
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., applied_pushes: _Optional[int] = ..., rejected_pushes: _Optional[int] = ..., tokens: _Optional[int] = ..., local_steps: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., alive: _Optional[bool] = ..., local_steps_per_round: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., last_staleness: _Optional[int] = ..., state: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes", "staleness_histogram", "bytes_pushed", "bytes_pulled", "tokens", "uptime_s", "initialized", "workers", "run_config", "outer_optimizer", "staleness_weighting", "manifest", "pulls", "rounds_committed", "rounds_failed", "group_size_histogram", "divergence_warnings", "pushes_per_s", "evals", "server_version")
