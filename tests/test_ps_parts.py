@@ -120,7 +120,8 @@ def test_the_same_run_writes_the_same_log_bytes_and_checkpoint_contents(tmp_path
             for key in ("created_unix_s", "meta_sha256", "tensor_sha256", "tensor_bytes"):
                 meta.pop(key)
         for w in b["workers"]:  # added since: whether the name was given, the last contact (wall clock),
-            # whether it left, its staleness sums, its session
+            # whether it left, its staleness sums, its session, its push high-water mark
+            assert w.pop("push_high_water") == max((row[0] for row in w["outcomes"]), default=0)
             assert isinstance(w.pop("named"), bool) and isinstance(w.pop("last_seen_unix_s"), float)
             assert isinstance(w.pop("left"), bool) and len(w.pop("staleness")) == 3 and w.pop("session") >= 1
         assert a == b, side

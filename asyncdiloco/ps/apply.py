@@ -27,24 +27,19 @@ from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import NotInitializedError, StalePushError
 from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import PUSH_MEMORY, AppliedAs, PushOutcome, WorkerRecord
+from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 
-def _remember(rec: WorkerRecord, push_id: int, outcome: PushOutcome) -> None:
-    """Keep the outcome for retries of ``push_id`` (the newest ``PUSH_MEMORY``)."""
-    rec.outcomes[push_id] = outcome
-    while len(rec.outcomes) > PUSH_MEMORY:
-        rec.outcomes.popitem(last=False)
-
-
 def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcome:
-    """The worker's record, its lease renewed; or the outcome of a concurrent retry that
-    won the race (books lock held)."""
+    """The worker's record, its lease renewed; or the answer to a replay: a concurrent
+    retry that won the race, or an id at or below the high-water mark (books lock held)."""
     rec = parts.registry.get(header.worker_id)
-    if rec is not None and header.push_id in rec.outcomes:
-        return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
+    if rec is not None:
+        retried = rec.answer_retry(header.push_id, parts.model.version, parts.config.local_steps)
+        if retried is not None:
+            return retried
     return parts.registry.touch(header.worker_id, header.session_id)
 
 
@@ -111,7 +106,7 @@ class InitialParameters:
         """The outcome remembered for retries (books lock held); no counter moves."""
         parts = self.parts
         outcome = PushOutcome(True, False, parts.model.version, 0, 1.0, parts.config.local_steps)
-        _remember(rec, header.push_id, outcome)
+        rec.remember(header.push_id, outcome)
         return outcome
 
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
@@ -222,7 +217,7 @@ class PseudoGradient:
         rec.staleness_pushes += 1
         rec.last_staleness = tau
         outcome = PushOutcome(True, False, parts.model.version, tau, weight, parts.config.local_steps)
-        _remember(rec, header.push_id, outcome)
+        rec.remember(header.push_id, outcome)
         return outcome
 
     def _hand_off(

@@ -8,12 +8,13 @@ fills the ``PayloadAssembler`` (which checks chunk order and the CRC-32) → ``a
 buffer back however they end. Receiving, the CRC check, decoding and the finiteness
 check happen before the state's locks are taken, so a push being received never holds
 up another one being applied. ``(worker_id, push_id)`` makes a retried push idempotent:
-it is answered with its original outcome.
+it is answered with its original outcome, and an id at or below the worker's high-water
+mark is never applied again (records.py ``WorkerRecord.answer_retry``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from typing import cast
@@ -31,6 +32,8 @@ from asyncdiloco.ps.registry import WorkerRegistry
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import WireChunk
 from asyncdiloco.wire.tensors import PayloadAssembler, chunk_views, crc32_of, num_chunks_for
+
+log = logging.getLogger(__name__)
 
 #: Kinds a retried push_id does not short-circuit: a retried round-result upload
 #: re-stages the same Δ̄, and only the vote decides whether it is applied.
@@ -172,11 +175,21 @@ class PushIntake:
         return self._assembler(header, kind.pooled, is_active)
 
     def _retried(self, header: pb.PushHeader) -> PushOutcome | None:
-        """The remembered outcome of a retried push (books lock held), else None."""
+        """The answer to a replayed push id (books lock held; ``WorkerRecord.answer_retry``),
+        else None."""
         rec = self.registry.get(header.worker_id)
-        if rec is None or header.push_id not in rec.outcomes or header.kind in _NOT_DEDUPLICATED:
+        if rec is None or header.kind in _NOT_DEDUPLICATED:
             return None
-        return dataclasses.replace(rec.outcomes[header.push_id], duplicate=True)
+        retried = rec.answer_retry(header.push_id, self.registry.model.version, self.config.local_steps)
+        if retried is not None and not retried.applied:
+            log.warning(
+                "push %d of worker %d is at or below its high-water mark %d and no outcome of it is remembered: "
+                "not applied (a replay of an old push)",
+                header.push_id,
+                header.worker_id,
+                rec.last_push_id,
+            )
+        return retried
 
     def _assembler(self, header: pb.PushHeader, pooled: bool, is_active: Callable[[], bool] | None) -> PayloadAssembler:
         buffer = None  # not pooled (a round result, staged until the vote): a buffer of its own

@@ -14,7 +14,8 @@ from collections import OrderedDict
 
 from asyncdiloco.wire.tensors import Manifest
 
-#: Outcomes remembered per worker for answering retried pushes.
+#: Outcomes remembered per worker for answering retried pushes with what they got; an
+#: older id is still never applied again (``WorkerRecord.push_high_water``).
 PUSH_MEMORY = 256
 
 
@@ -23,8 +24,11 @@ class PushOutcome:
     """The outcome of one push, as its reply reports it.
 
     Attributes:
-        applied: the push changed the global model (or staged a round result).
-        duplicate: a retry of a push applied before, answered with its original outcome.
+        applied: the push changed the global model (or staged a round result); for a
+            duplicate, the original push is known to have been applied.
+        duplicate: a retry of a push id at or below the worker's high-water mark: not
+            applied now; its original outcome when remembered, else ``applied`` False and
+            the current version (``WorkerRecord.answer_retry``).
         version: the global version after the push.
         staleness: τ = V − v, versions applied since the push's base version.
         staleness_weight: s(τ), the factor the pseudo-gradient was scaled by.
@@ -128,11 +132,36 @@ class WorkerRecord:
     session: int = 0
     #: Processes of the current session's torchrun group (``JoinRequest.ranks``; 1 alone).
     ranks: int = 1
+    #: The highest push_id applied for this id, in any session (0: none). A worker numbers
+    #: its pushes upwards, so a push at or below it is a replay and is never applied again,
+    #: also once its outcome is no longer remembered (like Kafka's idempotent producer).
+    push_high_water: int = 0
 
     @property
     def last_push_id(self) -> int:
-        """The highest push_id this worker has a remembered outcome for (0: none)."""
-        return max(self.outcomes, default=0)
+        """The highest push_id applied for this worker (0: none); a resumed one goes on after it."""
+        return max(self.push_high_water, max(self.outcomes, default=0))
+
+    def remember(self, push_id: int, outcome: PushOutcome) -> None:
+        """Keep an applied push's outcome for its retries (the newest ``PUSH_MEMORY``) and
+        raise the high-water mark to its id."""
+        self.outcomes[push_id] = outcome
+        self.push_high_water = max(self.push_high_water, push_id)
+        while len(self.outcomes) > PUSH_MEMORY:
+            self.outcomes.popitem(last=False)
+
+    def answer_retry(self, push_id: int, version: int, local_steps: int) -> PushOutcome | None:
+        """The answer to a push that must not be applied: a remembered id's original
+        outcome; an id at or below the high-water mark whose outcome is forgotten (or that
+        was never applied: refused, or skipped) gets ``applied=False`` at the current
+        ``version``. None for an id above the mark (a new push, or a retry of a refused one).
+        Both are ``duplicate``."""
+        remembered = self.outcomes.get(push_id)
+        if remembered is not None:
+            return dataclasses.replace(remembered, duplicate=True)
+        if push_id > self.last_push_id:
+            return None
+        return PushOutcome(False, True, version, 0, 0.0, local_steps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -438,6 +438,7 @@ class WorkerRegistry:
                 "left": r.left,
                 "session": r.session,
                 "staleness": [r.staleness_sum, r.staleness_pushes, r.last_staleness],
+                "push_high_water": r.push_high_water,
                 "outcomes": [
                     [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
                     for pid, o in r.outcomes.items()
@@ -467,6 +468,7 @@ class WorkerRegistry:
             rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
             for pid, applied, version, tau, weight, steps in w["outcomes"]:
                 rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
+            rec.push_high_water = w.get("push_high_water", rec.last_push_id)  # older: the newest remembered
             self.workers[rec.worker_id] = rec
             if named:
                 self.names[rec.name] = rec.worker_id
