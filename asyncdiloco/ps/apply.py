@@ -173,6 +173,7 @@ class PseudoGradient:
                 expected = _live_workers(parts, header.worker_id)
                 applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=len(expected))
                 parts.journal.log_push(header, payload, applied)
+            self.snapshots.before_apply(version_after - 1)  # pulls meanwhile get θ as it is now
             # the tensor math, books free meanwhile
             with parts.observer.timed("outer_step"):
                 self._step(delta, applied)

@@ -169,6 +169,7 @@ class PullSnapshots:
         self._readers: dict[int, list[float]] = {}  # version -> start times of the pulls streaming it
         #: A pull came since the last snapshot was built: the next apply should build one.
         self.wanted = False
+        self._last_pull_at: float | None = None  # the clock at the newest pull (None: none yet)
 
     def _reading_versions(self) -> int:
         """Versions a pull started less than ``stale_after_s`` ago still reads (a pull
@@ -205,19 +206,32 @@ class PullSnapshots:
         ``version`` (any version when None); else None. Marks snapshots as wanted."""
         with self._cond:
             self.wanted = True
+            self._last_pull_at = self._clock()
             snap = self._published
             if snap is None or (version is not None and snap.version != version):
                 return None
             self._readers.setdefault(snap.version, []).append(self._clock())
             return snap
 
-    def publish(self, snap: Snapshot, *, acquire: bool = False) -> None:
+    def pulls_recent(self) -> bool:
+        """True when a pull came within the last ``stale_after_s`` seconds."""
+        with self._cond:
+            return self._last_pull_at is not None and self._clock() - self._last_pull_at <= self.stale_after_s
+
+    def published_version(self) -> int | None:
+        """The published snapshot's version (None: none is published)."""
+        with self._cond:
+            return None if self._published is None else self._published.version
+
+    def publish(self, snap: Snapshot, *, acquire: bool = False, keep_wanted: bool = False) -> None:
         """Make ``snap`` the newest (ignored if an even newer one is published); the
-        previous one lives on only while pulls still read it."""
+        previous one lives on only while pulls still read it. ``keep_wanted``: leave
+        ``wanted`` as it is (a snapshot built ahead of an apply, not for the pulls after it)."""
         with self._cond:
             if self._published is None or self._published.version < snap.version:
                 self._published = snap
-            self.wanted = acquire  # built for a pull: pulls are coming, the next apply builds its own
+            if not keep_wanted:
+                self.wanted = acquire  # built for a pull: pulls are coming, the next apply builds its own
             if acquire:
                 self._readers.setdefault(snap.version, []).append(self._clock())
 

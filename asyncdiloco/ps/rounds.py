@@ -25,6 +25,7 @@ from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
 from asyncdiloco.ps.records import PushOutcome, Vote
+from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 _NOT_INITIALIZED = "not initialized: no worker has pushed the initial parameters yet"
@@ -65,12 +66,16 @@ class SyncMode:
             the counters, the locks).
         initial: the initial parameters' push kind (apply.py).
         live_worker_ids: the live workers (takes the books lock; the quorum calls it).
+        snapshots: the pull snapshots (the round before is kept for the pulls during a step).
     """
 
     name = "sync"
 
-    def __init__(self, parts: CoreParts, initial: PushHandler, live_worker_ids: Callable[[], set[int]]) -> None:
+    def __init__(
+        self, parts: CoreParts, initial: PushHandler, live_worker_ids: Callable[[], set[int]], snapshots: Snapshots
+    ) -> None:
         self.parts = parts
+        self.snapshots = snapshots
         self.config = parts.config
         self.locks = parts.locks
         self.model = parts.model
@@ -124,22 +129,35 @@ class SyncMode:
 
     def apply_round(self, done: CommittedRound) -> None:
         """Apply a committed round (called by the QuorumManager, its lock held): the same
-        outer step every member applies to θ_base, at the round it started from."""
-        with self.locks.apply, self.locks.books:
+        outer step every member applies to θ_base, at the round it started from. The step
+        runs with the books lock free, and pulls meanwhile are served the round before
+        (snapshots.py ``before_apply``): a pull never waits for a round's outer step."""
+        with self.locks.apply:
             if done.result is not None:
+                self.snapshots.before_apply(self._version())
                 with self.parts.observer.timed("outer_step"):
                     self.model.optimizer.step(done.result, version=done.round - 1)
-                self.model.version = done.round
-            for worker_id, steps in done.steps_by_worker.items():
-                if steps <= 0:  # a healing member contributed nothing
-                    continue
-                tokens = done.tokens_by_worker.get(worker_id, 0)
-                self.counters.count_applied(0, tokens)  # synchronous: τ = 0 by construction
-                rec = self.registry.get(worker_id)
-                if rec is not None:
-                    rec.applied_pushes += 1
-                    rec.tokens += tokens
-                    rec.local_steps += steps
+            with self.locks.books:
+                self._count_round(done)
+
+    def _version(self) -> int:
+        with self.locks.books:
+            return self.model.version
+
+    def _count_round(self, done: CommittedRound) -> None:
+        """The version and the members' counters of a committed round (books lock held)."""
+        if done.result is not None:
+            self.model.version = done.round
+        for worker_id, steps in done.steps_by_worker.items():
+            if steps <= 0:  # a healing member contributed nothing
+                continue
+            tokens = done.tokens_by_worker.get(worker_id, 0)
+            self.counters.count_applied(0, tokens)  # synchronous: τ = 0 by construction
+            rec = self.registry.get(worker_id)
+            if rec is not None:
+                rec.applied_pushes += 1
+                rec.tokens += tokens
+                rec.local_steps += steps
 
     # ------------------------------------------------------- quorum and commit
     def _check_request(self, worker_id: int) -> None:

@@ -2,8 +2,13 @@
 and shared by every concurrent pull of that version (buffers.py ``Snapshot``).
 
 While pulls keep coming, the apply that makes a version encodes its snapshot before it
-publishes the version (``after_apply``), so a pull never waits for an apply and never
-mixes two versions. Otherwise the first pull of a version encodes it (``acquire``). At
+publishes the version (``after_apply``), and an apply that starts from a version without
+a snapshot encodes that one before its outer step (``before_apply``). A pull during an
+apply is served the newest complete snapshot (the version the apply started from) without
+taking the apply lock, so a pull never waits for an apply, however long its outer step,
+and never mixes two versions. Otherwise the first pull of a version encodes it
+(``acquire``). Only a pull that finds no snapshot at all (the first pull of a run, or the
+first after ``lease_s`` without pulls) while an apply runs waits for that apply. At
 most ``ServerConfig.pull_snapshots`` versions stay in memory (buffers.py
 ``PullSnapshots`` keeps that count). ``open_pull`` says what one pull sends: a shared
 snapshot, or sync mode's private copy of θ and m for a healing member.
@@ -62,10 +67,11 @@ class Snapshots:
         """The newest global parameters, encoded once per version and shared by all
         pulls; pair every call with ``release`` when the pull ends.
 
-        Returns at once while the applies build the snapshots; else encodes it here (it
-        may wait for one apply in progress). When pulls of older versions fill every
-        slot, waits up to ``wait_s`` seconds for them, then serves the newest snapshot
-        there is (an older version, which the pull header says).
+        Returns at once while the applies build the snapshots; else encodes it here, or,
+        while an apply changes θ, serves the newest complete snapshot (the version that
+        apply started from; the pull header says which) instead of waiting for it. When
+        pulls of older versions fill every slot, waits up to ``wait_s`` seconds for them,
+        then serves the newest snapshot there is (an older version).
 
         Raises:
             NotInitializedError: no worker has pushed the initial parameters yet.
@@ -88,13 +94,25 @@ class Snapshots:
                 if snap is not None:
                     log.info("pull served version %d: older pulls still hold every snapshot slot", snap.version)
                     return snap
-            with self.locks.apply:
-                version = self._version()
-                snap = self.slots.acquire_if(version)  # an apply may have built it meanwhile
-                if snap is None:
-                    snap = self.encode(version)
-                    self.slots.publish(snap, acquire=True)
-            return snap
+            if not self.locks.apply.acquire(blocking=False):  # an apply is changing θ: do not wait for it
+                snap = self.slots.acquire_if(None)  # the newest complete snapshot: what that apply started from
+                if snap is not None:
+                    return snap
+                self.locks.apply.acquire()  # no snapshot at all yet: this pull waits for the one apply
+            try:
+                return self._build_locked()
+            finally:
+                self.locks.apply.release()
+
+    def _build_locked(self) -> Snapshot:
+        """The snapshot of the current version, encoded now unless an apply built it
+        meanwhile (``apply`` lock held), registered as read by the caller."""
+        version = self._version()
+        snap = self.slots.acquire_if(version)
+        if snap is None:
+            snap = self.encode(version)
+            self.slots.publish(snap, acquire=True)
+        return snap
 
     def release(self, snap: Snapshot) -> None:
         """A pull of ``snap`` (from ``acquire``) ended, completed or not."""
@@ -103,6 +121,16 @@ class Snapshots:
     def encode(self, version: int) -> Snapshot:
         """θ of ``version`` in the wire layout, copied into chunk messages (``apply`` lock held)."""
         return encode_snapshot(version, self.model.pull_payload(), self.config.chunk_bytes)
+
+    def before_apply(self, version: int) -> None:
+        """An apply is about to change θ, still of ``version`` (``apply`` lock held):
+        while pulls are being served (one within ``lease_s``) and a slot is free, make sure
+        that version has a snapshot, so the pulls during the apply are served it at once.
+        Costs at most one encode per version, paid only while pulls come."""
+        if self.slots.published_version() == version or not self.slots.pulls_recent():
+            return
+        if self.slots.has_room():
+            self.slots.publish(self.encode(version), keep_wanted=True)
 
     def after_apply(self, version: int) -> Snapshot | None:
         """The snapshot of the version an apply just made (``apply`` lock held), when pulls

@@ -106,7 +106,7 @@ class ParameterServerState:
         self.mode: Mode = (
             AsyncMode({INITIAL: initial, PSEUDO_GRADIENT: pseudo}, touch=self._touch)
             if config.mode == "async"
-            else SyncMode(core, initial, live_worker_ids=self.live_worker_ids)
+            else SyncMode(core, initial, live_worker_ids=self.live_worker_ids, snapshots=self.snapshots)
         )
         self.intake = PushIntake(config, self.locks, self.registry, self.counters, self.groups, self.mode)
         self.durability = Durability(core, self.snapshots, replayers={INITIAL: initial, PSEUDO_GRADIENT: pseudo})
