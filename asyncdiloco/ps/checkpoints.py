@@ -129,6 +129,16 @@ def write_checkpoint(
     write_atomically(folder / f"{name}.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
+def remove_partial_checkpoint(folder: pathlib.Path, lsn: int) -> None:
+    """Remove what a failed write of checkpoint ``lsn`` may have left (its temp files,
+    and its tensor file when the sidecar, the commit point, was never written)."""
+    name = f"ckpt-{lsn:020d}"
+    for leftover in (f"{name}.pt.tmp", f"{name}.json.tmp"):
+        (folder / leftover).unlink(missing_ok=True)
+    if not (folder / f"{name}.json").exists():
+        (folder / f"{name}.pt").unlink(missing_ok=True)
+
+
 def prune(folder: pathlib.Path, segments: list[tuple[int, pathlib.Path]]) -> None:
     """Keep the newest checkpoints and the log back to the oldest kept one."""
     lsns = checkpoint_lsns(folder)

@@ -137,6 +137,14 @@ class StateCollector(Collector):
         yield _counter(
             "asyncdiloco_pushes_duplicate", "Retried pushes answered with their outcome.", st.duplicate_pushes
         )
+        errors = CounterMetricFamily(
+            "asyncdiloco_durability_errors",
+            "Write-ahead-log appends (the push was refused) and checkpoints that failed, e.g. on a full disk.",
+            labels=["what"],
+        )
+        for what, count in sorted(self.state.observer.failures.items()):
+            errors.add_metric([what], count)
+        yield errors
         yield _counter("asyncdiloco_pulls", "Completed pulls.", st.pulls)
         yield _counter("asyncdiloco_pushed_bytes", "Payload bytes received in applied pushes.", st.bytes_pushed)
         yield _counter("asyncdiloco_pulled_bytes", "Payload bytes sent in completed pulls.", st.bytes_pulled)

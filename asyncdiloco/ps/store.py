@@ -37,6 +37,7 @@ a folder without the lock and without changing it, while its server runs (the ex
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -44,18 +45,25 @@ import os
 import pathlib
 import threading
 import time
-from typing import BinaryIO, TextIO
+from typing import TextIO
 
 import torch
 
 from asyncdiloco._atomic import fsync_dir
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.checkpoints import checkpoint_lsns, load_checkpoint, prune, write_checkpoint
+from asyncdiloco.ps.checkpoints import (
+    checkpoint_lsns,
+    load_checkpoint,
+    prune,
+    remove_partial_checkpoint,
+    write_checkpoint,
+)
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.journal import JournaledState
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.records import AppliedAs, LoggedJoin
+from asyncdiloco.ps.segment import LogSegment
 from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE
@@ -77,7 +85,7 @@ class DurableStore:
         self.server_config = server_config
         self.dir = pathlib.Path(config.checkpoint_dir)
         self.lsn = 0  # LSN of the newest record written (or loaded)
-        self._segment: BinaryIO | None = None  # open file of the current log segment
+        self._segment: LogSegment | None = None  # the current log segment
         self._pushes_since_checkpoint = 0
         self._ckpt_lock = threading.Lock()
         self._lock_file: TextIO | None = None
@@ -234,33 +242,31 @@ class DurableStore:
 
     # ------------------------------------------------------------ journal
     def _append(self, kind: int, meta: dict, payload: memoryview | bytes = b"") -> None:
-        """Append one record and fsync it. Called with the state's lock held."""
+        """Append one record and fsync it, all or nothing (segment.py). Called with the
+        state's lock held, before the change is applied.
+
+        Raises:
+            CheckpointError (UNAVAILABLE): the record could not be written (a full disk):
+            the change must not be applied; the log goes on once the disk takes writes.
+        """
         if self._broken:
-            raise CheckpointError(
-                f"the write-ahead log is unusable ({self._broken}); fix the disk and restart the server"
-            )
+            raise CheckpointError(f"the write-ahead log is closed ({self._broken}); nothing was applied")
         lsn = self.lsn + 1
         head, meta_b = encode_record(kind, lsn, meta, payload)
-        f = self._segment
-        assert f is not None, "the log is open while a journal is attached"
-        start = f.tell()
+        segment = self._segment
+        assert segment is not None, "the log is open while a journal is attached"
         try:
             with self.observer.timed("log_write"):
-                f.write(head)
-                f.write(meta_b)
-                f.write(payload)
-                f.flush()
-                if self.config.fsync:
-                    os.fsync(f.fileno())
+                segment.append(head, meta_b, payload)
         except OSError as exc:
-            try:  # leave no torn record in the middle of the log
-                f.truncate(start)
-                f.seek(start)
-            except OSError as exc2:
-                self._broken = f"append failed ({exc}) and could not be undone ({exc2})"
+            self.observer.failed("log_write")
+            full = " (disk full)" if exc.errno == errno.ENOSPC else ""
+            log.error(
+                "could not write the write-ahead log in %s%s: %s; refusing changes until it can", self.dir, full, exc
+            )
             raise CheckpointError(
-                f"could not write the write-ahead log in {self.dir} ({exc}); nothing was applied; "
-                f"free disk space, the push will be retried"
+                f"not logged: could not write the write-ahead log in {self.dir}{full} ({exc}); nothing was "
+                f"applied: free disk space on the server; the worker retries the push with the same push_id"
             ) from None
         self.lsn = lsn
 
@@ -298,8 +304,15 @@ class DurableStore:
             return
         try:
             self._checkpoint_locked()
-        except (OSError, CheckpointError) as exc:
-            log.error("checkpoint failed (%s); the write-ahead log keeps every push, retrying after the next ones", exc)
+        except Exception as exc:  # noqa: BLE001 - whatever fails (OSError, torch's RuntimeError), the push stays applied
+            self._pushes_since_checkpoint = 0  # the next try after checkpoint_every more pushes
+            self.observer.failed("checkpoint")
+            log.error(
+                "checkpoint failed (%s: %s); the write-ahead log keeps every push, retrying after the next %d",
+                type(exc).__name__,
+                exc,
+                self.config.checkpoint_every,
+            )
         finally:
             self._ckpt_lock.release()
 
@@ -310,12 +323,19 @@ class DurableStore:
             self._checkpoint_locked()
 
     def _rotate(self) -> int:
-        """Start a new log segment after the newest record (state lock held). Returns the LSN covered."""
+        """Start a new log segment after the newest record (state lock held). Returns the
+        LSN covered. Raises OSError when the new segment cannot be created: the open one
+        stays the one appended to."""
+        path = self.dir / f"wal-{self.lsn + 1:020d}.log"
+        segment = LogSegment(open(path, "ab", buffering=0), path, self.config.fsync)  # noqa: SIM115 - kept open
+        try:
+            fsync_dir(self.dir)
+        except OSError:
+            segment.close()
+            raise
         if self._segment is not None:
             self._segment.close()
-        path = self.dir / f"wal-{self.lsn + 1:020d}.log"
-        self._segment = open(path, "ab")
-        fsync_dir(self.dir)
+        self._segment = segment
         self._pushes_since_checkpoint = 0
         return self.lsn
 
@@ -326,7 +346,11 @@ class DurableStore:
         name = f"ckpt-{lsn:020d}"
         if lsn in self._good_lsns:  # nothing was logged since that (intact) checkpoint
             return
-        write_checkpoint(self.dir, lsn, meta, tensors, self.server_config)
+        try:
+            write_checkpoint(self.dir, lsn, meta, tensors, self.server_config)
+        except BaseException:
+            remove_partial_checkpoint(self.dir, lsn)
+            raise
         self._good_lsns.add(lsn)
         prune(self.dir, self._segments())
         took_s = time.monotonic() - started
