@@ -223,3 +223,21 @@ def test_synchronize_skips_cpu_devices(cuda_syncs):
     flat.synchronize([torch.device("cpu"), torch.device("cuda", 1)])
     assert cuda_syncs == [torch.device("cuda", 1)]
     assert collectives._on_device(torch.device("cpu")).__enter__() is None
+
+
+# ------------------------------------------------------------------ --device auto
+@pytest.mark.parametrize(("local_rank", "expected"), [(None, "cuda"), ("2", "cuda:2"), ("7", "cuda")])
+def test_device_auto_takes_the_gpu_of_a_torchrun_rank(monkeypatch, local_rank, expected):
+    """With 4 GPUs: a plain process takes cuda (its current device), torchrun's rank with
+    LOCAL_RANK=2 takes cuda:2 (not all ranks on cuda:0), a LOCAL_RANK past the GPUs cuda."""
+    from asyncdiloco.cli.worker import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert resolve_device("auto") == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
