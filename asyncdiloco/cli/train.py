@@ -79,6 +79,9 @@ def run_worker(
     _check_bounds(slowdown, max_steps, max_seconds)
     slowdown_changes = check_slowdown_changes(slowdown_changes)
     corpus = CharCorpus.default()
+    gpu = torch.device(device)
+    if gpu.type == "cuda" and gpu.index is not None:  # this process's CUDA context, pinned memory, NCCL: that GPU
+        torch.cuda.set_device(gpu)
     model = job.build(corpus).to(device)
     inner, inner_lr = job.build_inner(model.parameters())
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)

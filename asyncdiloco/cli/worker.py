@@ -150,7 +150,8 @@ def configs(args: argparse.Namespace) -> _Configs:
 
 def resolve_device(text: str) -> str:
     """The torch device of ``--device``: "cpu", "cuda" or "cuda:N" (checked against the
-    GPUs torch sees), or "auto" (cuda when torch sees one, else cpu).
+    GPUs torch sees), or "auto" (cuda when torch sees one, else cpu; cuda:LOCAL_RANK in a
+    torchrun rank).
 
     Raises:
         ConfigError: another value, or a CUDA device torch does not see.
@@ -158,7 +159,10 @@ def resolve_device(text: str) -> str:
     import torch
 
     value = text.strip().lower()
-    if value == "auto":
+    if value == "auto":  # under torchrun each rank takes the GPU of its LOCAL_RANK
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        if torch.cuda.is_available() and local_rank.isdigit() and int(local_rank) < torch.cuda.device_count():
+            return f"cuda:{local_rank}"
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind, _, index = value.partition(":")
     if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):

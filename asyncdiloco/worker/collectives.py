@@ -10,8 +10,18 @@ which also bounds the rendezvous.
 
 Backend: gloo for CPU tensors, on the address ``collective_host`` (127.0.0.1 when the
 server is reached on loopback, else torch's default: ``GLOO_SOCKET_IFNAME`` or the host
-name). NCCL for CUDA tensors: the branch is written but not run by the test suite,
-which has no GPU.
+name). NCCL when the model is on CUDA (``device``): the pinned host buffer is copied
+into one device buffer on the model's device (allocated once, reused by every quorum of
+that size), summed there, and copied back into the host buffer once the sum is done.
+Every CUDA call runs under ``torch.cuda.device(device)``, so a worker on cuda:1 never
+touches cuda:0. A wait past ``timeout_s`` aborts that quorum's NCCL communicator and
+raises, as gloo does; and the group is built with torch's NCCL error handling set to
+"abort the communicator only" (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the caller
+set it), because torch's default tears down the whole process when a peer dies, which
+would turn one lost member into a lost quorum. NCCL refuses two ranks on one GPU
+("Duplicate GPU detected"): each member of a quorum needs its own device. The NCCL
+branch has not run on a GPU (the project's machines have none); the test suite runs its
+host-side logic (buffer reuse, the copies, the deadline) with a stand-in group on the CPU.
 
 ``start_allreduce_sum`` launches the collective and returns it in flight; the sum is in
 the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both.
@@ -19,11 +29,19 @@ the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import os
+import time
 from typing import Any
 
 import torch
+
+from asyncdiloco.worker.flat import synchronize
+
+#: Seconds between the host's checks of an NCCL allreduce in flight.
+_NCCL_POLL_S = 0.001
 
 
 def is_loopback(host: str) -> bool:
@@ -47,15 +65,8 @@ class InFlightAllreduce:
 
     Holds the process group until then (it must outlive its collective)."""
 
-    def __init__(
-        self,
-        work: Any = None,
-        process_group: Any = None,
-        buf: torch.Tensor | None = None,
-        device_buf: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, work: Any = None, process_group: Any = None) -> None:
         self._work, self._process_group = work, process_group
-        self._buf, self._device_buf = buf, device_buf
 
     def wait(self) -> None:
         """Raises:
@@ -65,9 +76,51 @@ class InFlightAllreduce:
         if self._work is None:  # one member: nothing to reduce
             return
         self._work.wait()
-        if self._device_buf is not None and self._buf is not None:
-            self._buf.copy_(self._device_buf)
-            torch.cuda.synchronize()
+
+
+class InFlightDeviceAllreduce(InFlightAllreduce):
+    """An allreduce running on a device buffer (NCCL): ``wait`` polls the collective from
+    the host until ``timeout_s`` after its launch (aborting the group past it), then
+    copies the sum from ``device_buf`` back into the pinned host buffer ``buf`` and waits
+    for that copy, so the host reads finished bytes.
+
+    Args:
+        work, process_group: the launched collective and its group.
+        buf: 1-D float32 host buffer (pinned), the caller's.
+        device_buf: the device buffer of the same shape the collective sums.
+        timeout_s: seconds from now the collective may take.
+    """
+
+    def __init__(
+        self, work: Any, process_group: Any, buf: torch.Tensor, device_buf: torch.Tensor, timeout_s: float
+    ) -> None:
+        super().__init__(work, process_group)
+        self._buf, self._device_buf, self._timeout_s = buf, device_buf, timeout_s
+        self._deadline = time.monotonic() + timeout_s
+
+    def wait(self) -> None:
+        """Raises:
+        RuntimeError: the collective did not finish within ``timeout_s`` (its group is
+            aborted), or torch.distributed's error (a peer died).
+        """
+        while not self._work.is_completed():
+            if time.monotonic() >= self._deadline:
+                self._process_group.abort()
+                raise RuntimeError(
+                    f"NCCL allreduce did not complete within allreduce_timeout_s={self._timeout_s:g} s "
+                    f"(a member hung or is gone); its communicator was aborted"
+                )
+            time.sleep(_NCCL_POLL_S)
+        device = self._device_buf.device
+        with _on_device(device):
+            self._work.wait()  # raises the collective's error; orders the current stream after the sum
+            self._buf.copy_(self._device_buf, non_blocking=True)  # into pinned memory: asynchronous
+        synchronize([device])  # before the host reads the sum
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(device)`` for a CUDA device: CUDA calls inside go to it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class QuorumCollectives:
@@ -77,22 +130,26 @@ class QuorumCollectives:
         server_host: host of the server address (used when the store host is empty, and
             to pick loopback for gloo).
         collective_host: address gloo binds and advertises; None: see the module docstring.
-        cuda: True when the tensors to reduce live on CUDA (NCCL).
+        device: where the model lives (``FlatParams.device``): a CUDA device sums over
+            NCCL on that device, the CPU over gloo.
     """
 
-    def __init__(self, server_host: str, collective_host: str | None, cuda: bool) -> None:
+    def __init__(self, server_host: str, collective_host: str | None, device: torch.device) -> None:
         self.server_host = server_host
         self.collective_host = collective_host
-        self.cuda = cuda
+        self.device = torch.device(device)
+        #: The backend of every quorum's group: "nccl" for a CUDA device, else "gloo".
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._store: Any = None  # TCPStore client, reused across quorums
         self._store_addr: tuple[str, int] | None = None
         self._device: Any = None  # gloo device, created once
+        self._device_buf: torch.Tensor | None = None  # NCCL's buffer on ``device``, reused across quorums
 
     def allreduce_sum(self, buf: torch.Tensor, group: QuorumGroup, timeout_s: float) -> None:
         """Sum ``buf`` in place over the quorum's members (a no-op for one member).
 
         Args:
-            buf: 1-D float32 CPU tensor, identical shape on every member.
+            buf: 1-D float32 CPU tensor (pinned for NCCL), identical shape on every member.
             group: the quorum.
             timeout_s: bound on the rendezvous and on the collective, seconds.
         Raises:
@@ -110,18 +167,41 @@ class QuorumCollectives:
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.PrefixStore(f"q{group.quorum_id}", self._rendezvous_store(group, timeout))
-        if self.cuda:  # NCCL for CUDA tensors
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = timeout
-            pg: Any = dist.ProcessGroupNCCL(store, group.rank, group.world_size, nccl_opts)
-            device_buf = buf.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-            return InFlightAllreduce(pg.allreduce([device_buf]), pg, buf, device_buf)
+        if self.backend == "nccl":
+            return self._start_on_device(buf, self._nccl_group(store, group, timeout), timeout_s)
         gloo: Any = dist.ProcessGroupGloo  # its _Options are not in torch's type stubs
         gloo_opts = gloo._Options()
         gloo_opts._timeout = timeout
         gloo_opts._devices = [self._gloo_device()]
-        pg = dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts)
+        pg: Any = dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts)
         return InFlightAllreduce(pg.allreduce([buf]), pg)
+
+    def _start_on_device(self, buf: torch.Tensor, pg: Any, timeout_s: float) -> InFlightDeviceAllreduce:
+        """Copy the host buffer into the reused device buffer and launch the sum there (the
+        collective's stream waits for the copy: both are queued on ``device``)."""
+        if self._device_buf is None or self._device_buf.shape != buf.shape:
+            self._device_buf = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
+        device_buf = self._device_buf
+        with _on_device(self.device):
+            device_buf.copy_(buf, non_blocking=True)
+            work = pg.allreduce([device_buf])
+        return InFlightDeviceAllreduce(work, pg, buf, device_buf, timeout_s)
+
+    def _nccl_group(self, store: Any, group: QuorumGroup, timeout: datetime.timedelta) -> Any:
+        """A new NCCL group for the quorum whose errors abort its communicator only (module
+        docstring); the caller's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` wins."""
+        import torch.distributed as dist
+
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        key, before = "TORCH_NCCL_ASYNC_ERROR_HANDLING", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ[key] = before if before is not None else "2"  # read by the constructor
+        try:
+            with _on_device(self.device):
+                return dist.ProcessGroupNCCL(store, group.rank, group.world_size, opts)
+        finally:
+            if before is None:
+                del os.environ[key]
 
     def close(self) -> None:
         self._store = None

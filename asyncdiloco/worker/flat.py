@@ -6,9 +6,23 @@ The workers keep θ_base, Δ and their wire payloads as flat CPU vectors in mani
 their own dtype. ``FlatParams`` owns every copy between the two; ``host_buffer`` makes
 the CPU buffers, pinned when the model is on CUDA so that the copies to and from the
 device can run asynchronously (``non_blocking``) and are waited for once per copy.
+
+CUDA rules kept here (the workers allocate their host buffers once, at construction or
+when the wire codec's size changes, and reuse them for every sync):
+
+- device → host (``copy_into``): ``non_blocking`` only when the destination is pinned
+  (into pageable memory CUDA copies synchronously anyway), then one ``synchronize`` of
+  every device the parameters live on before the host reads the bytes;
+- host → device (``load``, ``add``): ``non_blocking`` from the host buffer, then the same
+  ``synchronize`` before returning, so the caller may overwrite the buffer at once and
+  the next inner step runs on the loaded parameters;
+- ``synchronize`` names the parameters' devices: a model on cuda:1 is waited for on
+  cuda:1, whatever ``torch.cuda.current_device()`` is.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,6 +31,14 @@ from torch import nn
 def host_buffer(numel: int, *, dtype: torch.dtype = torch.float32, pin: bool = False) -> torch.Tensor:
     """A zeroed CPU tensor of ``numel`` elements of ``dtype``, in pinned memory when ``pin``."""
     return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait until every CUDA device in ``devices`` has finished its queued work (copies
+    included); CPU devices need no wait."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 class FlatParams:
@@ -32,8 +54,19 @@ class FlatParams:
         self.sizes = [p.numel() for p in self.params]
         #: N, elements of the whole flat vector.
         self.numel = sum(self.sizes)
-        #: Some parameter lives on CUDA: host buffers are pinned, copies are asynchronous.
-        self.on_cuda = any(p.is_cuda for p in self.params)
+        #: The devices the parameters live on, in order of first appearance.
+        self.devices = list(dict.fromkeys(p.device for p in self.params))
+
+    @property
+    def on_cuda(self) -> bool:
+        """Some parameter lives on CUDA: host buffers are pinned, copies are asynchronous."""
+        return any(d.type == "cuda" for d in self.devices)
+
+    @property
+    def device(self) -> torch.device:
+        """Where a device-side buffer for this model goes (sync mode's NCCL allreduce): the
+        first CUDA device of the parameters, else the CPU."""
+        return next((d for d in self.devices if d.type == "cuda"), torch.device("cpu"))
 
     def host_buffer(self, numel: int | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A CPU buffer for copies of this model: ``numel`` (default N) elements of ``dtype``,
@@ -48,11 +81,14 @@ class FlatParams:
         """θ_local → ``dst``: the parameters, as fp32, into the flat CPU vector ``dst`` (N,).
 
         Returns:
-            ``dst``.
+            ``dst``, complete: asynchronous copies into a pinned ``dst`` are waited for.
         """
+        asynchronous = self.on_cuda and dst.is_pinned()  # into pageable memory CUDA copies synchronously
         with torch.no_grad():
             for p, view in zip(self.params, self.views(dst)):
-                view.copy_(p.detach().reshape(-1))
+                view.copy_(p.detach().reshape(-1), non_blocking=asynchronous and p.is_cuda)
+        if asynchronous:
+            self._wait()
         return dst
 
     def load(self, flat: torch.Tensor) -> None:
@@ -72,6 +108,7 @@ class FlatParams:
         self._wait()
 
     def _wait(self) -> None:
-        """Wait for the asynchronous host-to-device copies: the host buffer may be reused next."""
+        """Wait for the asynchronous copies on the parameters' devices: the host buffer may
+        be read (device → host) or reused (host → device) next."""
         if self.on_cuda:
-            torch.cuda.synchronize()
+            synchronize(self.devices)

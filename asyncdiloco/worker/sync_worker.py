@@ -148,7 +148,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
-        self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.on_cuda)
+        self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.device)
         self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
