@@ -201,4 +201,5 @@ def test_a_fleet_survives_a_killed_worker_actor_that_resumes_as_itself(tmp_path)
 
 def test_a_fleet_spec_holds_the_servers_settings():
     spec = FleetSpec(server=ServerConfig(host="127.0.0.1", port=0, mode="sync"))
-    assert (spec.server.mode, spec.num_workers, spec.groups[0].worker_names()) == ("sync", 3, ["cpu-0", "cpu-1", "cpu-2"])
+    names = spec.groups[0].worker_names()
+    assert (spec.server.mode, spec.num_workers, names) == ("sync", 3, ["cpu-0", "cpu-1", "cpu-2"])
