@@ -123,6 +123,13 @@ class Fleet:
         ).remote(spec.server, self.token)
         where = self._get(self.server.where.remote(), spec.startup_timeout_s, "the server's actor to listen")
         self.address = where["address"]
+        if self.ray_address != "local" and self.address.startswith(("127.", "localhost", "[::1]")):
+            log.warning(
+                "fleet %s: the server listens on %s, which only workers on its own node reach; give the server "
+                "host 0.0.0.0 (ServerConfig(host=...), --server-host) for a fleet of several nodes",
+                self.run_id,
+                self.address,
+            )
         self.serving = self.server.serve.remote()
         metrics = f", dashboard at http://{where['node_ip']}:{where['metrics_port']}/" if where["metrics_port"] else ""
         log.info("fleet %s: server listening on %s%s", self.run_id, self.address, metrics)
