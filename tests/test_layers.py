@@ -8,6 +8,7 @@ down the picture in docs/architecture.md, and importing one side does not load t
     flags  (each server/worker setting declared once: argparse, configs, argv)
     tools  (status view, evaluator, export)
     bench  (simulator, suites, demo, perf)
+    fleet  (a server and workers as Ray actors; Ray imported lazily)
     cli    (the command)
 """
 
@@ -36,7 +37,8 @@ ALLOWED = {
     "flags": {"errors", "wire", "algo", "ps", "worker", "job"},
     "tools": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags"},
     "bench": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags", "tools"},
-    "cli": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags", "bench", "tools"},
+    "fleet": {"errors", "wire", "algo", "ps", "worker", "job", "flags", "tools", "bench"},
+    "cli": {"errors", "_malloc", "_atomic", "wire", "algo", "ps", "worker", "job", "flags", "bench", "tools", "fleet"},
 }
 
 
@@ -118,6 +120,8 @@ SEPARATE = [
     ("asyncdiloco.job.config", "asyncdiloco.worker"),
     ("asyncdiloco", "asyncdiloco.ps"),
     ("asyncdiloco.ps.server", "matplotlib"),
+    ("asyncdiloco.fleet", "ray"),
+    ("asyncdiloco.cli.app", "ray"),
 ]
 
 #: Run in a fresh interpreter: these third-party packages are imported once, then each

@@ -36,6 +36,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -206,8 +207,10 @@ class Outcome:
     initial_loss: float
     final_loss: float
     wall_s: float
-    workers: list[WorkerProcess]
-    exit_codes: list[int]
+    #: One per worker process (the demo's ``WorkerProcess``, a fleet's workers).
+    workers: Sequence[demo_report.ReportedWorker]
+    #: Of each worker's process, in ``workers``' order; None: it never exited on its own.
+    exit_codes: Sequence[int | None]
     #: When the global model first existed: seconds after the demo started, and on the wall clock.
     train_start_s: float
     train_start_unix_s: float | None

@@ -1,6 +1,9 @@
 """The demo's report: report.json from the server's last status and each worker
 process's stats file, the loss-curve plot, and the summary printed at the end (demo.py
-runs the demo; the fields are described there)."""
+runs the demo; the fields are described there). A fleet on Ray (fleet/report.py) writes
+the same report: ``report`` reads the run's settings and its workers through
+``ReportedRun`` and ``ReportedWorker``, which the demo's ``DemoConfig`` and
+``WorkerProcess`` and the fleet's own records both are."""
 
 from __future__ import annotations
 
@@ -9,14 +12,49 @@ import json
 import math
 import pathlib
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from asyncdiloco.bench.plots import pyplot
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 if TYPE_CHECKING:
-    from asyncdiloco.bench.demo import DemoConfig, Outcome, WorkerProcess
+    from asyncdiloco.bench.demo import Outcome
+    from asyncdiloco.job.config import JobConfig
+
+
+class ReportedRun(Protocol):
+    """What the report reads of the run's settings."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def worker_args(self) -> tuple[str, ...]: ...  # the flags every worker ran with
+    @property
+    def job(self) -> JobConfig: ...
+    @property
+    def max_seconds(self) -> float | None: ...  # training seconds per worker
+    @property
+    def leave_rejoin(self) -> tuple[int, float, float] | None: ...
+
+
+class ReportedWorker(Protocol):
+    """What the report reads of one worker process (its stats file is ``out/<stem>.json``)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def rejoin(self) -> bool: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def speed_factor(self) -> float: ...
+    @property
+    def left_s(self) -> float | None: ...
+    @property
+    def join_at_s(self) -> float | None: ...
+    @property
+    def stem(self) -> str: ...
 
 
 def _run_config(rc: pb.RunConfig) -> dict:
@@ -35,7 +73,7 @@ def _run_config(rc: pb.RunConfig) -> dict:
     }
 
 
-def report(cfg: DemoConfig, out: pathlib.Path, o: Outcome) -> dict:
+def report(cfg: ReportedRun, out: pathlib.Path, o: Outcome) -> dict:
     """report.json: the run, the server's counters, one entry per worker process, the curve."""
     status = o.status
     seen = _server_view(status)
@@ -101,7 +139,11 @@ def _server_view(status: pb.StatusReply) -> dict[str, dict]:
 
 
 def _worker_entry(
-    p: WorkerProcess, code: int, out: pathlib.Path, server_view: dict[str, dict], train_start_unix_s: float | None
+    p: ReportedWorker,
+    code: int | None,
+    out: pathlib.Path,
+    server_view: dict[str, dict],
+    train_start_unix_s: float | None,
 ) -> dict:
     """One worker process in the report: its stats file (none if it crashed) and the server's view."""
     stats_path = out / f"{p.stem}.json"
@@ -162,7 +204,9 @@ def _round_times(stats_paths: list[pathlib.Path]) -> dict | None:
     }
 
 
-def plot(curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "async") -> None:
+def plot(
+    curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "async", title: str = "asyncdiloco demo"
+) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -174,18 +218,18 @@ def plot(curve: list[dict], path: pathlib.Path, vocab_size: int, mode: str = "as
         ax.set_ylabel("held-out loss (nats/char)")
         ax.grid(alpha=0.3)
         ax.legend()
-    title = "synchronous (quorum allreduce)" if mode == "sync" else "asynchronous"
-    fig.suptitle(f"asyncdiloco demo: global model, {title} DiLoCo")
+    kind = "synchronous (quorum allreduce)" if mode == "sync" else "asynchronous"
+    fig.suptitle(f"{title}: global model, {kind} DiLoCo")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def print_summary(report: dict, out: pathlib.Path) -> None:
+def print_summary(report: dict, out: pathlib.Path, title: str = "asyncdiloco demo") -> None:
     hist = report["staleness_histogram"]
     stale = sum(hist[1:])
     print(
-        f"\nasyncdiloco demo: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
+        f"\n{title}: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
         f"{report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
         f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
         f"  version {report['version']}: {report['applied_pushes']} pushes applied, "

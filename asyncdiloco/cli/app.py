@@ -1,5 +1,5 @@
 """The ``asyncdiloco`` command: the parser built from the subcommands (one module each:
-server.py, worker.py, demo.py, bench.py, status.py, eval.py, export.py), logging, and the
+server.py, worker.py, demo.py, bench.py, status.py, eval.py, export.py, launch.py), logging, and the
 one-line error report.
 
 Thin: each subcommand parses its flags into the config dataclasses (flags.py) and calls
@@ -15,12 +15,12 @@ import logging
 import os
 import sys
 
-from asyncdiloco.cli import bench, demo, export, server, status, worker
+from asyncdiloco.cli import bench, demo, export, launch, server, status, worker
 from asyncdiloco.cli import eval as evaluate
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 #: The subcommands, in the order --help lists them.
-SUBCOMMANDS = (server, worker, demo, bench, status, evaluate, export)
+SUBCOMMANDS = (server, worker, demo, bench, status, evaluate, export, launch)
 
 
 def _setup_logging(verbose: int) -> None:

@@ -1,0 +1,117 @@
+"""The fleet's report: the demo's report.json (bench/demo_report.py: the server's counters,
+one entry per worker, the held-out loss curve, loss_curve.png with matplotlib) written from
+what the driver collected, plus the fleet's own fields: each worker's group, resources,
+node, restarts and fate, and the Ray address.
+
+Each worker's stats file and log come back from its actor with its last run's result;
+they are written to the output folder as the demo's are (``worker-<name>.json``,
+``worker-<name>.log``) before the report reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from asyncdiloco.bench import demo_report
+from asyncdiloco.bench.demo import Outcome
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import CharCorpus
+
+TITLE = "asyncdiloco fleet"
+
+
+@dataclasses.dataclass
+class FleetWorker:
+    """The driver's record of one worker (``demo_report.ReportedWorker``)."""
+
+    name: str
+    group: str
+    #: Across the fleet: the worker's ``--worker-index`` (its data order).
+    index: int
+    speed_factor: float
+    resources: dict
+    #: "starting", "running", "done" (exited 0), "failed" (out of restarts, or a bad flag).
+    state: str = "starting"
+    restarts: int = 0
+    #: Why each restart happened, oldest first.
+    causes: list[str] = dataclasses.field(default_factory=list)
+    exit_code: int | None = None
+    node_ip: str = ""
+    #: The demo's fields, which a fleet's worker never uses (no leave/rejoin drill).
+    rejoin: bool = False
+    left_s: float | None = None
+    join_at_s: float | None = None
+
+    @property
+    def stem(self) -> str:
+        return f"worker-{self.name}"
+
+    def keep(self, out: pathlib.Path, result: dict) -> None:
+        """Write a run's stats file and log (``WorkerActor.run``'s result) to ``out``."""
+        if result.get("stats") is not None:
+            (out / f"{self.stem}.json").write_text(json.dumps(result["stats"]))
+        (out / f"{self.stem}.log").write_text(result.get("log", ""))
+        self.exit_code, self.node_ip = result["exit_code"], result.get("node_ip", self.node_ip)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings:
+    """The fleet as the demo's report reads a run (``demo_report.ReportedRun``)."""
+
+    mode: str
+    worker_args: tuple[str, ...]
+    job: JobConfig
+    max_seconds: float | None
+    leave_rejoin: tuple[int, float, float] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetReport:
+    """What ``launch`` returns: the report (report.json's content) and where it lies."""
+
+    report: dict
+    out_dir: pathlib.Path
+
+    @property
+    def report_path(self) -> pathlib.Path:
+        return self.out_dir / "report.json"
+
+    @property
+    def plot_path(self) -> pathlib.Path:
+        return self.out_dir / "loss_curve.png"
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the workers the fleet gave up on."""
+        return [w["name"] for w in self.report["workers"] if w["fleet"]["state"] == "failed"]
+
+
+def write(settings: ReportSettings, out: pathlib.Path, outcome: Outcome, fleet: dict) -> FleetReport:
+    """report.json and loss_curve.png in ``out``; ``fleet`` is the report's "fleet" field
+    (``ray_address``, ``max_restarts``, ``groups``), and each worker entry gets its own."""
+    report = demo_report.report(settings, out, outcome)
+    by_name = {w.name: w for w in outcome.workers if isinstance(w, FleetWorker)}
+    for entry in report["workers"]:
+        w = by_name[entry["name"]]
+        entry["fleet"] = {
+            "group": w.group,
+            "resources": w.resources,
+            "node_ip": w.node_ip,
+            "state": w.state,
+            "restarts": w.restarts,
+            "restart_causes": w.causes,
+        }
+    report["fleet"] = fleet
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    vocab = CharCorpus.default().vocab_size
+    demo_report.plot(outcome.curve, out / "loss_curve.png", vocab_size=vocab, mode=settings.mode, title=TITLE)
+    return FleetReport(report, out)
+
+
+def print_summary(result: FleetReport) -> None:
+    """The demo's summary, then the restarts and failures."""
+    demo_report.print_summary(result.report, result.out_dir, title=TITLE)
+    restarted = [f"{w['name']} x{w['fleet']['restarts']}" for w in result.report["workers"] if w["fleet"]["restarts"]]
+    print(f"  restarts: {', '.join(restarted) or 'none'}; failed: {', '.join(result.failed) or 'none'}", flush=True)

@@ -1,0 +1,205 @@
+"""A fleet on Ray (asyncdiloco/fleet/, ``asyncdiloco launch``): the spec and the flags
+without Ray, and a real fleet on a local Ray of 2 CPUs on 127.0.0.1: a server and 3 CPU
+workers of the default job, one worker's actor killed after its first applied push,
+which comes back in a new actor as the same worker and the fleet ends with its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncdiloco.cli import app
+from asyncdiloco.cli import launch as launch_cli
+from asyncdiloco.cli import worker as worker_cli
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.fleet import FleetSpec, WorkerGroup
+from asyncdiloco.fleet.actors import worker_launcher
+from asyncdiloco.fleet.ray_env import LOCAL_RAY_ENV, local_ray_kwargs, ray_module
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.ps.config import ServerConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ------------------------------------------------------------------ without Ray
+def test_a_group_reads_from_name_count_cpus_gpus_and_slowdown():
+    big = WorkerGroup.parse("big:4:8:8")
+    assert (big.name, big.count, big.num_cpus, big.num_gpus, big.slowdown) == ("big", 4, 8.0, 8.0, 1.0)
+    assert big.worker_names() == ["big-0", "big-1", "big-2", "big-3"]
+    assert big.worker_device == "cuda"
+    slow = WorkerGroup.parse("cpu:3:0.5:0:2")
+    assert (slow.num_cpus, slow.num_gpus, slow.slowdown, slow.worker_device) == (0.5, 0.0, 2.0, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("big:4:8", "NAME:COUNT:CPUS:GPUS"),
+        ("big:four:8:8", "COUNT is a whole number"),
+        ("big:0:8:8", "count=0"),
+        ("big:1:-1:0", "num_cpus=-1.0"),
+        ("big:1:1:0:0.5", "slowdown=0.5"),
+        ("b/ad:1:1:0", "name 'b/ad'"),
+    ],
+)
+def test_a_bad_group_is_refused_naming_the_value(text, named):
+    with pytest.raises(ConfigError, match=named):
+        WorkerGroup.parse(text)
+
+
+def test_a_fleet_spec_refuses_what_cannot_run():
+    with pytest.raises(ConfigError, match="repeat"):
+        FleetSpec(groups=(WorkerGroup(name="a"), WorkerGroup(name="a")))
+    with pytest.raises(ConfigError, match="max_seconds or max_steps"):
+        FleetSpec(max_seconds=None, max_steps=None)
+    with pytest.raises(ConfigError, match="max_restarts=-1"):
+        FleetSpec(max_restarts=-1)
+    with pytest.raises(ConfigError, match="at least one worker group"):
+        FleetSpec(groups=())
+
+
+def test_launch_without_ray_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'asyncdiloco\[ray\]'"):
+        ray_module()
+
+
+def test_a_local_ray_stays_on_loopback_without_dashboard_or_usage_stats():
+    assert local_ray_kwargs(2) == {
+        "address": "local",
+        "include_dashboard": False,
+        "_node_ip_address": "127.0.0.1",
+        "configure_logging": False,
+        "num_cpus": 2,
+    }
+    assert LOCAL_RAY_ENV == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1"}
+
+
+def test_a_worker_of_several_processes_runs_under_torchrun():
+    assert worker_launcher(1) == [sys.executable, "-m", "asyncdiloco"]
+    assert worker_launcher(8) == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=8",
+        "-m",
+        "asyncdiloco",
+    ]
+
+
+def test_the_launch_flags_build_the_fleet(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    argv = ["launch", "--address", "head:6379", "--group", "big:4:8:8", "--group", "small:8:2:2:1.5"]
+    argv += ["--token-file", str(token), "--max-restarts", "1", "--local-steps", "7", "--n-layer", "1"]
+    argv += ["--worker-args", "--overlap --log-every 5"]
+    spec = launch_cli.spec(app.build_parser().parse_args(argv))
+    assert [(g.name, g.count, g.num_cpus, g.num_gpus, g.slowdown) for g in spec.groups] == [
+        ("big", 4, 8.0, 8.0, 1.0),
+        ("small", 8, 2.0, 2.0, 1.5),
+    ]
+    assert all(g.worker_args == ("--overlap", "--log-every", "5") for g in spec.groups)
+    assert (spec.server.host, spec.server.port, spec.server.local_steps) == ("0.0.0.0", 0, 7)
+    assert (spec.token, spec.max_restarts, spec.job.n_layer, spec.num_workers) == ("s3cret", 1, 1, 12)
+    local = launch_cli.spec(app.build_parser().parse_args(["launch", "--workers", "2"]))
+    assert (local.server.host, [(g.name, g.count) for g in local.groups]) == ("127.0.0.1", [("cpu", 2)])
+
+
+def test_the_workers_flags_are_the_worker_commands_own(tmp_path):
+    """What the fleet hands each actor parses as ``asyncdiloco worker`` into the job and bounds."""
+    from asyncdiloco.fleet.launch import Fleet
+    from asyncdiloco.fleet.report import FleetWorker
+
+    job = JobConfig(n_layer=1, n_embd=32, n_head=2)
+    spec = FleetSpec(job=job, max_steps=40, out_dir=str(tmp_path), groups=(WorkerGroup(worker_args=("--overlap",)),))
+    fleet = Fleet.__new__(Fleet)  # the argv only: no Ray, no actors
+    fleet.spec, fleet.address = spec, "127.0.0.1:1"
+    w = FleetWorker("cpu-0", "cpu", 5, 2.0, {})
+    args = app.build_parser().parse_args(["worker", *fleet.worker_argv(w, 12.5), "--worker-name", "cpu-0"])
+    cfg = worker_cli.configs(args)
+    assert (cfg.job, cfg.worker.server, cfg.worker.overlap, cfg.device) == (job, "127.0.0.1:1", True, "cpu")
+    assert (args.worker_index, args.slowdown, args.max_seconds, args.max_steps) == (5, 2.0, 12.5, 40)
+
+
+# ------------------------------------------------------------------ on a local Ray
+#: The fleet's test job: small, so 3 workers and the server share 2 cores.
+_JOB = JobConfig(n_layer=1, n_embd=32, n_head=2, batch_size=8, context_len=32)
+
+_FLEET = """
+import json, sys
+import ray
+from asyncdiloco.fleet import FleetSpec, WorkerGroup, launch
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.ps.config import ServerConfig
+
+seen = {}
+
+def on_status(fleet, st):
+    by_name = {w.worker_name: w for w in st.workers}
+    w = by_name.get("cpu-1")
+    if "killed_id" not in seen and w is not None and w.applied_pushes >= 1:
+        seen.update(killed_id=w.worker_id, pushes_at_kill=w.applied_pushes)
+        seen["child_pid"] = ray.get(fleet.actor("cpu-1").pid.remote())
+        ray.kill(fleet.actor("cpu-1"))  # the actor's process dies: no last push, no Leave
+    elif "killed_id" in seen and "back" not in seen and w is not None:
+        # training again as the same worker: its pushes go on under its id (the tiny job's
+        # last steps may take less than a poll, so it may already have left again)
+        if w.applied_pushes > seen["pushes_at_kill"] and w.state in ("training", "left"):
+            seen.update(back=True, back_id=w.worker_id, back_state=w.state)
+
+spec = FleetSpec(
+    server=ServerConfig(host="127.0.0.1", port=0, local_steps=5),
+    server_num_cpus=0.5,
+    groups=(WorkerGroup(name="cpu", count=3, num_cpus=0.5),),
+    job=JobConfig(**json.loads(sys.argv[2])),
+    max_seconds=None,
+    max_steps=40,
+    max_restarts=2,
+    out_dir=sys.argv[1],
+    eval_every_s=2.0,
+)
+result = launch(spec, local_cpus=2, on_status=on_status)
+print("SEEN " + json.dumps(seen), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.heavy  # about 50 s on 2 cores: 4 actors and 4 Python processes start, one twice
+@pytest.mark.timeout(240)
+def test_a_fleet_survives_a_killed_worker_actor_that_resumes_as_itself(tmp_path):
+    """Runs the fleet in its own interpreter (Ray's processes are its children and end
+    with its ray.shutdown); the drill syncs on the server's status, never on sleeps."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'asyncdiloco[ray]'")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    job = json.dumps({k: getattr(_JOB, k) for k in ("n_layer", "n_embd", "n_head", "batch_size", "context_len")})
+    done = subprocess.run(
+        [sys.executable, "-c", _FLEET, str(out), job], capture_output=True, text=True, timeout=220, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    seen = json.loads(done.stdout.split("SEEN ", 1)[1].splitlines()[0])
+    assert seen.get("back") and seen["back_id"] == seen["killed_id"], seen  # the same worker id, training again
+    assert not os.path.exists(f"/proc/{seen['child_pid']}"), "the killed actor's worker process outlived it"
+    report = json.loads((out / "report.json").read_text())
+    workers = {w["name"]: w for w in report["workers"]}
+    assert sorted(workers) == ["cpu-0", "cpu-1", "cpu-2"]
+    assert workers["cpu-1"]["worker_ids"] == [seen["killed_id"]]  # one registration, resumed
+    assert workers["cpu-1"]["fleet"]["restarts"] == 1 and "actor died" in workers["cpu-1"]["fleet"]["restart_causes"][0]
+    assert all(w["fleet"]["state"] == "done" and w["exit_code"] == 0 for w in workers.values())
+    assert all(w["pushes"] >= 1 for w in workers.values())
+    assert "resumed its registration" in (out / "worker-cpu-1.log").read_text()
+    assert report["final_eval_loss"] < report["initial_eval_loss"]
+    assert report["fleet"]["max_restarts"] == 2 and report["mode"] == "async"
+    assert (out / "server.log").exists() and (out / "worker-cpu-0.json").exists()
+
+
+def test_a_fleet_spec_holds_the_servers_settings():
+    spec = FleetSpec(server=ServerConfig(host="127.0.0.1", port=0, mode="sync"))
+    names = spec.groups[0].worker_names()
+    assert (spec.server.mode, spec.num_workers, names) == ("sync", 3, ["cpu-0", "cpu-1", "cpu-2"])
