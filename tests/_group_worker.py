@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--name", default="group")
     p.add_argument("--expect-join-error", action="store_true")
+    p.add_argument("--stop-at", type=int, default=-1, help="the last rank requests a stop before this step (0-based)")
+    p.add_argument("--last-rank-raises", action="store_true", help="the last rank leaves its with block raising")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world)
@@ -47,7 +49,12 @@ def main() -> None:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     cfg = WorkerConfig(
-        server=args.server, worker_name=args.name, heartbeat_s=0.2, overlap=args.overlap, join_timeout_s=0.5
+        server=args.server,
+        worker_name=args.name,
+        heartbeat_s=0.2,
+        overlap=args.overlap,
+        join_timeout_s=0.5,
+        rpc_timeout_s=2.0,
     )
     tokens = 16 * (args.rank + 1)  # distinct per rank: the server must count the sum
     if args.mode == "sync":
@@ -56,33 +63,45 @@ def main() -> None:
         worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=tokens)
     out: dict = {"rank": args.rank, "steps": []}
     try:
-        worker.join()
+        _train(args, worker, model, opt, out)  # with worker: joins (and raises a failed join) first
     except Exception as exc:  # noqa: BLE001 - the test checks which
-        assert args.expect_join_error, exc
-        out["join_error"] = type(exc).__name__
-        out["join_message"] = str(exc)
-    else:
-        gen = torch.Generator().manual_seed(100 + args.rank)
-        w_true = torch.linspace(-1, 1, 8).unsqueeze(1)  # (8, 1)
-        with worker:
-            for _ in range(args.steps):
-                x = torch.randn(16, 8, generator=gen)  # (B, 8)
-                loss = nn.functional.mse_loss(model(x), torch.tanh(x @ w_true))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                time.sleep(args.step_sleep_s)
-                rec = {"crc": crc(model), "loss": loss.item()}
-                if args.rank == 0:
-                    rec["local_steps"] = worker.local_steps
-                    rec["syncs"] = _syncs(worker)
-                out["steps"].append(rec)
+        if args.expect_join_error:
+            out["join_error"], out["join_message"] = type(exc).__name__, str(exc)
+        else:
+            assert args.last_rank_raises and str(exc) == "the user's code failed", exc
+            out["raised"] = True
+    if not args.expect_join_error:
         out["final_crc"] = crc(model)
         out["tokens"] = worker.stats.tokens
         out["module_names"] = [n for n, _ in model.module.named_parameters()]
     with open(args.out, "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.Optimizer, out: dict) -> None:
+    gen = torch.Generator().manual_seed(100 + args.rank)
+    w_true = torch.linspace(-1, 1, 8).unsqueeze(1)  # (8, 1)
+    last_rank = args.rank == args.world - 1
+    with worker:
+        for i in range(args.steps):
+            if i == args.stop_at and last_rank:
+                worker.request_stop()
+            if worker.should_stop:
+                break
+            x = torch.randn(16, 8, generator=gen)  # (B, 8)
+            loss = nn.functional.mse_loss(model(x), torch.tanh(x @ w_true))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(args.step_sleep_s)
+            rec = {"crc": crc(model), "loss": loss.item()}
+            if args.rank == 0:
+                rec["local_steps"] = worker.local_steps
+                rec["syncs"] = _syncs(worker)
+            out["steps"].append(rec)
+        if args.last_rank_raises and last_rank:
+            raise RuntimeError("the user's code failed")
 
 
 def _syncs(worker: AsyncDiLoCoWorker | SyncDiLoCoWorker) -> int:

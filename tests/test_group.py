@@ -88,15 +88,18 @@ def _only_worker(srv):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
-def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp_path, overlap):
+def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp_path):
+    """Also: rank 1 alone asks to stop before step 36, and every rank stops after it; then
+    rank 1 leaves its ``with`` block raising (its close is no collective) and rank 0's
+    orderly close does not hang on it."""
     srv = start_server(local_steps=5, lease_s=30.0)
-    steps = 40
-    ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", str(steps), *(["--overlap"] if overlap else []))
+    ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "60", "--stop-at", "35", "--last-rank-raises")
     _check_identical(ranks)
+    steps = len(ranks[0]["steps"])
+    assert steps == 36 and ranks[1].get("raised") and not ranks[0].get("raised")
     rec = _only_worker(srv)
     assert rec.name == "group" and rec.ranks == 2
-    assert ranks[0]["steps"][-1]["syncs"] >= 4  # synced every H = 5 steps (overlap merges a little later)
+    assert ranks[0]["steps"][-1]["syncs"] == 7  # every H = 5 steps
     assert rec.tokens == steps * (16 + 32) == ranks[0]["tokens"], "the server counts every rank's tokens"
     assert ranks[1]["tokens"] == steps * 32  # a follower counts its own
     assert ranks[0]["module_names"][0] == "0.weight"
@@ -105,11 +108,12 @@ def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp
 
 
 @pytest.mark.multiprocess
+@pytest.mark.heavy
 @pytest.mark.timeout(150)
 def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(start_server, tmp_path, one_thread):
     """DyLU: the group (slowed) shares the server with a faster single worker, so rank 0's
     H_w drops below H after its rate report; the followers never learn H."""
-    srv = start_server(local_steps=8, lease_s=30.0, dylu=True)
+    srv = start_server(local_steps=8, lease_s=30.0, dylu=True, grouping="off")
     fast_done = threading.Event()
 
     def fast_worker() -> None:
@@ -122,11 +126,12 @@ def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(
                 nn.functional.mse_loss(model(torch.randn(16, 8)), torch.zeros(16, 1)).backward()
                 opt.step()
                 opt.zero_grad()
+                fast_done.wait(0.002)  # fast, but leaves the group's ranks the CPU
 
     thread = threading.Thread(target=fast_worker, daemon=True)
     thread.start()
     try:
-        ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "48", "--overlap", "--step-sleep-s", "0.02")
+        ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "32", "--overlap", "--step-sleep-s", "0.02")
     finally:
         fast_done.set()
         thread.join(timeout=30)
@@ -134,7 +139,7 @@ def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(
     h_ws = [s["local_steps"] for s in ranks[0]["steps"]]
     assert len(set(h_ws)) > 1 and min(h_ws) < 8, h_ws
     group = next(w for w in srv.state.registry.workers.values() if w.name == "group")
-    assert group.ranks == 2 and group.tokens == 48 * 48
+    assert group.ranks == 2 and group.tokens == 32 * 48
 
 
 @pytest.mark.multiprocess
@@ -147,7 +152,7 @@ def test_sync_rounds_with_a_group_and_a_single_worker_keep_the_ranks_identical(s
 
     def group(tag: str, world: int) -> None:
         results[tag] = _run_group(
-            tmp_path, f"127.0.0.1:{srv.port}", "--mode", "sync", "--steps", "30", "--name", tag, world=world, tag=tag
+            tmp_path, f"127.0.0.1:{srv.port}", "--mode", "sync", "--steps", "20", "--name", tag, world=world, tag=tag
         )
 
     threads = [threading.Thread(target=group, args=(tag, world)) for tag, world in (("pair", 2), ("solo", 1))]
@@ -157,10 +162,10 @@ def test_sync_rounds_with_a_group_and_a_single_worker_keep_the_ranks_identical(s
         t.join(timeout=PROCESS_TIMEOUT_S + 30)
     assert set(results) == {"pair", "solo"}, "a group failed (its assertion is in the thread's output above)"
     _check_identical(results["pair"])
-    assert results["pair"][0]["steps"][-1]["syncs"] >= 5  # rounds committed
+    assert results["pair"][0]["steps"][-1]["syncs"] >= 3  # rounds committed
     # after each committed round both workers hold the same global model: the solo rank's CRC matches the pair's
     pair, solo = results["pair"][0]["steps"], results["solo"][0]["steps"]
-    synced = [i for i in range(4, 30, 5) if pair[i]["syncs"] == solo[i]["syncs"] == (i + 1) // 5]
+    synced = [i for i in range(4, 20, 5) if pair[i]["syncs"] == solo[i]["syncs"] == (i + 1) // 5]
     assert synced and all(pair[i]["crc"] == solo[i]["crc"] for i in synced)
     workers = {w.name: w for w in srv.state.registry.workers.values()}
     assert workers["pair"].ranks == 2 and workers["solo"].ranks == 1
@@ -203,6 +208,7 @@ def test_an_fsdp2_model_is_refused_and_ddp_is_unwrapped(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------- the CLI
 @pytest.mark.multiprocess
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_torchrun_runs_the_cli_worker_as_one_group(start_server, tmp_path):
     srv = start_server(local_steps=10, lease_s=30.0)
