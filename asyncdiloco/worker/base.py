@@ -21,7 +21,6 @@ step, so that step already trains the global model.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -49,7 +48,8 @@ from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.flat import FlatParams
-from asyncdiloco.worker.group import LocalGroup, portable, resolve_group, to_cpu, unwrap_model
+from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
+from asyncdiloco.worker.group_member import GroupMember
 from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class WorkerCounters(Protocol):
     blocked_s: float
 
 
-class WorkerBase:
+class WorkerBase(GroupMember):
     """Base of the workers; see the subclasses for the algorithms.
 
     Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
@@ -239,35 +239,6 @@ class WorkerBase:
                 time.sleep(wait_s)
                 if wait_s == delay:
                     delay = min(2 * delay, self.config.max_backoff_s)
-
-    def _share_join(self, error: BaseException | None = None) -> None:
-        """Every rank of a group, at join: rank 0's outcome (its exception, raised on the
-        followers too), then its inner optimizer's state, ``restored_extra`` and parameters."""
-        group = self.group
-        assert group is not None, "a group's join"
-        joined: dict[str, Any] | None = None
-        if not self.follower:
-            joined = {"error": portable(error)} if error is not None else {}
-            if error is None:
-                joined.update(inner_optimizer=to_cpu(self.inner_optimizer.state_dict()), extra=self.restored_extra)
-        try:
-            joined = group.broadcast_object(joined)
-        except Exception:
-            if error is not None:
-                return  # the join's own error is what rank 0 raises
-            raise
-        assert joined is not None, "rank 0 broadcasts its join"
-        if "error" in joined:
-            if self.follower:
-                exc = joined["error"]
-                exc.add_note(f"raised by rank 0's join; rank {group.rank} raises it too")
-                raise exc
-            return
-        if self.follower:
-            self.inner_optimizer.load_state_dict(joined["inner_optimizer"])
-            self.restored_extra = dict(joined["extra"])
-        group.broadcast_params(self.flat.params)
-        self._group_joined = True
 
     def _join_before_first_step(self) -> None:
         """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
@@ -468,24 +439,6 @@ class WorkerBase:
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.restored_extra = dict(state.get("extra", {}))
 
-    def _check_group_state_dict(self) -> None:
-        """``state_dict`` is rank 0's, and on rank 0 it may not merge a background sync
-        outside a step (the merge would change rank 0's model alone)."""
-        group = self.group
-        if group is None:
-            return
-        if self.follower:
-            raise ConfigError(
-                f"state_dict() on rank {group.rank} of the group: the group's state is rank 0's (it saves it in "
-                f"state_dir after every sync); call it on rank 0"
-            )
-        overlap = getattr(self, "_overlap", None)
-        if overlap is not None and overlap.in_flight and not self._in_shared and not self._group_broken:
-            raise ConfigError(
-                "state_dict() on rank 0 while an overlapped sync is in flight: merging it now would change rank 0's "
-                "model alone; let the worker save its state (state_dir), or call it after close()"
-            )
-
     def _restore_saved_state(self) -> None:
         """Load the state folder's newest state, if any (end of a subclass's ``__init__``)."""
         if self.state_dir is not None and self.state_dir.state is not None:
@@ -548,20 +501,6 @@ class WorkerBase:
     def _close_worker(self) -> None:
         raise NotImplementedError
 
-    # ----------------------------------------------------------- stopping
-    def request_stop(self) -> None:
-        """Ask to stop training after the current inner step: ``should_stop`` turns True
-        at once for a worker alone, and on every rank of a group after the next inner
-        step (the request rides on that step's exchange), so that every rank's loop
-        ends after the same step and none is left alone in a collective."""
-        self._stop_requested = True
-
-    @property
-    def should_stop(self) -> bool:
-        """``request_stop`` was called (alone), or some rank's request reached every rank
-        with an inner step's exchange (group): end the training loop now."""
-        return self._stop_requested if self.group is None else self._group_stopping
-
     # ---------------------------------------------------------------- steps
     def add_tokens(self, num_tokens: int) -> None:
         """Count ``num_tokens`` more training tokens toward the next sync (in a group:
@@ -595,77 +534,6 @@ class WorkerBase:
         """What the step hook does after counting (rank 0 or alone): the sync point when due."""
         if self._sync_due():
             self._sync_point()
-
-    # -------------------------------------------------------------- group
-    def _lead_step(self) -> None:
-        """Rank 0's step exchange: the followers' tokens arrive before the sync point, so
-        the push carries them; then the due step runs and every rank takes its outcome."""
-        due = self._events_due()
-        totals = self._exchange(tokens=0, due=due)
-        self._tokens_since_sync += totals.tokens
-        self.stats.tokens += totals.tokens
-        if due:
-            self._shared(self._after_step_events)
-
-    def _follow_step(self) -> None:
-        """A follower's step exchange: send the tokens since the last one; mirror a due step."""
-        tokens, self._tokens_since_sync = self._tokens_since_sync, 0
-        self._steps_since_sync = 0
-        if self._exchange(tokens=tokens, due=False).due:
-            started = time.monotonic()
-            try:
-                self._shared(lambda: None)
-            finally:
-                self.stats.blocked_s += time.monotonic() - started
-
-    def _exchange(self, *, tokens: int, due: bool) -> Any:
-        """``LocalGroup.exchange`` (group.py); a failed collective ends the group's training here.
-
-        Raises:
-            AsyncDiLoCoError: the exchange failed (a rank died, or the group timed out).
-        """
-        group = self.group
-        assert group is not None, "a group's exchange"
-        try:
-            totals = group.exchange(tokens=tokens, stop=self._stop_requested, due=due)
-        except RuntimeError as exc:
-            self._group_broken = True
-            raise AsyncDiLoCoError(
-                f"rank {group.rank}: the group's step exchange failed ({exc}); a rank of the torchrun group died "
-                f"or stalled past the group's timeout; restart the group (its state folder resumes it)"
-            ) from exc
-        self._group_stopping = self._group_stopping or totals.stop
-        return totals
-
-    def _shared(self, action: Callable[[], Any], *, broken_ok: bool = False) -> Any:
-        """Run ``action`` on rank 0 and share its outcome (group.py ``share_outcome``):
-        the model changed (every rank takes rank 0's parameters), or it raised (every
-        rank raises it). Followers pass a no-op and return whether the model changed.
-
-        Returns:
-            ``action()``'s result on rank 0; on a follower, True when the model changed.
-        """
-        group = self.group
-        assert group is not None and (broken_ok or not self._group_broken), "a live group shares outcomes"
-        if self.follower:
-            try:
-                return group.share_outcome(self.flat.params)
-            except BaseException:
-                self._group_broken = True
-                raise
-        writes = self.flat.writes
-        self._in_shared = True
-        try:
-            result = action()
-        except BaseException as exc:
-            self._group_broken = True
-            with contextlib.suppress(RuntimeError):  # a dead group: rank 0 raises its own error
-                group.share_outcome(self.flat.params, error=exc)
-            raise
-        finally:
-            self._in_shared = False
-        group.share_outcome(self.flat.params, changed=self.flat.writes != writes)
-        return result
 
     #: Inner steps timed before the first rate report (after the first, untimed, step:
     #: it carries one-off costs); reported again every this many steps until the first push.
