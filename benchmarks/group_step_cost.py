@@ -4,11 +4,12 @@
 
 Starts ``--world`` gloo ranks on 127.0.0.1 (CPU), each training a small character model
 (``--default-job``: the CLI worker's default model; job/models.py, DDP-wrapped) on its
-own batches, and times ``--steps`` inner steps of two kinds, alternating step by step
-(so a busy machine slows both alike): plain DDP steps, and DDP steps followed by the
-group's exchange (``LocalGroup.exchange``: the all_reduce of 3 int64 every grouped
-worker does after each inner step). Prints one JSON line from rank 0: the median step
-times, their ratio, and the exchange alone. Measures, asserts nothing.
+own batches, and times ``--steps`` inner steps of two kinds in alternating blocks of 20
+consecutive steps (so a busy machine slows both alike): plain DDP steps, and DDP steps
+followed by the group's exchange (``LocalGroup.exchange``: the all_reduce of 3 int64
+every grouped worker does after each inner step). Prints one JSON line from rank 0: the
+median per-step time of each kind's blocks, their ratio, and the exchange alone.
+Measures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import lm_loss
 from asyncdiloco.worker.group import LocalGroup
 
+#: Consecutive steps of one kind between two barriers (DDP's allreduce absorbs the ranks'
+#: skew within a block, as in a real loop).
+BLOCK = 20
+
 #: The small model (the tests' tiny job): the exchange's share of a step is larger here than
 #: with a real model, so the ratio is an upper bound.
 SMALL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "context_len": 16, "batch_size": 8}
@@ -47,18 +52,19 @@ def _rank(rank: int, world: int, init_file: str, steps: int, default_job: bool) 
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, rank)
     group = LocalGroup(None)
     times: dict[str, list[float]] = {"ddp": [], "ddp+exchange": []}
-    for step in range(2 * steps + 10):
-        kind = "ddp+exchange" if step % 2 else "ddp"
+    for block in range(2 * (steps // BLOCK) + 2):
+        kind = "ddp+exchange" if block % 2 else "ddp"
         dist.barrier()
         t0 = time.perf_counter()
-        x, y = next(batches)
-        lm_loss(model(x), y).backward()
-        inner.step()
-        inner.zero_grad(set_to_none=True)
-        if kind == "ddp+exchange":
-            group.exchange(tokens=x.numel(), stop=False, due=False)
-        if step >= 10:  # the first steps warm up
-            times[kind].append(time.perf_counter() - t0)
+        for _ in range(BLOCK):
+            x, y = next(batches)
+            lm_loss(model(x), y).backward()
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            if kind == "ddp+exchange":
+                group.exchange(tokens=x.numel(), stop=False, due=False)
+        if block >= 2:  # the first two blocks warm up
+            times[kind].append((time.perf_counter() - t0) / BLOCK)
     if rank == 0:
         ddp, grouped = statistics.median(times["ddp"]), statistics.median(times["ddp+exchange"])
         exchange = _exchange_alone(group)
@@ -70,7 +76,7 @@ def _rank(rank: int, world: int, init_file: str, steps: int, default_job: bool) 
                     "model": "default job" if default_job else "small",
                     "backend": "gloo",
                     "params": sum(p.numel() for p in model.parameters()),
-                    "steps_each": len(times["ddp"]),
+                    "steps_each": BLOCK * len(times["ddp"]),
                     "ddp_step_ms": round(1e3 * ddp, 3),
                     "ddp_plus_exchange_step_ms": round(1e3 * grouped, 3),
                     "ratio": round(grouped / ddp, 4),

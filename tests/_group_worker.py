@@ -67,6 +67,7 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the test checks which
         if args.expect_join_error:
             out["join_error"], out["join_message"] = type(exc).__name__, str(exc)
+            worker.close()  # a join that raised in __enter__ left its channel open
         else:
             assert args.last_rank_raises and str(exc) == "the user's code failed", exc
             out["raised"] = True
@@ -76,6 +77,8 @@ def main() -> None:
         out["module_names"] = [n for n, _ in model.module.named_parameters()]
     with open(args.out, "w") as f:
         json.dump(out, f)
+    if not args.last_rank_raises:  # every rank ended in order: wait for the others before the teardown
+        dist.barrier()
     dist.destroy_process_group()
 
 

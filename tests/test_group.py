@@ -108,7 +108,6 @@ def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp
 
 
 @pytest.mark.multiprocess
-@pytest.mark.heavy
 @pytest.mark.timeout(150)
 def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(start_server, tmp_path, one_thread):
     """DyLU: the group (slowed) shares the server with a faster single worker, so rank 0's
@@ -208,7 +207,6 @@ def test_an_fsdp2_model_is_refused_and_ddp_is_unwrapped(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------- the CLI
 @pytest.mark.multiprocess
-@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_torchrun_runs_the_cli_worker_as_one_group(start_server, tmp_path):
     srv = start_server(local_steps=10, lease_s=30.0)

@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     keep_large_blocks()
     began: list[float] = []  # when training began (wall clock), once it has
+    ordered = False
     try:
         stats = train.run_worker(
             worker_config=cfg.worker,
@@ -222,9 +223,10 @@ def run(args: argparse.Namespace) -> int:
             stop=stop,
             wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
         )
+        ordered = True
     finally:
         if group is not None:
-            group.close()
+            group.close(ordered)
     if group is not None and group.rank != 0:
         return 0  # rank 0 writes the group's stats file and final line
     if args.stats_file:
@@ -257,10 +259,15 @@ class _TorchrunGroup:
     #: This rank's torch device: the --device, with CUDA's index = LOCAL_RANK.
     device: str
 
-    def close(self) -> None:
+    def close(self, ordered: bool) -> None:
+        """Destroy the group; after a run that ended in order on this rank, first wait
+        for every rank (a rank tearing its group down while another still uses it can
+        abort the other at exit)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if ordered:
+                dist.barrier()
             dist.destroy_process_group()
 
 

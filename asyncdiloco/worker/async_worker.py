@@ -178,6 +178,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff, ``overlap``.
         tokens_per_step: tokens consumed per inner step, reported to the server (0 if
             unknown); ``add_tokens`` adds more.
+        process_group: the torchrun group this process trains in as ONE worker (group.py):
+            "auto" (torch.distributed's default group when initialized with more than
+            one rank), a ``torch.distributed.ProcessGroup``, or "off" (a worker alone).
 
     ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
     first inner step, and ``join``'s exceptions then come from that ``step()``.

@@ -112,6 +112,8 @@ class SyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff.
         sync: collective timeout, quorum wait, bind address.
         tokens_per_step: tokens per inner step (the "tokens" weighting uses them).
+        process_group: "auto", a ``torch.distributed.ProcessGroup`` or "off", as for
+            ``AsyncDiLoCoWorker``: rank 0 is the quorum member, the ranks take its result.
 
     ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
     first inner step, and ``join``'s exceptions then come from that ``step()``.
