@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from asyncdiloco.cli.train_log import TrainLog, TrainLogConfig
 from asyncdiloco.errors import ConfigError
@@ -82,9 +83,14 @@ def run_worker(
     gpu = torch.device(device)
     if gpu.type == "cuda" and gpu.index is not None:  # this process's CUDA context, pinned memory, NCCL: that GPU
         torch.cuda.set_device(gpu)
-    model = job.build(corpus).to(device)
+    model: torch.nn.Module = job.build(corpus).to(device)
     inner, inner_lr = job.build_inner(model.parameters())
-    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, worker_index)
+    rank = group_rank()
+    if rank is not None:  # a torchrun group: DDP averages the gradients, the group is one worker
+        index = torch.device(device).index
+        model = DistributedDataParallel(model, device_ids=None if index is None else [index])
+    stream = rank_stream_index(worker_index, rank or 0)
+    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, stream)
     worker: AsyncDiLoCoWorker | SyncDiLoCoWorker
     if sync is not None:
         worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
@@ -92,24 +98,73 @@ def run_worker(
         worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
     if wait_to_join is not None and not wait_to_join():
         return worker.stats
-    tlog = TrainLog(train_log or TrainLogConfig())
+    tlog = TrainLog(train_log or TrainLogConfig()) if not worker.follower else _FollowerLog()
     loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), tlog, device)
-    if worker_config.state_dir is not None:  # the loop's position is saved with the worker's state
+    if worker_config.state_dir is not None and not worker.follower:  # the loop's position is saved with the worker's
         loop.load_state_dict(worker.restored_extra)
         worker.extra_state = loop.state_dict
     name = worker_config.worker_name
     log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
     with _left(tlog, loop), worker:
+        if worker.follower:  # rank 0's position arrived with the join; this rank's own stream goes there
+            loop.load_state_dict(worker.restored_extra, own_stream=True)
         tlog.joined(worker, name=worker_config.worker_name, server=worker_config.server)
         try:
             if on_start is not None:
                 on_start()
             loop.run(max_steps, max_seconds, stop, on_step)
         except KeyboardInterrupt:  # SIGINT: stop training; close() still pushes and leaves
+            if rank is not None:
+                raise  # in a group this rank leaves alone (its close is no collective)
             log.info("interrupted after %d inner steps; leaving", loop.step)
         if stop is not None and stop.is_set():
             log.info("stopped after %d inner steps; leaving", loop.step)
     return worker.stats
+
+
+#: Stream index stride between a group's ranks: rank r of worker index i draws stream
+#: i + r · stride, distinct from every other worker's and rank's for i < stride.
+RANK_STREAM_STRIDE = 1 << 20
+
+
+def rank_stream_index(worker_index: int, rank: int) -> int:
+    """The batch stream of ``rank`` of the worker ``worker_index``: rank 0 draws the
+    worker's own stream (as a worker alone does), rank r its own (``RANK_STREAM_STRIDE``).
+
+    Raises:
+        ConfigError: ``worker_index`` ≥ the stride in a group (its ranks' streams would
+            collide with other workers').
+    """
+    if rank and worker_index >= RANK_STREAM_STRIDE:
+        raise ConfigError(
+            f"--worker-index {worker_index} is too large for a torchrun group: give one below {RANK_STREAM_STRIDE}"
+        )
+    return worker_index + rank * RANK_STREAM_STRIDE
+
+
+def group_rank() -> int | None:
+    """This process's rank when torch.distributed runs a group of more than one (torchrun), else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    return None
+
+
+class _FollowerLog(TrainLog):
+    """A follower's training log: none (rank 0 writes the group's)."""
+
+    def __init__(self) -> None:
+        super().__init__(TrainLogConfig())
+
+    def joined(self, worker: object, *, name: str, server: str) -> None:
+        pass
+
+    def after_step(self, step: int, loss: torch.Tensor) -> None:
+        pass
+
+    def left(self, step: int) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -171,13 +226,19 @@ class _Loop:
             "inner_lr_stepped": not self._in_step,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, own_stream: bool = False) -> None:
         """Continue from a ``state_dict`` ({}: a fresh start): the step count, the data
-        order exactly where it stopped, the inner LR schedule."""
+        order exactly where it stopped, the inner LR schedule. With ``own_stream`` (a
+        follower given rank 0's state) this rank's own stream is drawn up to rank 0's
+        position instead."""
         if not state:
             return
         self.step = int(state["step"])
-        self.batches.load_state_dict(state["batches"])
+        if own_stream:
+            for _ in range(int(state["batches"]["position"]) - self.batches.position):
+                next(self.batches)
+        else:
+            self.batches.load_state_dict(state["batches"])
         self.inner_lr.load_state_dict(state["inner_lr"])
         if not state["inner_lr_stepped"]:
             self.inner_lr.step()
@@ -191,11 +252,13 @@ class _Loop:
         on_step: Callable[[int, float], None] | None,
     ) -> None:
         started = time.monotonic()
-        while (
-            (max_steps is None or self.step < max_steps)
-            and (max_seconds is None or time.monotonic() - started < max_seconds)
-            and not (stop is not None and stop.is_set())
-        ):
+        while max_steps is None or self.step < max_steps:  # every rank of a group counts the same steps
+            if (max_seconds is not None and time.monotonic() - started >= max_seconds) or (
+                stop is not None and stop.is_set()
+            ):
+                self.worker.request_stop()  # a group's ranks agree on it with the next inner step
+            if self.worker.should_stop:
+                break
             t0, blocked0 = time.monotonic(), self.worker.stats.blocked_s
             loss = self.inner_step()
             compute_s = time.monotonic() - t0 - (self.worker.stats.blocked_s - blocked0)  # the sync is not slowed

@@ -202,26 +202,37 @@ def run(args: argparse.Namespace) -> int:
     cfg = configs(args)
     check_pem_files(cfg.worker.security)  # a garbage PEM file is refused now, not at the handshake
     slowdown_changes = parse_slowdown_changes(args.slowdown_changes)
+    group = torchrun_group(cfg.device)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, _on_sigterm(stop))
+    signal.signal(signal.SIGTERM, _on_sigterm(stop, group is not None))
+    if group is not None:  # torchrun forwards a Ctrl-C as SIGINT and SIGTERM: both end training in order
+        signal.signal(signal.SIGINT, _on_sigterm(stop, True))
     torch.set_num_threads(args.threads)
     keep_large_blocks()
     began: list[float] = []  # when training began (wall clock), once it has
-    stats = train.run_worker(
-        worker_config=cfg.worker,
-        job=cfg.job,
-        worker_index=args.worker_index,
-        slowdown=args.slowdown,
-        slowdown_changes=slowdown_changes,
-        max_steps=args.max_steps,
-        max_seconds=args.max_seconds,
-        sync=cfg.sync,
-        train_log=cfg.train_log,
-        device=cfg.device,
-        on_start=lambda: began.append(time.time()),
-        stop=stop,
-        wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
-    )
+    ordered = False
+    try:
+        stats = train.run_worker(
+            worker_config=cfg.worker,
+            job=cfg.job,
+            worker_index=args.worker_index,
+            slowdown=args.slowdown,
+            slowdown_changes=slowdown_changes,
+            max_steps=args.max_steps,
+            max_seconds=args.max_seconds,
+            sync=cfg.sync,
+            train_log=cfg.train_log,
+            device=group.device if group is not None else cfg.device,
+            on_start=lambda: began.append(time.time()),
+            stop=stop,
+            wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
+        )
+        ordered = True
+    finally:
+        if group is not None:
+            group.close(ordered)
+    if group is not None and group.rank != 0:
+        return 0  # rank 0 writes the group's stats file and final line
     if args.stats_file:
         with open(args.stats_file, "w") as f:
             json.dump(_summary(args, stats, cfg.worker.worker_name, began), f)
@@ -229,16 +240,68 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _on_sigterm(stop: threading.Event) -> Callable[..., None]:
+def _on_sigterm(stop: threading.Event, in_group: bool = False) -> Callable[..., None]:
     def on_sigterm(*_: object) -> None:
         # The first SIGTERM ends training after the current inner step (an interrupt in the
         # middle of a push or pull could leave the client half-way; it hung close() after
-        # Leave); the worker then pushes its last Δ and leaves. A second one interrupts.
-        if stop.is_set():
+        # Leave); the worker then pushes its last Δ and leaves. A second one interrupts,
+        # except in a torchrun group: an interrupt there would leave the other ranks in a
+        # collective (torchrun itself SIGKILLs the ranks 30 s after its SIGTERM).
+        if stop.is_set() and not in_group:
             raise KeyboardInterrupt
         stop.set()
 
     return on_sigterm
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchrunGroup:
+    """The process group this command set up from torchrun's environment."""
+
+    rank: int
+    world_size: int
+    #: This rank's torch device: the --device, with CUDA's index = LOCAL_RANK.
+    device: str
+
+    def close(self, ordered: bool) -> None:
+        """Destroy the group; after a run that ended in order on this rank, first wait
+        for every rank (a rank tearing its group down while another still uses it can
+        abort the other at exit)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if ordered:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+#: The environment torchrun sets for every rank (torch.distributed's env:// rendezvous).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_group(device: str) -> _TorchrunGroup | None:
+    """Under torchrun with more than one rank: initialize torch.distributed's default
+    group (gloo for --device cpu, NCCL for cuda, each rank on cuda:LOCAL_RANK), so the
+    ranks train as one worker (worker/group.py). None when not under torchrun.
+
+    Raises:
+        ConfigError: --device cuda:N under torchrun (every rank takes cuda:LOCAL_RANK).
+    """
+    if not all(name in os.environ for name in TORCHRUN_ENV) or int(os.environ["WORLD_SIZE"]) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device.startswith("cuda"):
+        if ":" in device:
+            raise ConfigError(
+                f"--device {device} is invalid under torchrun: every rank takes cuda:LOCAL_RANK; give --device cuda"
+            )
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return _TorchrunGroup(dist.get_rank(), dist.get_world_size(), device)
 
 
 def _wait_for_file(path: str, stop: threading.Event) -> Callable[[], bool]:

@@ -178,6 +178,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff, ``overlap``.
         tokens_per_step: tokens consumed per inner step, reported to the server (0 if
             unknown); ``add_tokens`` adds more.
+        process_group: the torchrun group this process trains in as ONE worker (group.py):
+            "auto" (torch.distributed's default group when initialized with more than
+            one rank), a ``torch.distributed.ProcessGroup``, or "off" (a worker alone).
 
     ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
     first inner step, and ``join``'s exceptions then come from that ``step()``.
@@ -199,21 +202,24 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: WorkerConfig,
         *,
         tokens_per_step: int = 0,
+        process_group: Any = "auto",
     ) -> None:
-        super().__init__(model, inner_optimizer, config, tokens_per_step)
+        super().__init__(model, inner_optimizer, config, tokens_per_step, process_group)
+        self.stats = WorkerStats()
+        self.version = 0  # the version θ_base was pulled at (rank 0's)
+        self._overlap: BackgroundSync | None = None
+        self._joined_at: float | None = None
+        if self.follower:  # it mirrors rank 0: no θ_base, no buffers, no background sync
+            return
         self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
         self._scratch = self.flat.host_buffer()  # θ_local, then Δ, (N,) fp32
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
-        self.stats = WorkerStats()
-        self.version = 0  # the version θ_base was pulled at
         self._next_push_id = 1
         self._pending: _PendingPush | None = None
         self._round_started = time.monotonic()
-        self._overlap: BackgroundSync | None = None
         if config.overlap:
             link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
             self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
-        self._joined_at: float | None = None
         self._closing = False
         self._restored_push_id: int | None = None  # the push counter of a restored state, until the join
         self._restored_counts = (0, 0)  # (steps, tokens) since the last push, of a restored state
@@ -287,14 +293,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         if self._joined_at is None:
             self._joined_at = time.monotonic()
 
-    def close(self) -> None:
-        """Wait for and merge a sync in flight (overlap), push the steps since the last
-        sync (if ``push_on_close``: an unacknowledged push first, then the residual),
-        leave, release."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._remove_hooks()
+    def _close_worker(self) -> None:
+        """``close``: wait for and merge a sync in flight (overlap), push the steps since
+        the last sync (if ``push_on_close``: an unacknowledged push first, then the
+        residual), leave, release."""
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
             try:
@@ -366,8 +368,11 @@ class AsyncDiLoCoWorker(WorkerBase):
         )
         return None
 
-    def _after_inner_step(self) -> None:
-        super()._after_inner_step()  # counts the step (it belongs to the next round); may sync
+    def _events_due(self) -> bool:
+        return super()._events_due() or (self._overlap is not None and self._overlap.done())
+
+    def _after_step_events(self) -> None:
+        super()._after_step_events()  # the step is counted (it belongs to the next round); may sync
         if self._overlap is not None and self._overlap.done():  # non-blocking check
             started = time.monotonic()
             try:
@@ -575,6 +580,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             push (``push_id``, ``base_version``, ``num_local_steps``, ``num_tokens``,
             ``compute_s`` and its ``payload``, uint8 as sent) or None.
         """
+        self._check_group_state_dict()  # before the merge below
         if self._overlap is not None and self._overlap.in_flight:
             self._guarded(self._wait_and_merge)  # θ_base and the pending push are the background's until then
         state = super().state_dict(extra)
@@ -607,6 +613,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         Raises:
             ConfigError: as ``WorkerBase.load_state_dict``.
         """
+        if self.follower:
+            return  # rank 0's state reaches the followers when the group joins
         super().load_state_dict(state)
         self._base.copy_(state["theta_base"])
         self.flat.load(state["theta_local"].to(self._base.dtype))

@@ -48,6 +48,8 @@ from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.flat import FlatParams
+from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
+from asyncdiloco.worker.group_member import GroupMember
 from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class WorkerCounters(Protocol):
     blocked_s: float
 
 
-class WorkerBase:
+class WorkerBase(GroupMember):
     """Base of the workers; see the subclasses for the algorithms.
 
     Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
@@ -85,18 +87,35 @@ class WorkerBase:
     stats: WorkerCounters
 
     def __init__(
-        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, config: WorkerConfig, tokens_per_step: int
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: WorkerConfig,
+        tokens_per_step: int,
+        process_group: Any = "auto",
     ) -> None:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.config = config
         self.tokens_per_step = tokens_per_step
-        self.manifest = Manifest.from_module(model)
+        #: The torchrun group this process trains in as one worker (group.py; None: alone).
+        self.group: LocalGroup | None = resolve_group(process_group)
+        #: A rank > 0 of a group: it mirrors rank 0 and never contacts the server.
+        self.follower = self.group is not None and not self.group.is_leader
+        core = unwrap_model(model)  # DDP's module: the same parameters, named without "module."
+        if self.group is not None and core is model:
+            log.warning(
+                "rank %d: the model is not DistributedDataParallel; the %d ranks train apart between syncs and only "
+                "rank 0's progress is pushed (wrap the model in DDP)",
+                self.group.rank,
+                self.group.world_size,
+            )
+        self.manifest = Manifest.from_module(core)
         #: The name this worker joins under: ``config.worker_name``, else the one saved in
         #: ``config.state_dir``, else (with a state folder) a new unique one saved there.
         self.worker_name = config.worker_name
-        #: The worker's state folder (None: ``config.state_dir`` unset), locked while it runs.
-        self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir else None
+        #: The worker's state folder (None: ``config.state_dir`` unset, or a follower), locked while it runs.
+        self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir and not self.follower else None
         if self.state_dir is not None:
             try:
                 self.state_dir.check_manifest(self.manifest)
@@ -111,18 +130,24 @@ class WorkerBase:
         self.restored_extra: dict[str, Any] = {}
         self._saves = 0
         #: The model's parameters as one flat fp32 vector: every copy to and from it.
-        self.flat = FlatParams(model)
+        self.flat = FlatParams(core)
         #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
         self.codec: WireCodec = make_codec("raw", self.manifest)
         self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
         self._pull_wire: torch.Tensor | None = None
-        self.client = ParameterServerClient(
-            config.server,
-            rpc_timeout_s=config.rpc_timeout_s,
-            timeout_s_per_mib=config.timeout_s_per_mib,
-            security=config.security,
-            bulk_channel=config.bulk_channel,
-        )
+        if not self.follower:  # a follower has no client: it never contacts the server
+            self.client = ParameterServerClient(
+                config.server,
+                rpc_timeout_s=config.rpc_timeout_s,
+                timeout_s_per_mib=config.timeout_s_per_mib,
+                security=config.security,
+                bulk_channel=config.bulk_channel,
+            )
+        self._stop_requested = False  # request_stop() was called on this rank
+        self._group_stopping = False  # some rank's request arrived with a step's exchange
+        self._group_joined = False  # the group's join completed on every rank
+        self._group_broken = False  # an exception or a failed collective: no more group collectives
+        self._in_shared = False  # rank 0 runs a step whose outcome the group shares
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
         #: Overlap under a grouping server: the step count (since the last push) at which this
@@ -172,6 +197,25 @@ class WorkerBase:
                 f"join() after close(): this worker has left the server at {self.config.server} and closed its "
                 f"channel; create a new {type(self).__name__} (with the same model and inner optimizer) to join again"
             )
+        if self.group is not None and not self.follower:
+            try:
+                self._join_with_retries()
+            except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
+                self._share_join(error=exc)
+                raise
+            self._share_join()
+        elif self.group is not None:
+            self._share_join()
+        else:
+            self._join_with_retries()
+        if self._heartbeat is None and not self.follower:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
+            self._heartbeat.start()
+        if self._step_hook is None:  # H is known now: count inner steps from here on
+            self._step_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+
+    def _join_with_retries(self) -> None:
+        """``join``'s retry loop around ``_join_once`` (rank 0 of a group, or a worker alone)."""
         started = time.monotonic()
         delay = self.config.initial_backoff_s
         while True:
@@ -195,11 +239,6 @@ class WorkerBase:
                 time.sleep(wait_s)
                 if wait_s == delay:
                     delay = min(2 * delay, self.config.max_backoff_s)
-        if self._heartbeat is None:
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
-            self._heartbeat.start()
-        if self._step_hook is None:  # H is known now: count inner steps from here on
-            self._step_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
 
     def _join_before_first_step(self) -> None:
         """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
@@ -219,7 +258,8 @@ class WorkerBase:
 
     def sync(self) -> bool:
         """Sync with the server now (normally called by the inner optimizer hook every H
-        steps): ``_sync_once``, or a rejoin after the server forgot this worker.
+        steps): ``_sync_once``, or a rejoin after the server forgot this worker. In a
+        group every rank calls it (rank 0 syncs, the others take its outcome).
 
         Returns:
             True when the model now holds a new global model; False when the sync did
@@ -227,6 +267,12 @@ class WorkerBase:
             the server was unreachable: training goes on locally and a later sync point
             retries, with exponential backoff.
         """
+        if self.group is None:
+            return self._sync_point()
+        return self._shared(self._sync_point)
+
+    def _sync_point(self) -> bool:
+        """``sync`` on this process: rank 0 of a group, or a worker alone."""
         if self._superseded is not None:
             raise self._superseded
         if self._stop.is_set() or time.monotonic() < self._next_attempt:
@@ -290,7 +336,8 @@ class WorkerBase:
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server
         of the other mode (and leave it again)."""
-        reply = self.client.join(self.manifest, self.worker_name)
+        ranks = 1 if self.group is None else self.group.world_size
+        reply = self.client.join(self.manifest, self.worker_name, ranks=ranks)
         if reply.run_config.mode != self.mode:
             self.client.leave(reply.worker_id)
             raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
@@ -349,7 +396,10 @@ class WorkerBase:
             ``format``, ``mode``, ``worker_name``, ``worker_id`` (informational: the
             server gives the id back by name), ``manifest`` ([[name, shape, dtype]]),
             ``inner_optimizer`` (its ``state_dict()``) and ``extra``.
+        Raises:
+            ConfigError: called on a follower (rank > 0) of a group: the group's state is rank 0's.
         """
+        self._check_group_state_dict()
         return {
             "format": STATE_FORMAT,
             "mode": self.mode,
@@ -368,6 +418,8 @@ class WorkerBase:
             ConfigError: the worker joined already, or the state is of another model,
                 mode or name (``config.worker_name`` set and different).
         """
+        if self.follower:
+            return  # rank 0's state reaches the followers when the group joins
         what = f"the state of worker {state.get('worker_name')!r}"
         if self.worker_id:
             raise ConfigError(f"load_state_dict after join: {what} must be loaded before the worker joins")
@@ -419,15 +471,40 @@ class WorkerBase:
         self.join()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:  # this rank leaves the loop alone: its close is no collective
+            self._group_broken = True
         self.close()
 
     def close(self) -> None:
+        """Close: the subclass's ``_close_worker`` (final push, Leave). In a group it is
+        collective when training ended in order (group.py): rank 0 closes, then every
+        rank takes its parameters, so the ranks stay identical; followers leave nothing."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._remove_hooks()
+        if self.group is None:
+            self._close_worker()
+            return
+        ordered = self._group_joined and not self._group_broken
+        self._group_broken = True  # no collective after this one
+        if not ordered:
+            if not self.follower:
+                self._close_worker()
+            return
+        try:
+            self._shared(lambda: self._close_worker() if not self.follower else None, broken_ok=True)
+        except RuntimeError as exc:  # a rank that left alone exited: the collective fails, close goes on
+            log.warning("rank %d: the group's close exchange failed (%s)", self.group.rank, exc)
+
+    def _close_worker(self) -> None:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- steps
     def add_tokens(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` more training tokens toward the next sync."""
+        """Count ``num_tokens`` more training tokens toward the next sync (in a group:
+        this rank's; the followers' reach rank 0 with their next inner step)."""
         self._tokens_since_sync += num_tokens
         self.stats.tokens += num_tokens
 
@@ -436,10 +513,27 @@ class WorkerBase:
         self._steps_since_sync += 1
         self._tokens_since_sync += self.tokens_per_step
         self.stats.tokens += self.tokens_per_step
+        if self.follower:
+            self._follow_step()
+            return
         if not self._rate_known:
             self._report_rate()
-        if self._steps_since_sync >= (self._round_steps or self.local_steps):
-            self.sync()
+        if self.group is None:
+            self._after_step_events()
+        else:
+            self._lead_step()
+
+    def _sync_due(self) -> bool:
+        return self._steps_since_sync >= (self._round_steps or self.local_steps)
+
+    def _events_due(self) -> bool:
+        """Rank 0, before a step's exchange: whether ``_after_step_events`` may change the model."""
+        return self._sync_due()
+
+    def _after_step_events(self) -> None:
+        """What the step hook does after counting (rank 0 or alone): the sync point when due."""
+        if self._sync_due():
+            self._sync_point()
 
     #: Inner steps timed before the first rate report (after the first, untimed, step:
     #: it carries one-off costs); reported again every this many steps until the first push.

@@ -56,6 +56,8 @@ class FlatParams:
         self.numel = sum(self.sizes)
         #: The devices the parameters live on, in order of first appearance.
         self.devices = list(dict.fromkeys(p.device for p in self.params))
+        #: ``load`` and ``add`` calls so far: a group's rank 0 sees whether a sync changed the model.
+        self.writes = 0
 
     @property
     def on_cuda(self) -> bool:
@@ -94,6 +96,7 @@ class FlatParams:
     def load(self, flat: torch.Tensor) -> None:
         """θ_local ← ``flat``: copy the flat fp32 CPU vector (N,) into the parameters
         (cast to each parameter's dtype and device)."""
+        self.writes += 1
         with torch.no_grad():
             for p, view in zip(self.params, self.views(flat)):
                 p.copy_(view.view(p.shape), non_blocking=p.is_cuda)
@@ -102,6 +105,7 @@ class FlatParams:
     def add(self, flat: torch.Tensor) -> None:
         """θ_local ← θ_local + ``flat``, for a flat fp32 CPU vector (N,) (pinned when the
         model is on CUDA), parameter by parameter."""
+        self.writes += 1
         with torch.no_grad():
             for p, view in zip(self.params, self.views(flat)):
                 p.add_(view.view(p.shape).to(p.device, non_blocking=p.is_cuda))

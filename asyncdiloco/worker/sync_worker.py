@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import time
 import zlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,6 +112,8 @@ class SyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff.
         sync: collective timeout, quorum wait, bind address.
         tokens_per_step: tokens per inner step (the "tokens" weighting uses them).
+        process_group: "auto", a ``torch.distributed.ProcessGroup`` or "off", as for
+            ``AsyncDiLoCoWorker``: rank 0 is the quorum member, the ranks take its result.
 
     ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
     first inner step, and ``join``'s exceptions then come from that ``step()``.
@@ -132,20 +135,23 @@ class SyncDiLoCoWorker(WorkerBase):
         *,
         sync: SyncWorkerConfig | None = None,
         tokens_per_step: int = 0,
+        process_group: Any = "auto",
     ) -> None:
         if config.overlap:  # refused, not ignored: a round is a barrier, there is nothing to overlap with
             raise ConfigError(
                 "overlap=True is invalid for the sync worker: a sync round is a barrier every member waits at; "
                 "drop --overlap, or run asynchronously (server and worker with --mode async)"
             )
-        super().__init__(model, inner_optimizer, config, tokens_per_step)
+        super().__init__(model, inner_optimizer, config, tokens_per_step, process_group)
         self.sync_config = sync or SyncWorkerConfig()
+        self.stats = SyncWorkerStats()
+        self.round = -1  # committed rounds θ_base reflects; -1 before the first pull (rank 0's)
+        if self.follower:  # it mirrors rank 0: no θ_base, no buffers, no quorum collectives
+            return
         n = self._numel = self.manifest.numel
         self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
         self._buf = self.flat.host_buffer(n + 1)  # [w·Δ, w], (N+1,) fp32
         self._server_host = config.server.rpartition(":")[0].strip("[]")
-        self.stats = SyncWorkerStats()
-        self.round = -1  # committed rounds θ_base reflects; -1 before the first pull
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
         self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.device)
@@ -181,13 +187,9 @@ class SyncDiLoCoWorker(WorkerBase):
             raise
         self._save_state()
 
-    def close(self) -> None:
-        """Leave (so that no quorum waits for this worker) and release resources. Steps
-        taken since the last round are not synchronized."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._remove_hooks()
+    def _close_worker(self) -> None:
+        """``close``: leave (so that no quorum waits for this worker) and release
+        resources. Steps taken since the last round are not synchronized."""
         self._close_connection()
         self._collectives.close()
 

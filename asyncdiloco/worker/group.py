@@ -1,0 +1,253 @@
+"""A torch.distributed process group (a torchrun group) trained as ONE worker.
+
+A machine with several GPUs usually trains one replica with DistributedDataParallel
+(DDP): every rank holds the same parameters and DDP averages the gradients at every
+inner step. To the parameter server that group is one worker. ``LocalGroup`` is how the
+workers (base.py) keep it one:
+
+- **Rank 0 is the worker the server sees.** It alone has the gRPC client, joins (with
+  ``JoinRequest.ranks`` = the group's world size), heartbeats, pushes, pulls, votes in
+  sync rounds and saves the state folder. Every decision is rank 0's: H_w (which DyLU
+  changes between syncs), overlap merges, retries and backoff, stale restarts, rejoins.
+- **The other ranks ("followers") never contact the server.** They install the same
+  inner-optimizer hooks and mirror rank 0.
+- **Every inner step** ends with one small collective, ``exchange``: an all_reduce
+  (SUM) of three int64 on the control device: the followers' tokens of the step, the
+  ranks' stop requests, and rank 0's "due" flag: whether rank 0 is about to run a sync
+  point or merge a finished background sync, i.e. may change the model. On a due step
+  rank 0 then runs its sync and tells every rank the outcome with ``share_outcome`` (a
+  broadcast of one int64): unchanged; changed, followed by a ``dist.broadcast`` of every
+  parameter from rank 0; or raised, followed by the exception (``broadcast_object``),
+  which every follower raises too, so no rank is left waiting in a collective.
+- **Join**: rank 0 joins (pull, initialize, or resume from the state folder), then
+  broadcasts the parameters, the inner optimizer's ``state_dict()`` (restored Adam
+  moments must reach the followers, or the ranks drift apart) and its
+  ``restored_extra``; a failed join reaches every follower as the same exception.
+- **Close** is collective when training ended in order on every rank (no exception
+  left the ``with`` block): rank 0 does its final merge, push and Leave, then shares
+  the outcome like a due step, so the ranks still hold identical parameters after
+  close. A rank whose ``with`` block raised closes alone (no collective); the others'
+  final exchange then fails once its process exits (gloo: "Connection closed by
+  peer"), is logged, and their close goes on.
+
+Tokens: followers send the tokens counted since their previous exchange with every
+step's exchange, before rank 0's sync point, so each push carries the whole group's
+tokens of its steps and the server's total is the sum over ranks, exactly.
+
+Cost: one all_reduce of 24 bytes per inner step (DDP's gradient allreduce of the whole
+model runs in the same step), plus on a due step (every H_w steps) a broadcast of one
+int64 and, when the model changed, one broadcast per parameter. docs/operations.md ("A
+torchrun group as one worker") has the measured step-time ratio and its command
+(benchmarks/group_step_cost.py).
+
+Models: DDP is unwrapped for the manifest (the names without "module.", so a DDP group
+and a single-process worker of the same model share one server; the parameters are
+the same tensors). FSDP (FSDP1's ``FullyShardedDataParallel`` or FSDP2's
+``fully_shard``, DTensor parameters) is refused (``unwrap_model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+
+log = logging.getLogger(__name__)
+
+#: ``share_outcome``'s codes: what rank 0's due step (or close) did.
+UNCHANGED, CHANGED, RAISED = 0, 1, 2
+
+
+def resolve_group(process_group: Any) -> LocalGroup | None:
+    """The group a worker trains as, from the workers' ``process_group`` argument.
+
+    Args:
+        process_group: "auto" (torch.distributed's default group when it is initialized
+            with more than one rank, else none), a ``torch.distributed.ProcessGroup``
+            (of any size), or "off" (no group: this process is a worker on its own, as
+            when every rank of a job is meant to be an independent replica).
+    Returns:
+        The ``LocalGroup``, or None (the worker trains alone).
+    Raises:
+        ConfigError: another value, or a process group while torch.distributed is not
+            initialized.
+    """
+    if isinstance(process_group, str) and process_group in ("auto", "off"):
+        if process_group == "off" or not _initialized():
+            return None
+        import torch.distributed as dist
+
+        return LocalGroup(None) if dist.get_world_size() > 1 else None
+    if _initialized():
+        import torch.distributed as dist
+
+        if isinstance(process_group, dist.ProcessGroup):
+            return LocalGroup(process_group)
+    raise ConfigError(
+        f"process_group={process_group!r} is invalid: give 'auto' (torch.distributed's default group when it is "
+        f"initialized, as under torchrun), a torch.distributed.ProcessGroup (after dist.init_process_group), or "
+        f"'off' to train every process as a worker of its own"
+    )
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose parameters a worker syncs: ``model`` itself, or the module a
+    ``DistributedDataParallel`` wraps (the same parameter tensors, named without
+    "module.").
+
+    Raises:
+        ConfigError: the model is sharded (FSDP1, FSDP2 or any DTensor parameter): a
+            worker syncs every parameter in full from one rank.
+    """
+    if not torch.distributed.is_available():
+        return model
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    fsdp = (FullyShardedDataParallel, FSDPModule)
+    sharded = next((type(m).__name__ for m in model.modules() if isinstance(m, fsdp)), None)
+    if sharded is None and any(isinstance(p, DTensor) for p in model.parameters()):
+        sharded = "a DTensor parameter"
+    if sharded is not None:
+        raise ConfigError(
+            f"the model is sharded ({sharded}): a DiLoCo worker pushes and pulls the whole model from rank 0, which "
+            f"would have to gather every parameter in full at every sync; FSDP (FullyShardedDataParallel, "
+            f"fully_shard) is not supported: replicate the model on every rank with DistributedDataParallel "
+            f"(docs/operations.md, 'A torchrun group as one worker')"
+        )
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTotals:
+    """What one inner step's ``exchange`` told every rank."""
+
+    #: Σ over the ranks of the tokens they sent (rank 0 sends 0: it counts its own).
+    tokens: int
+    #: Some rank asked to stop: every rank's loop ends after this step.
+    stop: bool
+    #: Rank 0 runs a sync point or a merge now; ``share_outcome`` follows.
+    due: bool
+
+
+class LocalGroup:
+    """One worker's ranks: the collectives that keep them one replica (module docstring).
+
+    Args:
+        process_group: the group (None: torch.distributed's default group).
+
+    The control tensors live on the current CUDA device when the group's backend is
+    NCCL, else on the CPU (gloo).
+    """
+
+    def __init__(self, process_group: Any) -> None:
+        import torch.distributed as dist
+
+        self.process_group = process_group
+        #: This process's rank in the group, and the group's size.
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        #: The global rank of the group's rank 0 (torch.distributed's ``src``).
+        self.src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        nccl = str(dist.get_backend(process_group)) == "nccl"
+        #: Where the control tensors live.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the worker the server sees."""
+        return self.rank == 0
+
+    def exchange(self, *, tokens: int, stop: bool, due: bool) -> StepTotals:
+        """Every rank, once per inner step: sum [tokens, stop, due] over the group.
+
+        Raises:
+            RuntimeError (from torch.distributed): a rank died or the group's timeout passed.
+        """
+        import torch.distributed as dist
+
+        t = torch.tensor([tokens, int(stop), int(due)], dtype=torch.int64, device=self.device)  # (3,)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
+        total_tokens, stops, dues = (int(v) for v in t.tolist())
+        return StepTotals(tokens=total_tokens, stop=stops > 0, due=dues > 0)
+
+    def broadcast_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Every rank: ``params`` ← rank 0's, each tensor on its own device, in place."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            works = [dist.broadcast(p, src=self.src, group=self.process_group, async_op=True) for p in params]
+            for work in works:
+                assert work is not None, "async_op returns a work handle"
+                work.wait()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Every rank: rank 0's ``obj`` (picklable; others pass anything, e.g. None)."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.process_group, device=self.device)
+        return box[0]
+
+    def share_outcome(
+        self, params: Sequence[torch.Tensor], *, changed: bool = False, error: BaseException | None = None
+    ) -> bool:
+        """Every rank, after a due step (or at close): rank 0 passes what happened; the
+        followers pass nothing and mirror it: the parameters are rank 0's afterwards.
+
+        Returns:
+            True when rank 0's parameters changed (and were broadcast).
+        Raises:
+            rank 0's exception (on the followers; rank 0 raises its own itself).
+            RuntimeError (from torch.distributed): a rank died or the group timed out.
+        """
+        import torch.distributed as dist
+
+        code = RAISED if error is not None else CHANGED if changed else UNCHANGED
+        t = torch.tensor([code if self.is_leader else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=self.src, group=self.process_group)
+        code = int(t.item())
+        if code == RAISED:
+            raised = self.broadcast_object(portable(error) if self.is_leader else None)
+            if not self.is_leader:
+                raised.add_note(f"raised on rank 0 of the group; rank {self.rank} raises it too")
+                raise raised
+        elif code == CHANGED:
+            self.broadcast_params(params)
+        return code == CHANGED
+
+
+def portable(exc: BaseException | None) -> BaseException:
+    """``exc`` if it survives pickling, else an AsyncDiLoCoError naming it."""
+    assert exc is not None, "rank 0 shares the exception it raised"
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception that cannot travel is described instead
+        return AsyncDiLoCoError(f"{type(exc).__name__}: {exc}")
+    return copy if isinstance(copy, BaseException) else AsyncDiLoCoError(f"{type(exc).__name__}: {exc}")
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples, tensors, scalars) with every tensor copied to the CPU:
+    what rank 0 broadcasts (an optimizer's state) then unpickles on the CPU of every rank."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

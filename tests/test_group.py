@@ -1,0 +1,228 @@
+"""A torch.distributed group (torchrun) trained as ONE worker (worker/group.py).
+
+The processes are real: two ranks of a gloo group (a FileStore in the test's folder)
+train a DDP model against an in-process server on 127.0.0.1 (tests/_group_worker.py).
+Every rank records the CRC-32 of its parameters after every inner step: the ranks must
+be bit-identical at every step (so after every sync), the server must see one worker
+with the group's size and the sum of the ranks' tokens, and the loss must fall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from asyncdiloco import AsyncDiLoCoWorker, WorkerConfig
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.worker.group import resolve_group, unwrap_model
+
+HERE = pathlib.Path(__file__).resolve().parent
+SCRIPT = HERE / "_group_worker.py"
+PROCESS_TIMEOUT_S = 90
+#: A tiny default job for the CLI (seconds, not minutes, on a CPU).
+CLI_JOB = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--context-len", "16", "--batch-size", "8"]
+
+
+def _env() -> dict[str, str]:
+    """The children's environment: this checkout importable, gloo on the loopback interface."""
+    return {**os.environ, "PYTHONPATH": str(HERE.parent), "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _run_group(tmp_path: pathlib.Path, server: str, *extra: str, world: int = 2, tag: str = "g") -> list[dict]:
+    """Start ``world`` ranks of _group_worker.py, wait for all of them (bounded), return their outputs."""
+    init_file = tmp_path / f"{tag}-store"
+    outs = [tmp_path / f"{tag}-rank{r}.json" for r in range(world)]
+    env = _env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(r), str(world), str(init_file), server, str(outs[r]), *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=PROCESS_TIMEOUT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for r, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {r} exited {proc.returncode}:\n{logs[r] if r < len(logs) else ''}"
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def _check_identical(ranks: list[dict]) -> None:
+    steps = len(ranks[0]["steps"])
+    assert all(len(r["steps"]) == steps for r in ranks)
+    for i in range(steps):
+        crcs = {r["steps"][i]["crc"] for r in ranks}
+        assert len(crcs) == 1, f"the ranks' parameters differ after inner step {i + 1}"
+    assert len({r["final_crc"] for r in ranks}) == 1, "the ranks' parameters differ after close"
+
+
+def _loss_falls(rank: dict) -> None:
+    losses = [s["loss"] for s in rank["steps"]]
+    k = max(3, len(losses) // 5)
+    assert sum(losses[-k:]) / k < 0.7 * sum(losses[:k]) / k, losses
+
+
+def _only_worker(srv):
+    workers = list(srv.state.registry.workers.values())
+    assert len(workers) == 1, [w.name for w in workers]
+    return workers[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp_path):
+    """Also: rank 1 alone asks to stop before step 36, and every rank stops after it; then
+    rank 1 leaves its ``with`` block raising (its close is no collective) and rank 0's
+    orderly close does not hang on it."""
+    srv = start_server(local_steps=5, lease_s=30.0)
+    ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "60", "--stop-at", "35", "--last-rank-raises")
+    _check_identical(ranks)
+    steps = len(ranks[0]["steps"])
+    assert steps == 36 and ranks[1].get("raised") and not ranks[0].get("raised")
+    rec = _only_worker(srv)
+    assert rec.name == "group" and rec.ranks == 2
+    assert ranks[0]["steps"][-1]["syncs"] == 7  # every H = 5 steps
+    assert rec.tokens == steps * (16 + 32) == ranks[0]["tokens"], "the server counts every rank's tokens"
+    assert ranks[1]["tokens"] == steps * 32  # a follower counts its own
+    assert ranks[0]["module_names"][0] == "0.weight"
+    assert srv.state.manifest.tensors[0].name == "0.weight", "DDP's 'module.' prefix is dropped"
+    _loss_falls(ranks[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(start_server, tmp_path, one_thread):
+    """DyLU: the group (slowed) shares the server with a faster single worker, so rank 0's
+    H_w drops below H after its rate report; the followers never learn H."""
+    srv = start_server(local_steps=8, lease_s=30.0, dylu=True, grouping="off")
+    fast_done = threading.Event()
+
+    def fast_worker() -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.02)
+        cfg = WorkerConfig(server=f"127.0.0.1:{srv.port}", worker_name="fast", heartbeat_s=0.2)
+        with AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=16, process_group="off"):
+            while not fast_done.is_set():
+                nn.functional.mse_loss(model(torch.randn(16, 8)), torch.zeros(16, 1)).backward()
+                opt.step()
+                opt.zero_grad()
+                fast_done.wait(0.002)  # fast, but leaves the group's ranks the CPU
+
+    thread = threading.Thread(target=fast_worker, daemon=True)
+    thread.start()
+    try:
+        ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "32", "--overlap", "--step-sleep-s", "0.02")
+    finally:
+        fast_done.set()
+        thread.join(timeout=30)
+    _check_identical(ranks)
+    h_ws = [s["local_steps"] for s in ranks[0]["steps"]]
+    assert len(set(h_ws)) > 1 and min(h_ws) < 8, h_ws
+    group = next(w for w in srv.state.registry.workers.values() if w.name == "group")
+    assert group.ranks == 2 and group.tokens == 32 * 48
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_sync_rounds_with_a_group_and_a_single_worker_keep_the_ranks_identical(start_server, tmp_path):
+    from asyncdiloco.ps.config import SyncConfig
+
+    srv = start_server(mode="sync", local_steps=5, lease_s=30.0, sync=SyncConfig(min_workers=2, join_timeout_s=5.0))
+    results: dict[str, list[dict]] = {}
+
+    def group(tag: str, world: int) -> None:
+        results[tag] = _run_group(
+            tmp_path, f"127.0.0.1:{srv.port}", "--mode", "sync", "--steps", "20", "--name", tag, world=world, tag=tag
+        )
+
+    threads = [threading.Thread(target=group, args=(tag, world)) for tag, world in (("pair", 2), ("solo", 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=PROCESS_TIMEOUT_S + 30)
+    assert set(results) == {"pair", "solo"}, "a group failed (its assertion is in the thread's output above)"
+    _check_identical(results["pair"])
+    assert results["pair"][0]["steps"][-1]["syncs"] >= 3  # rounds committed
+    # after each committed round both workers hold the same global model: the solo rank's CRC matches the pair's
+    pair, solo = results["pair"][0]["steps"], results["solo"][0]["steps"]
+    synced = [i for i in range(4, 20, 5) if pair[i]["syncs"] == solo[i]["syncs"] == (i + 1) // 5]
+    assert synced and all(pair[i]["crc"] == solo[i]["crc"] for i in synced)
+    workers = {w.name: w for w in srv.state.registry.workers.values()}
+    assert workers["pair"].ranks == 2 and workers["solo"].ranks == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_0_failing_to_join_raises_on_every_rank(tmp_path):
+    ranks = _run_group(tmp_path, "127.0.0.1:9", "--expect-join-error")  # port 9 (discard): nobody serves there
+    assert [r["join_error"] for r in ranks] == ["ServerUnavailableError"] * 2
+    assert "127.0.0.1:9" in ranks[1]["join_message"]
+
+
+# ---------------------------------------------------------------- in-process checks
+def test_the_process_group_argument_is_checked():
+    assert resolve_group("auto") is None  # torch.distributed is not initialized here
+    assert resolve_group("off") is None
+    with pytest.raises(ConfigError, match="process_group='on' is invalid"):
+        resolve_group("on")
+
+
+def test_an_fsdp2_model_is_refused_and_ddp_is_unwrapped(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        assert unwrap_model(DistributedDataParallel(plain)) is plain
+        assert resolve_group("auto") is None  # one rank: no group
+        sharded = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConfigError, match=r"sharded \(FSDPSequential\).*DistributedDataParallel"):
+            AsyncDiLoCoWorker(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), WorkerConfig())
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------- the CLI
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_torchrun_runs_the_cli_worker_as_one_group(start_server, tmp_path):
+    srv = start_server(local_steps=10, lease_s=30.0)
+    train_log, stats = tmp_path / "train.jsonl", tmp_path / "stats.json"
+    torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+    argv = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(torchrun.with_name("asyncdiloco"))]
+    argv += ["worker", "--server", f"127.0.0.1:{srv.port}", "--worker-name", "box", "--max-steps", "40"]
+    argv += ["--log-every", "10", "--train-log", str(train_log), "--stats-file", str(stats), *CLI_JOB]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S + 60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = _only_worker(srv)
+    assert rec.name == "box" and rec.ranks == 2
+    summary = json.loads(stats.read_text())
+    assert summary["inner_steps"] == 40 and summary["pushes_applied"] >= 4
+    assert rec.tokens == summary["tokens"] == 2 * 40 * 8 * 16  # both ranks' batches (B 8 × T 16 each)
+    lines = [json.loads(line) for line in train_log.read_text().splitlines()]
+    losses = [line["loss_nats"] for line in lines if "loss_nats" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert proc.stdout.count("box: 40 inner steps") == 1, proc.stdout  # rank 0 alone prints the final line
