@@ -141,3 +141,37 @@ def test_a_checkpoint_without_the_mark_still_loads_and_guards_its_remembered_ran
     assert_not_applied_again(state2, wid, [2, 5])  # below the highest remembered id
     assert push(state2, wid, 8).applied
     store2.close()
+
+
+def test_a_worker_answered_with_a_not_applied_duplicate_drops_its_delta_and_takes_the_global_model(start_server):
+    """The worker's side: a push answered ``duplicate`` and not ``applied`` (its id at or
+    below the mark, outcome forgotten) is not counted as applied, θ_base is not lowered by
+    it, and the model restarts from the global one: its Δ is in the server at most once."""
+    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+    from asyncdiloco.worker.config import WorkerConfig
+
+    srv = start_server(local_steps=2, grouping="off", dylu=False, outer=OUTER)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        ((model(torch.ones(8, 4)) - 1.0) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, push_on_close=False)) as worker:
+        for _ in range(4):  # pushes 2 and 3
+            step()
+        assert worker.stats.pushes_applied == 2
+        record = srv.state.registry.workers[worker.worker_id]
+        record.outcomes.clear()  # as after PUSH_MEMORY newer pushes
+        worker._next_push_id = 3  # a replay of an id the server applied and forgot
+        version = srv.state.version
+        for _ in range(2):
+            step()
+        assert srv.state.version == version  # not applied again
+        assert (worker.stats.pushes_applied, worker.stats.pushes_refused) == (2, 1)
+        global_model = srv.state.model.theta.clone()
+        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert torch.equal(local, global_model)  # restarted from the global model, nothing carried

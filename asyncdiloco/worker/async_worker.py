@@ -162,6 +162,14 @@ class _Resume:
     keep_unsent: bool = True
 
 
+#: Why a push answered ``duplicate`` without ``applied`` is dropped: its id is at or below
+#: the highest one the server applied for this worker, and its outcome is no longer known.
+_NOT_APPLIED = (
+    "answered as a duplicate that was not applied (its id is at or below the newest one the server applied "
+    "for this worker)"
+)
+
+
 def _payload_of(pending: PushToSend) -> torch.Tensor:
     """The payload of a push that was sent (it was encoded before)."""
     assert pending.payload is not None, "a sent push has its payload"
@@ -426,7 +434,10 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._pending = None  # Δ was not finite: nothing was sent (the error says the model diverged)
         if out.push_reply is not None and pending is not None:
             self.stats.bytes_pushed += _payload_of(pending).numel()
-            self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
+            if out.push_reply.applied:
+                self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
+            else:  # the merge's correction keeps only the steps since the snapshot
+                self._push_dropped(pending, _NOT_APPLIED)
         elif out.stale is not None and pending is not None:
             self._push_refused(pending, out.stale)
         elif isinstance(out.error, UnknownWorkerError):
@@ -480,6 +491,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         except UnknownWorkerError:
             self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
             raise
+        if not reply.applied:
+            self._push_dropped(pending, _NOT_APPLIED)
+            return
         self._push_acknowledged(reply, pending, lower_base=True)
 
     def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> _PendingPush:
@@ -531,10 +545,16 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
     def _push_refused(self, pending: PushToSend, exc: StalePushError) -> None:
+        self._push_dropped(pending, f"refused ({exc})")
+
+    def _push_dropped(self, pending: PushToSend, why: str) -> None:
+        """The server does not hold this push's Δ (refused as stale, or answered as a
+        duplicate that was not applied): Δ is dropped and the worker restarts from the
+        global model, so nothing is counted twice."""
         self._pending = None
         self._carry_residual = False  # Δ is dropped: restart from the global model
         self.stats.pushes_refused += 1
-        log.warning("push %d refused (%s); restarting from the global model", pending.push_id, exc)
+        log.warning("push %d %s; restarting from the global model", pending.push_id, why)
 
     def _send_payload(self, pending: _PendingPush, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
         reply = pending.send(self.client, self.worker_id, kind)
