@@ -36,6 +36,16 @@ def test_a_group_reads_from_name_count_cpus_gpus_and_slowdown():
     assert (slow.num_cpus, slow.num_gpus, slow.slowdown, slow.worker_device) == (0.5, 0.0, 2.0, "cpu")
 
 
+def test_a_worker_of_several_gpus_is_a_torchrun_group_of_one_rank_per_gpu():
+    from asyncdiloco.fleet.actors import worker_launcher
+
+    assert WorkerGroup.parse("big:4:8:8").ranks == 8
+    assert WorkerGroup.parse("small:8:2:2").ranks == 2
+    assert WorkerGroup.parse("one:2:4:1").ranks == 1 and WorkerGroup.parse("cpu:3:1:0").ranks == 1
+    assert WorkerGroup(name="pair", num_gpus=0, nproc_per_worker=2).ranks == 2  # explicit, also on CPUs
+    assert "--nproc-per-node=8" in worker_launcher(WorkerGroup.parse("big:4:8:8").ranks)
+
+
 @pytest.mark.parametrize(
     ("text", "named"),
     [

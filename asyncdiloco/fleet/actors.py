@@ -9,7 +9,7 @@
   actor, with the worker's name, its state folder on the node (``--state-dir``: a
   restarted actor on the same node, or on any node of a shared filesystem, resumes as
   the same worker), the token and a stats file, its output appended to ``worker.log``
-  in the state folder. A group with ``nproc_per_worker`` N > 1 runs the same command
+  in the state folder. A group whose workers have N > 1 ranks (``WorkerGroup.ranks``) runs the same command
   under ``torchrun --standalone --nproc-per-node N`` (one worker of N ranks).
 
 The worker is a child process rather than code in the actor because the command is the

@@ -186,7 +186,7 @@ class Fleet:
                 resources=group.resources or None,
                 max_concurrency=2,
             )
-            .remote(w.name, f"{self.state_root}/{w.name}", group.nproc_per_worker)
+            .remote(w.name, f"{self.state_root}/{w.name}", group.ranks)
         )
         self.actors[w.name] = actor
         self.first_start.setdefault(w.name, time.monotonic())

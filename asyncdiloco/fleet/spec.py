@@ -43,9 +43,10 @@ class WorkerGroup:
     #: Extra ``asyncdiloco worker`` flags for every worker of the group, e.g. ("--overlap",).
     worker_args: tuple[str, ...] = ()
     #: Processes per worker: 1 runs ``asyncdiloco worker`` in the actor; N > 1 runs it
-    #: under ``torchrun --standalone --nproc-per-node N`` (one worker of N ranks; needs the
-    #: torchrun group worker, docs/operations.md "A fleet on Ray").
-    nproc_per_worker: int = 1
+    #: under ``torchrun --standalone --nproc-per-node N``, one worker of N ranks training
+    #: with DDP (docs/operations.md "A torchrun group as one worker"); 0 (default): one
+    #: rank per whole GPU when the worker reserves 2 or more, else 1 (``ranks``).
+    nproc_per_worker: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -60,10 +61,20 @@ class WorkerGroup:
                 raise ConfigError(f"worker group {self.name!r}: {what}={value} is invalid: give an amount >= 0")
         if not self.slowdown >= 1:
             raise ConfigError(f"worker group {self.name!r}: slowdown={self.slowdown} is invalid: must be >= 1")
-        if self.nproc_per_worker < 1:
+        if self.nproc_per_worker < 0:
             raise ConfigError(
-                f"worker group {self.name!r}: nproc_per_worker={self.nproc_per_worker} is invalid: give 1 or more"
+                f"worker group {self.name!r}: nproc_per_worker={self.nproc_per_worker} is invalid: give 1 or more "
+                f"processes, or 0 for one per reserved GPU"
             )
+
+    @property
+    def ranks(self) -> int:
+        """Processes of each worker: ``nproc_per_worker``, or by default one per whole GPU
+        the worker reserves when that is 2 or more (an 8-GPU worker is a torchrun group of
+        8 ranks), else 1."""
+        if self.nproc_per_worker:
+            return self.nproc_per_worker
+        return int(self.num_gpus) if self.num_gpus >= 2 else 1
 
     @property
     def worker_device(self) -> str:
