@@ -28,6 +28,21 @@ def crc(model: nn.Module) -> int:
     return zlib.crc32(flat.numpy().tobytes()) & 0xFFFFFFFF
 
 
+def opt_crc(opt: torch.optim.Optimizer) -> int:
+    """CRC-32 of the inner optimizer's state tensors (Adam's moments), in order."""
+    value = 0
+    for state in opt.state_dict()["state"].values():
+        for key in sorted(state):
+            value = zlib.crc32(state[key].detach().float().numpy().tobytes(), value)
+    return value
+
+
+def opt_steps(opt: torch.optim.Optimizer) -> int:
+    """Adam's step count of the first parameter (0 before its first step)."""
+    state = opt.state_dict()["state"].get(0)
+    return int(state["step"]) if state else 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     for name in ("rank", "world"):
@@ -42,6 +57,7 @@ def main() -> None:
     p.add_argument("--expect-join-error", action="store_true")
     p.add_argument("--stop-at", type=int, default=-1, help="the last rank requests a stop before this step (0-based)")
     p.add_argument("--last-rank-raises", action="store_true", help="the last rank leaves its with block raising")
+    p.add_argument("--state-dir", default="", help="the worker's state folder (rank 0 keeps it)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world)
@@ -55,6 +71,7 @@ def main() -> None:
         overlap=args.overlap,
         join_timeout_s=0.5,
         rpc_timeout_s=2.0,
+        state_dir=args.state_dir or None,
     )
     tokens = 16 * (args.rank + 1)  # distinct per rank: the server must count the sum
     if args.mode == "sync":
@@ -98,7 +115,7 @@ def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.
             opt.step()
             opt.zero_grad()
             time.sleep(args.step_sleep_s)
-            rec = {"crc": crc(model), "loss": loss.item()}
+            rec = {"crc": crc(model), "loss": loss.item(), "opt_crc": opt_crc(opt), "opt_steps": opt_steps(opt)}
             if args.rank == 0:
                 rec["local_steps"] = worker.local_steps
                 rec["syncs"] = _syncs(worker)

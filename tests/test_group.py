@@ -171,6 +171,25 @@ def test_sync_rounds_with_a_group_and_a_single_worker_keep_the_ranks_identical(s
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_restarted_group_resumes_as_itself_and_rank_0s_optimizer_state_reaches_every_rank(start_server, tmp_path):
+    """Rank 0 alone keeps the state folder; a restarted group resumes the same worker and
+    every rank continues with rank 0's restored Adam moments (a follower with a fresh
+    optimizer would step differently and the ranks would part at the first step)."""
+    srv = start_server(local_steps=5, lease_s=30.0)
+    state = str(tmp_path / "state")
+    first = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "12", "--state-dir", state, tag="run1")
+    worker_id = _only_worker(srv).worker_id
+    again = _run_group(tmp_path, f"127.0.0.1:{srv.port}", "--steps", "8", "--state-dir", state, tag="run2")
+    for ranks in (first, again):
+        _check_identical(ranks)
+        for i in range(len(ranks[0]["steps"])):
+            assert len({r["steps"][i]["opt_crc"] for r in ranks}) == 1, f"inner optimizer states differ at step {i}"
+    assert _only_worker(srv).worker_id == worker_id and _only_worker(srv).ranks == 2
+    assert [r["steps"][0]["opt_steps"] for r in again] == [13, 13], "the restarted ranks continue Adam's steps"
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_rank_0_failing_to_join_raises_on_every_rank(tmp_path):
     ranks = _run_group(tmp_path, "127.0.0.1:9", "--expect-join-error")  # port 9 (discard): nobody serves there
