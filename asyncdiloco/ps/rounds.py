@@ -16,11 +16,13 @@ Lock order: the quorum's condition, then the state's locks (records.py ``StateLo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
 
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
+from asyncdiloco.ps.intake import largest_magnitude
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
@@ -110,15 +112,29 @@ class SyncMode:
 
     # ------------------------------------------------------------ the round
     def stage_result(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        """Keep rank 0's Δ̄ (uint8 payload of float32 (N,)) for the vote."""
+        """Keep rank 0's Δ̄ (uint8 payload of float32 (N,)) for the vote, after the checks
+        an async pseudo-gradient passes: finite, and |Δ̄| ≤ ``max_abs_value``.
+
+        Raises:
+            InvalidPayloadError: wrong size, non-finite or too large values (the upload is
+                refused, so rank 0 votes failure and the round aborts on every member).
+            RoundRefusedError, UnknownWorkerError.
+        """
         delta = payload.view(torch.float32)  # (N,) Δ̄, the assembler's own fresh buffer
         numel = self.model.known_manifest.numel
         if delta.numel() != numel:
             raise InvalidPayloadError(f"round result holds {delta.numel()} floats; the model has {numel}")
-        if not bool(torch.isfinite(delta).all()):
+        largest = largest_magnitude(delta)  # the checks of an async push (intake.py check_values)
+        if not math.isfinite(largest):
             raise InvalidPayloadError(
                 f"round result of quorum {header.quorum_id} holds non-finite values; the limit is 0: "
                 f"a member diverged, lower the inner learning rate"
+            )
+        if largest > self.config.max_abs_value:
+            raise InvalidPayloadError(
+                f"round result of quorum {header.quorum_id} holds a value of magnitude {largest:.3g}, over "
+                f"max_abs_value={self.config.max_abs_value:g} (it would overflow the global model); a member "
+                f"diverged: lower its inner learning rate, or raise --max-abs-value for a model on that scale"
             )
         with self.locks.books:
             self.registry.touch(header.worker_id, header.session_id)

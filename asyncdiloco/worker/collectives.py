@@ -24,7 +24,10 @@ branch has not run on a GPU (the project's machines have none); the test suite r
 host-side logic (buffer reuse, the copies, the deadline) with a stand-in group on the CPU.
 
 ``start_allreduce_sum`` launches the collective and returns it in flight; the sum is in
-the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both.
+the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both. ``open``
+builds a quorum's group once for several collectives: the sync worker first agrees with
+the others on a few numbers (``QuorumProcessGroup.all_max``: the buffer sizes and each
+member's ‖Δ‖∞, docs/protocol.md "The sync round"), then sums the buffer in the same group.
 """
 
 from __future__ import annotations
@@ -118,6 +121,51 @@ class InFlightDeviceAllreduce(InFlightAllreduce):
         synchronize([device])  # before the host reads the sum
 
 
+class QuorumProcessGroup:
+    """One quorum's process group (``QuorumCollectives.open``); None for a quorum of one.
+
+    Every member calls the same collectives in the same order: ``all_max`` (small, to
+    agree before the sum), then ``start_allreduce_sum`` (the buffer).
+    """
+
+    def __init__(self, collectives: QuorumCollectives, process_group: Any, timeout_s: float) -> None:
+        self._collectives, self._pg, self._timeout_s = collectives, process_group, timeout_s
+
+    def all_max(self, values: torch.Tensor) -> None:
+        """Element-wise max of ``values`` over the members, in place (blocking; a no-op
+        for one member). Every member's ``values`` must have the same length: give it a
+        length they all know (e.g. from the quorum reply).
+
+        Args:
+            values: 1-D float64 CPU tensor, a few elements (NaN must not be in it: max
+                with NaN depends on the order).
+        Raises:
+            RuntimeError (from torch.distributed): a peer died or hung past the timeout.
+        """
+        if self._pg is None:
+            return
+        import torch.distributed as dist
+
+        opts: Any = dist.AllreduceOptions()  # reduceOp's stub type differs from ReduceOp.MAX's
+        opts.reduceOp = dist.ReduceOp.MAX
+        if self._collectives.backend != "nccl":
+            self._pg.allreduce([values], opts).wait()
+            return
+        device = self._collectives.device
+        with _on_device(device):
+            on_device = values.to(device)
+            work = self._pg.allreduce([on_device], opts)
+        InFlightDeviceAllreduce(work, self._pg, values, on_device, self._timeout_s).wait()
+
+    def start_allreduce_sum(self, buf: torch.Tensor) -> InFlightAllreduce:
+        """Launch the sum of ``buf`` (as ``QuorumCollectives.allreduce_sum``); ``wait`` on it."""
+        if self._pg is None:
+            return InFlightAllreduce()
+        if self._collectives.backend == "nccl":
+            return self._collectives._start_on_device(buf, self._pg, self._timeout_s)
+        return InFlightAllreduce(self._pg.allreduce([buf]), self._pg)
+
+
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """``torch.cuda.device(device)`` for a CUDA device: CUDA calls inside go to it."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -161,20 +209,30 @@ class QuorumCollectives:
     def start_allreduce_sum(self, buf: torch.Tensor, group: QuorumGroup, timeout_s: float) -> InFlightAllreduce:
         """Build the quorum's process group and launch the sum of ``buf``; ``wait`` on the
         result for it (arguments and errors as ``allreduce_sum``)."""
+        return self.open(group, timeout_s).start_allreduce_sum(buf)
+
+    def open(self, group: QuorumGroup, timeout_s: float) -> QuorumProcessGroup:
+        """Build the quorum's process group (one per quorum: its rendezvous keys are the
+        quorum's), for ``all_max`` and ``start_allreduce_sum`` in that order on every member.
+
+        Raises:
+            RuntimeError (from torch.distributed): the rendezvous failed within ``timeout_s``.
+        """
         if group.world_size == 1:
-            return InFlightAllreduce()
+            return QuorumProcessGroup(self, None, timeout_s)
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.PrefixStore(f"q{group.quorum_id}", self._rendezvous_store(group, timeout))
         if self.backend == "nccl":
-            return self._start_on_device(buf, self._nccl_group(store, group, timeout), timeout_s)
+            return QuorumProcessGroup(self, self._nccl_group(store, group, timeout), timeout_s)
         gloo: Any = dist.ProcessGroupGloo  # its _Options are not in torch's type stubs
         gloo_opts = gloo._Options()
         gloo_opts._timeout = timeout
         gloo_opts._devices = [self._gloo_device()]
-        pg: Any = dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts)
-        return InFlightAllreduce(pg.allreduce([buf]), pg)
+        return QuorumProcessGroup(
+            self, dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts), timeout_s
+        )
 
     def _start_on_device(self, buf: torch.Tensor, pg: Any, timeout_s: float) -> InFlightDeviceAllreduce:
         """Copy the host buffer into the reused device buffer and launch the sum there (the

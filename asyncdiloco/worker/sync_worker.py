@@ -13,17 +13,20 @@ Same user-facing shape as ``AsyncDiLoCoWorker``; the loop stays a plain PyTorch 
 Every H inner steps (H, the outer optimizer and the weighting come from the server,
 which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard et al.
 2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica): Δ into a
-separate buffer, a quorum from the server (healing first when behind), one allreduce of
-``[w·Δ, w]`` in a fresh process group for that quorum, rank 0's upload and every member's
-vote, then the same outer step on θ_base everywhere on commit (on abort the round's local
-steps are dropped so replicas never drift apart). docs/protocol.md, "The sync round",
+separate buffer, a quorum from the server (healing first when behind), a small
+agreement in a fresh process group for that quorum (every member's ‖Δ‖∞: a non-finite
+Δ anywhere fails the round on every member before the sum, naming the member), one
+allreduce of ``[w·Δ, w]`` in the same group, rank 0's upload (checked by the server as
+an async push is) and every member's vote, then the same outer step on θ_base
+everywhere on commit (on abort the round's local steps are dropped so replicas never
+drift apart). docs/protocol.md, "The sync round",
 describes each step, its timeouts and its failures once, for both sides.
 
 ``_round`` runs these as phases, one method each: ``_take_pseudo_gradient``,
 ``_wait_for_quorum``, ``_contribute`` (heal, weigh, allreduce, upload), ``_vote`` and
 ``_apply_decision``. A phase that fails raises ``_RoundFailed``
-with the reason this member votes failure with; the collective itself is the
-``_allreduce`` seam.
+with the reason this member votes failure with; the collectives themselves (agreement,
+then sum) are the ``_allreduce`` seam.
 
 With ``WorkerConfig.state_dir`` the worker saves its name, inner optimizer and the
 caller's ``extra`` (base.py ``state_dict``) after its join and every decided round, and
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import zlib
 from typing import Any
@@ -51,7 +55,7 @@ from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup
+from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup, QuorumProcessGroup
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -151,6 +155,10 @@ class SyncDiLoCoWorker(WorkerBase):
         n = self._numel = self.manifest.numel
         self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
         self._buf = self.flat.host_buffer(n + 1)  # [w·Δ, w], (N+1,) fp32
+        #: ‖Δ‖∞ of this member's Δ in the current round (inf when not finite; 0 when healing).
+        self._largest = 0.0
+        #: Every member's ‖Δ‖∞ in the current round, by rank (the agreement's result).
+        self._largest_by_rank: list[float] = []
         self._server_host = config.server.rpartition(":")[0].strip("[]")
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
@@ -291,13 +299,16 @@ class SyncDiLoCoWorker(WorkerBase):
             This member's vote: success with Σ w, or failure with the reason.
         """
         total_weight = 0.0
+        self._largest_by_rank = []
         try:
             if q.heal:
                 self._heal_for(q)
-            self._weigh(delta, 0.0 if q.heal else self._weight_of(delta, steps, tokens))
+            self._largest = 0.0 if q.heal or steps == 0 else _largest_magnitude(delta)
+            self._weigh(delta, 0.0 if q.heal else self._weight_of(steps, tokens))
             total_weight = self._allreduce_weighted(q, started)
             if total_weight > 0:
                 delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
+                self._check_mean(q, delta)
                 if q.rank == 0:
                     self._upload(q, delta)
         except _RoundFailed as exc:
@@ -318,15 +329,16 @@ class SyncDiLoCoWorker(WorkerBase):
         if self.round != q.round:
             raise _RoundFailed(f"healed to round {self.round} but the quorum is at round {q.round}")
 
-    def _weight_of(self, delta: torch.Tensor, steps: int, tokens: int) -> float:
+    def _weight_of(self, steps: int, tokens: int) -> float:
         """w of this member's Δ: 1 (mean) or its tokens (token-weighted mean); 0 without
-        steps, or when Δ is not finite (a diverged replica restarts from the global model)."""
+        steps, or when Δ is not finite (the agreement then skips the round on every
+        member, and this diverged replica restarts from the global model)."""
         if steps == 0:
             return 0.0
-        if not bool(torch.isfinite(delta).all()):
+        if not math.isfinite(self._largest):
             log.error(
-                "worker %d: pseudo-gradient not finite after %d steps (diverged); it contributes weight 0 and "
-                "restarts from the global model",
+                "worker %d: pseudo-gradient not finite after %d steps (diverged); every member skips the round "
+                "and this one restarts from the global model",
                 self.worker_id,
                 steps,
             )
@@ -352,6 +364,9 @@ class SyncDiLoCoWorker(WorkerBase):
         """
         try:
             self._allreduce(q)
+        except _RoundFailed as exc:  # the agreement refused the sum
+            log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, exc)
+            raise
         except Exception as exc:  # noqa: BLE001 - any collective failure fails the round here
             reason = f"allreduce failed after {time.monotonic() - started:.2f} s: {exc}"
             log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, reason)
@@ -360,16 +375,65 @@ class SyncDiLoCoWorker(WorkerBase):
         return float(self._buf[self._numel])
 
     def _allreduce(self, q: pb.QuorumReply) -> None:
-        """Sum ``[w·Δ, w]`` in place over the quorum's members, in a fresh process group.
+        """Agree, then sum ``[w·Δ, w]`` in place over the quorum's members, in a fresh
+        process group.
 
         The collective seam: a subclass may wrap it (the fault-injection tests do).
-        Raises whatever the collective raises."""
+        Raises _RoundFailed (the agreement refused the sum) or whatever the collective raises."""
         self._start_allreduce(q).wait()
 
     def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
-        """Launch ``_allreduce``'s collective and return it in flight."""
+        """Build the quorum's group, run the agreement (``_agree``) and launch the sum in flight."""
         group = QuorumGroup(q.quorum_id, q.rank, q.world_size, q.store_host, q.store_port)
-        return self._collectives.start_allreduce_sum(self._buf, group, self.sync_config.allreduce_timeout_s)
+        pg = self._collectives.open(group, self.sync_config.allreduce_timeout_s)
+        self._agree(pg, q)
+        return pg.start_allreduce_sum(self._buf)
+
+    def _agree(self, pg: QuorumProcessGroup, q: pb.QuorumReply) -> None:
+        """Before the sum, every member learns every member's ‖Δ‖∞ in one small
+        MAX-allreduce of ``[a_0 … a_{W−1}]`` (float64, (W,)); member r sets a_r, the
+        others 0. Every member then decides alike: a non-finite Δ anywhere fails the
+        round on every member, naming the member, and the sum is not run.
+
+        Raises:
+            _RoundFailed: a member's Δ is not finite.
+            RuntimeError (from torch.distributed): a peer died or hung.
+        """
+        facts = torch.zeros(q.world_size, dtype=torch.float64)
+        facts[q.rank] = self._largest  # inf, never NaN: max with NaN depends on the order
+        pg.all_max(facts)
+        self._largest_by_rank = facts.tolist()
+        bad = [int(q.members[r]) for r, a in enumerate(self._largest_by_rank) if not math.isfinite(a)]
+        if bad:
+            who = (
+                f"worker {bad[0]} sent a non-finite pseudo-gradient"
+                if len(bad) == 1
+                else f"workers {bad} sent non-finite pseudo-gradients"
+            )
+            raise _RoundFailed(
+                f"{who} (NaN/Inf): every member skips the round and restarts from round {q.round}; "
+                f"lower that worker's inner learning rate or clip its gradients"
+            )
+
+    def _largest_member(self, q: pb.QuorumReply) -> str:
+        """ "worker 3's (‖Δ‖∞ = 1e+30)": the member with the largest ‖Δ‖∞ this round."""
+        if not self._largest_by_rank:
+            return "unknown"
+        rank = max(range(len(self._largest_by_rank)), key=self._largest_by_rank.__getitem__)
+        return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
+
+    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
+        """Δ̄ must be finite (finite Δs can still overflow float32 in the sum); every
+        member holds the same bits, so every member decides alike.
+
+        Raises:
+            _RoundFailed: Δ̄ holds a NaN or ±inf.
+        """
+        if not math.isfinite(_largest_magnitude(mean_delta)):
+            raise _RoundFailed(
+                f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
+                f"pseudo-gradient was {self._largest_member(q)}: lower that worker's inner learning rate"
+            )
 
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
         """Rank 0: send Δ̄ to the server (applied there only if the round commits).
@@ -387,7 +451,10 @@ class SyncDiLoCoWorker(WorkerBase):
                 quorum_id=q.quorum_id,
             )
         except AsyncDiLoCoError as exc:
-            raise _RoundFailed(f"rank 0 could not upload the round result: {exc}") from exc
+            raise _RoundFailed(
+                f"rank 0 could not upload the round result: {exc} (the largest pseudo-gradient was "
+                f"{self._largest_member(q)})"
+            ) from exc
         self.stats.bytes_pushed += self._numel * 4
 
     def _vote(self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int) -> pb.CommitReply:
@@ -467,6 +534,14 @@ class SyncDiLoCoWorker(WorkerBase):
     def checksum(self) -> int:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
         return zlib.crc32(self._base.numpy().data.cast("B")) & 0xFFFFFFFF
+
+
+def _largest_magnitude(x: torch.Tensor) -> float:
+    """max |x| of a 1-D float tensor; inf when it holds a NaN or ±inf (0 when empty)."""
+    if not x.numel():
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    return math.inf if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def _outer_config(rc: pb.RunConfig) -> OuterConfig:

@@ -1,0 +1,89 @@
+"""Sync rounds that must not be poisoned: a member's non-finite or huge pseudo-gradient
+makes every member skip the round, and the skip names the member (issue 15, item 12).
+
+In one process, as test_sync.py: a real gRPC server and SyncDiLoCoWorkers on threads
+building real gloo groups on 127.0.0.1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import flat, run_threads
+from test_sync import inner_opt, make_model, train
+
+from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.ps.config import SyncConfig
+from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture
+def sgd_server(start_server):
+    """A sync server with LocalSGD's outer step (η = 1, μ = 0) and H = 2."""
+
+    def make(**sync):
+        return start_server(
+            mode="sync",
+            outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+            local_steps=2,
+            lease_s=30.0,
+            sync=SyncConfig(join_timeout_s=5.0, round_timeout_s=20.0, **sync),
+        )
+
+    return make
+
+
+class PoisonedSyncWorker(SyncDiLoCoWorker):
+    """A member whose model holds ``value`` in its first weight when it enters round
+    ``at_round`` (1-based), once: a diverged replica (Inf, NaN) or a runaway one (1e30)."""
+
+    def __init__(self, *args, value: float, at_round: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.value, self.at_round, self.fired = value, at_round, False
+
+    def _take_pseudo_gradient(self) -> torch.Tensor:
+        if not self.fired and self.round + 1 == self.at_round:
+            self.fired = True
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] = self.value
+        return super()._take_pseudo_gradient()
+
+
+def _worker(srv, cls=SyncDiLoCoWorker, **kwargs) -> SyncDiLoCoWorker:
+    model = make_model()
+    sync = SyncWorkerConfig(allreduce_timeout_s=4.0, quorum_timeout_s=20.0)
+    return cls(model, inner_opt(model), WorkerConfig(server=srv.address), sync=sync, **kwargs)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e30], ids=["inf", "nan", "1e30"])
+def test_one_members_bad_pseudo_gradient_makes_every_member_skip_the_round_naming_it(sgd_server, value):
+    H, R = 2, 3
+    srv = sgd_server(min_workers=3)
+    workers = [_worker(srv), _worker(srv, PoisonedSyncWorker, value=value, at_round=2), _worker(srv)]
+    for w in workers:
+        w.join()  # join order = rank order: the poisoned member is rank 1, rank 0 uploads
+    bad = workers[1]
+    run_threads([lambda i=i, w=w: train(w, i, steps=H * R) for i, w in enumerate(workers)])
+    for w in workers:
+        w.close()
+
+    for w in workers:
+        assert [r["committed"] for r in w.stats.rounds] == [True, False, True], w.stats.rounds
+        skipped = w.stats.rounds[1]
+        assert skipped["round"] == 1 and skipped["world_size"] == 3
+        if math.isfinite(value):  # rank 0's upload was refused as an async push would be
+            assert "over max_abs_value=1e+09" in skipped["reason"], skipped["reason"]
+            assert f"the largest pseudo-gradient was worker {bad.worker_id}'s" in skipped["reason"]
+        else:  # every member agreed before the sum
+            assert f"worker {bad.worker_id} sent a non-finite pseudo-gradient" in skipped["reason"], skipped["reason"]
+        assert torch.isfinite(flat(w.model)).all()  # the poisoned member restarted from θ_base too
+    assert srv.state.status().rounds_failed == 1 and srv.state.version == 2
+    theta = srv.state.params
+    assert torch.isfinite(theta).all() and float(theta.abs().max()) < srv.config.max_abs_value
+    # the skipped round changed nothing: round 3 started from round 1's θ
+    assert len({w.stats.rounds[0]["checksum"] for w in workers}) == 1
+    assert len({w.stats.rounds[2]["checksum"] for w in workers}) == 1
