@@ -1,12 +1,19 @@
-"""Sync rounds that must not be poisoned: a member's non-finite or huge pseudo-gradient
-makes every member skip the round, and the skip names the member (issue 15, item 12).
+"""Sync rounds that can be neither poisoned nor crashed by one member: a non-finite or
+huge pseudo-gradient makes every member skip the round, and the skip names the member;
+a member with a longer allreduce buffer fails the round on every member instead of
+aborting their processes in gloo.
 
-In one process, as test_sync.py: a real gRPC server and SyncDiLoCoWorkers on threads
-building real gloo groups on 127.0.0.1."""
+A real gRPC server in this process; SyncDiLoCoWorkers on threads building real gloo
+groups on 127.0.0.1 (as test_sync.py), or in processes of their own (_sync_member.py)
+where a failure could abort a process."""
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +26,8 @@ from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
+
+HERE = pathlib.Path(__file__).parent
 
 
 @pytest.fixture
@@ -87,3 +96,34 @@ def test_one_members_bad_pseudo_gradient_makes_every_member_skip_the_round_namin
     # the skipped round changed nothing: round 3 started from round 1's θ
     assert len({w.stats.rounds[0]["checksum"] for w in workers}) == 1
     assert len({w.stats.rounds[2]["checksum"] for w in workers}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_member_with_a_longer_buffer_fails_the_round_on_every_member_and_no_process_dies(sgd_server):
+    """Before the agreement, the honest member died of gloo's size check (signal 6)."""
+    H, R, EXTRA = 2, 2, 8
+    srv = sgd_server(min_workers=2)
+    numel = 8 + 1  # nn.Linear(8, 1); the buffer is [w·Δ, w]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_sync_member.py"), srv.address, str(i), str(H * R), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, extra in enumerate(((), (str(EXTRA),)))
+    ]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    for out, _ in outs:
+        rounds = json.loads(out.strip().splitlines()[-1])
+        assert len(rounds) == R and not any(r["committed"] for r in rounds), rounds
+        for r in rounds:
+            assert f"allreduce buffers differ in size ({numel + 1} to {numel + 1 + EXTRA} floats" in r["reason"], r
+    assert srv.state.version == 0 and srv.state.status().rounds_failed == R

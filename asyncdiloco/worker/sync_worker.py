@@ -14,12 +14,12 @@ Every H inner steps (H, the outer optimizer and the weighting come from the serv
 which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard et al.
 2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica): Δ into a
 separate buffer, a quorum from the server (healing first when behind), a small
-agreement in a fresh process group for that quorum (every member's ‖Δ‖∞: a non-finite
-Δ anywhere fails the round on every member before the sum, naming the member), one
-allreduce of ``[w·Δ, w]`` in the same group, rank 0's upload (checked by the server as
-an async push is) and every member's vote, then the same outer step on θ_base
-everywhere on commit (on abort the round's local steps are dropped so replicas never
-drift apart). docs/protocol.md, "The sync round",
+agreement in a fresh process group for that quorum (every member's buffer size and
+‖Δ‖∞: a size mismatch or a non-finite Δ anywhere fails the round on every member before
+the sum, naming the member), one allreduce of ``[w·Δ, w]`` in the same group, rank
+0's upload (checked by the server as an async push is) and every member's vote, then
+the same outer step on θ_base everywhere on commit (on abort the round's local steps
+are dropped so replicas never drift apart). docs/protocol.md, "The sync round",
 describes each step, its timeouts and its failures once, for both sides.
 
 ``_round`` runs these as phases, one method each: ``_take_pseudo_gradient``,
@@ -390,19 +390,28 @@ class SyncDiLoCoWorker(WorkerBase):
         return pg.start_allreduce_sum(self._buf)
 
     def _agree(self, pg: QuorumProcessGroup, q: pb.QuorumReply) -> None:
-        """Before the sum, every member learns every member's ‖Δ‖∞ in one small
-        MAX-allreduce of ``[a_0 … a_{W−1}]`` (float64, (W,)); member r sets a_r, the
-        others 0. Every member then decides alike: a non-finite Δ anywhere fails the
-        round on every member, naming the member, and the sum is not run.
+        """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one
+        small MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)); member r sets
+        a_r, the others 0. Every member then decides alike: a size mismatch (a gloo sum
+        of unequal buffers aborts the process) or a non-finite Δ anywhere fails the round
+        on every member, naming the member, and the sum is not run.
 
         Raises:
-            _RoundFailed: a member's Δ is not finite.
+            _RoundFailed: the sizes differ, or a member's Δ is not finite.
             RuntimeError (from torch.distributed): a peer died or hung.
         """
-        facts = torch.zeros(q.world_size, dtype=torch.float64)
-        facts[q.rank] = self._largest  # inf, never NaN: max with NaN depends on the order
+        n = self._buf.numel()
+        facts = torch.zeros(2 + q.world_size, dtype=torch.float64)
+        facts[0], facts[1] = n, -n
+        facts[2 + q.rank] = self._largest  # inf, never NaN: max with NaN depends on the order
         pg.all_max(facts)
-        self._largest_by_rank = facts.tolist()
+        largest, smallest = int(facts[0]), -int(facts[1])
+        if largest != smallest:
+            raise _RoundFailed(
+                f"the members' allreduce buffers differ in size ({smallest} to {largest} floats; this member's "
+                f"is {n}): the sum is not run; every member must run the same asyncdiloco version on the same model"
+            )
+        self._largest_by_rank = facts[2:].tolist()
         bad = [int(q.members[r]) for r, a in enumerate(self._largest_by_rank) if not math.isfinite(a)]
         if bad:
             who = (
