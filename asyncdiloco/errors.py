@@ -20,6 +20,7 @@ checks that the two agree):
     payload_too_large     RESOURCE_EXHAUSTED     PayloadTooLargeError
     manifest_mismatch     FAILED_PRECONDITION    ManifestMismatchError
     stale_push            FAILED_PRECONDITION    StalePushError
+    unknown_version       INVALID_ARGUMENT       UnknownVersionError
     mode_mismatch         FAILED_PRECONDITION    ModeMismatchError
     round_refused         FAILED_PRECONDITION    RoundRefusedError
     not_initialized       UNAVAILABLE            NotInitializedError
@@ -104,11 +105,21 @@ class ManifestMismatchError(AsyncDiLoCoError):
 
 
 class StalePushError(AsyncDiLoCoError):
-    """A pseudo-gradient's staleness exceeds ``max_staleness``, or its base version is
-    from the future."""
+    """A pseudo-gradient's staleness exceeds ``max_staleness``."""
 
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "stale_push"
+
+
+class UnknownVersionError(StalePushError):
+    """A push's base_version is one the server never served: negative, or above its
+    version (from the future; e.g. the server restarted from an older checkpoint than
+    the worker pulled). The request is wrong as sent, so INVALID_ARGUMENT; it is a
+    ``StalePushError`` because a worker does what it does for a stale push: drop the
+    pseudo-gradient and pull the global model."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "unknown_version"
 
 
 class ModeMismatchError(AsyncDiLoCoError):

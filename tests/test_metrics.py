@@ -63,13 +63,13 @@ def test_counts_after_three_pushes_a_stale_one_and_a_pull(start_server):
     for push_id in (2, 3, 4):
         client.push(delta, worker_id=wid, push_id=push_id, base_version=srv.state.version, num_tokens=10)
     with pytest.raises(StalePushError):
-        client.push(delta, worker_id=wid, push_id=5, base_version=99)  # from the future
+        client.push(delta, worker_id=wid, push_id=5, base_version=99)  # from the future: never served
     client.pull(MANIFEST, wid)
 
     m = scrape(srv)
     assert value(m, "asyncdiloco_version") == 3
     assert value(m, "asyncdiloco_pushes_applied_total") == 3
-    assert value(m, "asyncdiloco_pushes_refused_total", reason="stale_push") == 1
+    assert value(m, "asyncdiloco_pushes_refused_total", reason="unknown_version") == 1
     assert value(m, "asyncdiloco_tokens_total") == 30
     assert value(m, "asyncdiloco_pushed_bytes_total") == 3 * MANIFEST.total_bytes
     assert value(m, "asyncdiloco_pulled_bytes_total") == MANIFEST.total_bytes
@@ -78,9 +78,9 @@ def test_counts_after_three_pushes_a_stale_one_and_a_pull(start_server):
     assert value(m, "asyncdiloco_outer_step_seconds_count") == 3
     assert value(m, "asyncdiloco_workers_live") == 1
     assert value(m, "asyncdiloco_workers", state="training") == 1
-    # The gRPC conventions: the initial push and three pseudo-gradients OK, the stale one refused.
+    # The gRPC conventions: the initial push and three pseudo-gradients OK, the one from the future refused.
     assert value(m, "grpc_server_handled_total", **rpc("Push", "OK", "CLIENT_STREAM")) == 4
-    assert value(m, "grpc_server_handled_total", **rpc("Push", "FAILED_PRECONDITION", "CLIENT_STREAM")) == 1
+    assert value(m, "grpc_server_handled_total", **rpc("Push", "INVALID_ARGUMENT", "CLIENT_STREAM")) == 1
     push_labels = {k: v for k, v in rpc("Push", kind="CLIENT_STREAM").items() if k != "grpc_code"}
     assert value(m, "grpc_server_started_total", **push_labels) == 5
     assert value(m, "grpc_server_handling_seconds_count", **push_labels) == 5
@@ -100,8 +100,8 @@ def test_refusals_on_the_bulk_channel_are_counted_by_reason(start_server):
     with pytest.raises(StalePushError):
         client.push(MANIFEST.pack([torch.ones(8)]), worker_id=wid, push_id=2, base_version=7)
     m = scrape(srv)
-    assert value(m, "asyncdiloco_pushes_refused_total", reason="stale_push") == 1
-    assert value(m, "grpc_server_handled_total", **rpc("Push", "FAILED_PRECONDITION", "CLIENT_STREAM")) == 0
+    assert value(m, "asyncdiloco_pushes_refused_total", reason="unknown_version") == 1
+    assert value(m, "grpc_server_handled_total", **rpc("Push", "INVALID_ARGUMENT", "CLIENT_STREAM")) == 0
     client.close()
 
 

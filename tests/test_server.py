@@ -12,7 +12,7 @@ from helpers import STUCK_S, FakeClock, assert_same, fingerprint, flat, wait_unt
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.errors import ConfigError, ManifestMismatchError, ServerUnavailableError
+from asyncdiloco.errors import REASON_METADATA_KEY, ConfigError, ManifestMismatchError, ServerUnavailableError
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -154,23 +154,43 @@ def good_push(srv, manifest, wid, payload, **over):
     return pb.PushHeader(**fields), list(iter_chunks(payload, cb))
 
 
+_AT_WEIGHT_0_7 = "the first at parameter #0 'weight', index (0, 7)"
+
+
 @pytest.mark.parametrize(
-    ("case", "code", "needle"),
+    ("case", "code", "reason", "needle"),
     [
-        ("nan", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
-        ("huge", grpc.StatusCode.INVALID_ARGUMENT, "over max_abs_value=1e+09"),
-        ("inf", grpc.StatusCode.INVALID_ARGUMENT, "non-finite values"),
-        ("future", grpc.StatusCode.FAILED_PRECONDITION, "from the future"),
-        ("stale", grpc.StatusCode.FAILED_PRECONDITION, "exceeds max_staleness=0"),
-        ("unknown_worker", grpc.StatusCode.NOT_FOUND, "worker_id 99 is unknown"),
-        ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "total_bytes is 4"),
-        ("out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "out of order"),
-        ("missing_chunk", grpc.StatusCode.INVALID_ARGUMENT, "stream ended after"),
-        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "CRC-32"),
-        ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "must carry a PushHeader"),
+        (
+            "nan",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_payload",
+            f"1 non-finite values (NaN/Inf), {_AT_WEIGHT_0_7}",
+        ),
+        (
+            "huge",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_payload",
+            "over the limit at parameter #0 'weight', index (0, 7)",
+        ),
+        (
+            "inf",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_payload",
+            f"1 non-finite values (NaN/Inf), {_AT_WEIGHT_0_7}",
+        ),
+        ("future", grpc.StatusCode.INVALID_ARGUMENT, "unknown_version", "base_version 5 was never served"),
+        ("negative", grpc.StatusCode.INVALID_ARGUMENT, "unknown_version", "base_version -1 was never served"),
+        ("stale", grpc.StatusCode.FAILED_PRECONDITION, "stale_push", "exceeds max_staleness=0"),
+        ("unknown_worker", grpc.StatusCode.NOT_FOUND, "unknown_worker", "worker_id 99 is unknown"),
+        ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "total_bytes is 4"),
+        ("out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "out of order"),
+        ("missing_chunk", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "stream ended after"),
+        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "CRC-32"),
+        ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "must carry a PushHeader"),
     ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v and "_" not in v else None,
 )
-def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, needle):
+def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, reason, needle):
     srv = make_server(chunk_bytes=1024, outer=OuterConfig(max_staleness=0))
     big = nn.Linear(600, 1)  # 2,404 bytes: three chunks of 1 KiB
     client, manifest, wid = init_server(srv, big)
@@ -185,6 +205,8 @@ def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, nee
         header, chunks = good_push(srv, manifest, wid, manifest.pack(bad), push_id=3)
     elif case == "future":
         header.base_version = 5
+    elif case == "negative":
+        header.base_version = -1
     elif case == "stale":
         header.base_version = 0
     elif case == "unknown_worker":
@@ -205,6 +227,7 @@ def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, nee
             raw_push(srv, header, chunks)
     assert info.value.code() == code
     assert needle in info.value.details()
+    assert dict(info.value.trailing_metadata()).get(REASON_METADATA_KEY) == reason  # machine-readable
     assert_same(before, fingerprint(srv))
     # and a good push still goes through afterwards
     header, chunks = good_push(srv, manifest, wid, payload, push_id=4)

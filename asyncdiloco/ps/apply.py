@@ -24,7 +24,7 @@ import torch
 
 from asyncdiloco.algo.outer import DelayedNesterov, PseudoGradientMonitor, staleness_weight
 from asyncdiloco.algo.schedule import GroupGate
-from asyncdiloco.errors import NotInitializedError, StalePushError
+from asyncdiloco.errors import NotInitializedError, StalePushError, UnknownVersionError
 from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
@@ -82,7 +82,7 @@ class InitialParameters:
         """
         parts = self.parts
         delta = parts.model.known_manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
-        check_values(delta, header.worker_id, parts.config.max_abs_value)
+        check_values(delta, header.worker_id, parts.config.max_abs_value, parts.model.known_manifest)
         with parts.locks.apply:
             with parts.locks.books:
                 rec = _admit(parts, header)
@@ -151,11 +151,13 @@ class PseudoGradient:
             The outcome: the version after, τ, s(τ), and the push group to wait for.
         Raises:
             InvalidPayloadError: non-finite or too large values. StalePushError:
-            τ > max_staleness, or a base version from the future. UnknownWorkerError: the
+            τ > max_staleness; UnknownVersionError, a base version from the future. UnknownWorkerError: the
             lease lapsed meanwhile. In every case θ, momentum, version and counters are unchanged.
         """
         with self.parts.model.decoded_pseudo_gradient(payload) as delta:  # (N,) fp32, the step's scratch
-            largest = check_values(delta, header.worker_id, self.parts.config.max_abs_value)
+            largest = check_values(
+                delta, header.worker_id, self.parts.config.max_abs_value, self.parts.model.known_manifest
+            )
             outcome = self._apply_checked(header, payload, delta, largest)
         self.parts.journal.maybe_checkpoint()
         return outcome
@@ -187,13 +189,13 @@ class PseudoGradient:
         """(τ, s(τ), version after the apply) of a push about to be applied (books lock held).
 
         Raises:
-            StalePushError: τ > max_staleness, or a base version from the future.
+            StalePushError: τ > max_staleness. UnknownVersionError: a base version from the future.
         """
         version = self.parts.model.version
         tau = version - header.base_version
         if tau < 0:
-            raise StalePushError(
-                f"base_version {header.base_version} is from the future: the server is at version "
+            raise UnknownVersionError(
+                f"base_version {header.base_version} was never served (from the future): the server is at version "
                 f"{version}; pull the global model and push against its version"
             )
         limit = self.parts.config.outer.max_staleness

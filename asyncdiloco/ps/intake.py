@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from asyncdiloco.algo.schedule import GroupGate
-from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError
+from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError, UnknownVersionError
 from asyncdiloco.ps.buffers import ReceivePool
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.counters import Counters
@@ -31,7 +31,7 @@ from asyncdiloco.ps.records import PushOutcome, StateLocks
 from asyncdiloco.ps.registry import WorkerRegistry
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import WireChunk
-from asyncdiloco.wire.tensors import PayloadAssembler, chunk_views, crc32_of, num_chunks_for
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +49,49 @@ def largest_magnitude(x: torch.Tensor) -> float:
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
-def check_values(delta: torch.Tensor, worker_id: int, max_abs_value: float) -> float:
-    """Refuse a decoded push (float32 (N,)) with non-finite values or values too large
-    for θ; returns ‖Δ‖∞ (the divergence monitor's input).
+def check_values(
+    delta: torch.Tensor, worker_id: int, max_abs_value: float, manifest: Manifest | None = None, what: str = ""
+) -> float:
+    """Refuse a decoded push (float32 (N,), in the manifest's parameter order) with
+    non-finite values or values too large for θ; returns ‖Δ‖∞ (the divergence monitor's
+    input). The refusal names the parameter and index of the first bad element.
 
+    Args:
+        what: names the payload in the refusal (default "payload from worker <id>").
     Raises:
         InvalidPayloadError: a NaN or ±inf, or a magnitude over ``max_abs_value``.
     """
+    what = what or f"payload from worker {worker_id}"
     largest = largest_magnitude(delta)  # NaN/Inf propagate
     if not math.isfinite(largest):
-        bad = int((~torch.isfinite(delta)).sum())
+        bad = ~torch.isfinite(delta)
+        first = int(torch.argmax(bad.to(torch.uint8)))  # argmax gives the first maximal index
         raise InvalidPayloadError(
-            f"payload from worker {worker_id} holds {bad} non-finite values (NaN/Inf); "
-            f"the limit is 0: lower the inner learning rate or clip gradients"
+            f"{what} holds {int(bad.sum())} non-finite values (NaN/Inf), the first at "
+            f"{element_name(manifest, first)}; the limit is 0: lower the inner learning rate or clip gradients"
         )
     if largest > max_abs_value:
+        first = int(torch.argmax((delta.abs() > max_abs_value).to(torch.uint8)))
         raise InvalidPayloadError(
-            f"payload from worker {worker_id} holds a value of magnitude {largest:.3g}, over "
-            f"max_abs_value={max_abs_value:g} (it would overflow the global model); the worker "
-            f"diverged: lower its inner learning rate, or raise --max-abs-value for a model on that scale"
+            f"{what} holds a value of magnitude {largest:.3g} (the first over the limit at "
+            f"{element_name(manifest, first)}), over max_abs_value={max_abs_value:g} (it would overflow the "
+            f"global model); the worker diverged: lower its inner learning rate, or raise --max-abs-value for a "
+            f"model on that scale"
         )
     return largest
+
+
+def element_name(manifest: Manifest | None, index: int) -> str:
+    """ "parameter #0 'weight', index (0, 7)": where element ``index`` of the flat (N,)
+    vector lies (the manifest's parameter order); "element <index>" without a manifest."""
+    if manifest is not None:
+        start = 0
+        for i, spec in enumerate(manifest.tensors):
+            if index < start + spec.numel:
+                at = tuple(int(v) for v in torch.unravel_index(torch.tensor(index - start), spec.shape))
+                return f"parameter #{i} {spec.name!r}, index {at}"
+            start += spec.numel
+    return f"element {index}"
 
 
 def _check_fields(header: pb.PushHeader, max_payload_bytes: int) -> None:
@@ -82,8 +104,9 @@ def _check_fields(header: pb.PushHeader, max_payload_bytes: int) -> None:
     if header.push_id < 1:
         raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
     if header.base_version < 0:
-        raise InvalidPayloadError(
-            f"base_version is {header.base_version}; it must be >= 0, the version the worker pulled"
+        raise UnknownVersionError(
+            f"base_version {header.base_version} was never served: versions start at 0; push against the "
+            f"version the worker pulled"
         )
 
 

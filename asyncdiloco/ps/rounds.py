@@ -16,13 +16,12 @@ Lock order: the quorum's condition, then the state's locks (records.py ``StateLo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
 
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
-from asyncdiloco.ps.intake import largest_magnitude
+from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
@@ -124,18 +123,13 @@ class SyncMode:
         numel = self.model.known_manifest.numel
         if delta.numel() != numel:
             raise InvalidPayloadError(f"round result holds {delta.numel()} floats; the model has {numel}")
-        largest = largest_magnitude(delta)  # the checks of an async push (intake.py check_values)
-        if not math.isfinite(largest):
-            raise InvalidPayloadError(
-                f"round result of quorum {header.quorum_id} holds non-finite values; the limit is 0: "
-                f"a member diverged, lower the inner learning rate"
-            )
-        if largest > self.config.max_abs_value:
-            raise InvalidPayloadError(
-                f"round result of quorum {header.quorum_id} holds a value of magnitude {largest:.3g}, over "
-                f"max_abs_value={self.config.max_abs_value:g} (it would overflow the global model); a member "
-                f"diverged: lower its inner learning rate, or raise --max-abs-value for a model on that scale"
-            )
+        check_values(  # the checks of an async push
+            delta,
+            header.worker_id,
+            self.config.max_abs_value,
+            self.model.known_manifest,
+            what=f"the round result of quorum {header.quorum_id}",
+        )
         with self.locks.books:
             self.registry.touch(header.worker_id, header.session_id)
         self.rounds.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
