@@ -245,3 +245,27 @@ def test_torchrun_runs_the_cli_worker_as_one_group(start_server, tmp_path):
     losses = [line["loss_nats"] for line in lines if "loss_nats" in line]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert proc.stdout.count("box: 40 inner steps") == 1, proc.stdout  # rank 0 alone prints the final line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_torchrun_group_on_a_state_folder_in_use_fails_with_the_same_error_on_every_rank(start_server, tmp_path):
+    """Rank 0 alone opens the state folder; its refusal reaches every rank before any
+    collective, so rank 1 says the same thing instead of "Connection closed by peer"."""
+    from asyncdiloco.worker.state_dir import WorkerStateDir
+
+    srv = start_server(local_steps=10, lease_s=30.0)
+    held = WorkerStateDir(str(tmp_path / "state"))  # another running worker holds it
+    try:
+        torchrun = pathlib.Path(sys.executable).with_name("torchrun")
+        argv = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(torchrun.with_name("asyncdiloco"))]
+        argv += ["worker", "--server", f"127.0.0.1:{srv.port}", "--state-dir", str(tmp_path / "state")]
+        argv += ["--worker-name", "box", "--max-steps", "5", *CLI_JOB]
+        proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S + 60)
+    finally:
+        held.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("is in use by another running worker") == 2, out  # rank 0's error, on both ranks
+    assert "Connection closed by peer" not in out, out
+    assert not srv.state.registry.workers, "nothing joined"

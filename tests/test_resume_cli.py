@@ -87,3 +87,33 @@ def test_a_killed_cli_worker_restarts_as_itself_and_continues(start_server, tmp_
     adam_steps = {float(s["step"]) for s in now["inner_optimizer"]["state"].values()}
     assert adam_steps == {float(done)}
     assert {float(s["step"]) for s in killed["inner_optimizer"]["state"].values()} == {float(step)}
+
+
+def test_a_step_cut_short_before_the_inner_step_is_saved_as_not_done_with_its_batch_not_drawn():
+    """A rank of a torchrun group dies in DDP's allreduce (or an interrupt lands in
+    backward): the step that drew its batch never reached ``inner.step()``; the saved
+    position must equal the saved step count, so a restart draws that batch again."""
+    from asyncdiloco.cli.train import _Loop, _Pace
+    from asyncdiloco.job.config import JobConfig
+
+    job = JobConfig(batch_size=2, context_len=8, n_layer=1, n_embd=16, n_head=2)
+    corpus = CharCorpus.default()
+    model = job.build(corpus)
+    inner, inner_lr = job.build_inner(model.parameters())
+    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, 0)
+    loop = _Loop(None, model, inner, inner_lr, batches, _Pace(1.0, ()), None, "cpu")
+    loop.inner_step()
+    loop.inner_step()
+    forward = model.forward
+    model.forward = lambda *a: (_ for _ in ()).throw(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError):
+        loop.inner_step()
+    model.forward = forward
+    state = loop.state_dict()
+    assert (state["step"], state["batches"]["position"]) == (2, 2)
+    again = BatchStream(corpus, job.batch_size, job.context_len, job.seed, 0)
+    again.load_state_dict(state["batches"])
+    expected = BatchStream(corpus, job.batch_size, job.context_len, job.seed, 0)
+    for _ in range(2):
+        next(expected)
+    assert all(torch.equal(a, b) for a, b in zip(next(again), next(expected)))  # the cut step's batch again

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -20,9 +21,12 @@ from asyncdiloco.job.models import lm_loss
 from asyncdiloco.job.slowdown import SlowdownChanges, check_slowdown_changes, slowdown_at
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.group import noted, portable
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
 
 log = logging.getLogger(__name__)
+
+_W = TypeVar("_W")
 
 
 def run_worker(
@@ -91,20 +95,20 @@ def run_worker(
         model = DistributedDataParallel(model, device_ids=None if index is None else [index])
     stream = rank_stream_index(worker_index, rank or 0)
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, stream)
-    worker: AsyncDiLoCoWorker | SyncDiLoCoWorker
-    if sync is not None:
-        worker = SyncDiLoCoWorker(model, inner, worker_config, sync=sync, tokens_per_step=job.tokens_per_step)
-    else:
-        worker = AsyncDiLoCoWorker(model, inner, worker_config, tokens_per_step=job.tokens_per_step)
+    worker = _agreed(rank, lambda: _build_worker(model, inner, worker_config, sync, job.tokens_per_step))
     if wait_to_join is not None and not wait_to_join():
         return worker.stats
     tlog = TrainLog(train_log or TrainLogConfig()) if not worker.follower else _FollowerLog()
-    loop = _Loop(worker, model, inner, inner_lr, batches, _Pace(slowdown, slowdown_changes), tlog, device)
+    # In a group rank 0 alone sleeps: DDP's allreduce makes the others wait for it, and a
+    # follower's step time (which includes that wait) would feed back into its own sleep.
+    pace = _Pace(slowdown, slowdown_changes) if not worker.follower else _Pace(1.0, ())
+    loop = _Loop(worker, model, inner, inner_lr, batches, pace, tlog, device)
     if worker_config.state_dir is not None and not worker.follower:  # the loop's position is saved with the worker's
         loop.load_state_dict(worker.restored_extra)
         worker.extra_state = loop.state_dict
-    name = worker_config.worker_name
-    log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
+    if not worker.follower:
+        name = worker_config.worker_name
+        log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
     with _left(tlog, loop), worker:
         if worker.follower:  # rank 0's position arrived with the join; this rank's own stream goes there
             loop.load_state_dict(worker.restored_extra, own_stream=True)
@@ -120,6 +124,45 @@ def run_worker(
         if stop is not None and stop.is_set():
             log.info("stopped after %d inner steps; leaving", loop.step)
     return worker.stats
+
+
+def _build_worker(
+    model: torch.nn.Module,
+    inner: torch.optim.Optimizer,
+    config: WorkerConfig,
+    sync: SyncWorkerConfig | None,
+    tokens_per_step: int,
+) -> AsyncDiLoCoWorker | SyncDiLoCoWorker:
+    if sync is not None:
+        return SyncDiLoCoWorker(model, inner, config, sync=sync, tokens_per_step=tokens_per_step)
+    return AsyncDiLoCoWorker(model, inner, config, tokens_per_step=tokens_per_step)
+
+
+def _agreed(rank: int | None, build: Callable[[], _W]) -> _W:
+    """``build()``, in a torchrun group on every rank at once: if it raised on any rank
+    (rank 0's state folder in use by another worker, say), every rank raises the lowest
+    rank's error instead of the others failing later in a collective with "Connection
+    closed by peer".
+
+    Raises:
+        what ``build`` raised on the lowest rank where it raised.
+    """
+    try:
+        built, error = build(), None
+    except Exception as exc:  # noqa: BLE001 - shared with the group, then raised
+        built, error = None, exc
+    if rank is not None:
+        import torch.distributed as dist
+
+        errors: list[BaseException | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, portable(error) if error is not None else None)
+        first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+        if first is not None and error is None:
+            raise noted(first[1], f"raised on rank {first[0]} of the group; rank {rank} raises it too")
+    if error is not None:
+        raise error
+    assert built is not None, "built unless it raised"
+    return built
 
 
 #: Stream index stride between a group's ranks: rank r of worker index i draws stream
@@ -214,6 +257,10 @@ class _Loop:
         self.batches, self.pace, self.tlog, self.device = batches, pace, tlog, torch.device(device)
         self.step = 0
         self._in_step = False  # inside inner.step(), where the worker syncs (and saves)
+        #: The data position before the current step drew its batch, until the step is done:
+        #: a step cut short before ``inner.step()`` (a rank of the group died in DDP's
+        #: allreduce, an interrupt in backward) is saved as not done, its batch as not drawn.
+        self._stream_before: dict | None = None
 
     def state_dict(self) -> dict:
         """The loop's part of the worker's saved state (``WorkerBase.extra_state``): inner
@@ -221,7 +268,7 @@ class _Loop:
         (a sync point), that step counts as done but its LR step is still to come."""
         return {
             "step": self.step + self._in_step,
-            "batches": self.batches.state_dict(),
+            "batches": self._stream_before if self._stream_before and not self._in_step else self.batches.state_dict(),
             "inner_lr": self.inner_lr.state_dict(),
             "inner_lr_stepped": not self._in_step,
         }
@@ -242,7 +289,12 @@ class _Loop:
         self.inner_lr.load_state_dict(state["inner_lr"])
         if not state["inner_lr_stepped"]:
             self.inner_lr.step()
-        log.info("resuming at inner step %d (data position %d)", self.step, self.batches.position)
+        log.log(
+            logging.DEBUG if own_stream else logging.INFO,  # a follower: rank 0 says it
+            "resuming at inner step %d (data position %d)",
+            self.step,
+            self.batches.position,
+        )
 
     def run(
         self,
@@ -269,6 +321,7 @@ class _Loop:
 
     def inner_step(self) -> torch.Tensor:
         """One inner step; returns its training loss (a detached scalar, nats/char)."""
+        self._stream_before = self.batches.state_dict()
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T) int64 each
         loss = lm_loss(self.model(x), y)
         loss.backward()
@@ -280,4 +333,5 @@ class _Loop:
         self.inner_lr.step()  # the lr of the next inner step: inner_lr · lr_factor(step + 1)
         self.inner.zero_grad(set_to_none=True)
         self.step += 1
+        self._stream_before = None
         return loss.detach()

@@ -224,11 +224,19 @@ class LocalGroup:
         if code == RAISED:
             raised = self.broadcast_object(portable(error) if self.is_leader else None)
             if not self.is_leader:
-                raised.add_note(f"raised on rank 0 of the group; rank {self.rank} raises it too")
+                noted(raised, f"raised on rank 0 of the group; rank {self.rank} raises it too")
                 raise raised
         elif code == CHANGED:
             self.broadcast_params(params)
         return code == CHANGED
+
+
+def noted(exc: BaseException, note: str) -> BaseException:
+    """``exc`` with ``note`` added to its traceback's notes (Python 3.11+; on 3.10 as is)."""
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    return exc
 
 
 def portable(exc: BaseException | None) -> BaseException:

@@ -19,7 +19,7 @@ import torch
 
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.worker.flat import FlatParams
-from asyncdiloco.worker.group import LocalGroup, StepTotals, portable, to_cpu
+from asyncdiloco.worker.group import LocalGroup, StepTotals, noted, portable, to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GroupMember:
         if "error" in joined:
             if self.follower:
                 exc = joined["error"]
-                exc.add_note(f"raised by rank 0's join; rank {group.rank} raises it too")
+                noted(exc, f"raised by rank 0's join; rank {group.rank} raises it too")
                 raise exc
             return
         if self.follower:
