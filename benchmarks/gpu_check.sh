@@ -16,6 +16,10 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
+if ! "$PY" -c "import torch, asyncdiloco" 2>/dev/null; then
+    echo "gpu_check: $PY cannot import torch and asyncdiloco: run bash scripts/setup.sh first, or give PYTHON=<a python with both>" >&2
+    exit 2
+fi
 LIMIT=${GPU_CHECK_TIMEOUT_S:-290}
 timeout --signal=TERM --kill-after=20 "$LIMIT" "$PY" -m asyncdiloco.bench.gpu_check "$@"
 rc=$?

@@ -28,10 +28,15 @@ for arg in "$@"; do
     case "$arg" in
         --local-base) LOCAL_BASE=1 ;;
         --smoke) SMOKE=1 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument $arg: give --local-base and/or --smoke" >&2; exit 2 ;;
     esac
 done
 
+if ! command -v "$ENGINE" >/dev/null 2>&1; then
+    echo "container engine '$ENGINE' not found: install podman (apt-get install podman) or set ENGINE=docker" >&2
+    exit 2
+fi
 args=(--network host --build-arg "TORCH=${TORCH:-torch==2.13.0}")
 [ -n "${TORCH_INDEX+set}" ] && args+=(--build-arg "TORCH_INDEX=$TORCH_INDEX")
 [ -n "${WHEELS:-}" ] && args+=(-v "$WHEELS:/wheels:ro" --build-arg WHEELS=/wheels)
