@@ -137,6 +137,35 @@ def test_the_workers_flags_are_the_worker_commands_own(tmp_path):
     assert (args.worker_index, args.slowdown, args.max_seconds, args.max_steps) == (5, 2.0, 12.5, 40)
 
 
+# ------------------------------------------------------------------ resources, deadlines, the end
+def test_an_address_where_no_ray_listens_is_one_line_and_exit_1(capsys):
+    import socket
+
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'asyncdiloco[ray]'")
+    with socket.socket() as s:  # a port of 127.0.0.1 that nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = app._run(["launch", "--address", f"127.0.0.1:{port}", "--max-seconds", "5", "--out", "/nonexistent/x"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err == (
+        f"asyncdiloco launch: error: no Ray cluster at 127.0.0.1:{port} (connection refused): start one with "
+        f"ray start --head --port {port}, or drop --address to run a local one\n"
+    )
+
+
+def test_an_address_that_accepts_a_connection_passes_the_check():
+    import socket
+
+    from asyncdiloco.fleet.ray_env import check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=2.0)
+        check_reachable("auto")  # left to Ray
+
+
 # ------------------------------------------------------------------ on a local Ray
 #: The fleet's test job: small, so 3 workers and the server share 2 cores.
 _JOB = JobConfig(n_layer=1, n_embd=32, n_head=2, batch_size=8, context_len=32)
