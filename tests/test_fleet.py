@@ -314,6 +314,28 @@ def test_ctrl_c_keeps_the_logs_and_the_servers_log_and_removes_the_temp_folder(t
     assert not os.path.exists(fleet.state_root) and not server_log.parent.exists()
 
 
+def test_a_worker_without_a_stats_file_is_counted_by_the_server(tmp_path, capsys):
+    from asyncdiloco.bench.demo import Outcome
+    from asyncdiloco.fleet.report import FleetWorker, ReportSettings, print_summary, write
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+    workers = [FleetWorker("cpu-0", "cpu", 0, 1.0, {}), FleetWorker("cpu-1", "cpu", 1, 1.0, {})]
+    workers[0].state, workers[1].state = "done", "failed"
+    (tmp_path / "worker-cpu-0.json").write_text(json.dumps({"inner_steps": 100, "tokens": 25600}))
+    status = pb.StatusReply(initialized=True, applied_pushes=31)
+    status.workers.add(worker_name="cpu-0", applied_pushes=20, tokens=25600, local_steps=100)
+    status.workers.add(worker_name="cpu-1", applied_pushes=6, tokens=7680, local_steps=30)  # two sessions
+    status.workers.add(worker_name="cpu-1", applied_pushes=5, tokens=6400, local_steps=25)
+    outcome = Outcome("127.0.0.1:1", status, [], 4.2, 3.0, 10.0, workers, [0, None], 0.0, None)
+    result = write(ReportSettings("async", (), _JOB, 30.0), tmp_path, outcome, {})
+    print_summary(result)
+    by_name = {w["name"]: w for w in result.report["workers"]}
+    assert (by_name["cpu-1"]["inner_steps"], by_name["cpu-1"]["pushes"], by_name["cpu-1"]["tokens"]) == (55, 11, 14080)
+    assert [by_name[n]["fleet"]["counted_by"] for n in ("cpu-0", "cpu-1")] == ["worker", "server"]
+    out = capsys.readouterr().out
+    assert "cpu-1: 55 steps, 11 pushes, 14,080 tokens" in out and "cpu-1: no stats file" in out
+
+
 # ------------------------------------------------------------------ on a local Ray
 #: The fleet's test job: small, so 3 workers and the server share 2 cores.
 _JOB = JobConfig(n_layer=1, n_embd=32, n_head=2, batch_size=8, context_len=32)
