@@ -137,6 +137,205 @@ def test_the_workers_flags_are_the_worker_commands_own(tmp_path):
     assert (args.worker_index, args.slowdown, args.max_seconds, args.max_steps) == (5, 2.0, 12.5, 40)
 
 
+# ------------------------------------------------------------------ resources, deadlines, the end
+def test_a_local_ray_gets_as_many_logical_cpus_as_the_fleet_reserves():
+    from asyncdiloco.fleet.resources import local_num_cpus
+
+    spec = FleetSpec()  # the server's 1 CPU and 3 workers of 1
+    assert local_num_cpus(spec, None, cores=2) == 4  # oversubscribed: the default runs on 2 cores
+    assert local_num_cpus(spec, None, cores=16) == 16
+    assert local_num_cpus(spec, 4, cores=2) == 4
+    with pytest.raises(ConfigError, match=r"--local-cpus 2 is too few.*4 in all; give --local-cpus 4 or more"):
+        local_num_cpus(spec, 2, cores=16)
+
+
+def test_a_request_no_node_holds_is_refused_and_a_fleet_too_big_queues():
+    from asyncdiloco.fleet.resources import check_fits
+
+    gpu = FleetSpec(groups=(WorkerGroup.parse("gpu:1:0.5:1"),))
+    refusal = r"group gpu asks 1 GPU per worker; the Ray cluster has 0 GPUs: drop the GPUs from --group"
+    with pytest.raises(ConfigError, match=refusal):
+        check_fits(gpu, [{"CPU": 2.0, "memory": 1e9}])
+    big = FleetSpec(groups=(WorkerGroup.parse("big:1:4:0"),))
+    with pytest.raises(ConfigError, match=r"asks 4 CPUs per worker; the Ray cluster has 4 CPUs, at most 2 on one node"):
+        check_fits(big, [{"CPU": 2.0}, {"CPU": 2.0}])
+    both = FleetSpec(groups=(WorkerGroup(name="g", num_cpus=2, num_gpus=1),))
+    with pytest.raises(ConfigError, match="no node of the Ray cluster has all of it"):
+        check_fits(both, [{"CPU": 4.0}, {"CPU": 1.0, "GPU": 1.0}])
+    custom = FleetSpec(groups=(WorkerGroup(name="c", resources={"node:big": 1}),))
+    with pytest.raises(ConfigError, match=r"""ray start --resources '\{"node:big": N\}'"""):
+        check_fits(custom, [{"CPU": 8.0}])
+    (line,) = check_fits(FleetSpec(), [{"CPU": 2.0}])  # 4 CPUs asked, every actor fits alone
+    assert "reserves 4 CPUs in all and the Ray cluster has 2" in line and "queue" in line
+    assert check_fits(gpu, [{"CPU": 2.0, "GPU": 1.0}]) == []
+
+
+def test_an_address_where_no_ray_listens_is_one_line_and_exit_1(capsys):
+    import socket
+
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'asyncdiloco[ray]'")
+    with socket.socket() as s:  # a port of 127.0.0.1 that nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = app._run(["launch", "--address", f"127.0.0.1:{port}", "--max-seconds", "5", "--out", "/nonexistent/x"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err == (
+        f"asyncdiloco launch: error: no Ray cluster at 127.0.0.1:{port} (connection refused): start one with "
+        f"ray start --head --port {port}, or drop --address to run a local one\n"
+    )
+
+
+def test_an_address_that_accepts_a_connection_passes_the_check():
+    import socket
+
+    from asyncdiloco.fleet.ray_env import check_reachable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        check_reachable(f"127.0.0.1:{s.getsockname()[1]}", timeout_s=2.0)
+        check_reachable("auto")  # left to Ray
+
+
+class _Ray:
+    """The part of Ray the driver's deadline and Ctrl-C code call, recording the kills;
+    no run ever returns and no actor answers (a queue of actors Ray never places)."""
+
+    class exceptions:
+        class RayError(Exception):
+            pass
+
+        class GetTimeoutError(RayError):
+            pass
+
+    def __init__(self):
+        self.killed = []
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+    def wait(self, refs, num_returns, timeout):
+        return [], list(refs)
+
+    def get(self, ref, timeout=None):
+        raise self.exceptions.GetTimeoutError
+
+
+class _Actor:
+    def __init__(self, name):
+        self.name, self.stops = name, 0
+        self.stop = self
+
+    def remote(self, *_):  # actor.stop.remote()
+        self.stops += 1
+        return f"stop-{self.name}"
+
+
+def _fleet(tmp_path, names):
+    """A Fleet after start(), without Ray: one run per worker, none placed yet."""
+    from asyncdiloco.fleet.launch import Fleet
+    from asyncdiloco.fleet.report import FleetWorker
+    from asyncdiloco.fleet.stopping import WorkerRun
+
+    fleet = Fleet.__new__(Fleet)
+    fleet.ray, fleet.run_id, fleet.spec = _Ray(), "t", FleetSpec(out_dir=str(tmp_path / "out"))
+    fleet.out, fleet.state_root = tmp_path / "out", str(tmp_path / "asyncdiloco-fleet-t")
+    fleet.out.mkdir()
+    fleet.workers, fleet.actors, fleet.runs, fleet.ready = [], {}, {}, {}
+    fleet.last_end, fleet.server, fleet.where, fleet.watcher = 0.0, None, {}, None
+    for name in names:
+        w = FleetWorker(name, "cpu", len(fleet.workers), 1.0, {"num_cpus": 1})
+        w.state = "running"
+        fleet.workers.append(w)
+        fleet.actors[name] = _Actor(name)
+        run = WorkerRun(w, fleet.actors[name], f"ready-{name}", 30.0, requested_at=0.0)
+        fleet.runs[f"run-{name}"], fleet.ready[run.ready] = run, run
+        (tmp_path / "asyncdiloco-fleet-t" / name).mkdir(parents=True)
+        (tmp_path / "asyncdiloco-fleet-t" / name / "worker.log").write_text(f"{name} trained\n")
+    return fleet
+
+
+def test_an_actor_never_placed_is_killed_once_nothing_of_the_fleet_runs(tmp_path):
+    from asyncdiloco.fleet.stopping import OVERDUE_S, overdue
+
+    fleet = _fleet(tmp_path, ["cpu-0", "cpu-1"])
+    actors = dict(fleet.actors)
+    fleet.ready.pop("ready-cpu-0").placed_at = 1.0  # cpu-0 trains (as watch() marks it); cpu-1 waits
+    overdue(fleet, OVERDUE_S + 10)
+    assert fleet.ray.killed == [] and len(fleet.runs) == 2  # cpu-0 may still free a CPU
+    fleet.runs.pop("run-cpu-0")
+    fleet.last_end = 5.0  # cpu-0's run ended at 5 s
+    overdue(fleet, OVERDUE_S + 4.0)
+    assert fleet.ray.killed == []
+    overdue(fleet, OVERDUE_S + 6.0)
+    assert fleet.ray.killed == [actors["cpu-1"]] and fleet.runs == {} and fleet.ready == {}
+    w = fleet.workers[1]
+    assert w.state == "stopped" and "never placed" in w.causes[0] and actors["cpu-1"].stops == 0
+    assert (fleet.out / "worker-cpu-1.log").read_text() == "cpu-1 trained\n"
+
+
+def test_a_worker_past_its_budget_is_stopped_then_killed(tmp_path):
+    from asyncdiloco.fleet.stopping import OVERDUE_S, STOP_GRACE_S, overdue
+
+    fleet = _fleet(tmp_path, ["cpu-0"])
+    actor, run = fleet.actors["cpu-0"], fleet.runs["run-cpu-0"]
+    fleet.ready.pop(run.ready).placed_at = 10.0  # its budget of 30 s counts from here
+    overdue(fleet, 10.0 + 30.0 + OVERDUE_S - 1)
+    assert actor.stops == 0
+    overdue(fleet, 10.0 + 30.0 + OVERDUE_S + 1)
+    assert actor.stops == 1 and fleet.ray.killed == []  # SIGTERM: its last push, then Leave
+    overdue(fleet, 10.0 + 30.0 + OVERDUE_S + 1 + STOP_GRACE_S + 1)
+    assert fleet.ray.killed == [actor] and fleet.runs == {} and fleet.workers[0].state == "stopped"
+    assert "after SIGTERM" in fleet.workers[0].causes[0]
+
+
+def test_ctrl_c_keeps_the_logs_and_the_servers_log_and_removes_the_temp_folder(tmp_path, caplog):
+    from asyncdiloco.fleet import stopping
+
+    fleet = _fleet(tmp_path, ["cpu-0", "cpu-1"])
+    server_log = tmp_path / "asyncdiloco-server-x" / "server.log"
+    server_log.parent.mkdir()
+    server_log.write_text("server served\n")
+    fleet.server, fleet.where = _Actor("server"), {"log_path": str(server_log)}
+    fleet.workers[0].state = "failed"  # a failed worker does not keep the temp folder either
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(stopping, "INTERRUPT_GRACE_S", 0.01)
+    try:
+        stopping.interrupted(fleet)
+    finally:
+        monkey.undo()
+    assert "interrupted: stopping the fleet" in caplog.text
+    assert all(a.stops == 1 for a in fleet.ray.killed[:2])  # each was asked first
+    assert [w.state for w in fleet.workers] == ["stopped", "stopped"] and fleet.runs == {}
+    assert (fleet.out / "worker-cpu-0.log").read_text() == "cpu-0 trained\n"
+    assert (fleet.out / "server.log").read_text() == "server served\n"  # the actor never answered
+    fleet.close()
+    assert not os.path.exists(fleet.state_root) and not server_log.parent.exists()
+
+
+def test_a_worker_without_a_stats_file_is_counted_by_the_server(tmp_path, capsys):
+    from asyncdiloco.bench.demo import Outcome
+    from asyncdiloco.fleet.report import FleetWorker, ReportSettings, print_summary, write
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+    workers = [FleetWorker("cpu-0", "cpu", 0, 1.0, {}), FleetWorker("cpu-1", "cpu", 1, 1.0, {})]
+    workers[0].state, workers[1].state = "done", "failed"
+    (tmp_path / "worker-cpu-0.json").write_text(json.dumps({"inner_steps": 100, "tokens": 25600}))
+    status = pb.StatusReply(initialized=True, applied_pushes=31)
+    status.workers.add(worker_name="cpu-0", applied_pushes=20, tokens=25600, local_steps=100)
+    status.workers.add(worker_name="cpu-1", applied_pushes=6, tokens=7680, local_steps=30)  # two sessions
+    status.workers.add(worker_name="cpu-1", applied_pushes=5, tokens=6400, local_steps=25)
+    outcome = Outcome("127.0.0.1:1", status, [], 4.2, 3.0, 10.0, workers, [0, None], 0.0, None)
+    result = write(ReportSettings("async", (), _JOB, 30.0), tmp_path, outcome, {})
+    print_summary(result)
+    by_name = {w["name"]: w for w in result.report["workers"]}
+    assert (by_name["cpu-1"]["inner_steps"], by_name["cpu-1"]["pushes"], by_name["cpu-1"]["tokens"]) == (55, 11, 14080)
+    assert [by_name[n]["fleet"]["counted_by"] for n in ("cpu-0", "cpu-1")] == ["worker", "server"]
+    out = capsys.readouterr().out
+    assert "cpu-1: 55 steps, 11 pushes, 14,080 tokens" in out and "cpu-1: no stats file" in out
+
+
 # ------------------------------------------------------------------ on a local Ray
 #: The fleet's test job: small, so 3 workers and the server share 2 cores.
 _JOB = JobConfig(n_layer=1, n_embd=32, n_head=2, batch_size=8, context_len=32)

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     result = launch(fleet, address=args.address, local_cpus=args.local_cpus)
     print(f"asyncdiloco launch: report at {result.report_path}", flush=True)
     report = result.report
-    return 0 if not result.failed and report["final_eval_loss"] < report["initial_eval_loss"] else 1
+    finished = not result.failed and not result.stopped
+    return 0 if finished and report["final_eval_loss"] < report["initial_eval_loss"] else 1
 
 
 def _raise_keyboard_interrupt(*_: object) -> None:

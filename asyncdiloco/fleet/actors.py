@@ -86,11 +86,17 @@ class ServerActor:
 
     def where(self) -> dict:
         """Where workers reach the server: ``address`` "HOST:PORT", ``metrics_port`` (0:
-        off) and ``node_ip``, the IP address of the actor's node."""
+        off), ``node_ip``, the IP address of the actor's node, and ``log_path``, the
+        server's log file on that node."""
         host, node = self.server.config.host, _node_ip()
         reachable = node if host in ("0.0.0.0", "::", "") else host
         shown = f"[{reachable}]" if ":" in reachable else reachable
-        return {"address": f"{shown}:{self.server.port}", "metrics_port": self.server.metrics_port, "node_ip": node}
+        return {
+            "address": f"{shown}:{self.server.port}",
+            "metrics_port": self.server.metrics_port,
+            "node_ip": node,
+            "log_path": str(self._log_path),
+        }
 
     def serve(self) -> None:
         """Block until ``stop``: the driver waits on this call to learn that the actor died."""

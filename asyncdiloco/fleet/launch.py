@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 import secrets
 import shutil
@@ -41,7 +42,9 @@ from asyncdiloco.flags.settings import WORKER_JOB
 from asyncdiloco.fleet.actors import ServerActor, WorkerActor
 from asyncdiloco.fleet.ray_env import connect, ray_module
 from asyncdiloco.fleet.report import FleetReport, FleetWorker
+from asyncdiloco.fleet.resources import check_fits, fleet_cpus, local_num_cpus
 from asyncdiloco.fleet.spec import FleetSpec
+from asyncdiloco.fleet.stopping import INTERRUPT_GRACE_S, WorkerRun, interrupted, keep_server_log, overdue, salvage
 from asyncdiloco.fleet.watch import Watch
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
@@ -49,8 +52,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds a restarted worker needs at least (start-up, join, a round); less left: not restarted.
 MIN_RESTART_S = 5.0
-#: Seconds the workers get past their budget (start-up, the last push) before they are stopped.
-OVERDUE_S = 120.0
 
 
 def launch(
@@ -66,26 +67,59 @@ def launch(
         spec: the server, the worker groups, the bounds, the token, the output folder.
         address: the Ray cluster ("HEAD:6379", "auto"); None starts a Ray of this machine
             alone on 127.0.0.1 (ray_env.py) and shuts it down at the end.
-        local_cpus: cores of that local Ray (None: all of the machine's).
+        local_cpus: logical CPUs of that local Ray (None: the machine's cores, or as many
+            as the fleet reserves when that is more; resources.py).
         on_status: called with the fleet and each status reply of the server's (about
             twice a second), e.g. to kill a worker's actor in a drill.
     Returns:
         The report (also in ``spec.out_dir/report.json``).
     Raises:
-        ConfigError: Ray is not installed, or a setting is refused.
-        AsyncDiLoCoError: the server's actor did not start or died, or every worker failed.
+        ConfigError: Ray is not installed, or a setting is refused (a request no node holds).
+        AsyncDiLoCoError: no cluster at ``address``, the server's actor did not start or
+            died, or no worker finished.
+        KeyboardInterrupt: Ctrl-C (or SIGTERM through the CLI), after the fleet was stopped
+            and its logs collected in ``spec.out_dir`` (stopping.py ``interrupted``).
     """
-    started_ray = connect(address, local_cpus)  # first: a local Ray's loopback switch is read at import
+    num_cpus = _local_ray_cpus(spec, local_cpus) if address is None else local_cpus
+    started_ray = connect(address, num_cpus)  # first: a local Ray's loopback switch is read at import
     ray = ray_module()
-    fleet = Fleet(spec, ray_address=address or "local", on_status=on_status)
     try:
-        fleet.start()
-        fleet.watch()
-        return fleet.finish()
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        for line in check_fits(spec, nodes):
+            log.warning("%s", line)
+        fleet = Fleet(spec, ray_address=address or "local", on_status=on_status)
+        try:
+            fleet.start()
+            fleet.watch()
+            return fleet.finish()
+        except KeyboardInterrupt:
+            interrupted(fleet)
+            raise
+        except AsyncDiLoCoError:
+            if fleet.server is not None:
+                keep_server_log(fleet, INTERRUPT_GRACE_S)
+            raise
+        finally:
+            fleet.close()
     finally:
-        fleet.close()
         if started_ray:
             ray.shutdown()
+
+
+def _local_ray_cpus(spec: FleetSpec, local_cpus: float | None) -> float:
+    """The local Ray's logical CPUs (resources.py ``local_num_cpus``), with a line when
+    they are more than the machine's cores."""
+    cores = os.cpu_count() or 1
+    num_cpus = local_num_cpus(spec, local_cpus, cores)
+    if num_cpus > cores:
+        log.info(
+            "the fleet reserves %g CPUs and this machine has %d cores: the local Ray gets %g logical CPUs, "
+            "oversubscribing the cores",
+            fleet_cpus(spec),
+            cores,
+            num_cpus,
+        )
+    return num_cpus
 
 
 class Fleet:
@@ -103,11 +137,14 @@ class Fleet:
         )
         self.workers: list[FleetWorker] = []
         self.actors: dict[str, Any] = {}  # worker name -> its live actor
-        self.runs: dict[Any, FleetWorker] = {}  # ObjectRef of a run call -> its worker
+        self.runs: dict[Any, WorkerRun] = {}  # ObjectRef of a run call -> the run
+        self.ready: dict[Any, WorkerRun] = {}  # ObjectRef of a run's ``ready`` -> the run, until placed
+        self.last_end = time.monotonic()  # when a run of the fleet last ended (its resources freed)
         self.first_start: dict[str, float] = {}  # worker name -> when its first actor was made (monotonic)
         self.server: Any = None
         self.serving: Any = None  # ObjectRef of ServerActor.serve: fails when the actor dies
         self.address = ""
+        self.where: dict = {}
         self.watcher: Watch | None = None
 
     # ------------------------------------------------------------------ start
@@ -121,7 +158,9 @@ class Fleet:
             resources=spec.server_resources or None,
             max_concurrency=4,
         ).remote(spec.server, self.token)
-        where = self._get(self.server.where.remote(), spec.startup_timeout_s, "the server's actor to listen")
+        where = self.where = self.get_within(
+            self.server.where.remote(), spec.startup_timeout_s, "the server's actor to listen"
+        )
         self.address = where["address"]
         if self.ray_address != "local" and self.address.startswith(("127.", "localhost", "[::1]")):
             log.warning(
@@ -147,7 +186,12 @@ class Fleet:
     def _groups_text(self) -> str:
         return ", ".join(f"{g.name}: {g.count} x {g.num_cpus:g} CPU {g.num_gpus:g} GPU" for g in self.spec.groups)
 
-    def _get(self, ref: Any, timeout_s: float, what: str) -> Any:
+    def get_within(self, ref: Any, timeout_s: float, what: str) -> Any:
+        """``ray.get(ref)`` within ``timeout_s``; ``what`` names the wait in the error.
+
+        Raises:
+            AsyncDiLoCoError: timed out, or the call failed (its actor died).
+        """
         try:
             return self.ray.get(ref, timeout=timeout_s)
         except self.ray.exceptions.GetTimeoutError:
@@ -189,8 +233,11 @@ class Fleet:
             .remote(w.name, f"{self.state_root}/{w.name}", group.ranks)
         )
         self.actors[w.name] = actor
-        self.first_start.setdefault(w.name, time.monotonic())
-        self.runs[actor.run.remote(self.worker_argv(w, max_seconds), self.token)] = w
+        now = time.monotonic()
+        self.first_start.setdefault(w.name, now)
+        run = WorkerRun(w, actor, actor.pid.remote(), max_seconds, requested_at=now)
+        self.runs[actor.run.remote(self.worker_argv(w, max_seconds), self.token)] = run
+        self.ready[run.ready] = run
         w.state = "running"
 
     def actor(self, name: str) -> Any:
@@ -200,33 +247,28 @@ class Fleet:
     # ------------------------------------------------------------------ watch
     def watch(self) -> None:
         """Until no worker runs: collect finished runs (restarting the dead), poll the
-        server's status, evaluate, log progress.
+        server's status, evaluate, log progress, and stop the overdue (stopping.py).
 
         Raises:
-            AsyncDiLoCoError: the server's actor died, or every worker failed.
+            AsyncDiLoCoError: the server's actor died, or no worker finished.
         """
         assert self.watcher is not None
-        budget = self.spec.max_seconds
-        deadline = time.monotonic() + budget + OVERDUE_S if budget is not None else None
-        stopped = False
         while self.runs:
-            done, _ = self.ray.wait([*self.runs, self.serving], num_returns=1, timeout=0.5)
+            done, _ = self.ray.wait([*self.runs, *self.ready, self.serving], num_returns=1, timeout=0.5)
             if self.serving in done:
-                self._get(self.serving, 1.0, "the server's actor")  # raises its death
+                self.get_within(self.serving, 1.0, "the server's actor")  # raises its death
                 raise AsyncDiLoCoError("the server's actor stopped while the workers trained")
-            for ref in [r for r in done if r in self.runs]:
-                self._collect(ref)
+            for ref in done:
+                if ref in self.ready:
+                    self.ready.pop(ref).placed_at = time.monotonic()
+                elif ref in self.runs:
+                    self._collect(ref)
             status = self.watcher.poll()
             if status is not None and self.on_status is not None:
                 self.on_status(self, status)
-            if deadline is not None and time.monotonic() > deadline and not stopped:
-                log.warning(
-                    "fleet %s: workers still running %g s past their budget; stopping them", self.run_id, OVERDUE_S
-                )
-                self.stop_workers()
-                stopped = True
+            overdue(self, time.monotonic())
         if not any(w.state == "done" for w in self.workers):
-            raise AsyncDiLoCoError(f"every worker of the fleet failed: {self._fates()}; see {self.out}/worker-*.log")
+            raise AsyncDiLoCoError(f"no worker of the fleet finished: {self._fates()}; see {self.out}/worker-*.log")
 
     def _fates(self) -> str:
         return "; ".join(
@@ -235,13 +277,18 @@ class Fleet:
 
     def _collect(self, ref: Any) -> None:
         """A run call that returned: the worker is done, failed, or restarted."""
-        w = self.runs.pop(ref)
+        run = self.runs.pop(ref)
+        self.ready.pop(run.ready, None)
+        w = run.worker
+        self.last_end = time.monotonic()
         try:
             result = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
+            salvage(self, w)  # its log up to its death, where its state folder is on this machine
             self._restart(w, f"actor died ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
             return
         w.keep(self.out, result)
+        self.kill_actor(w.name)  # its run is over: its CPUs and GPUs go back to Ray at once
         code = result["exit_code"]
         if code == 0:
             w.state = "done"
@@ -262,7 +309,7 @@ class Fleet:
     def _restart(self, w: FleetWorker, cause: str) -> None:
         """Start ``w`` again in a new actor, if it has restarts and training time left."""
         w.causes.append(cause)
-        self._forget_actor(w.name)
+        self.kill_actor(w.name)
         left = None
         if self.spec.max_seconds is not None:
             left = self.spec.max_seconds - (time.monotonic() - self.first_start[w.name])
@@ -288,15 +335,11 @@ class Fleet:
         )
         self._start_worker(w, left)
 
-    def _forget_actor(self, name: str) -> None:
+    def kill_actor(self, name: str) -> None:
+        """``ray.kill`` worker ``name``'s actor, if it has one (its resources go back to Ray)."""
         actor = self.actors.pop(name, None)
         if actor is not None:
             self.ray.kill(actor, no_restart=True)  # a dead one: nothing; an unreachable one: ended
-
-    def stop_workers(self) -> None:
-        """SIGTERM every running worker (its last push, then Leave)."""
-        for actor in self.actors.values():
-            actor.stop.remote()
 
     # ------------------------------------------------------------------ end
     def finish(self) -> FleetReport:
@@ -305,9 +348,8 @@ class Fleet:
 
         assert self.watcher is not None
         outcome = self.watcher.outcome(self.workers)
-        log_text = self._get(self.server.stop.remote(), 60.0, "the server's actor to stop")
+        log_text = self.get_within(self.server.stop.remote(), 60.0, "the server's actor to stop")
         (self.out / "server.log").write_text(log_text)
-        self.server = None
         args = tuple(a for g in self.spec.groups for a in g.worker_args)
         settings = ReportSettings(self.spec.server.mode, args, self.spec.job, self.spec.max_seconds)
         result = write(settings, self.out, outcome, self._fleet_fields())
@@ -324,14 +366,18 @@ class Fleet:
         }
 
     def close(self) -> None:
-        """End every actor still there (a launch that failed or was interrupted) and the
-        driver's client; the workers' state folders are kept on their nodes."""
+        """End every actor still there (a launch that failed or was interrupted), the
+        driver's client, and this machine's temporary folders of the fleet (the default
+        state folders, the server's log folder): the next launch has a new run id, so
+        nothing would resume from them."""
         if self.watcher is not None:
             self.watcher.close()
         for name in list(self.actors):
-            self._forget_actor(name)
+            self.kill_actor(name)
         if self.server is not None:
             self.ray.kill(self.server, no_restart=True)
             self.server = None
-        if not self.spec.state_root and self.actors == {} and all(w.state == "done" for w in self.workers):
+        if not self.spec.state_root:
             shutil.rmtree(self.state_root, ignore_errors=True)  # this node's part of the default folder
+        if self.where.get("log_path"):
+            shutil.rmtree(pathlib.Path(self.where["log_path"]).parent, ignore_errors=True)

@@ -6,22 +6,27 @@ binds and speaks 127.0.0.1 only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes R
 loopback address as the node's own, as it does on a laptop; ``_node_ip_address`` alone is
 resolved by Ray to the machine's outward address), without the dashboard and without
 usage statistics (``RAY_DISABLE_USAGE_STATS=1``). ``connect("HEAD:6379")`` (or "auto")
-joins a cluster started with ``ray start``.
+joins a cluster started with ``ray start``; a HOST:PORT where nothing listens is refused
+after a short TCP connect (``check_reachable``) instead of Ray's own minutes of retries.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from types import ModuleType
 
-from asyncdiloco.errors import ConfigError
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 log = logging.getLogger(__name__)
 
 #: What ``pip install`` brings Ray (pyproject.toml's extra).
 RAY_FIX = "pip install 'asyncdiloco[ray]'"
+
+#: Seconds the driver waits for a TCP connection to a cluster's HOST:PORT.
+CONNECT_TIMEOUT_S = 5.0
 
 #: Ray's settings for a Ray of this machine alone: loopback only, no usage statistics.
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1"}
@@ -75,6 +80,7 @@ def connect(address: str | None, num_cpus: float | None = None) -> bool:
         True if this call started Ray (the caller shuts it down).
     Raises:
         ConfigError: Ray is not installed, or ``num_cpus`` is given with an address.
+        AsyncDiLoCoError: no Ray cluster answers at ``address``.
     """
     if address is None:
         _loopback_only()
@@ -91,6 +97,36 @@ def connect(address: str | None, num_cpus: float | None = None) -> bool:
             f"own CPUs (ray start --num-cpus); drop --local-cpus"
         )
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
-    ray.init(address=address, configure_logging=False)
+    check_reachable(address)
+    try:
+        ray.init(address=address, configure_logging=False)
+    except ConnectionError as exc:  # "auto" with no cluster on this machine, a head that went away
+        raise AsyncDiLoCoError(_no_cluster(address, str(exc).splitlines()[0][:200])) from None
     log.info("connected to the Ray cluster at %s: %s", address, ray.cluster_resources())
     return True
+
+
+def _no_cluster(address: str, why: str) -> str:
+    port = address.rsplit(":", 1)[1] if ":" in address and address.rsplit(":", 1)[1].isdigit() else "6379"
+    return (
+        f"no Ray cluster at {address} ({why}): start one with ray start --head --port {port}, or drop --address "
+        f"to run a local one"
+    )
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """For an address "HOST:PORT" (or "ray://HOST:PORT", "[IPv6]:PORT"): a TCP connection to
+    it within ``timeout_s``, closed at once; other forms ("auto") are left to Ray.
+
+    Raises:
+        AsyncDiLoCoError: nothing accepts a connection there (refused, unreachable, timed out).
+    """
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        raise AsyncDiLoCoError(_no_cluster(address, why.lower())) from None

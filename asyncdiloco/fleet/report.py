@@ -5,7 +5,9 @@ node, restarts and fate, and the Ray address.
 
 Each worker's stats file and log come back from its actor with its last run's result;
 they are written to the output folder as the demo's are (``worker-<name>.json``,
-``worker-<name>.log``) before the report reads them.
+``worker-<name>.log``) before the report reads them. A worker killed before it wrote its
+stats file is counted by the server alone: its inner steps, pushes and tokens are those
+of its applied pushes (``fleet.counted_by`` "server", else "worker").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from asyncdiloco.bench import demo_report
 from asyncdiloco.bench.demo import Outcome
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 TITLE = "asyncdiloco fleet"
 
@@ -32,7 +35,8 @@ class FleetWorker:
     index: int
     speed_factor: float
     resources: dict
-    #: "starting", "running", "done" (exited 0), "failed" (out of restarts, or a bad flag).
+    #: "starting", "running", "done" (exited 0), "failed" (out of restarts, or a bad flag),
+    #: "stopped" (killed past its deadline, never placed by Ray, or interrupted).
     state: str = "starting"
     restarts: int = 0
     #: Why each restart happened, oldest first.
@@ -49,9 +53,12 @@ class FleetWorker:
         return f"worker-{self.name}"
 
     def keep(self, out: pathlib.Path, result: dict) -> None:
-        """Write a run's stats file and log (``WorkerActor.run``'s result) to ``out``."""
+        """Write a run's stats file and log (``WorkerActor.run``'s result) to ``out``; a run
+        without one removes an earlier run's stats file (the server then counts the worker)."""
         if result.get("stats") is not None:
             (out / f"{self.stem}.json").write_text(json.dumps(result["stats"]))
+        else:
+            (out / f"{self.stem}.json").unlink(missing_ok=True)
         (out / f"{self.stem}.log").write_text(result.get("log", ""))
         self.exit_code, self.node_ip = result["exit_code"], result.get("node_ip", self.node_ip)
 
@@ -87,15 +94,25 @@ class FleetReport:
         """Names of the workers the fleet gave up on."""
         return [w["name"] for w in self.report["workers"] if w["fleet"]["state"] == "failed"]
 
+    @property
+    def stopped(self) -> list[str]:
+        """Names of the workers the fleet killed before they finished (stopping.py)."""
+        return [w["name"] for w in self.report["workers"] if w["fleet"]["state"] == "stopped"]
+
 
 def write(settings: ReportSettings, out: pathlib.Path, outcome: Outcome, fleet: dict) -> FleetReport:
     """report.json and loss_curve.png in ``out``; ``fleet`` is the report's "fleet" field
     (``ray_address``, ``max_restarts``, ``groups``), and each worker entry gets its own."""
     report = demo_report.report(settings, out, outcome)
     by_name = {w.name: w for w in outcome.workers if isinstance(w, FleetWorker)}
+    steps = server_steps(outcome.status)
     for entry in report["workers"]:
         w = by_name[entry["name"]]
+        counted_by = "worker" if (out / f"{w.stem}.json").exists() else "server"
+        if counted_by == "server":
+            entry["inner_steps"] = steps.get(w.name, 0)
         entry["fleet"] = {
+            "counted_by": counted_by,
             "group": w.group,
             "resources": w.resources,
             "node_ip": w.node_ip,
@@ -110,8 +127,28 @@ def write(settings: ReportSettings, out: pathlib.Path, outcome: Outcome, fleet: 
     return FleetReport(report, out)
 
 
+def server_steps(status: pb.StatusReply) -> dict[str, int]:
+    """Per worker name, the inner steps in its applied pushes (every session of the name)."""
+    steps: dict[str, int] = {}
+    for w in status.workers:
+        steps[w.worker_name] = steps.get(w.worker_name, 0) + w.local_steps
+    return steps
+
+
 def print_summary(result: FleetReport) -> None:
-    """The demo's summary, then the restarts and failures."""
+    """The demo's summary, then the restarts, failures and stops."""
     demo_report.print_summary(result.report, result.out_dir, title=TITLE)
-    restarted = [f"{w['name']} x{w['fleet']['restarts']}" for w in result.report["workers"] if w["fleet"]["restarts"]]
-    print(f"  restarts: {', '.join(restarted) or 'none'}; failed: {', '.join(result.failed) or 'none'}", flush=True)
+    workers = result.report["workers"]
+    by_server = [w["name"] for w in workers if w["fleet"]["counted_by"] == "server"]
+    if by_server:
+        print(
+            f"  {', '.join(by_server)}: no stats file (killed before writing one): steps, pushes and tokens "
+            f"as the server counted them, in applied pushes",
+            flush=True,
+        )
+    restarted = [f"{w['name']} x{w['fleet']['restarts']}" for w in workers if w["fleet"]["restarts"]]
+    print(
+        f"  restarts: {', '.join(restarted) or 'none'}; failed: {', '.join(result.failed) or 'none'}; "
+        f"stopped: {', '.join(result.stopped) or 'none'}",
+        flush=True,
+    )
