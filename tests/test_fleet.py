@@ -412,3 +412,25 @@ def test_a_fleet_spec_holds_the_servers_settings():
     spec = FleetSpec(server=ServerConfig(host="127.0.0.1", port=0, mode="sync"))
     names = spec.groups[0].worker_names()
     assert (spec.server.mode, spec.num_workers, names) == ("sync", 3, ["cpu-0", "cpu-1", "cpu-2"])
+
+
+def test_the_server_actor_leaves_no_copy_of_the_token_on_disk(tmp_path, monkeypatch):
+    """The server reads the token at start; the file it was handed is gone right after,
+    and calls without the token are refused."""
+    import grpc
+
+    from asyncdiloco.fleet.actors import ServerActor
+    from asyncdiloco.ps.config import ServerConfig
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+    from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    actor = ServerActor(ServerConfig(host="127.0.0.1", port=0), "s3cret")
+    try:
+        assert not list(tmp_path.glob("asyncdiloco-token-*")), "the token file outlived the server's start"
+        with grpc.insecure_channel(f"127.0.0.1:{actor.server.port}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        actor.stop(grace_s=0)

@@ -80,9 +80,14 @@ class ServerActor:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("asyncdiloco").addHandler(handler)  # this actor's process is the server's
         logging.getLogger("asyncdiloco").setLevel(logging.INFO)
-        security = ServerSecurityConfig(token_file=write_token_file(token)) if token is not None else None
+        token_file = write_token_file(token) if token is not None else None
+        security = ServerSecurityConfig(token_file=token_file) if token_file is not None else None
         self._stopped = threading.Event()
-        self.server = ParameterServer(dataclasses.replace(config, security=security)).start()
+        try:
+            self.server = ParameterServer(dataclasses.replace(config, security=security)).start()
+        finally:  # the server read the token at start: no copy of it stays on the node's disk
+            if token_file is not None:
+                shutil.rmtree(os.path.dirname(token_file), ignore_errors=True)
 
     def where(self) -> dict:
         """Where workers reach the server: ``address`` "HOST:PORT", ``metrics_port`` (0:

@@ -88,7 +88,11 @@ def connect(address: str | None, num_cpus: float | None = None) -> bool:
     if ray.is_initialized():
         return False
     if address is None:
-        ray.init(**local_ray_kwargs(num_cpus))
+        try:
+            ray.init(**local_ray_kwargs(num_cpus))
+        except KeyboardInterrupt:  # Ctrl-C while Ray starts: its agents would outlive this process
+            ray.shutdown()
+            raise
         log.info("started a local Ray on 127.0.0.1 (%s CPUs)", ray.cluster_resources().get("CPU", 0))
         return True
     if num_cpus is not None:
