@@ -38,7 +38,11 @@ except ImportError:  # pragma: no cover - isal has wheels for the usual platform
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("asyncdiloco's wire format is little-endian; this host is big-endian")
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+#: Payload bytes per chunk message: 4 MiB less 64 KiB, so that a chunk with its framing
+#: (index, offset, CRC, the header fields) fits gRPC's default 4 MiB receive limit and
+#: generated stubs with no channel options can push and pull (a full 4 MiB chunk was
+#: 4,194,314 bytes on the wire, 10 over the limit).
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 
 #: dtypes a parameter may have, with their wire enum.
 WIRE_DTYPES: dict[torch.dtype, pb.DType] = {
