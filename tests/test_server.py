@@ -482,3 +482,33 @@ def test_a_worker_reports_its_rate_and_takes_its_h_w_before_its_first_push(make_
         assert me.steps_per_s > 0  # reported before its first push
         assert worker.stats.pushes_applied == 1 and worker.local_steps == 1
         assert me.local_steps == AsyncDiLoCoWorker.RATE_PROBE_STEPS + 1  # pushed at once when told H_w = 1
+
+
+def test_a_stock_grpc_client_pulls_a_default_servers_model_with_grpcs_default_message_limit(make_server):
+    """Every chunk message of a default server fits gRPC's default 4 MiB receive limit
+    with its framing, so generated stubs work with no channel options (issue 15, item 5)."""
+    srv = make_server()
+    model = nn.Linear(1536, 1536)  # 9 MiB of fp32: three chunk messages or more
+    _, manifest, _ = init_server(srv, model)
+    with grpc.insecure_channel(srv.address) as channel:  # gRPC's defaults: 4 MiB per received message
+        stream = pb_grpc.ParameterServerStub(channel).Pull(pb.PullRequest(worker_id=0), timeout=60)
+        sizes = [len(m.chunk.data) for m in stream if m.HasField("chunk")]
+    assert sum(sizes) == manifest.total_bytes and len(sizes) >= 3
+
+
+def test_a_client_adopts_the_chunk_size_of_a_server_restarted_with_another_one(make_server):
+    """Issue 15, item 4: a client still cutting payloads with an old ``chunk_bytes`` (the
+    server restarted with a smaller ``--chunk-bytes``) has its push refused once, adopts
+    the server's chunk size and resends the same push id, which is applied; a pull adopts
+    it too."""
+    srv = make_server(chunk_bytes=4096)
+    model = nn.Linear(300, 256)  # 308 kB: 76 chunks of 4096 bytes, 2 of 256 KiB
+    client, manifest, wid = init_server(srv, model)
+    client.chunk_bytes = 256 * 1024  # what it learned from the server before the restart
+    payload = manifest.pack([torch.zeros_like(p) for p in model.parameters()])
+    reply = client.push(payload, worker_id=wid, push_id=2, base_version=0)
+    assert reply.applied and not reply.duplicate and client.chunk_bytes == 4096
+    assert srv.state.status().rejected_pushes == 1 and srv.state.version == 1
+    client.chunk_bytes = 256 * 1024
+    client.pull(manifest, wid)
+    assert client.chunk_bytes == 4096

@@ -16,11 +16,12 @@ fall back to gRPC per call when it cannot be used.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import grpc
 import torch
 
-from asyncdiloco.errors import InvalidPayloadError, from_rpc_error
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, PayloadTooLargeError, from_rpc_error
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.channel import grpc_channel_options
@@ -35,6 +36,8 @@ from asyncdiloco.wire.security import (
 )
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
+
+log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
 
@@ -215,11 +218,15 @@ class ParameterServerClient:
             got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
             if got is not None:
                 self.group_wait_s = got[0].run_config.group_max_wait_s
-                return Pulled(got[0].version, got[1], got[0].run_config)
+                pulled = Pulled(got[0].version, got[1], got[0].run_config)
+                self.chunk_bytes = pulled.run_config.chunk_bytes or self.chunk_bytes  # a restarted server's
+                return pulled
         try:
-            return self._pull_over_grpc(request, size, buffer, timeout_s)
+            pulled = self._pull_over_grpc(request, size, buffer, timeout_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        self.chunk_bytes = pulled.run_config.chunk_bytes or self.chunk_bytes  # a restarted server's
+        return pulled
 
     def _pull_over_grpc(
         self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, timeout_s: float
@@ -269,15 +276,13 @@ class ParameterServerClient:
             WorkerSupersededError (another process joined under this worker's name),
             ServerUnavailableError (outcome unknown: retry with the same push_id).
         """
-        total = payload.numel()
         header = pb.PushHeader(
             worker_id=worker_id,
             push_id=push_id,
             base_version=base_version,
             num_local_steps=num_local_steps,
             num_tokens=num_tokens,
-            total_bytes=total,
-            num_chunks=num_chunks_for(total, self.chunk_bytes),
+            total_bytes=payload.numel(),
             crc32=crc32_of(payload),
             kind=kind,
             compute_s=compute_s,
@@ -285,7 +290,31 @@ class ParameterServerClient:
             last=last,
             session_id=self._sessions.get(worker_id, 0),
         )
+        try:
+            return self._push_once(payload, header)
+        except (InvalidPayloadError, PayloadTooLargeError):
+            if not self._adopt_server_chunking():
+                raise
+            log.info("the server cuts payloads in chunks of %d bytes now; resending push %d", self.chunk_bytes, push_id)
+            return self._push_once(payload, header)  # the refusal applied nothing: the same push id again
 
+    def _adopt_server_chunking(self) -> bool:
+        """After a refused push: whether the server's chunk size (its Status's RunConfig)
+        differs from the one the push was cut with (a server restarted with another
+        ``--chunk-bytes``); if so it is adopted for every later push and pull."""
+        try:
+            chunk_bytes = self.status().run_config.chunk_bytes
+        except AsyncDiLoCoError:
+            return False
+        if not chunk_bytes or chunk_bytes == self.chunk_bytes:
+            return False
+        self.chunk_bytes = chunk_bytes
+        return True
+
+    def _push_once(self, payload: torch.Tensor, header: pb.PushHeader) -> pb.PushReply:
+        """``push`` cut in chunks of the current ``chunk_bytes``."""
+        total = payload.numel()
+        header.num_chunks = num_chunks_for(total, self.chunk_bytes)
         if self._bulk is not None and payload.is_contiguous():
             reply = self._bulk.push(header, payload, self._payload_timeout(total) + self.group_wait_s)
             if reply is not None:
