@@ -95,6 +95,20 @@ def assert_same(a: tuple, b: tuple) -> None:
             assert x == y, f"field {i}: {x!r} != {y!r}"
 
 
+def open_durable(config):
+    """A ``ParameterServerState`` and its opened ``DurableStore`` for ``config`` (which has
+    ``durability``), wired as ps/server.py wires them (the store reports to the state's
+    observer); restores what the checkpoint folder holds. Returns (state, store)."""
+    from asyncdiloco.ps.state import ParameterServerState
+    from asyncdiloco.ps.store import DurableStore
+
+    state = ParameterServerState(config)
+    store = DurableStore(config.durability, config)
+    store.observer = state.observer
+    store.open(state)
+    return state, store
+
+
 def crash(store) -> None:
     """What kill -9 does to a ``DurableStore``: its files stay as they are, the folder
     lock is released (by the kernel), and its state journals no more."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+import helpers
 import pytest
 import torch
 from helpers import assert_same, crash, fingerprint
@@ -16,7 +17,6 @@ from asyncdiloco.ps.checkpoints import canonical
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.records import PUSH_MEMORY
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -34,11 +34,7 @@ def config(tmp_path=None, every=10**6) -> ServerConfig:
 
 
 def open_durable(tmp_path, every=10**6):
-    cfg = config(tmp_path, every)
-    state = ParameterServerState(cfg)
-    store = DurableStore(cfg.durability, cfg)
-    store.open(state)
-    return state, store
+    return helpers.open_durable(config(tmp_path, every))
 
 
 def push(state, wid, push_id, value=0.001):

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same, crash, fingerprint
+from helpers import assert_same, crash, fingerprint, open_durable
 
 import asyncdiloco._atomic as atomic_module
 import asyncdiloco.ps.store as store_module
@@ -21,8 +21,6 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.metrics import ServerMetrics
-from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -109,11 +107,7 @@ def open_server(tmp_path, every=10**6):
         outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
         durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=every, fsync=False),
     )
-    state = ParameterServerState(cfg)
-    store = DurableStore(cfg.durability, cfg)
-    store.observer = state.observer  # as server.py wires it
-    store.open(state)
-    return state, store
+    return open_durable(cfg)
 
 
 def push(state, wid, push_id, value=0.01):

@@ -214,17 +214,15 @@ class ParameterServerClient:
             deadline_bytes: the payload size the call's deadline allows for.
         """
         timeout_s = self._payload_timeout(deadline_bytes)
-        if self._bulk is not None:
-            got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
-            if got is not None:
-                self.group_wait_s = got[0].run_config.group_max_wait_s
-                pulled = Pulled(got[0].version, got[1], got[0].run_config)
-                self.chunk_bytes = pulled.run_config.chunk_bytes or self.chunk_bytes  # a restarted server's
-                return pulled
-        try:
-            pulled = self._pull_over_grpc(request, size, buffer, timeout_s)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s) if self._bulk is not None else None
+        if got is not None:
+            self.group_wait_s = got[0].run_config.group_max_wait_s
+            pulled = Pulled(got[0].version, got[1], got[0].run_config)
+        else:
+            try:
+                pulled = self._pull_over_grpc(request, size, buffer, timeout_s)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
         self.chunk_bytes = pulled.run_config.chunk_bytes or self.chunk_bytes  # a restarted server's
         return pulled
 
