@@ -17,6 +17,7 @@ checks that the two agree):
     internal              INTERNAL               AsyncDiLoCoError (a bug, or no better class)
     invalid_config        INVALID_ARGUMENT       ConfigError
     invalid_payload       INVALID_ARGUMENT       InvalidPayloadError
+    payload_corrupted     INVALID_ARGUMENT       PayloadCorruptedError
     payload_too_large     RESOURCE_EXHAUSTED     PayloadTooLargeError
     manifest_mismatch     FAILED_PRECONDITION    ManifestMismatchError
     stale_push            FAILED_PRECONDITION    StalePushError
@@ -35,7 +36,10 @@ UNAVAILABLE marks the refusals after which the same call may succeed unchanged a
 later (gRPC's rule for that code): workers retry them with backoff (``RETRY_LATER``).
 "Not initialized" is one of them: the first worker's initial parameters are a push away,
 and a joining worker polls for them. FAILED_PRECONDITION refusals need something else to
-change first (another model, mode, base version or round).
+change first (another model, mode, base version or round). ``payload_corrupted`` is the
+one INVALID_ARGUMENT that the same call may cure (a bit flipped in transit): the client
+sends it again itself. A pseudo-gradient refused in ``DROP_AND_REPULL`` is dropped by the
+worker, which goes on from the global model (async_worker.py has the whole policy).
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ class InvalidPayloadError(AsyncDiLoCoError, ValueError):
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "invalid_payload"
+
+
+class PayloadCorruptedError(InvalidPayloadError):
+    """A payload's CRC-32 differs from the one its header announced: it was corrupted in
+    transit. Unlike the other invalid payloads, the same call sent again may succeed: the
+    client resends a push (same push_id; the refusal applied nothing) or pulls again, a
+    few times with backoff, before it raises this (``ParameterServerClient``). An
+    ``InvalidPayloadError``, so a client from before this reason sees that class."""
+
+    reason = "payload_corrupted"
 
 
 class PayloadTooLargeError(AsyncDiLoCoError, ValueError):
@@ -197,6 +211,14 @@ class UnauthenticatedError(AsyncDiLoCoError):
 #: Refusals after which the same call may succeed unchanged later: a worker keeps
 #: training and retries them with backoff (the same push_id for a push).
 RETRY_LATER: tuple[type[AsyncDiLoCoError], ...] = (ServerUnavailableError, NotInitializedError, CheckpointError)
+
+#: Refusals of a pseudo-gradient push after which the worker drops that pseudo-gradient
+#: (counted, with the reason) and goes on from the global model: the push is wrong as
+#: sent (too stale, a version the server never served, non-finite or out-of-range values,
+#: too large), so sending it again cannot help, and a fresh start from the global model
+#: can. ``PayloadCorruptedError`` is an ``InvalidPayloadError`` but is not dropped: the
+#: client resends it. The worker modules' docstrings hold the whole policy.
+DROP_AND_REPULL: tuple[type[AsyncDiLoCoError], ...] = (StalePushError, InvalidPayloadError, PayloadTooLargeError)
 
 #: The class a status without a reason maps to (one per code; see ``from_rpc_error``).
 _BY_CODE: dict[grpc.StatusCode, type[AsyncDiLoCoError]] = {

@@ -185,7 +185,7 @@ _AT_WEIGHT_0_7 = "the first at parameter #0 'weight', index (0, 7)"
         ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "total_bytes is 4"),
         ("out_of_order", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "out of order"),
         ("missing_chunk", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "stream ended after"),
-        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "CRC-32"),
+        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "payload_corrupted", "CRC-32"),
         ("no_header", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "must carry a PushHeader"),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v and "_" not in v else None,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadTooLargeError
+from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, PayloadCorruptedError, PayloadTooLargeError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -451,7 +451,8 @@ class PayloadAssembler:
         self._next_index = self.num_chunks
 
     def finish(self) -> torch.Tensor:
-        """The complete payload; raises if chunks are missing or the CRC-32 differs."""
+        """The complete payload; raises InvalidPayloadError if chunks are missing, PayloadCorruptedError
+        if the CRC-32 differs."""
         if self._next_index != self.num_chunks or self._filled != self.total_bytes:
             raise InvalidPayloadError(
                 f"stream ended after {self._next_index} of {self.num_chunks} chunks "
@@ -459,7 +460,7 @@ class PayloadAssembler:
             )
         crc = self._crc & 0xFFFFFFFF
         if crc != self._crc_expected:
-            raise InvalidPayloadError(
+            raise PayloadCorruptedError(
                 f"payload CRC-32 is {crc:#010x} but the header announced {self._crc_expected:#010x}; "
                 f"the payload was corrupted in transit: resend it"
             )

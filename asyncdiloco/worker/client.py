@@ -3,7 +3,11 @@
 Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB of
 payload for Push and Pull). A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
-policy (the Worker retries with backoff).
+policy (the Worker retries with backoff), with one exception: a payload corrupted in
+transit (``PayloadCorruptedError``: its CRC-32 differs, on either side) is sent again
+here, a push with the same header and push id (the refusal applied nothing), a pull
+from the start, up to ``corrupted_resends`` times with a backoff from
+``resend_backoff_s`` doubling; only when every try arrived corrupted is it raised.
 
 With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
 channel uses TLS (optionally with a client certificate), see wire/security.py.
@@ -17,11 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import torch
 
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, PayloadTooLargeError, from_rpc_error
+from asyncdiloco.errors import (
+    AsyncDiLoCoError,
+    InvalidPayloadError,
+    PayloadCorruptedError,
+    PayloadTooLargeError,
+    from_rpc_error,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.channel import grpc_channel_options
@@ -40,6 +53,15 @@ from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_pa
 log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
+
+_T = TypeVar("_T")
+
+#: Times a push or pull whose payload arrived corrupted is sent again before the client
+#: raises ``PayloadCorruptedError`` (one flipped bit is resent; a link that corrupts
+#: every transfer is reported).
+CORRUPTED_RESENDS = 3
+#: Seconds before the first resend of a corrupted payload; doubles with every resend.
+RESEND_BACKOFF_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +85,8 @@ class ParameterServerClient:
         chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
         security: token and TLS settings; None = plaintext, no token.
         bulk_channel: use the server's bulk data channel for push/pull when it offers one.
+        corrupted_resends: times a corrupted push or pull is sent again (module docstring).
+        resend_backoff_s: seconds before the first such resend; doubles with each.
     Raises:
         ConfigError: a token or PEM file cannot be read.
     """
@@ -76,8 +100,14 @@ class ParameterServerClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         security: ClientSecurityConfig | None = None,
         bulk_channel: bool = True,
+        corrupted_resends: int = CORRUPTED_RESENDS,
+        resend_backoff_s: float = RESEND_BACKOFF_S,
     ) -> None:
         self.address = address
+        self.corrupted_resends = corrupted_resends
+        self.resend_backoff_s = resend_backoff_s
+        #: Pushes and pulls whose payload arrived corrupted (each was sent again, or raised).
+        self.corrupted_transfers = 0
         self.rpc_timeout_s = rpc_timeout_s
         self.timeout_s_per_mib = timeout_s_per_mib
         self.chunk_bytes = chunk_bytes
@@ -186,7 +216,10 @@ class ParameterServerClient:
             ServerUnavailableError.
         """
         total = manifest.numel * 4 * (2 if with_momentum else 1)
-        return self._pull(pb.PullRequest(worker_id=worker_id, sync_state=True), total, None, total)
+        request = pb.PullRequest(worker_id=worker_id, sync_state=True)
+        return self._resending_corrupted(
+            lambda: self._pull(request, total, None, total), f"the sync-state pull of worker {worker_id}"
+        )
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
         """Stream the newest global parameters, encoded with the server's wire codec (the
@@ -202,7 +235,10 @@ class ParameterServerClient:
             return wire_bytes_for(header.run_config, manifest)
 
         deadline_bytes = max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
-        return self._pull(pb.PullRequest(worker_id=worker_id), size, buffer, deadline_bytes)
+        request = pb.PullRequest(worker_id=worker_id)
+        return self._resending_corrupted(
+            lambda: self._pull(request, size, buffer, deadline_bytes), f"the pull of worker {worker_id}"
+        )
 
     def _pull(
         self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, deadline_bytes: int
@@ -288,13 +324,50 @@ class ParameterServerClient:
             last=last,
             session_id=self._sessions.get(worker_id, 0),
         )
+        return self._resending_corrupted(
+            lambda: self._push_in_server_chunks(payload, header), f"push {push_id} of worker {worker_id}"
+        )
+
+    def _push_in_server_chunks(self, payload: torch.Tensor, header: pb.PushHeader) -> pb.PushReply:
+        """``_push_once``; refused, once more cut with the server's chunk size if it changed."""
         try:
             return self._push_once(payload, header)
+        except PayloadCorruptedError:
+            raise  # the chunking was right (the payload arrived whole): resent as it is
         except (InvalidPayloadError, PayloadTooLargeError):
             if not self._adopt_server_chunking():
                 raise
-            log.info("the server cuts payloads in chunks of %d bytes now; resending push %d", self.chunk_bytes, push_id)
+            log.info(
+                "the server cuts payloads in chunks of %d bytes now; resending push %d",
+                self.chunk_bytes,
+                header.push_id,
+            )
             return self._push_once(payload, header)  # the refusal applied nothing: the same push id again
+
+    def _resending_corrupted(self, call: Callable[[], _T], what: str) -> _T:
+        """``call()``, made again while its payload arrives corrupted (module docstring).
+
+        Raises:
+            PayloadCorruptedError: every one of the ``1 + corrupted_resends`` tries was
+                corrupted; the message names the count and what to check.
+            Whatever else ``call`` raises.
+        """
+        delay_s = self.resend_backoff_s
+        for attempt in range(1, self.corrupted_resends + 2):
+            try:
+                return call()
+            except PayloadCorruptedError as exc:
+                self.corrupted_transfers += 1
+                if attempt > self.corrupted_resends:
+                    raise PayloadCorruptedError(
+                        f"{what} arrived corrupted {attempt} times in a row (the limit is 1 + corrupted_resends="
+                        f"{self.corrupted_resends}; last: {exc}); the network path to {self.address} corrupts data: "
+                        f"check its links, NICs and proxies"
+                    ) from exc
+                log.warning("%s arrived corrupted (%s); sending it again in %.2f s", what, exc, delay_s)
+                time.sleep(delay_s)
+                delay_s *= 2
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _adopt_server_chunking(self) -> bool:
         """After a refused push: whether the server's chunk size (its Status's RunConfig)
