@@ -145,6 +145,7 @@ def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):
         worker_name="w7",
         join_timeout_s=3.0,
         overlap=True,
+        max_dropped_in_a_row=9,
         bulk_channel=False,
         state_dir="w7-state",  # read only if it holds a state (none here)
         security=ClientSecurityConfig(

@@ -404,14 +404,15 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
 
 
 def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
-    from asyncdiloco import InvalidPayloadError
+    from asyncdiloco import InvalidPayloadError, ServerUnavailableError
     from asyncdiloco.worker.overlap import SyncLink, SyncRequest, push_then_pull
 
     class NoNetwork:
         def push(self, *a, **k):
             raise AssertionError("a non-finite Δ must not be pushed")
 
-        pull = push
+        def pull(self, *a, **k):  # the pull still runs: the merge restarts from the global model
+            raise ServerUnavailableError("no network in this test")
 
     pending = dataclasses.make_dataclass(
         "P", ["payload", "push_id", "base_version", "num_local_steps", "num_tokens", "compute_s"]
@@ -422,7 +423,8 @@ def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent
         worker_id=7, pending=pending, base=torch.zeros(3), snapshot=snapshot, theta_g=torch.empty(3), pull_buffer=None
     )
     out = push_then_pull(link, request)
-    assert isinstance(out.error, InvalidPayloadError) and "non-finite" in str(out.error)
+    assert isinstance(out.refused, InvalidPayloadError) and "non-finite" in str(out.refused)
+    assert out.drop_reason == "non_finite" and isinstance(out.error, ServerUnavailableError)
     assert pending.payload is None and out.push_reply is None and not out.pulled
 
 

@@ -300,6 +300,12 @@ WORKER = FlagTable.of(
             help="push and pull in the background while the next inner steps run, then merge (async only)",
         ),
         Flag(
+            flag="--max-dropped-in-a-row",
+            field="max_dropped_in_a_row",
+            help="exit (status 1) after this many pseudo-gradients in a row were dropped, refused or not "
+            "finite, none applied (a diverged model); 0: never",
+        ),
+        Flag(
             flag="--no-bulk-channel",
             field="bulk_channel",
             action="unset",

@@ -17,12 +17,35 @@ server) the worker pushes the pseudo-gradient Δ = θ_base − θ_local against 
 Douillard et al. 2023, arXiv 2311.08105, Alg. 1; asynchronous variant as in Liu et al.
 2024, arXiv 2401.09135, Sec. 3). The inner optimizer's state is kept across rounds.
 
-Faults: if the server is unreachable the worker keeps training locally and retries at
-later sync points with exponential backoff. An unacknowledged push is retried with the
-same ``push_id`` (the server applies it at most once); once a push is acknowledged,
-θ_base is lowered by it, so local progress made while a pull failed is pushed later as
-a residual and never counted twice. A push refused as too stale is dropped and the
-worker restarts from the global model. An expired lease triggers a rejoin.
+Faults. The invariant: every inner step's progress is applied by the server once, or
+dropped (counted in ``WorkerStats``, with its reason), or not sent yet, which is exactly
+θ_base − θ_local; the steps and tokens the server is told follow the same split. So, by
+what a push or pull raises (the class decides, errors.py; never the message):
+
+- ``errors.RETRY_LATER`` (unreachable, busy, not initialized, checkpoint failed): the
+  worker keeps training locally and retries at later sync points with exponential
+  backoff. An unacknowledged push is retried with the same ``push_id`` (the server
+  applies it at most once), and the steps trained meanwhile stay in θ_base − θ_local and
+  in the counts: the pull after the retry keeps them on top of the global model. Once a
+  push is acknowledged θ_base is lowered by it, so progress made while a pull failed is
+  pushed later as a residual and never counted twice.
+- ``errors.DROP_AND_REPULL`` (stale, a version never served, non-finite or out-of-range
+  values, too large), a Δ that is not finite here (checked before sending), and a retry
+  answered as a duplicate never applied: that pseudo-gradient and the steps since are
+  dropped (``_drop_unsent``: the model restarts from θ_base at once, from the global
+  model at the pull that follows), counted and logged, and training goes on. After
+  ``WorkerConfig.max_dropped_in_a_row`` drops in a row (a model that diverges every
+  round, a worker too slow for ``max_staleness``) the sync raises once, the newest
+  drop's class, naming the count and the fix.
+- ``PayloadCorruptedError``: the client has sent it again a few times already
+  (client.py); if every try arrived corrupted it is raised, the push kept for a retry.
+- ``UnknownWorkerError`` (the lease lapsed): rejoin at the next sync point. If the server
+  resumes the registration (a named worker), the unacknowledged push is retried with its
+  id and the unsent steps are kept, as after a restart below; otherwise its outcome is
+  unknown, so it is dropped with the steps since (``not_resumed``), never sent twice.
+- Anything else (``ManifestMismatchError``, ``ModeMismatchError``,
+  ``WorkerSupersededError``, ``UnauthenticatedError``, an internal error) is raised: the
+  user must change something.
 
 Wire codec (wire/codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
 and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
@@ -66,16 +89,20 @@ import torch
 from torch import nn
 
 from asyncdiloco.errors import (
+    DROP_AND_REPULL,
+    AsyncDiLoCoError,
     InvalidPayloadError,
     NotInitializedError,
-    StalePushError,
+    PayloadCorruptedError,
     UnknownWorkerError,
+    error_for_reason,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.overlap import (
+    NON_FINITE,
     BackgroundSync,
     PushToSend,
     SyncLink,
@@ -94,8 +121,24 @@ class WorkerStats:
     inner_steps: int = 0
     tokens: int = 0
     pushes_applied: int = 0
+    #: Pushes the server refused (stale, invalid, too large) or answered as never applied.
     pushes_refused: int = 0
+    #: Pseudo-gradients dropped instead of applied, and the inner steps and tokens whose
+    #: progress went with them (the worker restarted from the global model): refused by
+    #: the server, not finite here, or of a registration the server did not resume.
+    pseudo_gradients_dropped: int = 0
+    steps_dropped: int = 0
+    tokens_dropped: int = 0
+    #: Why, per drop: reason code -> pseudo-gradients dropped for it. A refusal's reason
+    #: (errors.py: ``stale_push``, ``unknown_version``, ``invalid_payload``,
+    #: ``payload_too_large``), or ``non_finite`` (Δ not finite, found before sending),
+    #: ``not_applied`` (a retry answered as a duplicate that was never applied),
+    #: ``not_resumed`` (a rejoin the server did not resume: an unacknowledged push's
+    #: outcome is unknown).
+    drops: dict[str, int] = dataclasses.field(default_factory=dict)
     sync_failures: int = 0
+    #: Pushes and pulls whose payload arrived corrupted and were sent again (client.py).
+    corrupted_transfers: int = 0
     pulls: int = 0
     bytes_pushed: int = 0
     bytes_pulled: int = 0
@@ -152,16 +195,6 @@ class _PendingPush:
         )
 
 
-@dataclasses.dataclass
-class _Resume:
-    """A restored state the first join continues (the server resumed this worker's id)."""
-
-    steps_since_sync: int
-    tokens_since_sync: int
-    #: Keep θ_base − θ_local over the pull (False once the saved push was refused as stale).
-    keep_unsent: bool = True
-
-
 #: Why a push answered ``duplicate`` without ``applied`` is dropped: its id is at or below
 #: the highest one the server applied for this worker, and its outcome is no longer known.
 _NOT_APPLIED = (
@@ -169,11 +202,37 @@ _NOT_APPLIED = (
     "for this worker)"
 )
 
+#: ``WorkerStats.drops`` keys of the drops without a refusal (a refusal's key is its reason).
+NOT_APPLIED = "not_applied"
+NOT_RESUMED = "not_resumed"
+
+#: What the user can change when every push is dropped, by drop reason.
+_FIXES = {
+    NON_FINITE: "the local model diverges: lower the inner learning rate (--inner-lr) or clip the gradients",
+    "invalid_payload": (
+        "the server refuses its values (not finite, or over --max-abs-value): lower the inner learning rate "
+        "(--inner-lr) or clip the gradients"
+    ),
+    "payload_too_large": "start the server with a larger --max-payload-bytes, or a smaller --wire-codec",
+    "stale_push": (
+        "every push arrives too stale: start the server with a larger --max-staleness, or lower H (--local-steps)"
+    ),
+    "unknown_version": "the server's version went back (a restart from an older checkpoint): check its checkpoints",
+}
+_FIX_OTHERWISE = "the server's log says why it refused them"
+
 
 def _payload_of(pending: PushToSend) -> torch.Tensor:
     """The payload of a push that was sent (it was encoded before)."""
     assert pending.payload is not None, "a sent push has its payload"
     return pending.payload
+
+
+def _drop_words(push_id: int, reason: str, exc: BaseException) -> str:
+    """How a dropped push is named in the log and in the error after too many drops."""
+    if reason == NON_FINITE:
+        return str(exc)
+    return f"push {push_id} refused ({exc})"
 
 
 class AsyncDiLoCoWorker(WorkerBase):
@@ -229,15 +288,17 @@ class AsyncDiLoCoWorker(WorkerBase):
             link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
             self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
         self._closing = False
-        self._restored_push_id: int | None = None  # the push counter of a restored state, until the join
-        self._restored_counts = (0, 0)  # (steps, tokens) since the last push, of a restored state
-        self._resume: _Resume | None = None
+        #: The push counter of a restored state (or, during a rejoin, of this registration)
+        #: until the Join says whether the server resumed it (``_number_pushes``).
+        self._restored_push_id: int | None = None
+        #: The join continues a restored state or a rejoined registration (``_continue_unsent``).
+        self._resuming = False
         self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
     def _join_once(self) -> None:
         if not self.worker_id:
-            self._resume = self._number_pushes(self._register())
+            self._resuming = self._number_pushes(self._register())
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             payload = self.manifest.pack_flat(self.flat.copy_into(self._base))  # always raw, exact
             self._send_payload(
@@ -246,54 +307,55 @@ class AsyncDiLoCoWorker(WorkerBase):
             )
             self._must_initialize = False
             self.version = 0
-            self._pending, self._resume = None, None  # the model is the global one now
+            self._pending, self._resuming = None, False  # the model is the global one now
             self._start_round()  # the steps so far are in the initial parameters
             log.info("worker %d initialized the global model", self.worker_id)
             self._save_state()
             return
         try:
-            if self._resume is not None:
-                self._continue_restored(self._resume)
+            if self._resuming:
+                self._continue_unsent()
             else:
                 self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
         except NotInitializedError:
             self._take_over_initialization_if_told()
             raise
 
-    def _number_pushes(self, reply: pb.JoinReply) -> _Resume | None:
+    def _number_pushes(self, reply: pb.JoinReply) -> bool:
         """Where this registration's push ids start (push_id 1 is the initial parameters'),
-        and whether it continues a restored state: only when the server resumed this
-        worker's id and holds no push past the restored counter. A restored counter is
-        kept, so the push that may have been in flight when the worker died is answered
-        with its original outcome; otherwise ids go on after ``last_push_id``."""
+        and whether it continues a restored state or the registration a rejoin left: only
+        when the server resumed this worker's id and holds no push past that counter. The
+        counter is then kept, so the push that may have been in flight (when the worker
+        died, or when its lease lapsed) is answered with its original outcome; otherwise
+        what the server had not acknowledged is dropped and ids go on after ``last_push_id``.
+
+        Returns:
+            True when the join continues (``_continue_unsent``).
+        """
         restored, self._restored_push_id = self._restored_push_id, None
         if restored is not None and reply.resumed and restored >= reply.last_push_id:
             self._next_push_id = restored
-            return _Resume(*self._restored_counts)
+            return True
         if restored is not None:
             log.warning(
-                "worker %d: the saved state %s; continuing from the global model",
+                "worker %d: %s; continuing from the global model",
                 reply.worker_id,
-                "is older than the server's pushes" if reply.resumed else "is of a registration the server lacks",
+                "the server holds pushes of this worker past its own" if reply.resumed else "it joined as a new worker",
             )
             self._forget_unsent()
         self._next_push_id = max(2, reply.last_push_id + 1)
-        return None
+        return False
 
-    def _continue_restored(self, resume: _Resume) -> None:
-        """The first sync of a restored worker the server resumed: retry the saved push
-        (a stale one is dropped with the steps after it, as at any sync point), then pull
-        keeping θ_base − θ_local, what the server has not received, and count on from the
-        saved step."""
+    def _continue_unsent(self) -> None:
+        """The first sync of a restored worker, or of a rejoin, that the server resumed:
+        retry the unacknowledged push with its push id (a refused one is dropped with the
+        steps after it, as at any sync point), then pull keeping θ_base − θ_local, what
+        the server has not received, and count on from the steps since the last push."""
+        self._carry_residual = True  # a drop below clears it
         if self._pending is not None:
-            refused = self.stats.pushes_refused
             self._push_round()
-            resume.keep_unsent = self.stats.pushes_refused == refused
-        self._carry_residual = resume.keep_unsent
         self._pull_and_load()
-        if resume.keep_unsent:
-            self._steps_since_sync, self._tokens_since_sync = resume.steps_since_sync, resume.tokens_since_sync
-        self._resume = None
+        self._resuming = False
         self._save_state()
 
     def join(self) -> None:
@@ -339,12 +401,15 @@ class AsyncDiLoCoWorker(WorkerBase):
         in the background and return None.
 
         Raises:
-            InvalidPayloadError: this worker's pseudo-gradient is not finite (diverged).
+            the newest drop's class (InvalidPayloadError, StalePushError, ...): the last
+            ``config.max_dropped_in_a_row`` pseudo-gradients were all dropped.
+            PayloadCorruptedError: every resend of a push or pull arrived corrupted.
         """
         if self._overlap is not None:
             return self._overlapped_sync_point(self._overlap)
         self._push_round()
         self._pull_and_load()
+        self._raise_if_dropping_every_push()
         return True
 
     # ------------------------------------------------------------- overlap
@@ -400,19 +465,20 @@ class AsyncDiLoCoWorker(WorkerBase):
             correction: c = θ_g' − θ_local(t0), fp32 (N,) (the overlap's snapshot buffer).
         Raises:
             whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
-            NotInitializedError, InvalidPayloadError, ...), after recording what the
-            server acknowledged before it.
+            NotInitializedError, PayloadCorruptedError, ...), after recording what the
+            server acknowledged before it; the newest drop's class after
+            ``config.max_dropped_in_a_row`` drops in a row (``_sync_once``).
         """
         self.stats.comm_s += out.comm_s
-        self._record_push_outcome(out)
+        self.stats.corrupted_transfers = self.client.corrupted_transfers
+        dropped = self._record_push_outcome(out)
         if out.error is not None:
             raise out.error
         assert out.run_config is not None and out.version is not None, "a sync without error pulled"
         theta_g = self._scratch  # θ_g', decoded by the background thread
         self.local_steps = out.run_config.local_steps or self.local_steps
-        if out.stale is not None:  # restart from the global model, as without overlap
+        if dropped:  # restart from the global model, as without overlap
             self.flat.load(theta_g)
-            self._start_round()
         else:
             self.flat.add(correction)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
             self._extend_round_by_held_steps(out)
@@ -424,24 +490,36 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.bytes_pulled += out.bytes_pulled
         self._backoff_s = self.config.initial_backoff_s
         self._save_state()  # adopted, on the training thread, before the next sync starts
+        self._raise_if_dropping_every_push()
         return True
 
-    def _record_push_outcome(self, out: SyncOutcome) -> None:
+    def _record_push_outcome(self, out: SyncOutcome) -> bool:
         """What the server did with the push a background sync carried: acknowledged
-        (θ_base lowered unless the pull completed), refused as stale, or not sent."""
+        (θ_base lowered unless the pull completed), dropped (refused, answered as never
+        applied, or not finite: ``_drop_unsent``), or not known yet (kept for a retry;
+        after UnknownWorkerError for the rejoin, which retries it if the server resumes
+        this worker).
+
+        Returns:
+            True when it was dropped: the merge restarts from θ_g'.
+        """
         pending = out.pending
-        if isinstance(out.error, InvalidPayloadError) and pending is not None and pending.payload is None:
-            self._pending = None  # Δ was not finite: nothing was sent (the error says the model diverged)
-        if out.push_reply is not None and pending is not None:
+        if pending is None:
+            return False
+        if out.push_reply is not None:
             self.stats.bytes_pushed += _payload_of(pending).numel()
             if out.push_reply.applied:
                 self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
-            else:  # the merge's correction keeps only the steps since the snapshot
-                self._push_dropped(pending, _NOT_APPLIED)
-        elif out.stale is not None and pending is not None:
-            self._push_refused(pending, out.stale)
-        elif isinstance(out.error, UnknownWorkerError):
-            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
+                return False
+            self.stats.pushes_refused += 1
+            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
+            return True
+        if out.refused is not None:
+            if out.drop_reason != NON_FINITE:
+                self.stats.pushes_refused += 1
+            self._drop_unsent(out.drop_reason, _drop_words(pending.push_id, out.drop_reason, out.refused))
+            return True
+        return False
 
     def _extend_round_by_held_steps(self, out: SyncOutcome) -> None:
         """The reply was held while the push's group formed and this worker trained on: the
@@ -477,22 +555,30 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ------------------------------------------------------------- internals
     def _push_round(self) -> None:
-        """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local."""
+        """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local. A Δ
+        that is not finite, a refusal in ``errors.DROP_AND_REPULL`` and a retry answered
+        as never applied drop it (``_drop_unsent``); an outcome not known yet keeps it
+        for a later sync point (an UnknownWorkerError: for the rejoin)."""
         pending = self._pending
         if pending is None:
             if self._steps_since_sync == 0:
                 return
-            pending = self._new_pending(self._scratch)
+            try:
+                pending = self._new_pending(self._scratch)
+            except InvalidPayloadError as exc:  # Δ is not finite (nothing was sent, no push id taken)
+                self._drop_unsent(NON_FINITE, str(exc))
+                return
         try:
             reply = self._send_payload(pending)
-        except StalePushError as exc:
-            self._push_refused(pending, exc)
+        except PayloadCorruptedError:
+            raise  # every resend arrived corrupted (client.py): kept, retried at a later sync point
+        except DROP_AND_REPULL as exc:
+            self.stats.pushes_refused += 1
+            self._drop_unsent(exc.reason, _drop_words(pending.push_id, exc.reason, exc))
             return
-        except UnknownWorkerError:
-            self._pending = None  # not applied: θ_base is unchanged, Δ is recomputed after the rejoin
-            raise
         if not reply.applied:
-            self._push_dropped(pending, _NOT_APPLIED)
+            self.stats.pushes_refused += 1
+            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
             return
         self._push_acknowledged(reply, pending, lower_base=True)
 
@@ -538,23 +624,39 @@ class AsyncDiLoCoWorker(WorkerBase):
             # steps taken before the next successful pull are pushed later as a residual.
             self._base.sub_(self._decode_payload(_payload_of(pending), self._scratch))
             self._carry_residual = self.codec.name != "raw"
+        self._note_applied()
         self.stats.pushes_applied += 1
         self.stats.held_s += reply.held_s
         self.stats.staleness.append(reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
-    def _push_refused(self, pending: PushToSend, exc: StalePushError) -> None:
-        self._push_dropped(pending, f"refused ({exc})")
-
-    def _push_dropped(self, pending: PushToSend, why: str) -> None:
-        """The server does not hold this push's Δ (refused as stale, or answered as a
-        duplicate that was not applied): Δ is dropped and the worker restarts from the
-        global model, so nothing is counted twice."""
+    def _drop_unsent(self, reason: str, what: str) -> None:
+        """Drop everything the server has not received (the pending push, if any, and
+        the steps since: θ_base − θ_local): the model restarts from θ_base now and from
+        the global model at the next pull, so nothing is sent twice or half. Counted in
+        ``stats`` (``drops[reason]``, the steps and tokens) and logged with ``what``."""
+        pending = self._pending
+        steps = self._steps_since_sync + (pending.num_local_steps if pending is not None else 0)
+        tokens = self._tokens_since_sync + (pending.num_tokens if pending is not None else 0)
         self._pending = None
-        self._carry_residual = False  # Δ is dropped: restart from the global model
-        self.stats.pushes_refused += 1
-        log.warning("push %d %s; restarting from the global model", pending.push_id, why)
+        self._carry_residual = False
+        self.flat.load(self._base)
+        self._start_round()
+        stats = self.stats
+        stats.pseudo_gradients_dropped += 1
+        stats.steps_dropped += steps
+        stats.tokens_dropped += tokens
+        stats.drops[reason] = stats.drops.get(reason, 0) + 1
+        error = InvalidPayloadError if reason == NON_FINITE else error_for_reason(reason) or AsyncDiLoCoError
+        self._note_drop(error, what, _FIXES.get(reason, _FIX_OTHERWISE))
+        log.warning(
+            "worker %d: %s; dropped, with its %d inner steps (reason %s); restarting from the global model",
+            self.worker_id,
+            what,
+            steps,
+            reason,
+        )
 
     def _send_payload(self, pending: _PendingPush, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
         reply = pending.send(self.client, self.worker_id, kind)
@@ -562,26 +664,42 @@ class AsyncDiLoCoWorker(WorkerBase):
         return reply
 
     def _pull_and_load(self) -> None:
+        """Pull the global model into θ_base and the model, keeping on top of it what the
+        server has not received, θ_base − θ_local: the codec's residual of an acknowledged
+        push, and the inner steps trained since the pending push was packed (a retry), whose
+        step and token counts then stay for the next push."""
         pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
         self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
-        if self._carry_residual:  # keep what the server has not received (θ_base − θ_local)
-            torch.sub(self._base, self.flat.copy_into(self._scratch), out=self._scratch)  # residual, (N,)
+        keep = self._carry_residual or self._steps_since_sync > 0
+        if keep:  # keep what the server has not received (θ_base − θ_local)
+            torch.sub(self._base, self.flat.copy_into(self._scratch), out=self._scratch)  # unsent, (N,)
         self._decode_payload(pulled.payload, self._base)
-        if self._carry_residual:
-            self.flat.load(torch.sub(self._base, self._scratch, out=self._scratch))  # θ_pulled − residual
-            self._carry_residual = False
+        if keep:
+            self.flat.load(torch.sub(self._base, self._scratch, out=self._scratch))  # θ_pulled − unsent
         else:
             self.flat.load(self._base)
+        self._carry_residual = False
         self.version = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
-        self._start_round()
+        if self._steps_since_sync == 0:
+            self._start_round()
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
-        if self._resume is None:  # a resumed first pull saves once its step count is restored
+        if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
             self._save_state()
 
+    def _before_rejoin(self) -> None:
+        """Keep what the server has not acknowledged for the Join to decide: a resumed
+        registration retries the pending push with its id (applied at most once) and keeps
+        the steps since (``_continue_unsent``); a new one drops them (``_forget_unsent``)."""
+        self._restored_push_id = self._next_push_id
+
     def _forget_unsent(self) -> None:
-        self._pending = None  # not applied (the server did not know this worker): Δ is recomputed
+        """The server did not resume this worker's registration: an unacknowledged push may
+        or may not have been applied, so it is dropped with the steps since (never counted
+        twice)."""
+        if self._pending is not None or self._steps_since_sync > 0:
+            self._drop_unsent(NOT_RESUMED, "the server did not resume this worker's registration")
         self._carry_residual = False
 
     # ---------------------------------------------------------- saved state
@@ -640,6 +758,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.flat.load(state["theta_local"].to(self._base.dtype))
         self.version = int(state["version"])
         self._restored_push_id = int(state["next_push_id"])
-        self._restored_counts = (int(state["steps_since_sync"]), int(state["tokens_since_sync"]))
+        self._steps_since_sync = int(state["steps_since_sync"])  # counted on if the server resumes this worker
+        self._tokens_since_sync = int(state["tokens_since_sync"])
         saved = state.get("pending")
         self._pending = None if saved is None else _PendingPush(**saved)

@@ -63,6 +63,7 @@ class WorkerCounters(Protocol):
     inner_steps: int
     tokens: int
     sync_failures: int
+    corrupted_transfers: int
     comm_s: float
     blocked_s: float
 
@@ -166,6 +167,11 @@ class WorkerBase(GroupMember):
         #: the next sync point raises it (this process must stop; nothing is retried).
         self._superseded: WorkerSupersededError | None = None
         self._rejoining = False
+        #: Pseudo-gradients dropped in a row (refused, or not finite) since one was applied,
+        #: and the newest drop's (exception class, what happened, the fix) for the error
+        #: ``_raise_if_dropping_every_push`` raises at ``config.max_dropped_in_a_row``.
+        self._dropped_in_a_row = 0
+        self._last_drop: tuple[type[AsyncDiLoCoError], str, str] | None = None
         self._must_initialize = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -286,7 +292,8 @@ class WorkerBase(GroupMember):
     def _guarded(self, step: Callable[[], bool | None]) -> bool:
         """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
         policy: an unreachable server (or any refusal in ``errors.RETRY_LATER``) backs
-        off, a forgotten worker rejoins next time.
+        off, a forgotten worker rejoins next time; the rest is raised (the subclasses
+        drop a refused pseudo-gradient themselves, so what reaches here is for the user).
 
         ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
         now runs in the background: its outcome resets or grows the backoff later).
@@ -313,16 +320,18 @@ class WorkerBase(GroupMember):
         communication (``comm_s``) and all of it keeps training waiting (``blocked_s``)."""
         self.stats.comm_s += elapsed_s
         self.stats.blocked_s += elapsed_s
+        self.stats.corrupted_transfers = self.client.corrupted_transfers
 
     def _sync_once(self) -> bool | None:
         raise NotImplementedError
 
     def _rejoin(self) -> bool:
         """Register again (the lease lapsed, or the server restarted without this worker)
-        and load the global model; local steps since the last sync are dropped."""
+        and load the global model; what the server had not received is the subclass's
+        (``_before_rejoin``)."""
         if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
             self.worker_id = 0
-            self._forget_unsent()
+            self._before_rejoin()
             self._rejoining = True
         self._join_once()
         self._rejoining = False
@@ -330,8 +339,44 @@ class WorkerBase(GroupMember):
         log.info("rejoined as worker %d", self.worker_id)
         return True
 
+    def _before_rejoin(self) -> None:
+        """What a rejoin does with what the old registration had not sent: dropped by
+        default (``_forget_unsent``); the async worker keeps it for a resumed registration."""
+        self._forget_unsent()
+
     def _forget_unsent(self) -> None:
         """Drop what was meant for the old registration (subclasses that keep some)."""
+
+    # ------------------------------------------------------------ dropped pushes
+    def _note_drop(self, error: type[AsyncDiLoCoError], what: str, fix: str) -> None:
+        """One more pseudo-gradient dropped in a row: ``what`` happened to it (a refusal
+        of class ``error``, or a local check), and ``fix`` is what the user can change."""
+        self._dropped_in_a_row += 1
+        self._last_drop = (error, what, fix)
+
+    def _note_applied(self) -> None:
+        """A pseudo-gradient was applied: the drops in a row start again from 0."""
+        self._dropped_in_a_row = 0
+
+    def _raise_if_dropping_every_push(self) -> None:
+        """After ``config.max_dropped_in_a_row`` drops in a row, raise once (the count
+        starts again, so a caller who catches it and trains on is told again after as
+        many more): a worker whose every push is dropped does not spin silently.
+
+        Raises:
+            the newest drop's class (InvalidPayloadError for a diverged model,
+            StalePushError, PayloadTooLargeError, ...), naming the count, the limit,
+            the newest drop and the fix.
+        """
+        limit = self.config.max_dropped_in_a_row
+        if not limit or self._dropped_in_a_row < limit or self._last_drop is None:
+            return
+        error, what, fix = self._last_drop
+        count, self._dropped_in_a_row = self._dropped_in_a_row, 0
+        raise error(
+            f"worker {self.worker_id} ({self.worker_name or 'unnamed'}): the last {count} pseudo-gradients were all "
+            f"dropped, none applied (the limit is max_dropped_in_a_row={limit}); the newest: {what}; {fix}"
+        )
 
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server
@@ -383,6 +428,7 @@ class WorkerBase(GroupMember):
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         self.client.close()
+        self.stats.corrupted_transfers = self.client.corrupted_transfers
         if self.state_dir is not None:
             self.state_dir.close()
 

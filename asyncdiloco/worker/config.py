@@ -55,6 +55,11 @@ class WorkerConfig:
     #: under its name with its inner optimizer, θ_base and unsent progress, push counter
     #: and the caller's ``extra``. None: nothing is saved.
     state_dir: str | None = None
+    #: After this many pseudo-gradients in a row were dropped instead of applied (refused
+    #: by the server, or not finite: a diverged model; sync mode: rounds whose Δ from this
+    #: member was not finite), the worker raises, naming the count and the fix, instead of
+    #: dropping the next one too. 0: never raise.
+    max_dropped_in_a_row: int = 5
 
     def __post_init__(self) -> None:
         check_worker_name(self.worker_name)
@@ -70,6 +75,12 @@ class WorkerConfig:
             require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")
         require(self.join_timeout_s >= 0, "join_timeout_s", self.join_timeout_s, "must be >= 0 seconds")
         require(isinstance(self.overlap, bool), "overlap", self.overlap, "must be True or False")
+        require(
+            isinstance(self.max_dropped_in_a_row, int) and self.max_dropped_in_a_row >= 0,
+            "max_dropped_in_a_row",
+            self.max_dropped_in_a_row,
+            "must be an integer >= 0 (0: never raise)",
+        )
         require(
             self.max_backoff_s >= self.initial_backoff_s,
             "max_backoff_s",

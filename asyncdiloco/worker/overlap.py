@@ -45,10 +45,12 @@ Faults keep the semantics of the blocking path (async_worker.py): an unacknowled
 retried at the next sync point with the same ``push_id`` and payload (the snapshot is
 kept for it, so the merge still measures progress from the snapshot); after an
 acknowledged push whose pull failed θ_base is lowered by what the server received and
-the later steps go out as a residual; a push refused as too stale is dropped and the
-merge restarts the model from θ_g' (dropping the steps since t0 too); a forgotten
-worker rejoins on the training thread. ``close()`` waits for a sync in flight, merges
-it, then pushes the residual.
+the later steps go out as a residual; a Δ that is not finite (found here, before
+sending) and a push refused in ``errors.DROP_AND_REPULL`` are recorded in
+``SyncOutcome.refused``, the pull still runs, and the merge restarts the model from θ_g'
+(dropping the steps since t0 too); a forgotten worker rejoins on the training thread,
+keeping the unacknowledged push for the rejoin to retry. ``close()`` waits for a sync in
+flight, merges it, then pushes the residual.
 """
 
 from __future__ import annotations
@@ -61,10 +63,14 @@ from typing import Protocol
 
 import torch
 
-from asyncdiloco.errors import InvalidPayloadError, StalePushError
+from asyncdiloco.errors import DROP_AND_REPULL, AsyncDiLoCoError, InvalidPayloadError, PayloadCorruptedError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
+
+#: The drop reason of a pseudo-gradient found not finite before it was sent (a diverged
+#: local model; ``WorkerStats.drops``).
+NON_FINITE = "non_finite"
 
 
 class PushToSend(Protocol):
@@ -131,8 +137,12 @@ class SyncOutcome:
     pending: PushToSend | None
     #: The server's acknowledgement (None: no push, refused, or outcome unknown).
     push_reply: pb.PushReply | None = None
-    #: The push was refused as too stale (dropped; the model restarts from θ_g').
-    stale: StalePushError | None = None
+    #: Why the push was dropped without an acknowledgement: the refusal (one of
+    #: ``errors.DROP_AND_REPULL``), or the InvalidPayloadError of a Δ that was not finite
+    #: (not sent); the model restarts from θ_g'. None: not dropped.
+    refused: AsyncDiLoCoError | None = None
+    #: ``WorkerStats.drops`` key of ``refused``: its reason code, or ``NON_FINITE``.
+    drop_reason: str = ""
     #: The pulled version and run config (None: the pull did not complete).
     version: int | None = None
     run_config: pb.RunConfig | None = None
@@ -168,18 +178,26 @@ def push_then_pull(link: SyncLink, request: SyncRequest) -> SyncOutcome:
 
 
 def _push(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
-    """Encode a new push's Δ, then send it; a refusal as too stale is recorded, not raised."""
+    """Encode a new push's Δ, then send it; a Δ that is not finite (not sent) and a
+    refusal in ``errors.DROP_AND_REPULL`` are recorded in ``out.refused``, not raised:
+    the pull still runs, so the merge restarts from the global model."""
     pending = request.pending
     if pending is None:
         return
     if pending.payload is None:  # a new push: Δ, its check and its encoding
         delta = torch.sub(request.base, request.snapshot, out=request.theta_g)  # Δ = θ_base − θ_local(t0), (N,)
-        check_finite_delta(delta, request.worker_id, pending.num_local_steps)
-        pending.payload = link.encode(delta)  # θ_g' overwrites the Δ in theta_g later
+        try:
+            check_finite_delta(delta, request.worker_id, pending.num_local_steps)
+            pending.payload = link.encode(delta)  # θ_g' overwrites the Δ in theta_g later
+        except InvalidPayloadError as exc:
+            out.refused, out.drop_reason = exc, NON_FINITE
+            return
     try:
         out.push_reply = pending.send(link.client, request.worker_id)
-    except StalePushError as exc:
-        out.stale = exc  # dropped: pull and restart from the global model
+    except PayloadCorruptedError:
+        raise  # every resend arrived corrupted (client.py): the push is kept for a retry
+    except DROP_AND_REPULL as exc:
+        out.refused, out.drop_reason = exc, exc.reason  # dropped: pull and restart from the global model
 
 
 def _pull_and_correct(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:

@@ -35,7 +35,12 @@ a worker built on that folder loads them; the model itself always comes from the
 
 The inner optimizer's state is kept across rounds. If no quorum forms within
 ``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
-next sync point tries again (Δ then spans more steps, still against θ_base).
+next sync point tries again (Δ then spans more steps, still against θ_base). A member
+whose own Δ is not finite makes the round skip on every member and restarts from the
+committed θ_base like them (``SyncWorkerStats.non_finite_rounds``); after
+``WorkerConfig.max_dropped_in_a_row`` such rounds in a row it raises
+``InvalidPayloadError`` naming the count and the fix. A pull whose payload arrives
+corrupted is pulled again by the client (client.py).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import OuterOptimizer
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, NotInitializedError
+from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, InvalidPayloadError, NotInitializedError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
 from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup, QuorumProcessGroup
@@ -78,7 +83,13 @@ class SyncWorkerStats:
     rounds_failed: int = 0
     rounds_skipped: int = 0
     heals: int = 0
+    #: Rounds this member's own Δ was not finite in (a diverged replica: every member
+    #: skipped the round), and the inner steps aborted rounds dropped here.
+    non_finite_rounds: int = 0
+    steps_dropped: int = 0
     sync_failures: int = 0
+    #: Pulls and round results whose payload arrived corrupted and were sent again (client.py).
+    corrupted_transfers: int = 0
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     bytes_allreduced: int = 0
@@ -232,7 +243,31 @@ class SyncDiLoCoWorker(WorkerBase):
         self.stats.idle_s += allreduce_s + commit_wait_s
         self._apply_decision(q, decision, delta, vote.total_weight)
         self._record_round(q, decision, quorum_wait_s, allreduce_s, commit_wait_s)
+        self._count_dropped(q, decision.committed, steps)
         return decision.committed
+
+    def _count_dropped(self, q: pb.QuorumReply, committed: bool, steps: int) -> None:
+        """After a decided round: count the steps an abort dropped here, and the rounds
+        this member's own Δ was not finite in; after ``config.max_dropped_in_a_row`` of
+        those in a row, raise (the model restarted from the committed round each time).
+
+        Raises:
+            InvalidPayloadError: this member diverged in that many rounds in a row.
+        """
+        if q.heal or steps == 0:
+            return
+        if not committed:
+            self.stats.steps_dropped += steps
+        if math.isfinite(self._largest):
+            self._note_applied()
+            return
+        self.stats.non_finite_rounds += 1
+        self._note_drop(
+            InvalidPayloadError,
+            f"its pseudo-gradient of {steps} inner steps in quorum {q.quorum_id} was not finite (NaN/Inf)",
+            "the local model diverges: lower the inner learning rate (--inner-lr) or clip the gradients",
+        )
+        self._raise_if_dropping_every_push()
 
     def _record_round(
         self,
