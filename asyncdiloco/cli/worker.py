@@ -332,8 +332,9 @@ def _final_line(name: str, stats: Any) -> str:
             f"{name}: {stats.inner_steps} inner steps, {stats.rounds_committed} rounds committed, "
             f"{stats.rounds_failed} aborted, {stats.heals} heals, idle {stats.idle_s:.1f} s"
         )
+    final = f", final push {stats.final_push}" if stats.final_push else ""
     return (
         f"{name}: {stats.inner_steps} inner steps, {stats.pushes_applied} pushes applied, "
         f"{stats.pushes_refused} refused, {stats.sync_failures} failed syncs, blocked {stats.blocked_s:.1f} s "
-        f"of {stats.wall_s:.1f} s"
+        f"of {stats.wall_s:.1f} s{final}"
     )

@@ -292,22 +292,30 @@ class PushIntake:
         push, ``PushHeader.last``). H_w is taken after the wait, when the group's rates
         are in.
 
+        The hold never outlasts the wait the worker was told (``group_max_wait_s`` of its
+        previous PushReply or its JoinReply, registry.py ``told_wait_s``), which its
+        push deadline covers, even when the group's window is longer (it grew since:
+        an auto window once slower rates are known, a worker that joined).
+
         Args:
             outcome: what ``receive`` returned.
             worker_id: the pusher (0: reply with the outcome's H).
             hold: wait for the push's group.
-            max_wait_s: the wait ends by then in any case (the caller's deadline), seconds.
+            max_wait_s: the wait ends by then in any case (the call's deadline), seconds.
         Returns:
-            The ``PushReply``; its ``group_max_wait_s`` bounds the worker's next push deadline.
+            The ``PushReply``; its ``group_max_wait_s`` bounds the hold of the worker's
+            next push (and so its deadline).
         """
         held_s = 0.0
         if outcome.duplicate:
             self.count_duplicate()
         elif outcome.group_id and hold:
-            held_s = self.groups.wait(outcome.group_id, max_wait_s)
+            with self.locks.books:
+                told_s = self.registry.told_wait_s(worker_id) if worker_id else max_wait_s
+            held_s = self.groups.wait(outcome.group_id, min(max_wait_s, told_s))
         with self.locks.books:
             local_steps = self.registry.local_steps(worker_id) if worker_id else outcome.local_steps
-            max_wait_next_s = self.registry.group_max_wait_s()
+            max_wait_next_s = self.registry.tell_wait_s(worker_id)
         return pb.PushReply(
             applied=outcome.applied,
             duplicate=outcome.duplicate,

@@ -88,6 +88,9 @@ class WorkerRegistry:
         #: The worker told to push the initial parameters (None: none chosen yet).
         self.initializer: int | None = None
         self.rates = StepRateMeter()
+        #: Worker id → the ``group_max_wait_s`` the server told it in its newest JoinReply
+        #: or PushReply (``told_wait_s``), seconds.
+        self._told_wait_s: dict[int, float] = {}
 
     # ------------------------------------------------------------ joins and leases
     def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1) -> Joined:
@@ -349,6 +352,28 @@ class WorkerRegistry:
         longest = max(self.rounds_s().values(), default=30.0)
         return min(3600.0, longest + self.group_window_s())
 
+    def tell_wait_s(self, worker_id: int) -> float:
+        """``group_max_wait_s`` for a JoinReply or PushReply to ``worker_id``, remembered as
+        what that worker was told (``told_wait_s``), seconds."""
+        wait_s = self.group_max_wait_s()
+        if worker_id:
+            self._told_wait_s[worker_id] = wait_s
+        return wait_s
+
+    def told_wait_s(self, worker_id: int) -> float:
+        """The longest the server may hold ``worker_id``'s next push reply, seconds: the
+        ``group_max_wait_s`` of its newest JoinReply or PushReply (the current one when it
+        got neither, e.g. from a server before a restart).
+
+        A worker's pushes and Joins follow each other (one push in flight at a time), so
+        the worker has that reply when it starts its next push, and its push deadline
+        (the client adds the wait to it) covers the hold. Heartbeat and Pull replies
+        announce it too but are not remembered: one may still be on its way when the
+        push starts.
+        """
+        told = self._told_wait_s.get(worker_id)
+        return self.group_max_wait_s() if told is None else told
+
     def expected(self, now: float) -> set[int]:
         """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
         those that pushed within two of their own rounds (H_w / v_w) plus the window, or
@@ -364,9 +389,10 @@ class WorkerRegistry:
         return expected
 
     # ----------------------------------------------- run config, status, checkpoints
-    def run_config(self, worker_id: int, bulk_port: int) -> pb.RunConfig:
+    def run_config(self, worker_id: int, bulk_port: int, *, joining: bool = False) -> pb.RunConfig:
         """The run the server dictates to ``worker_id`` (its H_w under DyLU; H for an
-        observer, id 0); ``bulk_port``: the bulk data channel's (0: none)."""
+        observer, id 0); ``bulk_port``: the bulk data channel's (0: none); ``joining``:
+        for its JoinReply (its ``group_max_wait_s`` is remembered, ``told_wait_s``)."""
         sync, outer = self.config.sync, self.config.outer
         return pb.RunConfig(
             local_steps=self.local_steps(worker_id),
@@ -391,7 +417,7 @@ class WorkerRegistry:
             dylu=self.config.dylu,
             grouping=self.grouping,
             group_window_s=self.group_window_s(),
-            group_max_wait_s=self.group_max_wait_s(),
+            group_max_wait_s=self.tell_wait_s(worker_id) if joining else self.group_max_wait_s(),
         )
 
     def statuses(self, now: float) -> list[pb.WorkerStatus]:

@@ -42,7 +42,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             _abort(context, exc)
         return pb.JoinReply(
             worker_id=joined.worker_id,
-            run_config=self.state.run_config(joined.worker_id),
+            run_config=self.state.run_config(joined.worker_id, joining=True),
             manifest=self.state.model.known_manifest.to_proto(),
             version=joined.version,
             initialize=joined.initialize,
@@ -52,8 +52,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         )
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):
+        remaining = context.time_remaining()  # a wait for a snapshot slot leaves half of it for the transfer
+        max_wait_s = remaining / 2 if remaining is not None else float("inf")
         try:
-            source = self.state.open_pull(request)  # a snapshot's chunk messages are encoded once per version
+            # a snapshot's chunk messages are encoded once per version
+            source = self.state.open_pull(request, max_wait_s=max_wait_s)
         except AsyncDiLoCoError as exc:
             _abort(context, exc)
         try:

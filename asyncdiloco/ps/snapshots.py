@@ -17,6 +17,7 @@ snapshot, or sync mode's private copy of θ and m for a healing member.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 
@@ -63,15 +64,16 @@ class Snapshots:
         with self.locks.books:
             return self.model.version
 
-    def acquire(self) -> Snapshot:
+    def acquire(self, max_wait_s: float = math.inf) -> Snapshot:
         """The newest global parameters, encoded once per version and shared by all
         pulls; pair every call with ``release`` when the pull ends.
 
         Returns at once while the applies build the snapshots; else encodes it here, or,
         while an apply changes θ, serves the newest complete snapshot (the version that
         apply started from; the pull header says which) instead of waiting for it. When
-        pulls of older versions fill every slot, waits up to ``wait_s`` seconds for them,
-        then serves the newest snapshot there is (an older version).
+        pulls of older versions fill every slot, waits up to ``wait_s`` seconds for them
+        (at most ``max_wait_s``, what the pull's deadline leaves), then serves the newest
+        snapshot there is (an older version).
 
         Raises:
             NotInitializedError: no worker has pushed the initial parameters yet.
@@ -89,7 +91,7 @@ class Snapshots:
             snap = self.slots.acquire_if(self._version())
             if snap is not None:
                 return snap
-            if not self.slots.wait_for_room(self.wait_s):
+            if not self.slots.wait_for_room(max(0.0, min(self.wait_s, max_wait_s))):
                 snap = self.slots.acquire_if(None)
                 if snap is not None:
                     log.info("pull served version %d: older pulls still hold every snapshot slot", snap.version)
@@ -148,7 +150,13 @@ class Snapshots:
         """Forget the published snapshot (θ was replaced: a restore or a replay)."""
         self.slots.clear()
 
-    def open_pull(self, request: pb.PullRequest, mode: Mode, run_config: Callable[[int], pb.RunConfig]) -> PullSource:
+    def open_pull(
+        self,
+        request: pb.PullRequest,
+        mode: Mode,
+        run_config: Callable[[int], pb.RunConfig],
+        max_wait_s: float = math.inf,
+    ) -> PullSource:
         """What a Pull sends (over gRPC or the bulk channel): its header and payload.
         Pair every call with ``close_pull`` when the pull ends, completed or not.
 
@@ -156,6 +164,7 @@ class Snapshots:
             request: the pull; ``sync_state`` asks for θ and m (sync mode's healing pull).
             mode: the server's mode (it serves or refuses the sync-state pull).
             run_config: the run config of a worker id, for the header.
+            max_wait_s: the longest the pull may wait for a snapshot slot (``acquire``), seconds.
         Returns:
             A ``PullSource``: the header (version, size, chunk count, CRC-32, run config)
             and the newest snapshot, or for ``request.sync_state`` θ and m as float32 bytes.
@@ -168,7 +177,7 @@ class Snapshots:
             version, payload = mode.sync_state()
             total, crc = payload.numel(), crc32_of(payload)
         else:
-            snap = self.acquire()
+            snap = self.acquire(max_wait_s)
             version, total, crc = snap.version, snap.total_bytes, snap.crc32
         header = pb.PullHeader(
             version=version,

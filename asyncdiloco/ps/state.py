@@ -175,10 +175,11 @@ class ParameterServerState:
     staleness_histogram = _counter("staleness_histogram")
 
     # ------------------------------------------------------- the run config
-    def run_config(self, worker_id: int = 0) -> pb.RunConfig:
-        """The run config for ``worker_id`` (its H_w under DyLU; H for observers)."""
+    def run_config(self, worker_id: int = 0, *, joining: bool = False) -> pb.RunConfig:
+        """The run config for ``worker_id`` (its H_w under DyLU; H for observers);
+        ``joining``: for its JoinReply (registry.py ``told_wait_s``)."""
         with self.locks.books:
-            return self.registry.run_config(worker_id, self.bulk_port)
+            return self.registry.run_config(worker_id, self.bulk_port, joining=joining)
 
     def local_steps_for(self, worker_id: int) -> int:
         """H_w, the inner steps ``worker_id`` should run in its current round."""
@@ -278,13 +279,14 @@ class ParameterServerState:
         """A pull of ``snap`` (from ``acquire_snapshot``) ended, completed or not."""
         self.snapshots.release(snap)
 
-    def open_pull(self, request: pb.PullRequest) -> PullSource:
-        """What a Pull sends, its header and payload; pair with ``close_pull`` (snapshots.py ``Snapshots.open_pull``).
+    def open_pull(self, request: pb.PullRequest, max_wait_s: float = math.inf) -> PullSource:
+        """What a Pull sends, its header and payload; pair with ``close_pull`` (snapshots.py
+        ``Snapshots.open_pull``); ``max_wait_s``: the longest it may wait for a snapshot slot.
 
         Raises:
             NotInitializedError, ModeMismatchError (a sync-state pull of an async server).
         """
-        return self.snapshots.open_pull(request, self.mode, self.run_config)
+        return self.snapshots.open_pull(request, self.mode, self.run_config, max_wait_s)
 
     def close_pull(self, source: PullSource) -> None:
         """A pull from ``open_pull`` ended: its snapshot may be freed."""

@@ -90,6 +90,7 @@ from torch import nn
 
 from asyncdiloco.errors import (
     DROP_AND_REPULL,
+    RETRY_LATER,
     AsyncDiLoCoError,
     InvalidPayloadError,
     NotInitializedError,
@@ -154,6 +155,10 @@ class WorkerStats:
     held_s: float = 0.0
     #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
     wall_s: float = 0.0
+    #: What became of the push ``close`` sent: "applied", "refused", "dropped" (Δ was not
+    #: finite: nothing sent), "not acknowledged" (the server could not be reached in time;
+    #: kept in ``state_dir`` for a restart) or "" (nothing to push).
+    final_push: str = ""
     #: τ of every applied push, in order.
     staleness: list[int] = dataclasses.field(default_factory=list, repr=False)
 
@@ -382,9 +387,11 @@ class AsyncDiLoCoWorker(WorkerBase):
                 if not (self._steps_since_sync > 0 or self._pending):
                     break
                 try:
-                    self._push_round()
+                    self._final_push()
                 except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                    log.warning("final push failed: %s", exc)
+                    self.stats.final_push = "not acknowledged"
+                    kept = "kept in the state folder for a restart" if self.state_dir is not None else "not sent"
+                    log.warning("final push not acknowledged (%s); its steps are %s", exc, kept)
                     break
         if self.worker_id and not self._needs_rejoin:
             self._save_state()  # the final pushes' ids (and one that failed, to retry) for a restart
@@ -393,6 +400,36 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._overlap.close()
         if self._joined_at is not None:
             self.stats.wall_s = time.monotonic() - self._joined_at
+
+    def _final_push(self) -> None:
+        """``_push_round`` at close, retried with backoff for up to ``join_timeout_s`` while
+        the server cannot answer (``errors.RETRY_LATER``; e.g. the call's deadline expired
+        during a wait on the server). A retry keeps the push id, so a push the server
+        applied meanwhile is answered as applied, never applied twice.
+
+        Raises:
+            The last attempt's exception once the time is up; other refusals at once.
+        """
+        give_up_at = time.monotonic() + self.config.join_timeout_s
+        delay_s = self.config.initial_backoff_s
+        while True:
+            refused, dropped = self.stats.pushes_refused, self.stats.pseudo_gradients_dropped
+            try:
+                self._push_round()
+            except RETRY_LATER as exc:
+                if time.monotonic() + delay_s > give_up_at:
+                    raise
+                log.info("final push: %s; retrying it in %.1f s", exc, delay_s)
+                time.sleep(delay_s)
+                delay_s = min(2 * delay_s, self.config.max_backoff_s)
+                continue
+            if self.stats.pushes_refused > refused:
+                self.stats.final_push = "refused"
+            elif self.stats.pseudo_gradients_dropped > dropped:
+                self.stats.final_push = "dropped"  # Δ was not finite: nothing was sent
+            else:
+                self.stats.final_push = "applied"
+            return
 
     # ---------------------------------------------------------------- sync
     def _sync_once(self) -> bool | None:

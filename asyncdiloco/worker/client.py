@@ -1,7 +1,13 @@
 """Typed gRPC client for the parameter server: deadlines, streaming, errors mapped back.
 
 Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB of
-payload for Push and Pull). A ``grpc.RpcError`` is re-raised as the library exception
+payload for Push and Pull). A push's deadline also covers the longest the server may hold
+its reply for its group: the ``group_max_wait_s`` the server announced (JoinReply,
+PushReply, HeartbeatReply, PullHeader). The server holds a reply at most as long as its
+worker's previous PushReply (or JoinReply) said, and waits for nothing else longer than
+a call's deadline allows, so a deadline expires only when the server or the network
+fails (then a retry with the same push id is answered with the push's outcome).
+A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
 policy (the Worker retries with backoff), with one exception: a payload corrupted in
 transit (``PayloadCorruptedError``: its CRC-32 differs, on either side) is sent again
@@ -111,9 +117,11 @@ class ParameterServerClient:
         self.rpc_timeout_s = rpc_timeout_s
         self.timeout_s_per_mib = timeout_s_per_mib
         self.chunk_bytes = chunk_bytes
-        #: The longest the server may hold a push reply for its group (RunConfig.group_max_wait_s):
-        #: added to every push's deadline.
+        #: The newest ``group_max_wait_s`` the server announced (any reply), seconds.
         self.group_wait_s = 0.0
+        #: Worker id → ``group_max_wait_s`` of its newest JoinReply or PushReply: the longest
+        #: the server holds that worker's next push reply (ps/registry.py ``told_wait_s``).
+        self._push_wait_s: dict[int, float] = {}
         # Channel limits follow the largest chunk the library allows, so a server with
         # any valid chunk_bytes can be talked to before its RunConfig is known.
         # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
@@ -178,7 +186,22 @@ class ParameterServerClient:
         self.close()
 
     def _payload_timeout(self, num_bytes: int) -> float:
+        """Deadline of a push or pull of ``num_bytes`` payload bytes, without any hold, seconds."""
         return self.rpc_timeout_s + self.timeout_s_per_mib * num_bytes / _MIB
+
+    def _push_timeout(self, num_bytes: int, worker_id: int) -> float:
+        """Deadline of a push of ``num_bytes`` by ``worker_id``, seconds: the payload's, plus
+        the longest the server may hold its reply (told in the worker's previous PushReply
+        or its JoinReply; a newer, longer announcement counts too)."""
+        held_s = max(self._push_wait_s.get(worker_id, 0.0), self.group_wait_s)
+        return self._payload_timeout(num_bytes) + held_s
+
+    def _told(self, wait_s: float, worker_id: int = 0) -> None:
+        """A reply announced ``group_max_wait_s`` = ``wait_s``; ``worker_id``: it was that
+        worker's JoinReply or PushReply (its next push may be held that long)."""
+        self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off, or a server without the field
+        if worker_id:
+            self._push_wait_s[worker_id] = wait_s
 
     def _call(self, method, request, timeout_s: float | None = None):
         """Invoke an RPC with a deadline; a failure becomes the library's exception."""
@@ -200,7 +223,7 @@ class ParameterServerClient:
         )
         self._sessions[reply.worker_id] = reply.session_id
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
-        self.group_wait_s = reply.run_config.group_max_wait_s
+        self._told(reply.run_config.group_max_wait_s, reply.worker_id)
         self._use_bulk_port(reply.run_config.bulk_port)
         return reply
 
@@ -252,7 +275,7 @@ class ParameterServerClient:
         timeout_s = self._payload_timeout(deadline_bytes)
         got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s) if self._bulk is not None else None
         if got is not None:
-            self.group_wait_s = got[0].run_config.group_max_wait_s
+            self._told(got[0].run_config.group_max_wait_s)
             pulled = Pulled(got[0].version, got[1], got[0].run_config)
         else:
             try:
@@ -271,7 +294,7 @@ class ParameterServerClient:
             raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
         header = first.header
         total, buffer = expected_payload(size, header, buffer)
-        self.group_wait_s = header.run_config.group_max_wait_s
+        self._told(header.run_config.group_max_wait_s)
         assembler = PayloadAssembler(
             total_bytes=total,
             num_chunks=header.num_chunks,
@@ -386,18 +409,19 @@ class ParameterServerClient:
         """``push`` cut in chunks of the current ``chunk_bytes``."""
         total = payload.numel()
         header.num_chunks = num_chunks_for(total, self.chunk_bytes)
+        timeout_s = self._push_timeout(total, header.worker_id)
         if self._bulk is not None and payload.is_contiguous():
-            reply = self._bulk.push(header, payload, self._payload_timeout(total) + self.group_wait_s)
+            reply = self._bulk.push(header, payload, timeout_s)
             if reply is not None:
-                self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+                self._told(reply.group_max_wait_s, header.worker_id)
                 return reply
 
         def messages():
             yield pb.PushMessage(header=header)
             yield from chunk_messages(payload, self.chunk_bytes)
 
-        reply = self._call(self._push, messages(), self._payload_timeout(total) + self.group_wait_s)
-        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        reply = self._call(self._push, messages(), timeout_s)
+        self._told(reply.group_max_wait_s, header.worker_id)
         return reply
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
@@ -407,7 +431,7 @@ class ParameterServerClient:
             worker_id=worker_id, steps_per_s=steps_per_s, session_id=self._sessions.get(worker_id, 0)
         )
         reply = self._call(self._stub.Heartbeat, request)
-        self.group_wait_s = reply.group_max_wait_s or self.group_wait_s
+        self._told(reply.group_max_wait_s)
         return reply
 
     def leave(self, worker_id: int) -> None:
