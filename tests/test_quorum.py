@@ -10,7 +10,7 @@ from helpers import FakeClock
 
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum import QuorumManager
+from asyncdiloco.ps.quorum import QuorumManager, QuorumMiss
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -238,7 +238,8 @@ def test_blocking_wait_quorum_and_decision_with_threads():
     m.vote(2, 1, success=True, total_weight=0.0)
     v.join(timeout=10)
     assert got["d"].committed
-    assert m.wait_quorum(1, 0, timeout_s=0.05) is None  # alone: withdrawn after the timeout
+    missed = m.wait_quorum(1, 0, timeout_s=0.05)  # alone: withdrawn after the timeout
+    assert isinstance(missed, QuorumMiss) and (missed.have, missed.need) == (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +264,7 @@ def test_callers_that_time_out_and_ask_again_do_not_postpone_the_join_timeout():
     m.vote(1, 1, success=False, reason="peer died")
     m.vote(2, 1, success=False, reason="peer died")  # 3 died; its lease is still current
     m.request(1, 0)
-    assert m.wait_quorum(2, 0, timeout_s=0.01) is None  # gave up (withdrawn)...
+    assert isinstance(m.wait_quorum(2, 0, timeout_s=0.01), QuorumMiss)  # gave up (withdrawn)...
     now[0] += 3.0
     assert m.request(2, 0) is None  # ...and asks again: the clock of the round still runs
     now[0] += 1.0

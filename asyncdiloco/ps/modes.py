@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from asyncdiloco.errors import ModeMismatchError
-from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
+from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import PushOutcome, Vote
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
@@ -77,7 +77,7 @@ class Mode(Protocol):
 
     def request_quorum(
         self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
-    ) -> Assignment | None:
+    ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum."""
 
     def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
@@ -117,7 +117,7 @@ class AsyncMode:
 
     def request_quorum(
         self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
-    ) -> Assignment | None:
+    ) -> Assignment | QuorumMiss:
         self._touch(worker_id)
         raise self.mismatch(f"the quorum request of worker {worker_id}")
 

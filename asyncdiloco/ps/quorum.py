@@ -6,12 +6,24 @@ server's state (rounds.py ``SyncMode``) applies the committed result, the servic
 (service.py) wraps the blocking calls in RPCs, and unit tests drive it with a fake clock.
 
 One round r → r+1 here: ``request`` (a live worker asks to join the next round, saying
-which committed round its θ_base reflects) until the quorum forms — at least
-``min_workers`` asked and (a) every live member of the previous quorum, or (b) every live
-registered worker, asked, or (c) ``join_timeout_s`` passed since the first request —;
-members ordered by worker id, those behind told to heal; ``stage_result`` keeps rank 0's
-Δ̄ aside; ``vote`` commits when every member voted success with the same total weight
-(then ``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``.
+which committed round its θ_base reflects) until the quorum forms; members ordered by
+worker id, those behind told to heal; ``stage_result`` keeps rank 0's Δ̄ aside; ``vote``
+commits when every member voted success with the same total weight (then
+``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``.
+
+Who forms a quorum is a function of who waits and of the **running group** G, the live
+members of the previous quorum. At least ``min_workers`` must wait, and:
+
+- G is not empty: the quorum forms at G's round boundary only, i.e. once a member of G
+  asked, and then as soon as every member of G waits, or ``join_timeout_s`` after the
+  first of them asked. Every other waiting worker (a newcomer, or one dropped from an
+  earlier quorum) is **queued** for that boundary and enters that round (healing first
+  when it is behind): it never forms a quorum of its own while G lives. So consecutive
+  quorums always share a member, and two disjoint groups cannot take turns;
+- G is empty (the first round, or every member left or lost its lease): as soon as every
+  live worker waits, or ``join_timeout_s`` after the first request.
+
+A wait that ends without a quorum says why (``QuorumMiss``: have, need, queued, reason).
 docs/protocol.md, "The sync round", describes the whole round, both sides, once: why a
 dead member of the previous quorum is waited for, healing, timeouts.
 
@@ -63,6 +75,25 @@ class Assignment:
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumMiss:
+    """Why no quorum formed for a worker by the end of its wait.
+
+    Attributes:
+        have: workers waiting for the next round when the wait ended, this one included.
+        need: workers a quorum needs (``min_workers``).
+        queued: this worker waits for the running group's next round boundary (its
+            members still train, or a round is in flight): asking again joins that round.
+            False when the quorum lacks workers, or the server is stopping.
+        reason: in words, naming the knob ("quorum not reached: have 1, need 2 ...").
+    """
+
+    have: int
+    need: int
+    queued: bool
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +170,10 @@ class QuorumManager:
         self.rounds_committed = 0
         self.rounds_failed = 0
         self._waiting: dict[int, int] = {}  # worker id -> its round
+        #: Since the last formation: the first request of any worker, and the first of a
+        #: member of the running group (its round boundary). Worker timeouts keep them.
         self._first_request_at: float | None = None
+        self._boundary_at: float | None = None
         self._previous: frozenset[int] = frozenset()
         self._active: _Round | None = None
         self._assigned: dict[int, Assignment] = {}  # handed out, not yet collected
@@ -156,11 +190,7 @@ class QuorumManager:
             got = self._assigned.pop(worker_id, None)
             if got is not None:
                 return got
-            if worker_id not in self._waiting:
-                self._waiting[worker_id] = worker_round
-                if self._first_request_at is None:
-                    self._first_request_at = self._clock()
-            self._waiting[worker_id] = worker_round
+            self._ask_locked(worker_id, worker_round)
             self._tick_locked()
             return self._assigned.pop(worker_id, None)
 
@@ -170,7 +200,7 @@ class QuorumManager:
             self._waiting.pop(worker_id, None)
             self._assigned.pop(worker_id, None)
             if not self._waiting:
-                self._first_request_at = None
+                self._first_request_at = self._boundary_at = None
             self._tick_locked()
 
     def tick(self) -> None:
@@ -252,9 +282,9 @@ class QuorumManager:
             return self._decisions.get(quorum_id)
 
     # ------------------------------------------------------------ blocking calls
-    def wait_quorum(self, worker_id: int, worker_round: int, timeout_s: float) -> Assignment | None:
-        """``request`` and wait up to ``timeout_s`` real seconds for the quorum; None if
-        it did not form (the request is withdrawn)."""
+    def wait_quorum(self, worker_id: int, worker_round: int, timeout_s: float) -> Assignment | QuorumMiss:
+        """``request`` and wait up to ``timeout_s`` real seconds for the quorum; a
+        ``QuorumMiss`` saying why if it did not form (the request is withdrawn)."""
         end = time.monotonic() + timeout_s
         got = self.request(worker_id, worker_round)
         with self._cond:
@@ -264,13 +294,10 @@ class QuorumManager:
                     break
                 left = end - time.monotonic()
                 if left <= 0 or self._closed:
-                    # The round's join clock keeps running: resetting it here would let
-                    # callers that time out and ask again postpone the join timeout forever.
-                    self._waiting.pop(worker_id, None)
-                    return None
+                    return self._give_up_locked(worker_id)
                 self._cond.wait(min(left, self._next_wake_locked()))
                 if worker_id not in self._waiting and worker_id not in self._assigned:
-                    self._waiting[worker_id] = worker_round  # dropped meanwhile (e.g. lease check): re-ask
+                    self._ask_locked(worker_id, worker_round)  # dropped meanwhile (e.g. lease check): re-ask
                 self._tick_locked()
         return got
 
@@ -308,8 +335,10 @@ class QuorumManager:
         now, wake = self._clock(), 0.5
         if self._active is not None and self._active.decision is None:
             wake = min(wake, self._active.deadline - now)
-        elif self._first_request_at is not None:
-            wake = min(wake, self._first_request_at + self.config.join_timeout_s - now)
+        else:
+            for since in (self._first_request_at, self._boundary_at):
+                if since is not None:
+                    wake = min(wake, since + self.config.join_timeout_s - now)
         return max(wake, 0.01)
 
     def _describe_active(self) -> str:
@@ -318,6 +347,53 @@ class QuorumManager:
             return "no round is in flight"
         state = "decided" if rnd.decision is not None else "in flight"
         return f"quorum {rnd.quorum_id} is the current one ({state})"
+
+    def _ask_locked(self, worker_id: int, worker_round: int) -> None:
+        """Put ``worker_id`` among the waiting; start the join clocks it starts."""
+        if worker_id not in self._waiting:
+            now = self._clock()
+            if self._first_request_at is None:
+                self._first_request_at = now
+            if self._boundary_at is None and worker_id in self._previous:
+                self._boundary_at = now
+        self._waiting[worker_id] = worker_round
+
+    def _give_up_locked(self, worker_id: int) -> QuorumMiss:
+        """Withdraw a request whose wait ended and say why no quorum formed for it. The
+        join clocks keep running: resetting them would let callers that time out and ask
+        again postpone the join timeout forever."""
+        waiting = set(self._waiting) | {worker_id}
+        self._waiting.pop(worker_id, None)
+        have, need = len(waiting), self.config.min_workers
+        rnd, live = self._active, self._live_workers()
+        group = self._previous & live
+        in_flight = rnd is not None and rnd.decision is None
+        queued = not self._closed and (in_flight or bool(group and not group & waiting))
+        if self._closed:
+            reason = "the server is stopping"
+        elif rnd is not None and in_flight:
+            reason = (
+                f"quorum {rnd.quorum_id} (workers {list(rnd.members)}) is in round {rnd.round + 1}; "
+                f"this worker is queued for the round after it"
+            )
+        elif queued:
+            reason = (
+                f"waiting for the running group (workers {sorted(group)}, the members of the last round) "
+                f"to reach its next round boundary; this worker is queued for that round"
+            )
+        elif have < need:
+            reason = (
+                f"quorum not reached: have {have}, need {need} (--min-workers {need}; waiting: workers "
+                f"{sorted(waiting)}); start more workers or lower --min-workers"
+            )
+        else:
+            reason = (
+                f"quorum not formed yet: waiting for workers {sorted((group or live) - waiting)} up to "
+                f"--quorum-wait-s {self.config.join_timeout_s:g} s; ask again"
+            )
+        miss = QuorumMiss(have, need, queued, reason)
+        log.info("no quorum for worker %d: %s", worker_id, miss.reason)
+        return miss
 
     def _tick_locked(self) -> None:
         now = self._clock()
@@ -339,13 +415,19 @@ class QuorumManager:
         waiting = set(self._waiting)
         if len(waiting) < self.config.min_workers or not waiting:
             return
-        previous_live = self._previous & live
-        ready = (
-            (bool(previous_live) and previous_live <= waiting)
-            or live <= waiting
-            or (self._first_request_at is not None and now - self._first_request_at >= self.config.join_timeout_s)
-        )
-        if ready:
+        group = self._previous & live  # the running group
+        since: float | None
+        if group:  # its round boundary only: the others are queued for it
+            if not group & waiting:
+                return
+            if self._boundary_at is None:  # set by _ask_locked or _decide_locked; never wait without a clock
+                self._boundary_at = now
+            since = self._boundary_at
+            ready = group <= waiting
+        else:
+            since = self._first_request_at
+            ready = live <= waiting
+        if ready or (since is not None and now - since >= self.config.join_timeout_s):
             self._form_locked(now)
 
     def _form_locked(self, now: float) -> None:
@@ -358,7 +440,7 @@ class QuorumManager:
         for rank, w in enumerate(members):
             self._assigned[w] = Assignment(quorum_id, self.round, members, rank, w in heal, deadline)
         self._waiting.clear()
-        self._first_request_at = None
+        self._first_request_at = self._boundary_at = None
         log.info(
             "quorum %d formed for round %d: members %s%s",
             quorum_id,
@@ -393,6 +475,9 @@ class QuorumManager:
         while len(self._decisions) > _DECISION_MEMORY:
             self._decisions.popitem(last=False)
         self._previous = frozenset(rnd.members)
+        # the next boundary is the new running group's: a request made meanwhile by one
+        # of its members starts it now, one by anybody else does not
+        self._boundary_at = self._clock() if self._previous & self._waiting.keys() else None
         for w in rnd.members:  # an unclaimed assignment of a decided round is void
             self._assigned.pop(w, None)
         self._cond.notify_all()

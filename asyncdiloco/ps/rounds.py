@@ -24,7 +24,7 @@ from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeM
 from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager
+from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import PushOutcome, Vote
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -178,8 +178,9 @@ class SyncMode:
 
     def request_quorum(
         self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
-    ) -> Assignment | None:
-        """Block up to ``timeout_s`` seconds for the next round's quorum (None: not formed).
+    ) -> Assignment | QuorumMiss:
+        """Block up to ``timeout_s`` seconds for the next round's quorum (a ``QuorumMiss``,
+        saying why, when none formed).
 
         Raises:
             UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash

@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
+from asyncdiloco.ps.quorum import QuorumMiss
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
@@ -142,8 +143,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         except AsyncDiLoCoError as exc:
             log.warning("quorum request of worker %d refused: %s", request.worker_id, exc)
             _abort(context, exc)
-        if got is None:
-            return pb.QuorumReply(formed=False)
+        if isinstance(got, QuorumMiss):
+            return pb.QuorumReply(formed=False, reason=got.reason, have=got.have, need=got.need, queued=got.queued)
         return pb.QuorumReply(
             formed=True,
             quorum_id=got.quorum_id,

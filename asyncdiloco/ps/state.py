@@ -45,7 +45,7 @@ from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager
+from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, Vote, WorkerRecord
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
@@ -429,9 +429,9 @@ class ParameterServerState:
     # ------------------------------------------------------------ sync mode
     def request_quorum(
         self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
-    ) -> Assignment | None:
-        """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum
-        (rounds.py ``SyncMode.request_quorum``).
+    ) -> Assignment | QuorumMiss:
+        """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
+        ``QuorumMiss`` when none formed; rounds.py ``SyncMode.request_quorum``).
 
         Raises:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,

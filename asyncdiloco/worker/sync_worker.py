@@ -35,7 +35,10 @@ a worker built on that folder loads them; the model itself always comes from the
 
 The inner optimizer's state is kept across rounds. If no quorum forms within
 ``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
-next sync point tries again (Δ then spans more steps, still against θ_base). A member
+next sync point, H inner steps later, tries again (Δ then spans more steps, still
+against θ_base); the server's reason ("quorum not reached: have 1, need 2 ...") is
+logged. A worker the server queued for the running group's next round (a joiner) waits
+for that boundary instead, up to twice the time of its own last H inner steps. A member
 whose own Δ is not finite makes the round skip on every member and restarts from the
 committed θ_base like them (``SyncWorkerStats.non_finite_rounds``); after
 ``WorkerConfig.max_dropped_in_a_row`` such rounds in a row it raises
@@ -174,6 +177,8 @@ class SyncDiLoCoWorker(WorkerBase):
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
         self._collectives = QuorumCollectives(self._server_host, self.sync_config.collective_host, self.flat.device)
+        #: When the H inner steps of the coming sync point began (the last join or sync point's end), monotonic s.
+        self._steps_began_at = time.monotonic()
         self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
@@ -205,6 +210,7 @@ class SyncDiLoCoWorker(WorkerBase):
             self._take_over_initialization_if_told()
             raise
         self._save_state()
+        self._steps_began_at = time.monotonic()
 
     def _close_worker(self) -> None:
         """``close``: leave (so that no quorum waits for this worker) and release
@@ -213,11 +219,21 @@ class SyncDiLoCoWorker(WorkerBase):
         self._collectives.close()
 
     # ---------------------------------------------------------------- rounds
+    def _sync_due(self) -> bool:
+        """A sync point every H inner steps since the last round: one that got no round
+        (no quorum, or the server unreachable) is tried again H steps later, not at every
+        step after it. A rejoin is due at once (it drops the steps trained meanwhile)."""
+        h = self.local_steps
+        return self._steps_since_sync >= h and (self._needs_rejoin or self._steps_since_sync % h == 0)
+
     def _sync_once(self) -> bool:
         """One round: quorum, allreduce, commit vote. True when it committed; False when
         it was aborted (the model restarts from the last committed θ_base) or no quorum
-        formed (training goes on; the next sync point asks again)."""
-        return self._round()
+        formed (training goes on; the next sync point, H steps on, asks again)."""
+        try:
+            return self._round()
+        finally:
+            self._steps_began_at = time.monotonic()
 
     def _round(self) -> bool:
         """One round in four phases (module docstring): quorum → heal or weigh Δ →
@@ -308,21 +324,43 @@ class SyncDiLoCoWorker(WorkerBase):
     def _wait_for_quorum(self) -> pb.QuorumReply | None:
         """Phase 1: ask for this round's quorum and wait for it (the wait is idle time).
 
+        A worker the server says is queued for the running group's next round (a joiner,
+        or a worker dropped from the last quorum) asks again until it gets in, up to twice
+        the time its own last H inner steps took: the group reaches its boundary about one
+        H-step time after its last round, and steps trained instead would be healed over.
+
         Returns:
-            The quorum, or None when none formed in time (the round is skipped).
+            The quorum, or None when none formed in time (the round is skipped and the
+            server's reason logged; the next sync point, H steps on, asks again).
         """
         started = time.monotonic()
         # Wait at least the server's join timeout, or a quorum waiting on it could never form.
         wait_s = max(self.sync_config.quorum_timeout_s, self._server_run().join_timeout_s + 1.0)
-        q = self.client.quorum(
-            worker_id=self.worker_id, round=self.round, manifest_hash=self.manifest.manifest_hash, timeout_s=wait_s
-        )
+        queued_until = started + max(wait_s, 2.0 * (started - self._steps_began_at))
+        timeout_s = wait_s
+        while True:
+            q = self.client.quorum(
+                worker_id=self.worker_id,
+                round=self.round,
+                manifest_hash=self.manifest.manifest_hash,
+                timeout_s=timeout_s,
+            )
+            timeout_s = queued_until - time.monotonic()
+            if q.formed or not q.queued or timeout_s < 0.5 or self._stop.is_set():
+                break
+            log.info("worker %d: %s; waiting up to %.1f s more", self.worker_id, q.reason, timeout_s)
         waited_s = time.monotonic() - started
         self.stats.quorum_wait_s += waited_s
         self.stats.idle_s += waited_s
         if not q.formed:
             self.stats.rounds_skipped += 1
-            log.warning("no quorum within %g s; training on locally", wait_s)
+            log.warning(
+                "worker %d: no quorum within %.1f s: %s; training on locally, next try in %d inner steps",
+                self.worker_id,
+                waited_s,
+                q.reason or "no reason given (a server from before QuorumReply.reason)",
+                self.local_steps,
+            )
             return None
         return q
 

@@ -396,7 +396,7 @@ class QuorumRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., round: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class QuorumReply(_message.Message):
-    __slots__ = ("formed", "quorum_id", "round", "members", "rank", "world_size", "store_host", "store_port", "heal", "round_deadline_s")
+    __slots__ = ("formed", "quorum_id", "round", "members", "rank", "world_size", "store_host", "store_port", "heal", "round_deadline_s", "reason", "have", "need", "queued")
     FORMED_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +407,10 @@ class QuorumReply(_message.Message):
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     HEAL_FIELD_NUMBER: _ClassVar[int]
     ROUND_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    NEED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     formed: bool
     quorum_id: int
     round: int
@@ -417,7 +421,11 @@ class QuorumReply(_message.Message):
     store_port: int
     heal: bool
     round_deadline_s: float
-    def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ...) -> None: ...
+    reason: str
+    have: int
+    need: int
+    queued: bool
+    def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., have: _Optional[int] = ..., need: _Optional[int] = ..., queued: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s")
