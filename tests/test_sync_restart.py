@@ -8,6 +8,7 @@ rounds."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import grpc
@@ -233,3 +234,24 @@ def test_a_round_in_flight_at_a_kill_is_started_over_and_the_logged_rounds_stay(
     finally:
         go_on.set()
         srv.stop(None)
+
+
+def test_a_server_restarted_without_its_folder_says_so_and_the_members_heal_to_it(start_server, caplog):
+    """No --checkpoint-dir: the new server starts empty, a member re-initializes it, and
+    each member, whose round is now ahead of the server's, heals to it with a warning."""
+    srv = start_server(mode="sync", outer=NESTEROV, local_steps=2, lease_s=30.0, sync=SyncConfig(min_workers=1))
+    worker = _worker(srv.address)
+    between = threading.Barrier(2)
+    runner = _Runner([lambda: _train(worker, 0, until_round=4, between=between)])
+    between.wait(STUCK_S)  # round 2 committed
+    port = srv.port
+    srv.stop(None)
+    with caplog.at_level(logging.WARNING, logger="asyncdiloco.worker.sync_worker"):
+        srv = start_server(
+            port=port, mode="sync", outer=NESTEROV, local_steps=2, lease_s=30.0, sync=SyncConfig(min_workers=1)
+        )
+        between.wait(STUCK_S)
+        runner.join()
+    assert "the server's committed round 0 is behind this worker's 2" in caplog.text
+    assert [r["round"] for r in worker.stats.rounds] == [1, 2, 1, 2, 3, 4]  # the new server's rounds
+    assert torch.equal(worker._base, srv.state.params)  # noqa: SLF001 - θ_base, the new server's model
