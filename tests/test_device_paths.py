@@ -157,7 +157,9 @@ def _device_collectives(monkeypatch, group: _Group) -> QuorumCollectives:
 
 
 def _quorum(quorum_id: int) -> QuorumGroup:
-    return QuorumGroup(quorum_id=quorum_id, rank=0, world_size=2, store_host="127.0.0.1", store_port=1)
+    import torch.distributed as dist
+
+    return QuorumGroup(quorum_id=quorum_id, rank=0, world_size=2, store=dist.HashStore())
 
 
 def test_nccl_sums_in_one_reused_device_buffer_and_copies_back(monkeypatch):

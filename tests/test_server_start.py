@@ -1,7 +1,7 @@
 """``ParameterServer.start``: a start that fails at any step gives back everything it took.
 
-Each test makes one step of the start fail (the gRPC port, the rendezvous store's port or
-the bulk channel's port is taken) on a server with a checkpoint folder, then checks that
+Each test makes one step of the start fail (the gRPC port or the bulk channel's port is
+taken) on a server with a checkpoint folder, then checks that
 the folder's lock, the ports and the rest were released: a second start on the same
 folder and the same ports works.
 """
@@ -9,6 +9,7 @@ folder and the same ports works.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import socket
 
@@ -28,12 +29,6 @@ def _taken_port() -> socket.socket:
     return sock
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _durable(tmp_path, **fields) -> ServerConfig:
     fields.setdefault("port", 0)
     return ServerConfig(durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "ckpt")), **fields)
@@ -48,25 +43,25 @@ def _start_again(config: ServerConfig) -> None:
         srv.stop(None)
 
 
-def test_a_start_whose_rendezvous_store_port_is_taken_releases_the_checkpoint_folder(tmp_path):
-    taken = _taken_port()
-    store_port = taken.getsockname()[1]
-    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=store_port))
-    with pytest.raises(ConfigError, match="rendezvous store"):
-        ParameterServer(config).start()
-    taken.close()
-    _start_again(config)  # the same folder and the same store port
-
-
-def test_a_start_whose_bulk_port_is_taken_releases_the_folder_and_the_store(tmp_path):
+def test_a_start_whose_bulk_port_is_taken_releases_the_checkpoint_folder(tmp_path):
     taken = _taken_port()
     bulk_port = taken.getsockname()[1]
-    store_port = _free_port()
-    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=store_port), bulk_port=bulk_port)
+    config = _durable(tmp_path, mode="sync", bulk_port=bulk_port)
     with pytest.raises(ConfigError, match="bulk data channel"):
         ParameterServer(config).start()
     taken.close()
-    _start_again(config)  # the same folder, store port and bulk port
+    _start_again(config)  # the same folder and bulk port
+
+
+def test_a_sync_server_needs_no_port_but_its_grpc_one(tmp_path, caplog):
+    """The rendezvous store is the Store RPC: the obsolete --store-port is ignored, with a
+    warning, even when that port is taken."""
+    taken = _taken_port()
+    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=taken.getsockname()[1]))
+    with caplog.at_level(logging.WARNING, logger="asyncdiloco.ps.server"):
+        _start_again(config)
+    taken.close()
+    assert "--store-port) is ignored" in caplog.text
 
 
 def test_a_start_whose_grpc_port_is_taken_releases_the_checkpoint_folder(tmp_path):
@@ -131,15 +126,6 @@ def test_starting_a_serving_server_again_is_refused_and_stop_frees_its_port():
         ({"port": 29500, "metrics_port": 29500}, "metrics_port=29500 is invalid: it is also the gRPC port (port)"),
         ({"port": 29500, "bulk_port": 29500}, "bulk_port=29500 is invalid: it is also the gRPC port (port)"),
         ({"port": 0, "bulk_port": 9100, "metrics_port": 9100}, "metrics_port=9100 is invalid: it is also the bulk"),
-        (
-            {
-                "port": 29500,
-                "mode": "sync",
-                "outer": OuterConfig(optimizer="nesterov"),
-                "sync": SyncConfig(store_port=29500),
-            },
-            "store_port=29500 is invalid: it is also the gRPC port (port)",
-        ),
     ],
 )
 def test_two_listeners_on_one_port_are_refused_at_config_time(fields, needle):

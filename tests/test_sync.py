@@ -1,4 +1,4 @@
-"""Sync mode end to end in one process: a real gRPC server with its TCPStore on
+"""Sync mode end to end in one process: a real gRPC server (serving the rendezvous store) on
 127.0.0.1 and SyncDiLoCoWorkers on threads, each building real gloo process groups."""
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server
     q = first.quorum(worker_id=w1.worker_id, round=0, manifest_hash=manifest.manifest_hash, timeout_s=5.0)
     w2 = other.join(manifest, "w2")  # joins while the round is in flight: not a member
     assert q.formed and list(q.members) == [w1.worker_id] and q.rank == 0 and not q.heal
-    assert q.store_host == "127.0.0.1" and q.store_port == srv.store_port > 0
+    assert q.store_host == "" and q.store_port == 0  # the rendezvous store is the Store RPC on this port
 
     delta = torch.linspace(-1, 1, manifest.numel)
     kw = dict(base_version=0, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id)

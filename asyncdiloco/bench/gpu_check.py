@@ -247,8 +247,41 @@ def check_nccl(out: pathlib.Path, timeout_s: float = 90.0) -> dict:
     return result
 
 
+def _server_store_over(port: int, rank: int) -> Any:
+    """The ``ServerStore`` sync workers rendezvous over (worker/rendezvous.py: the polling,
+    torch's Python-store path under NCCL), its calls answered from the parent's TCPStore
+    instead of a parameter server, without blocking, as the server answers them."""
+    import torch.distributed as dist
+
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+    from asyncdiloco.worker.rendezvous import ServerStore
+
+    tcp = dist.TCPStore("127.0.0.1", port, is_master=False)
+
+    def call(req: Any, timeout_s: float) -> Any:
+        key = req.keys[0] if req.keys else ""
+        if req.op == pb.STORE_OP_GET:
+            found = tcp.check([key])
+            return pb.StoreReply(found=found, value=tcp.get(key) if found else b"")
+        if req.op == pb.STORE_OP_CHECK:
+            return pb.StoreReply(found=tcp.check(list(req.keys)))
+        if req.op == pb.STORE_OP_SET:
+            tcp.set(key, req.value)
+            return pb.StoreReply()
+        if req.op == pb.STORE_OP_ADD:
+            return pb.StoreReply(count=tcp.add(key, req.amount))
+        if req.op == pb.STORE_OP_COMPARE_SET:
+            return pb.StoreReply(value=tcp.compare_set(key, req.expected, req.value))
+        if req.op == pb.STORE_OP_DELETE:
+            return pb.StoreReply(found=tcp.delete_key(key))
+        return pb.StoreReply(count=tcp.num_keys())
+
+    return ServerStore(call, worker_id=rank + 1, quorum_id=1, timeout_s=60.0)
+
+
 def nccl_child(rank: int, port: int, device: str) -> int:
-    """One rank of ``check_nccl``: sum a pinned buffer of (rank + 1)s with the other rank."""
+    """One rank of ``check_nccl``: sum a pinned buffer of (rank + 1)s with the other rank, the
+    group built over a ``ServerStore`` as in sync mode."""
     import torch
 
     from asyncdiloco.worker.collectives import QuorumCollectives, QuorumGroup
@@ -256,7 +289,7 @@ def nccl_child(rank: int, port: int, device: str) -> int:
 
     torch.cuda.set_device(torch.device(device))
     buf = host_buffer(1 << 20, pin=True).fill_(rank + 1.0)  # (2^20,) fp32
-    group = QuorumGroup(quorum_id=1, rank=rank, world_size=2, store_host="127.0.0.1", store_port=port)
+    group = QuorumGroup(quorum_id=1, rank=rank, world_size=2, store=_server_store_over(port, rank))
     started = time.monotonic()
     try:
         QuorumCollectives("127.0.0.1", None, torch.device(device)).allreduce_sum(buf, group, timeout_s=60.0)

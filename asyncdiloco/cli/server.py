@@ -79,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
         assert server.port is not None, "a started server has its port"
         _write_port_file(args.port_file, server.port)
     print(f"asyncdiloco server listening on {server.address}", flush=True)
-    if server.config.mode == "sync":
-        print(f"asyncdiloco server (mode sync) hosts the rendezvous store on port {server.store_port}", flush=True)
     if server.bulk_port:
         print(f"asyncdiloco server: bulk data channel on port {server.bulk_port}", flush=True)
     if server.metrics_port:

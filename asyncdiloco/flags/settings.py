@@ -94,7 +94,11 @@ SERVER_RUN = FlagTable.of(
             choices=SYNC_WEIGHTINGS,
             help="sync: mean or token-weighted mean of the pseudo-gradients",
         ),
-        Flag(flag="--store-port", field="sync.store_port", help="sync: port of the rendezvous store; 0 = a free one"),
+        Flag(
+            flag="--store-port",
+            field="sync.store_port",
+            help="obsolete, ignored: the sync rendezvous store is served on the gRPC port (with its token and TLS)",
+        ),
         Flag(flag="--local-steps", aliases=("-H",), field="local_steps", help="H, inner steps between pushes"),
         Flag(flag="--outer-optimizer", field="outer.optimizer", choices=OUTER_OPTIMIZERS, help="outer optimizer"),
         Flag(flag="--outer-lr", field="outer.lr", help="outer learning rate η"),

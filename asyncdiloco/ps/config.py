@@ -66,7 +66,8 @@ class SyncConfig:
     round_timeout_s: float = 60.0
     #: "mean": each member's pseudo-gradient weighs 1; "tokens": it weighs its tokens.
     weighting: str = "mean"
-    #: TCP port of the rendezvous store the server hosts; 0 picks a free one.
+    #: Obsolete, ignored (a non-zero value logs a warning): the rendezvous store is served
+    #: on the gRPC port, with its token and TLS (the ``Store`` RPC), and needs no port of its own.
     store_port: int = 0
 
     def __post_init__(self) -> None:
@@ -84,9 +85,6 @@ class SyncConfig:
             "must be a finite number of seconds > 0 (default 60)",
         )
         require(self.weighting in SYNC_WEIGHTINGS, "sync weighting", self.weighting, f"choose one of {SYNC_WEIGHTINGS}")
-        require(
-            0 <= self.store_port <= 65535, "store_port", self.store_port, "must be in [0, 65535]; 0 picks a free port"
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,8 +195,6 @@ class ServerConfig:
             ("bulk_port", "--bulk-port", "the bulk channel's port", self.bulk_port),
             ("metrics_port", "--metrics-port", "the metrics port", self.metrics_port),
         ]
-        if self.mode == "sync":
-            listeners.append(("store_port", "--store-port", "the rendezvous store's port", self.sync.store_port))
         seen: dict[int, tuple[str, str]] = {}
         for field, flag, what, port in listeners:
             if not port:

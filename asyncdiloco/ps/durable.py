@@ -4,9 +4,12 @@ and the replay of logged pushes at start-up (store.py writes and reads them).
 A checkpoint's tensors are θ and the outer optimizer's vectors keyed by parameter name
 (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``: float32, the parameter's
 shape); its JSON part holds the version, the manifest, the worker table with the
-applied push ids and outcomes, and the counters. Replaying a logged push redoes it with
+applied push ids and outcomes, the counters and, in sync mode, the rounds' quorum ids and
+failed-round count (``"sync"``). Replaying a logged push redoes it with
 the τ, s(τ) and live-worker count N it was applied with, so θ and the outer optimizer's
-state come back bit for bit.
+state come back bit for bit. A committed sync round is logged as a push of kind
+``ROUND_RESULT`` (Δ̄ as float32 bytes, whatever the parameters' dtypes) and replayed by
+rounds.py; after the restore the rounds go on at the restored version (``DurableRounds.resume``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,19 @@ class Replayable(Protocol):
         """Redo a logged push (both locks held)."""
 
 
+class DurableRounds(Protocol):
+    """Sync mode's round state around the model (rounds.py ``SyncMode``)."""
+
+    def to_meta(self) -> dict:
+        """The rounds' part of a checkpoint (called with the state's locks held)."""
+
+    def load_meta(self, meta: dict | None) -> None:
+        """Take a checkpoint's part (None: the checkpoint has none; both locks held)."""
+
+    def resume(self) -> None:
+        """The restore so far is done: go on at the restored version (no lock held)."""
+
+
 class Durability:
     """Checkpoint copies, restores and log replay of the state's parts (see the module docstring).
 
@@ -40,9 +56,16 @@ class Durability:
         parts: the core parts (copied and restored; the journal is attached here).
         snapshots: the pull snapshots (cleared when θ is replaced).
         replayers: the push kinds a logged push is redone with, by ``pb.PUSH_KIND_*``.
+        rounds: sync mode's round state (None in async mode).
     """
 
-    def __init__(self, parts: CoreParts, snapshots: Snapshots, replayers: Mapping[int, Replayable]) -> None:
+    def __init__(
+        self,
+        parts: CoreParts,
+        snapshots: Snapshots,
+        replayers: Mapping[int, Replayable],
+        rounds: DurableRounds | None = None,
+    ) -> None:
         self.locks = parts.locks
         self.model = parts.model
         self.registry = parts.registry
@@ -51,6 +74,7 @@ class Durability:
         self.clock = parts.clock
         self.snapshots = snapshots
         self.replayers = replayers
+        self.rounds = rounds
 
     def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (start-up replay): a resumed one keeps the record's counters
@@ -101,6 +125,8 @@ class Durability:
                 "staleness_histogram": list(self.counters.staleness_histogram),
                 "workers": registry.to_meta(),
             }
+            if self.rounds is not None:
+                meta["sync"] = self.rounds.to_meta()
             return meta, self._named_tensors(), result
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
@@ -136,7 +162,11 @@ class Durability:
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
+            if self.rounds is not None:
+                self.rounds.load_meta(meta.get("sync"))
             self.snapshots.clear()
+        if self.rounds is not None:
+            self.rounds.resume()
 
     def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int) -> None:
         model = self.model
@@ -190,9 +220,17 @@ class Durability:
                     f"(version {applied.version_after}) does not follow the checkpoint (version {model.version}); "
                     f"the log belongs to another run: restore the folder from a backup"
                 )
-            kind = self.replayers[pb.PUSH_KIND_INITIAL_PARAMETERS if initial else pb.PUSH_KIND_PSEUDO_GRADIENT]
+            kind = self.replayers.get(header.kind)
+            if kind is None:
+                raise CheckpointError(
+                    f"write-ahead log push {header.push_id} of worker {header.worker_id} is a "
+                    f"{pb.PushKind.Name(header.kind)} record, which this server's mode does not replay: the folder "
+                    f"was written by a server in the other --mode; restart with that mode"
+                )
             kind.replay(rec, header, delta, applied)
             self.snapshots.clear()
+        if self.rounds is not None and header.kind == pb.PUSH_KIND_ROUND_RESULT:
+            self.rounds.resume()
 
     def _decode_logged(self, header: pb.PushHeader, payload: torch.Tensor) -> torch.Tensor:
         """A logged push's payload as fp32 (N,): pseudo-gradients with the run's codec.
@@ -202,6 +240,14 @@ class Durability:
         """
         model, wire_codec = self.model, self.model.config.wire_codec
         manifest = model.known_manifest
+        if header.kind == pb.PUSH_KIND_ROUND_RESULT:  # Δ̄, float32 (N,) whatever the dtypes
+            if payload.numel() != manifest.numel * 4:
+                raise CheckpointError(
+                    f"write-ahead log round of quorum {header.push_id} holds {payload.numel()} bytes; the model's "
+                    f"round result has {manifest.numel * 4}: the log belongs to another run: restore the folder "
+                    f"from a backup"
+                )
+            return payload.view(torch.float32)
         codec = model.wire_codec() if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT else None
         expected = codec.wire_bytes if codec is not None else manifest.total_bytes
         if payload.numel() != expected:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.errors import RoundRefusedError
+from asyncdiloco.errors import AsyncDiLoCoError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
 
 log = logging.getLogger(__name__)
@@ -314,6 +314,20 @@ class QuorumManager:
                     return None
                 self._cond.wait(min(left, self._next_wake_locked()))
 
+    @property
+    def next_quorum_id(self) -> int:
+        """The id the next quorum gets (≥ 1)."""
+        return self._next_quorum_id
+
+    def resume(self, round: int, *, rounds_failed: int = 0, next_quorum_id: int = 1) -> None:
+        """Go on from a run restored from its checkpoint folder, before any request:
+        ``round`` rounds were committed (the restored version), ``rounds_failed`` failed,
+        and quorum ids go on from ``next_quorum_id`` (never back)."""
+        with self._cond:
+            self.round = self.rounds_committed = round
+            self.rounds_failed = rounds_failed
+            self._next_quorum_id = max(self._next_quorum_id, next_quorum_id)
+
     def close(self) -> None:
         """The server is stopping: every blocked ``wait_quorum`` / ``wait_decision``
         returns None now (formed = false, decided = false: the worker asks again and finds
@@ -451,17 +465,21 @@ class QuorumManager:
         self._cond.notify_all()
 
     def _decide_locked(self, rnd: _Round, committed: bool, reason: str) -> None:
+        total = rnd.votes[rnd.members[0]].total_weight if committed else 0.0
         if committed:
-            total = rnd.votes[rnd.members[0]].total_weight
-            self._on_commit(
-                CommittedRound(
-                    quorum_id=rnd.quorum_id,
-                    round=self.round + (1 if total > 0 else 0),
-                    result=rnd.result if total > 0 else None,
-                    tokens_by_worker={w: v.num_tokens for w, v in rnd.votes.items()},
-                    steps_by_worker={w: v.num_local_steps for w, v in rnd.votes.items()},
+            try:
+                self._on_commit(
+                    CommittedRound(
+                        quorum_id=rnd.quorum_id,
+                        round=self.round + (1 if total > 0 else 0),
+                        result=rnd.result if total > 0 else None,
+                        tokens_by_worker={w: v.num_tokens for w, v in rnd.votes.items()},
+                        steps_by_worker={w: v.num_local_steps for w, v in rnd.votes.items()},
+                    )
                 )
-            )
+            except AsyncDiLoCoError as exc:  # e.g. the round could not be logged: nobody applies it
+                committed, reason = False, f"the server could not apply the round: {exc}"
+        if committed:
             if total > 0:  # else every member healed: nothing to apply, no new round
                 self.round += 1
                 self.rounds_committed += 1

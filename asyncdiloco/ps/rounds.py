@@ -11,11 +11,26 @@ step to θ and m that every member applies to its θ_base, and the version becom
 committed-round count. So the server always holds the committed θ and m, and a joining
 or healing member pulls both (``sync_state``) before its first round.
 
+Durable rounds: with a journal attached (store.py), a committed round is logged (a
+``PUSH`` record of kind ``ROUND_RESULT``: Δ̄ as float32 bytes, the round it made) before
+it is applied or any member learns the decision, and replayed at start-up like a
+pseudo-gradient; checkpoints keep the quorum ids and the failed-round count
+(``to_meta``). So a restarted server goes on at the last committed round: a member whose
+θ_base is from it goes on, one that missed the commit is told to heal, and a member of a
+round in flight at the restart finds its quorum unknown (its vote and rendezvous are
+refused) and starts over from its θ_base. The global counters of replayed rounds come
+back; the per-worker ones only as of the checkpoint.
+
+The rendezvous store (rendezvous.py): each quorum's namespace opens when its first
+member collects the assignment, serves only its members (``store``) and is dropped when
+the round is decided.
+
 Lock order: the quorum's condition, then the state's locks (records.py ``StateLocks``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import torch
@@ -25,9 +40,12 @@ from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
-from asyncdiloco.ps.records import PushOutcome, Vote
+from asyncdiloco.ps.records import AppliedAs, PushOutcome, Vote, WorkerRecord
+from asyncdiloco.ps.rendezvous import RendezvousStore
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 _NOT_INITIALIZED = "not initialized: no worker has pushed the initial parameters yet"
 
@@ -58,6 +76,11 @@ class RoundResult:
         """
         return self.mode.stage_result(header, payload)
 
+    def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
+        """Redo a logged committed round (start-up replay; both locks held): Δ̄ float32
+        (N,), the round ``applied.version_after`` it made."""
+        self.mode.replay_round(header, delta, applied)
+
 
 class SyncMode:
     """Sync mode: quorum rounds (see the module docstring).
@@ -82,13 +105,18 @@ class SyncMode:
         self.model = parts.model
         self.registry = parts.registry
         self.counters = parts.counters
+        self.round_result = RoundResult(self)
         self.kinds: Mapping[int, PushHandler] = {
             pb.PUSH_KIND_INITIAL_PARAMETERS: initial,
-            pb.PUSH_KIND_ROUND_RESULT: RoundResult(self),
+            pb.PUSH_KIND_ROUND_RESULT: self.round_result,
         }
+        #: The quorums' rendezvous namespaces (the Store RPC).
+        self.rendezvous = RendezvousStore()
         self.quorum: QuorumManager | None = QuorumManager(
             self.config.sync, live_workers=live_worker_ids, on_commit=self.apply_round, clock=parts.clock
         )
+        #: What a restore found (checkpoint and log), for ``resume``.
+        self._next_quorum_id, self._rounds_failed = 1, 0
 
     @property
     def rounds(self) -> QuorumManager:
@@ -144,11 +172,63 @@ class SyncMode:
         (snapshots.py ``before_apply``): a pull never waits for a round's outer step."""
         with self.locks.apply:
             if done.result is not None:
+                with self.locks.books:
+                    self._log_round(done, done.result)  # CheckpointError: nothing applied, the round aborts
                 self.snapshots.before_apply(self._version())
                 with self.parts.observer.timed("outer_step"):
                     self.model.optimizer.step(done.result, version=done.round - 1)
             with self.locks.books:
                 self._count_round(done)
+
+    def _log_round(self, done: CommittedRound, result: torch.Tensor) -> None:
+        """Journal a committed round before it is applied (books lock held): the record of a
+        push of kind ROUND_RESULT from rank 0 (the smallest member id: members are
+        ordered by id), push id = quorum id, with the round's total tokens and steps."""
+        contributors = [w for w, steps in done.steps_by_worker.items() if steps > 0]
+        header = pb.PushHeader(
+            worker_id=min(done.steps_by_worker),
+            push_id=done.quorum_id,
+            base_version=done.round - 1,
+            num_local_steps=sum(done.steps_by_worker.values()),
+            num_tokens=sum(done.tokens_by_worker.values()),
+            total_bytes=result.numel() * 4,
+            kind=pb.PUSH_KIND_ROUND_RESULT,
+            quorum_id=done.quorum_id,
+        )
+        applied = AppliedAs(tau=0, weight=1.0, version_after=done.round, num_workers=len(contributors))
+        self.parts.journal.log_push(header, result.view(torch.uint8), applied)
+
+    def replay_round(self, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
+        """Redo a logged round (both locks held): the outer step, the version, and the
+        global counters (one applied share per contributing member, the round's tokens)."""
+        self.model.optimizer.step(delta, version=applied.version_after - 1)
+        self.model.version = applied.version_after
+        self._next_quorum_id = max(self._next_quorum_id, header.push_id + 1)  # push id = quorum id (logged)
+        for _ in range(applied.num_workers):
+            self.counters.count_applied(0, 0)
+        self.counters.tokens += header.num_tokens
+
+    # ------------------------------------------------------ durable round state
+    def to_meta(self) -> dict:
+        """The rounds' part of a checkpoint (read without the quorum's lock, which must
+        not be taken under the state's: both are counters that only grow). The
+        committed-round count is the version, saved with θ."""
+        return {"next_quorum_id": self.rounds.next_quorum_id, "rounds_failed": self.rounds.rounds_failed}
+
+    def load_meta(self, meta: dict | None) -> None:
+        """Take a checkpoint's ``to_meta`` (None: a checkpoint without it)."""
+        meta = meta or {}
+        self._next_quorum_id = max(self._next_quorum_id, int(meta.get("next_quorum_id", 1)))
+        self._rounds_failed = int(meta.get("rounds_failed", 0))
+
+    def resume(self) -> None:
+        """After the restore (no state lock held): the rounds go on at the restored
+        version, quorum ids after every one the checkpoint and the log know."""
+        with self.locks.books:
+            version = self.model.version
+        self.rounds.resume(version, rounds_failed=self._rounds_failed, next_quorum_id=self._next_quorum_id)
+        if version:
+            log.info("sync rounds resume at round %d (next quorum id %d)", version, self.rounds.next_quorum_id)
 
     def _version(self) -> int:
         with self.locks.books:
@@ -195,7 +275,10 @@ class SyncMode:
             )
         if not timeout_s > 0:
             raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
-        return self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
+        got = self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
+        if isinstance(got, Assignment):
+            self.rendezvous.open(got.quorum_id, got.members)
+        return got
 
     def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
         """Vote, then block up to ``timeout_s`` seconds for the decision (None: not
@@ -216,7 +299,23 @@ class SyncMode:
         )
         if decision is None and timeout_s > 0:
             decision = self.rounds.wait_decision(vote.quorum_id, timeout_s)
+        if decision is not None:
+            self.rendezvous.close(vote.quorum_id)
+            self.parts.journal.maybe_checkpoint()  # outside every lock
         return decision
+
+    def store(self, request: pb.StoreRequest) -> pb.StoreReply:
+        """One rendezvous-store operation for a member of a quorum whose round is in flight
+        (rendezvous.py ``RendezvousStore.serve``); answers at once.
+
+        Raises:
+            UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member, or
+            the round ended: its namespace is gone), InvalidPayloadError, PayloadTooLargeError.
+        """
+        self._check_request(request.worker_id)
+        if self.rounds.decision(request.quorum_id) is not None:
+            self.rendezvous.close(request.quorum_id)  # decided, though no vote has returned yet
+        return self.rendezvous.serve(request)
 
     def sync_state(self) -> tuple[int, torch.Tensor]:
         """For healing: (round, payload), the payload θ as float32 bytes followed by the

@@ -7,12 +7,10 @@ wraps this with signal handling.
 With ``config.durability`` the state is restored from the checkpoint folder before the
 port is bound (so no client ever sees a half-restored server) and checkpointed on
 ``stop()``; with ``config.security`` every call needs the token and the port speaks TLS.
-In sync mode this process also hosts the rendezvous store of the workers' process
-groups: one ``torch.distributed.TCPStore`` (``is_master=True``,
-``wait_for_workers=False``) for the server's lifetime; each quorum uses the prefix
-``q<quorum_id>`` in it, so each round's process group is formed afresh. A plain master
-TCPStore listens on every interface, so the server binds the listening socket itself on
-``config.host`` and hands it over (``master_listen_fd``).
+In sync mode the same port also serves the rendezvous store of the workers' process
+groups (the ``Store`` RPC, ps/rendezvous.py: one namespace per quorum, its members only),
+so the store needs the token and TLS like every other call and no port of its own; a
+restarted server goes on at its last committed round (rounds.py).
 With ``config.bulk_port`` set, the bulk data channel (bulk.py) listens beside the gRPC
 port on the same host, with the same token and TLS, and ``RunConfig.bulk_port`` tells
 workers where it is.
@@ -29,7 +27,6 @@ RPC is measured (grpc_metrics.py) and the HTTP monitoring endpoint (monitor.py:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import socket
 import time
@@ -77,7 +74,6 @@ class ParameterServer:
         self.store = DurableStore(config.durability, config) if config.durability is not None else None
         self._server: grpc.Server | None = None
         self.port: int | None = None
-        self._store: object | None = None  # sync mode: torch.distributed.TCPStore (master)
         self.bulk: BulkServer | None = None  # when config.bulk_port is set
         self.monitor: MonitorServer | None = None  # when config.metrics_port is set
         self.health = health.HealthServicer()
@@ -92,8 +88,8 @@ class ParameterServer:
         """Restore the durable state, bind the port(s) and start serving.
 
         Each resource is registered for undoing as soon as it is acquired (the checkpoint
-        folder's lock, the gRPC server and its port, the rendezvous store, the bulk
-        channel), so a start that fails at any step gives all of them back, in reverse
+        folder's lock, the gRPC server and its port, the bulk channel, the metrics
+        endpoint), so a start that fails at any step gives all of them back, in reverse
         order, and the next start on the same folder and ports works.
 
         Returns:
@@ -110,6 +106,12 @@ class ParameterServer:
         token_check = server_interceptors(self.config.security)
         creds = server_credentials(self.config.security)
         self._warn_if_exposed(bool(token_check), creds is not None)
+        if self.config.sync.store_port:
+            log.warning(
+                "store_port=%d (--store-port) is ignored: the rendezvous store is served on the gRPC port, with its "
+                "token and TLS; drop the flag (and close that port)",
+                self.config.sync.store_port,
+            )
         metrics = self._metrics()
         with contextlib.ExitStack() as undo:
             if metrics is not None:
@@ -124,9 +126,6 @@ class ParameterServer:
             server = self._grpc_server(([metrics.interceptor] if metrics else []) + token_check)
             undo.callback(server.stop, None)
             port = self._bind(server, creds)
-            if self.config.mode == "sync":
-                self._start_store()
-                undo.callback(self._drop_store)
             if self.config.bulk_port is not None:
                 self._start_bulk(self.config.bulk_port)
                 undo.callback(self._stop_bulk, None)
@@ -208,41 +207,6 @@ class ParameterServer:
             )
         return port
 
-    def _start_store(self) -> None:
-        import torch.distributed as dist
-
-        host, port = self.config.host, self.config.sync.store_port
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(
-                f"cannot host the rendezvous store on {host}:{port} ({exc}); choose another --store-port "
-                f"(0 picks a free one)"
-            ) from None
-        bound = sock.getsockname()[1]
-        # The store takes the descriptor over (and closes it when it is destroyed).
-        self._store = dist.TCPStore(
-            host,
-            bound,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),
-            timeout=datetime.timedelta(seconds=60),
-        )
-        # Workers reach the store at the host they reach the server at when it binds all interfaces.
-        self.state.store_host = "" if host in ("0.0.0.0", "::", "") else host
-        self.state.store_port = bound
-        log.info("rendezvous store listening on %s:%d", host, bound)
-
-    def _drop_store(self) -> None:
-        self._store = None  # the store closes its socket when it is destroyed
-        self.state.store_host, self.state.store_port = "", 0
-
     def _start_bulk(self, port: int) -> None:
         from asyncdiloco.ps.bulk import BulkServer
         from asyncdiloco.wire.security import read_token, server_ssl_context
@@ -295,11 +259,6 @@ class ParameterServer:
         """The bulk data channel's port (0 when it is off)."""
         return self.state.bulk_port
 
-    @property
-    def store_port(self) -> int:
-        """Sync mode: the rendezvous store's port (0 in async mode)."""
-        return self.state.store_port
-
     def stop(self, grace_s: float | None = 1.0, drain_s: float = 0.0) -> None:
         """Stop serving (in-flight calls get ``grace_s`` seconds), then write a final checkpoint.
 
@@ -320,7 +279,6 @@ class ParameterServer:
             self._server = None
             if self.store is not None:
                 self.store.close()
-        self._store = None
         self._stop_monitor()
 
     def wait(self, timeout_s: float | None = None) -> bool:

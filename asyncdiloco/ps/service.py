@@ -152,8 +152,6 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             members=list(got.members),
             rank=got.rank,
             world_size=got.world_size,
-            store_host=self.state.store_host,
-            store_port=self.state.store_port,
             heal=got.heal,
             round_deadline_s=max(0.0, got.deadline - self.state.clock()),
         )
@@ -176,3 +174,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         if decision is None:
             return pb.CommitReply(decided=False)
         return pb.CommitReply(decided=True, committed=decision.committed, round=decision.round, reason=decision.reason)
+
+    def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreReply:
+        try:
+            reply = self.state.store(request)
+        except AsyncDiLoCoError as exc:
+            log.debug("store call of worker %d refused: %s", request.worker_id, exc)  # a closed round: routine
+            _abort(context, exc)
+        return reply

@@ -109,10 +109,11 @@ class ParameterServerState:
             else SyncMode(core, initial, live_worker_ids=self.live_worker_ids, snapshots=self.snapshots)
         )
         self.intake = PushIntake(config, self.locks, self.registry, self.counters, self.groups, self.mode)
-        self.durability = Durability(core, self.snapshots, replayers={INITIAL: initial, PSEUDO_GRADIENT: pseudo})
-        #: Sync mode: the rendezvous store's address, set by the process that hosts it (server.py).
-        self.store_host = ""
-        self.store_port = 0
+        replayers: dict[int, Any] = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
+        sync = self.mode if isinstance(self.mode, SyncMode) else None
+        if sync is not None:
+            replayers[pb.PUSH_KIND_ROUND_RESULT] = sync.round_result
+        self.durability = Durability(core, self.snapshots, replayers=replayers, rounds=sync)
         #: The bulk data channel's port (ps/bulk.py), set by server.py; 0 = none offered.
         self.bulk_port = 0
 
@@ -455,6 +456,16 @@ class ParameterServerState:
         not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
         vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
         return self.mode.commit(vote, timeout_s)
+
+    def store(self, request: pb.StoreRequest) -> pb.StoreReply:
+        """Sync mode: one operation on a quorum's rendezvous store, answered at once
+        (rounds.py ``SyncMode.store``). Raises ModeMismatchError on an async server, or as
+        ``SyncMode.store``."""
+        if not isinstance(self.mode, SyncMode):
+            with self.locks.books:
+                self.registry.touch(request.worker_id)
+            raise self.mode.mismatch(f"the rendezvous-store call of worker {request.worker_id}")
+        return self.mode.store(request)
 
     def sync_state(self) -> tuple[int, torch.Tensor]:
         """Sync mode, for healing: (round, θ then m as float32 bytes, uint8) (rounds.py)."""

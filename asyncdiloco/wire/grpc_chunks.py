@@ -174,6 +174,7 @@ def _handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
         "Quorum": (pb.QuorumRequest, pb.QuorumReply),
         "Commit": (pb.CommitRequest, pb.CommitReply),
         "ReportEval": (pb.EvalReport, pb.EvalReply),
+        "Store": (pb.StoreRequest, pb.StoreReply),
     }
     handlers = {
         name: unary(

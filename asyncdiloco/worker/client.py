@@ -475,6 +475,18 @@ class ParameterServerClient:
             timeout_s + self.rpc_timeout_s,
         )
 
+    def store(self, request: pb.StoreRequest, timeout_s: float | None = None) -> pb.StoreReply:
+        """Sync mode: one rendezvous-store operation (answered at once; worker/rendezvous.py
+        builds torch's blocking Store API on it). ``timeout_s``: the call's deadline
+        (default ``rpc_timeout_s``).
+
+        Raises:
+            RoundRefusedError: not a member of ``request.quorum_id``, or its round ended.
+            ServerUnavailableError, UnauthenticatedError (wrong token), InvalidPayloadError,
+            PayloadTooLargeError.
+        """
+        return self._call(self._stub.Store, request, timeout_s)
+
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())
 

@@ -1,9 +1,11 @@
 """One fresh torch.distributed process group per quorum, for sync mode's allreduce.
 
-The server hosts one ``TCPStore`` for its lifetime; each quorum rendezvouses under its
-own prefix ``q<quorum_id>`` and builds a new group with ``torch.distributed``'s
-backend classes directly, never touching the default process group, so successive
-quorums of different members (3, 3, then 2) share one store without interfering. A
+Each quorum rendezvouses over its own store (``QuorumGroup.store``: for sync workers the
+server's, over the authenticated gRPC channel, rendezvous.py), under the prefix
+``q<quorum_id>``, and builds a new group with ``torch.distributed``'s backend classes
+directly, never touching the default process group, so successive quorums of different
+members (3, 3, then 2) never interfere. The store is kept until the next quorum's group
+is opened or ``end_round`` closes it (a C++ group must not outlive its Python store). A
 member that dies fails the collective on the others at once
 ("Connection closed by peer"); one that hangs fails it after exactly ``timeout_s``,
 which also bounds the rendezvous.
@@ -58,9 +60,9 @@ class QuorumGroup:
     quorum_id: int
     rank: int
     world_size: int
-    #: The rendezvous TCPStore (the server's; an empty host means the server's host).
-    store_host: str
-    store_port: int
+    #: The ``torch.distributed.Store`` the members rendezvous over (rendezvous.py
+    #: ``ServerStore`` for sync workers; any store, e.g. a ``TCPStore``, in benchmarks).
+    store: Any
 
 
 class InFlightAllreduce:
@@ -68,8 +70,9 @@ class InFlightAllreduce:
 
     Holds the process group until then (it must outlive its collective)."""
 
-    def __init__(self, work: Any = None, process_group: Any = None) -> None:
+    def __init__(self, work: Any = None, process_group: Any = None, store: Any = None) -> None:
         self._work, self._process_group = work, process_group
+        self._store = store  # the group's rendezvous store lives as long as the group
 
     def wait(self) -> None:
         """Raises:
@@ -128,8 +131,9 @@ class QuorumProcessGroup:
     agree before the sum), then ``start_allreduce_sum`` (the buffer).
     """
 
-    def __init__(self, collectives: QuorumCollectives, process_group: Any, timeout_s: float) -> None:
+    def __init__(self, collectives: QuorumCollectives, process_group: Any, timeout_s: float, store: Any = None) -> None:
         self._collectives, self._pg, self._timeout_s = collectives, process_group, timeout_s
+        self._store = store  # outlives the group (module docstring)
 
     def all_max(self, values: torch.Tensor) -> None:
         """Element-wise max of ``values`` over the members, in place (blocking; a no-op
@@ -162,8 +166,10 @@ class QuorumProcessGroup:
         if self._pg is None:
             return InFlightAllreduce()
         if self._collectives.backend == "nccl":
-            return self._collectives._start_on_device(buf, self._pg, self._timeout_s)
-        return InFlightAllreduce(self._pg.allreduce([buf]), self._pg)
+            work = self._collectives._start_on_device(buf, self._pg, self._timeout_s)
+            work._store = self._store
+            return work
+        return InFlightAllreduce(self._pg.allreduce([buf]), self._pg, self._store)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -175,8 +181,7 @@ class QuorumCollectives:
     """Builds each quorum's process group and runs its allreduce.
 
     Args:
-        server_host: host of the server address (used when the store host is empty, and
-            to pick loopback for gloo).
+        server_host: host of the server address (to pick loopback for gloo).
         collective_host: address gloo binds and advertises; None: see the module docstring.
         device: where the model lives (``FlatParams.device``): a CUDA device sums over
             NCCL on that device, the CPU over gloo.
@@ -188,8 +193,7 @@ class QuorumCollectives:
         self.device = torch.device(device)
         #: The backend of every quorum's group: "nccl" for a CUDA device, else "gloo".
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._store: Any = None  # TCPStore client, reused across quorums
-        self._store_addr: tuple[str, int] | None = None
+        self._store: Any = None  # the current quorum's rendezvous store, kept until the next one
         self._device: Any = None  # gloo device, created once
         self._device_buf: torch.Tensor | None = None  # NCCL's buffer on ``device``, reused across quorums
 
@@ -223,15 +227,16 @@ class QuorumCollectives:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.PrefixStore(f"q{group.quorum_id}", self._rendezvous_store(group, timeout))
+        base = self._rendezvous_store(group, timeout)
+        store = dist.PrefixStore(f"q{group.quorum_id}", base)
         if self.backend == "nccl":
-            return QuorumProcessGroup(self, self._nccl_group(store, group, timeout), timeout_s)
+            return QuorumProcessGroup(self, self._nccl_group(store, group, timeout), timeout_s, base)
         gloo: Any = dist.ProcessGroupGloo  # its _Options are not in torch's type stubs
         gloo_opts = gloo._Options()
         gloo_opts._timeout = timeout
         gloo_opts._devices = [self._gloo_device()]
         return QuorumProcessGroup(
-            self, dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts), timeout_s
+            self, dist.ProcessGroupGloo(store, group.rank, group.world_size, gloo_opts), timeout_s, base
         )
 
     def _start_on_device(self, buf: torch.Tensor, pg: Any, timeout_s: float) -> InFlightDeviceAllreduce:
@@ -261,18 +266,23 @@ class QuorumCollectives:
             if before is None:
                 del os.environ[key]
 
+    def end_round(self) -> None:
+        """The quorum's round is over: close its rendezvous store (later calls on it, e.g.
+        NCCL's monitor thread checking its dump flag, are answered without the server).
+        The object itself is kept until the next quorum's group is opened."""
+        close = getattr(self._store, "close", None)
+        if close is not None:
+            close()
+
     def close(self) -> None:
-        self._store = None
+        self.end_round()
 
     def _rendezvous_store(self, group: QuorumGroup, timeout: datetime.timedelta) -> Any:
-        import torch.distributed as dist
-
-        addr = (group.store_host or self.server_host, group.store_port)
-        if self._store is None or self._store_addr != addr:
-            self._store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timeout)
-            self._store_addr = addr
-        else:
-            self._store.set_timeout(timeout)
+        """The quorum's store (kept: see ``end_round``), its timeout set to ``timeout``."""
+        if self._store is not group.store:
+            self.end_round()
+            self._store = group.store
+        self._store.set_timeout(timeout)
         return self._store
 
     def _gloo_device(self) -> Any:

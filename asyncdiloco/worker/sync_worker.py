@@ -60,7 +60,13 @@ from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import OuterOptimizer
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, InvalidPayloadError, NotInitializedError
+from asyncdiloco.errors import (
+    AsyncDiLoCoError,
+    ConfigError,
+    InvalidPayloadError,
+    NotInitializedError,
+    RoundRefusedError,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
 from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup, QuorumProcessGroup
@@ -253,7 +259,10 @@ class SyncDiLoCoWorker(WorkerBase):
         vote = self._contribute(q, delta, steps, tokens, started)
         allreduce_s = time.monotonic() - started
         started = time.monotonic()
-        decision = self._vote(q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps)
+        try:
+            decision = self._vote(q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps)
+        finally:
+            self._collectives.end_round()  # the quorum's rendezvous store closes with its round
         commit_wait_s = time.monotonic() - started
         self.stats.allreduce_s += allreduce_s
         self.stats.idle_s += allreduce_s + commit_wait_s
@@ -457,10 +466,22 @@ class SyncDiLoCoWorker(WorkerBase):
 
     def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
         """Build the quorum's group, run the agreement (``_agree``) and launch the sum in flight."""
-        group = QuorumGroup(q.quorum_id, q.rank, q.world_size, q.store_host, q.store_port)
+        group = QuorumGroup(q.quorum_id, q.rank, q.world_size, self._rendezvous_store(q))
         pg = self._collectives.open(group, self.sync_config.allreduce_timeout_s)
         self._agree(pg, q)
         return pg.start_allreduce_sum(self._buf)
+
+    def _rendezvous_store(self, q: pb.QuorumReply) -> Any:
+        """The quorum's rendezvous store: the server's, over this worker's gRPC channel."""
+        from asyncdiloco.worker.rendezvous import ServerStore  # torch.distributed, imported when a round needs it
+
+        return ServerStore(
+            self.client.store,
+            worker_id=self.worker_id,
+            quorum_id=q.quorum_id,
+            timeout_s=self.sync_config.allreduce_timeout_s,
+            rpc_timeout_s=self.config.rpc_timeout_s,
+        )
 
     def _agree(self, pg: QuorumProcessGroup, q: pb.QuorumReply) -> None:
         """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one
@@ -540,18 +561,24 @@ class SyncDiLoCoWorker(WorkerBase):
         self.stats.bytes_pushed += self._numel * 4
 
     def _vote(self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int) -> pb.CommitReply:
-        """Phase 4: vote, and wait for the server's decision (commit or abort)."""
+        """Phase 4: vote, and wait for the server's decision (commit or abort). A vote the
+        server refuses (it does not know the quorum: it restarted mid-round) is an abort:
+        the member restarts from θ_base, and the next quorum tells it to heal if the
+        server's committed round differs."""
         while True:
-            reply = self.client.commit(
-                worker_id=self.worker_id,
-                quorum_id=q.quorum_id,
-                success=vote.success,
-                total_weight=vote.total_weight,
-                num_tokens=tokens,
-                num_local_steps=steps,
-                reason=vote.reason,
-                timeout_s=max(1.0, q.round_deadline_s + 1.0),
-            )
+            try:
+                reply = self.client.commit(
+                    worker_id=self.worker_id,
+                    quorum_id=q.quorum_id,
+                    success=vote.success,
+                    total_weight=vote.total_weight,
+                    num_tokens=tokens,
+                    num_local_steps=steps,
+                    reason=vote.reason,
+                    timeout_s=max(1.0, q.round_deadline_s + 1.0),
+                )
+            except RoundRefusedError as exc:
+                return pb.CommitReply(decided=True, committed=False, round=self.round, reason=str(exc))
             if reply.decided:
                 return reply
 
@@ -605,6 +632,15 @@ class SyncDiLoCoWorker(WorkerBase):
             momentum = self.outer.momentum_buffer
             assert momentum is not None, "an outer optimizer with momentum keeps a buffer"
             momentum.copy_(state[n : 2 * n])
+        if pulled.version < self.round:
+            log.warning(
+                "worker %d: the server's committed round %d is behind this worker's %d: it restarted without its "
+                "state (no --checkpoint-dir) or from an older folder; taking its model and going on from round %d",
+                self.worker_id,
+                pulled.version,
+                self.round,
+                pulled.version,
+            )
         self.round = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self.flat.load(self._base)

@@ -20,6 +20,17 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_KIND_PSEUDO_GRADIENT: _ClassVar[PushKind]
     PUSH_KIND_INITIAL_PARAMETERS: _ClassVar[PushKind]
     PUSH_KIND_ROUND_RESULT: _ClassVar[PushKind]
+
+class StoreOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_OP_UNSPECIFIED: _ClassVar[StoreOp]
+    STORE_OP_SET: _ClassVar[StoreOp]
+    STORE_OP_GET: _ClassVar[StoreOp]
+    STORE_OP_ADD: _ClassVar[StoreOp]
+    STORE_OP_CHECK: _ClassVar[StoreOp]
+    STORE_OP_COMPARE_SET: _ClassVar[StoreOp]
+    STORE_OP_DELETE: _ClassVar[StoreOp]
+    STORE_OP_NUM_KEYS: _ClassVar[StoreOp]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -28,6 +39,14 @@ PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_PSEUDO_GRADIENT: PushKind
 PUSH_KIND_INITIAL_PARAMETERS: PushKind
 PUSH_KIND_ROUND_RESULT: PushKind
+STORE_OP_UNSPECIFIED: StoreOp
+STORE_OP_SET: StoreOp
+STORE_OP_GET: StoreOp
+STORE_OP_ADD: StoreOp
+STORE_OP_CHECK: StoreOp
+STORE_OP_COMPARE_SET: StoreOp
+STORE_OP_DELETE: StoreOp
+STORE_OP_NUM_KEYS: StoreOp
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -482,3 +501,31 @@ class BulkReply(_message.Message):
     push: PushReply
     pull: PullHeader
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("worker_id", "quorum_id", "op", "keys", "value", "expected", "amount")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    quorum_id: int
+    op: StoreOp
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., op: _Optional[_Union[StoreOp, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("found", "value", "count")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    count: int
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., count: _Optional[int] = ...) -> None: ...

@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.SerializeToString,
                 response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.FromString,
                 _registered_method=True)
+        self.Store = channel.unary_unary(
+                '/asyncdiloco.v1.ParameterServer/Store',
+                request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreRequest.SerializeToString,
+                response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -154,6 +159,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Store(self, request, context):
+        """Sync mode: one operation on the rendezvous store of a quorum's process group (the
+        torch.distributed Store its members build their gloo/NCCL group over), for the
+        members of that quorum while its round is in flight. Never blocks: a key not set yet
+        is answered found = false and the client asks again. See "Rendezvous store" below.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +216,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReportEval,
                     request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.FromString,
                     response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.SerializeToString,
+            ),
+            'Store': grpc.unary_unary_rpc_method_handler(
+                    servicer.Store,
+                    request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreRequest.FromString,
+                    response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +466,33 @@ class ParameterServer:
             '/asyncdiloco.v1.ParameterServer/ReportEval',
             asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReport.SerializeToString,
             asyncdiloco_dot_v1_dot_parameter__server__pb2.EvalReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Store(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncdiloco.v1.ParameterServer/Store',
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreRequest.SerializeToString,
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.StoreReply.FromString,
             options,
             channel_credentials,
             insecure,
