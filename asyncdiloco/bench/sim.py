@@ -20,11 +20,13 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig
 from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.schedule import GroupWindow
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
@@ -338,12 +340,58 @@ def _present(cfg: SimConfig, worker: int, t: float) -> bool:
     return not leave <= t < rejoin
 
 
-class _VirtualClock:
+class VirtualClock:
+    """The clock injected into the server's state: virtual seconds, set by the simulator."""
+
     def __init__(self) -> None:
         self.t = 0.0
 
     def __call__(self) -> float:
         return self.t
+
+
+T = TypeVar("T")
+
+
+class HeldReplies(Generic[T]):
+    """Push replies the server holds until their group is released (``schedule.GroupWindow``,
+    the server's own), released on the virtual clock in release order.
+
+    Args:
+        window: the state's ``groups.window``.
+        clock: the state's virtual clock; a release moves it forward to the release time.
+    """
+
+    def __init__(self, window: GroupWindow, clock: VirtualClock) -> None:
+        self.window = window
+        self.clock = clock
+        self._held: dict[int, list[T]] = {}  # group id -> replies waiting for its release
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, group_id: int, reply: T) -> None:
+        """Hold ``reply`` (whatever the caller resumes with) until group ``group_id`` is released."""
+        self._held.setdefault(group_id, []).append(reply)
+
+    def next_deadline(self) -> float:
+        """The earliest deadline of a held group, virtual seconds (inf: none held)."""
+        return min((self.window.deadline(g) for g in self._held), default=math.inf)
+
+    def release_due(self, until: float, resume: Callable[[T, float], None]) -> None:
+        """Resume the replies of every group released by ``until`` (in release order):
+        ``resume(reply, released_at)``."""
+        while True:
+            due = []
+            for g in self._held:
+                released_at = self.window.release_time(g) if self.window.released(g, until) else None
+                due.append((math.inf if released_at is None else released_at, g))
+            when, g = min(due, default=(math.inf, 0))
+            if when > until:
+                return
+            self.clock.t = max(self.clock.t, when)
+            for reply in self._held.pop(g):
+                resume(reply, when)
 
 
 def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
@@ -356,9 +404,9 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     (``schedule.GroupWindow``, the server's own), then the worker pulls and starts its
     next round with the H_w the server gives it.
     """
-    clock = _VirtualClock()
+    clock = VirtualClock()
     state = ParameterServerState(cfg.server_config(), clock=clock)
-    window = state.groups.window
+    held: HeldReplies[int] = HeldReplies(state.groups.window, clock)  # replies (workers) waiting for a release
     manifest = Manifest.from_module(replicas[0].model)
     ids = [state.join(manifest, f"worker-{r.index}", 1.0 / _speed(cfg, r.index, 0.0))[0] for r in replicas]
     state.push(
@@ -369,7 +417,6 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
     curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
     # (push time, worker, steps still to train, their compute s, steps in the push; 0 = a rejoin)
     events: list[tuple[float, int, int, float, int]] = []
-    held: dict[int, list[int]] = {}  # group id -> workers whose replies wait for its release
     pushed_at: dict[int, float] = {}  # overlap: when a held worker pushed
     snapshots: dict[int, torch.Tensor] = {}  # overlap: θ_local when it pushed
     unallotted = [cfg.total_steps]
@@ -405,28 +452,14 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
         r.busy_s += (ahead + rest) * s
         heapq.heappush(events, (finish, i, rest, 0.0, ahead + rest))
 
-    def release_due(until: float) -> None:
-        """Start the workers of every group released by ``until`` (in release order)."""
-        while True:
-            due = []
-            for g in held:
-                released_at = window.release_time(g) if window.released(g, until) else None
-                due.append((math.inf if released_at is None else released_at, g))
-            when, g = min(due, default=(math.inf, 0))
-            if when > until:
-                return
-            clock.t = max(clock.t, when)
-            for i in held.pop(g):
-                start(i, when)
-
     for i in range(len(replicas)):
         start(i, 0.0)
     steps, next_eval, last_push_s = 0, cfg.eval_every_steps, 0.0
     while events or held:
-        deadline = min((window.deadline(g) for g in held), default=math.inf)
+        deadline = held.next_deadline()
         if not events or deadline < events[0][0]:
             clock.t = max(clock.t, deadline)
-            release_due(deadline)
+            held.release_due(deadline, start)
             continue
         finish, i, h, compute, h_push = heapq.heappop(events)
         clock.t = max(clock.t, finish)
@@ -449,13 +482,13 @@ def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
             compute_s=h_push * _speed(cfg, i, finish),
         )
         push_ids[i] += 1
-        held.setdefault(outcome.group_id, []).append(i)
+        held.hold(outcome.group_id, i)
         h = h_push
         if overlap:
             pushed_at[i], snapshots[i] = finish, local
         steps += h
         last_push_s = finish
-        release_due(finish)
+        held.release_due(finish, start)
         progress(steps)
         if steps >= next_eval or steps >= cfg.total_steps:
             curve.append(_eval_point(evaluator, eval_set, state.params, steps, tps, clock.t, state.version))

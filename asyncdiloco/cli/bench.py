@@ -1,5 +1,5 @@
-"""``asyncdiloco bench``: the sync-vs-async suite (virtual or real clock) or the perf
-micro-benchmarks; prints the suite's markdown report. The library's INFO lines are kept
+"""``asyncdiloco bench``: the sync-vs-async suite (virtual or real clock), the perf
+micro-benchmarks, or the scale simulation; prints the suite's markdown report. The library's INFO lines are kept
 out of the progress bar unless -v (``QUIET_LOGGERS``)."""
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="run a benchmark suite (JSON lines + markdown summary)",
         description="Sync vs async DiLoCo on speed profiles (in a virtual-clock simulator, or real processes "
-        "on 127.0.0.1), or the transport and server micro-benchmarks; writes JSON lines and a markdown report.",
+        "on 127.0.0.1), the transport and server micro-benchmarks, or --workers simulated workers against the "
+        "server's state code (scale); writes JSON lines and a markdown report.",
     )
     p.add_argument(
         "--suite",
-        choices=["quick", "full", "perf"],
+        choices=["quick", "full", "perf", "scale"],
         default="quick",
         help="quick/full: sync vs async methods on speed profiles; "
-        "perf: transport, server and overlap micro-benchmarks (default %(default)s)",
+        "perf: transport, server and overlap micro-benchmarks; "
+        "scale: --workers simulated workers on the virtual clock against the server's state code, "
+        "with the shards they need (default %(default)s)",
     )
     p.add_argument(
         "--clock",
@@ -36,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default="", help="output folder (default bench-SUITE-CLOCK, or perf-out)")
     p.add_argument("--sizes", default="4,64,256", help="perf: model sizes in MiB (default 4,64,256)")
+    p.add_argument("--workers", type=int, default=1000, help="scale: simulated workers (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="scale: seed of speeds, churn and noise (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -75,7 +80,14 @@ def _run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "asyncdiloco.bench.perf.perf_suite", "--out", args.out or "perf-out"]
         return subprocess.run([*cmd, "--sizes", args.sizes], check=False).returncode
     out = args.out or f"bench-{args.suite}-{args.clock}"
-    if args.clock == "real":
+    if args.suite == "scale":
+        from asyncdiloco._malloc import keep_large_blocks
+        from asyncdiloco.bench.scale_report import run_scale
+        from asyncdiloco.bench.sim_scale import ScaleConfig
+
+        keep_large_blocks()  # as the server process: the apply cost is timed as a server pays it
+        run_scale(ScaleConfig(workers=args.workers, seed=args.seed), out, progress=not args.no_progress)
+    elif args.clock == "real":
         from asyncdiloco.bench.suite_real import REAL_SUITES, run_real_suite
 
         run_real_suite(REAL_SUITES[args.suite], out, progress=not args.no_progress)
