@@ -104,7 +104,16 @@ def _every_rpc(client: ParameterServerClient) -> dict:
         "Push (client streaming)": lambda: client.push(
             payload, worker_id=1, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
         ),
+        "Leave (unary)": lambda: client.leave(1),
+        "Quorum (unary)": lambda: client.quorum(worker_id=1, round=0, manifest_hash="x", timeout_s=1),
+        "Commit (unary)": lambda: client.commit(worker_id=1, quorum_id=1, success=True, timeout_s=1),
+        "ReportEval (unary)": lambda: client.report_eval(0, 1.0, 1),
+        "Store (unary)": lambda: client.store(
+            pb.StoreRequest(worker_id=1, quorum_id=1, op=pb.STORE_OP_GET, keys=["k"])
+        ),
     }
+    every = {m.name for m in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods}
+    assert {name.split()[0] for name in calls} == every, "call every RPC of the service here"
     out = {}
     for name, call in calls.items():
         try:
