@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 CLI = [sys.executable, "-m", "asyncdiloco"]
 
 
+@pytest.mark.heavy  # four processes training for 20 s (about a minute in all): a load test, run after the suite
 def test_server_and_three_worker_processes_lower_the_held_out_loss(tmp_path):
     cfg = DemoConfig(
         num_workers=3,
