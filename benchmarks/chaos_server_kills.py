@@ -40,6 +40,7 @@ import argparse
 import collections
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import random
@@ -79,6 +80,7 @@ def worker_main(argv: list[str]) -> int:
     from asyncdiloco.worker.config import WorkerConfig
 
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     acks = open(args.acks, "a", buffering=1)  # noqa: SIM115 - open for the whole run
     push = ParameterServerClient.push
 
@@ -87,13 +89,21 @@ def worker_main(argv: list[str]) -> int:
             reply = push(self, payload, **kw)
         except Exception as exc:
             acks.write(
-                json.dumps({"worker_id": kw["worker_id"], "push_id": kw["push_id"], "error": type(exc).__name__})
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "worker_id": kw["worker_id"],
+                        "push_id": kw["push_id"],
+                        "error": type(exc).__name__,
+                    }
+                )
             )
             acks.write("\n")
             raise
         acks.write(
             json.dumps(
                 {
+                    "t": time.time(),
                     "worker_id": kw["worker_id"],
                     "push_id": kw["push_id"],
                     "kind": int(kw.get("kind", 0)),
@@ -312,6 +322,7 @@ def _replay_identical(archive: pathlib.Path, state_dir: pathlib.Path, work: path
     assert config.durability is not None
     DurableStore(config.durability, config).restore_read_only(replayed)
     final, _lsn = restore(state_dir)
+    assert replayed.params is not None and final.params is not None, "a run that pushed is initialized"
     same = replayed.version == final.version and torch.equal(replayed.params, final.params)
     rb, fb = replayed.model.outer_buffers(), final.model.outer_buffers()
     same = same and rb.keys() == fb.keys() and all(torch.equal(rb[k], fb[k]) for k in rb)
@@ -370,6 +381,9 @@ def check(out: pathlib.Path, archive: Archive, ack_files: list[pathlib.Path]) ->
     }
     logs = [path.read_text() for path in sorted(out.glob("server-*.log"))]
     result["torn_tails_cut"] = sum(text.count("dropping a torn record") for text in logs)
+    # a worker whose pushes all failed for lease_s (the server kept dying) is dated by its last
+    # logged contact and expires at the restart; it rejoins under its name, with its id
+    result["leases_expired"] = sum(text.count("lease expired") for text in logs)
     result["records_replayed_at_starts"] = sum(
         int(n) for text in logs for n in re.findall(r"checkpoint ckpt-\d+ and (\d+) log records", text)
     )
