@@ -209,6 +209,9 @@ def run_once(args: argparse.Namespace, folder: pathlib.Path, mode: str, kill_see
         server_rc = run.stop_server()
     finally:
         run.reap()
+    from asyncdiloco.job.config import JobConfig
+
+    per_step = JobConfig().tokens_per_step  # the default job's, as the CLI workers train it
     stats = []
     for i in range(args.workers):
         path = folder / f"stats-{i}.json"
@@ -222,6 +225,9 @@ def run_once(args: argparse.Namespace, folder: pathlib.Path, mode: str, kill_see
         "final_loss": round(loss, 5),
         "version": version,
         "tokens": status.tokens,
+        # steps the server's token count is off from workers × max_steps (async: lost < 0 or
+        # counted twice > 0; sync: also the steps a healing member drops by design)
+        "steps_off": (status.tokens - args.workers * args.max_steps * per_step) // per_step,
         "applied_pushes": status.applied_pushes,
         "rejected_pushes": status.rejected_pushes,
         "worker_exit_codes": run.exit_codes,
