@@ -2,7 +2,8 @@
 lost, or any applied twice?
 
     .venv/bin/python benchmarks/chaos_server_kills.py [--kills 20] [--workers 4] [--seed 0]
-        [--mean-up-s 3] [--local-steps 5] [--checkpoint-every 10] [--out DIR]
+        [--mean-up-s 3] [--local-steps 5] [--checkpoint-every 10] [--max-backoff-s 2]
+        [--after-append] [--tail-s 5] [--out DIR]
 
 Starts ``asyncdiloco server --checkpoint-dir STATE`` on 127.0.0.1 (a free port, kept for
 every restart) and ``--workers`` worker processes (this script with ``--worker``: the
@@ -10,8 +11,10 @@ library's ``AsyncDiLoCoWorker`` training the default job's model on its own data
 Once every worker has had a push acknowledged, it SIGKILLs the server ``--kills`` times,
 each after an exponentially distributed time (mean ``--mean-up-s``, seeded) from the
 moment the server's port file appeared, and restarts it at once on the same folder and
-port. After the last restart the workers train ``--tail-s`` more seconds, push their last
-steps and leave; then the server gets SIGTERM.
+port (``--after-append``: after the drawn time, at the next log append, so the kill lands
+between logging a push and answering it, or in the middle of the append). After the last
+restart the workers train ``--tail-s`` more seconds, push their last steps and leave; then
+the server gets SIGTERM.
 
 The records compared:
 
@@ -30,8 +33,12 @@ without a log record; ``applied_twice`` = (worker, push id) pairs logged more th
 ``version_matches`` = the final global version equals the number of logged
 pseudo-gradients; ``replay_identical`` = the final server's θ and outer-optimizer state
 equal, bit for bit, a single replay of the whole archived log from the first (empty)
-checkpoint; ``completed`` = every worker exited 0 and the server stopped cleanly. Measures;
-asserts nothing (the exit status is 0 unless the run itself could not be carried out).
+checkpoint; ``completed`` = every worker exited 0 and the server stopped cleanly. What the
+kills hit: ``acknowledged_as_duplicate`` (pushes logged by a server that died before
+answering, answered on their resend), ``torn_tails_cut`` (appends cut by a kill, dropped at
+the next start), ``leases_expired`` (workers dated by their last logged contact that
+expired at a restart and rejoined). Measures; asserts nothing (the exit status is 0 unless
+the run itself could not be carried out).
 """
 
 from __future__ import annotations

@@ -18,10 +18,13 @@ Every worker stops after ``--max-steps`` inner steps in all its lives together, 
 runs do the same work. When every worker has exited, the global model's held-out loss
 (nats/char; the evaluator of ``asyncdiloco eval``) is measured and the server is stopped.
 
-One JSON line per kill and per run, then one line per mode and repeat with the relative
-difference of the final losses, ``(with kills − fault-free) / fault-free``. Async runs
-are not deterministic (the order pushes arrive in varies), so ``--repeats`` > 1 also
-shows how much two fault-free runs differ. Measures; asserts nothing.
+One JSON line per kill and per run (with ``steps_off``: how many inner steps the server's
+token count differs from workers × max_steps; 0 when no step was lost or counted twice,
+negative in sync runs with kills, where a restarted member heals and drops its steps since
+the last round), one per mode and repeat with the relative difference of the final losses,
+``(with kills − fault-free) / fault-free``, and one summary per mode over the repeats.
+Async runs are not deterministic (the order pushes arrive in varies), so ``--repeats`` > 1
+also shows how much two fault-free runs differ. Measures; asserts nothing.
 """
 
 from __future__ import annotations
