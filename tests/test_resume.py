@@ -221,10 +221,10 @@ def _train(worker: AsyncDiLoCoWorker, model: nn.Module, opt: torch.optim.Optimiz
         opt.zero_grad()
 
 
-def _worker(srv, folder: pathlib.Path, name: str = "", model: nn.Module | None = None):
+def _worker(srv, folder: pathlib.Path, name: str = "", model: nn.Module | None = None, **fields):
     model = model or _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    cfg = WorkerConfig(server=srv.address, worker_name=name, state_dir=str(folder), heartbeat_s=30)
+    cfg = WorkerConfig(server=srv.address, worker_name=name, state_dir=str(folder), heartbeat_s=30, **fields)
     return AsyncDiLoCoWorker(model, opt, cfg), model, opt
 
 
@@ -255,22 +255,61 @@ def test_the_worker_state_round_trips_through_its_folder(start_server, tmp_path)
 
 def test_a_push_in_flight_when_the_worker_died_is_applied_once(start_server, tmp_path):
     srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off")
-    folder, before_kill = tmp_path / "w", tmp_path / "copy"
+    folder = tmp_path / "w"
     worker, model, opt = _worker(srv, folder, name="w1")
     worker.join()
-    _train(worker, model, opt, 2)  # sync: push 2, saved with next_push_id 3
-    shutil.copytree(folder, before_kill, ignore=shutil.ignore_patterns("LOCK"))
-    _train(worker, model, opt, 2, seed=1)  # push 3 is applied... and the process "dies" before it saves
+    real_push = worker.client.push
+
+    def push_then_die(payload, **kw):
+        reply = real_push(payload, **kw)
+        if kw["push_id"] == 3:  # applied; the process dies before it reads the reply
+            worker.state_dir.close()
+            raise KeyboardInterrupt
+        return reply
+
+    worker.client.push = push_then_die
+    _train(worker, model, opt, 2)  # push 2, saved before it was sent
+    with pytest.raises(KeyboardInterrupt):
+        _train(worker, model, opt, 2, seed=1)  # push 3: saved, sent, applied, reply never read
     applied = srv.state.registry.get(worker.worker_id).applied_pushes
-    worker.state_dir.close()  # what the kernel does to a dead process's lock
-    shutil.rmtree(folder)
-    shutil.copytree(before_kill, folder)
+    params = srv.state.params.clone()
     again, model2, opt2 = _worker(srv, folder)
     with again:
-        _train(again, model2, opt2, 2, seed=1)  # the same batches again; push 3 is answered as before
-        assert srv.state.duplicate_pushes == 1
+        assert srv.state.duplicate_pushes == 1  # push 3 retried from the folder: answered as before
         assert srv.state.registry.get(again.worker_id).applied_pushes == applied
+        assert torch.equal(srv.state.params, params)
         _train(again, model2, opt2, 2, seed=2)  # push 4: new
+        assert srv.state.registry.get(again.worker_id).applied_pushes == applied + 1
+
+
+def test_a_folder_older_than_the_servers_newest_push_never_resends_that_id(start_server, tmp_path, caplog):
+    """A save that failed (a full disk: the worker logs it and trains on) leaves the folder
+    behind a push the server applied. The restarted worker must not number another Δ with
+    that id (the server would answer it with the first one's outcome): it drops what it had
+    not sent, counted, and goes on from the global model with new ids."""
+    srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    worker, model, opt = _worker(srv, folder, name="w1")
+    worker.join()
+    _train(worker, model, opt, 2)  # push 2, saved before it was sent
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    worker.state_dir.save = disk_full
+    _train(worker, model, opt, 2, seed=1)  # push 3 applied; neither save reached the folder
+    applied = srv.state.registry.get(worker.worker_id).applied_pushes
+    params = srv.state.params.clone()
+    worker.state_dir.close()  # the process dies
+    again, model2, opt2 = _worker(srv, folder)
+    with caplog.at_level("WARNING"), again:
+        assert "the server holds pushes of this worker past its own" in caplog.text
+        assert srv.state.duplicate_pushes == 0 and torch.equal(srv.state.params, params)
+        assert again._next_push_id == 4  # noqa: SLF001 - after the server's newest
+        assert again.stats.drops == {"not_resumed": 1}
+        local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+        assert torch.equal(local, params)  # the global model, nothing of the old folder on top
+        _train(again, model2, opt2, 2, seed=2)
         assert srv.state.registry.get(again.worker_id).applied_pushes == applied + 1
 
 
@@ -323,7 +362,8 @@ def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, t
     folder = tmp_path / "w"
     worker, model, opt = _worker(srv, folder, name="w1")
     worker.join()
-    _train(worker, model, opt, 3)  # one sync, saved
+    _train(worker, model, opt, 3)  # one sync (its push saved before it was sent)
+    worker._save_state()  # noqa: SLF001 - the state after the sync, as close saves it
     worker.state_dir.close()  # the process dies here
     state = torch.load(folder / STATE_FILE, weights_only=True)
     unsent = torch.linspace(-0.01, 0.01, state["theta_base"].numel())  # e.g. overlap's steps since its snapshot
@@ -367,3 +407,58 @@ def test_a_state_folder_this_process_cannot_write_is_a_config_error_naming_it(tm
     with pytest.raises(PermissionError):  # a later one: the worker logs it and trains on
         opened.save({"format": 1, "worker_name": "a"}, {})
     opened.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_a_push_applied_just_before_the_worker_died_is_never_taken_for_a_retrained_one(start_server, tmp_path, overlap):
+    """The folder as it is when the server has applied push 3 and the process dies before
+    reading the reply: the push is in the folder (saved before it was sent), so the
+    restarted worker retries exactly those bytes (answered as applied) and goes on from the
+    data position after its steps. Were only the sync before it saved, the restarted worker
+    would train those steps again and send another Δ under id 3, answered "duplicate,
+    applied" with the first one's outcome: its steps would be lost or counted twice."""
+    srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off")
+    folder, at_kill = tmp_path / "w", tmp_path / "at-kill"
+    worker, model, opt = _worker(srv, folder, name="w1", overlap=overlap)
+    trained = {"steps": 0}
+    worker.extra_state = lambda: dict(trained)
+
+    real_push = worker.client.push
+
+    def push_then_die(payload, **kw):
+        reply = real_push(payload, **kw)
+        if kw["push_id"] == 3 and not at_kill.exists():  # the server applied it; the reply is never read
+            shutil.copytree(folder, at_kill, ignore=shutil.ignore_patterns("LOCK"))
+        return reply
+
+    worker.client.push = push_then_die
+    worker.join()
+    gen = torch.Generator().manual_seed(0)
+
+    def train(w: AsyncDiLoCoWorker, m: nn.Module, o: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=gen)
+            nn.functional.mse_loss(m(x), x.sum(dim=1, keepdim=True)).backward()
+            trained["steps"] += 1  # this step is the caller's data position once step() syncs
+            o.step()
+            o.zero_grad()
+
+    train(worker, model, opt, 4)  # pushes 2 and 3 (overlap: 3 in the background, started at step 4)
+    if overlap:
+        worker._overlap.wait()  # noqa: SLF001 - push 3 reaches the server; its outcome is never merged
+    assert at_kill.exists()
+    wid = worker.worker_id
+    assert srv.state.registry.get(wid).local_steps == 2 + 2
+    worker.state_dir.close()  # the process is gone: no reply read, nothing more saved
+    worker.client.close()
+    srv.state.leave(wid)
+
+    again, model2, opt2 = _worker(srv, at_kill, overlap=overlap)
+    trained["steps"] = int(again.restored_extra["steps"])
+    assert trained["steps"] == 4  # the data position after push 3's steps: they are not trained again
+    with again:
+        assert again.worker_id == wid
+        train(again, model2, opt2, 3)  # new steps only
+    assert srv.state.duplicate_pushes == 1  # push 3, retried with its own bytes
+    assert srv.state.registry.get(wid).local_steps == 4 + 3  # every step trained once, counted once
+    assert again.stats.pushes_refused == 0 and again.stats.pseudo_gradients_dropped == 0

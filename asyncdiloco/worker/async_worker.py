@@ -59,9 +59,9 @@ Overlap (``WorkerConfig.overlap``): the push and the next pull run in a backgrou
 thread while the next inner steps proceed, and the new global model is merged keeping
 the progress made meanwhile; see overlap.py for the rule and its sources.
 
-Restarts (``WorkerConfig.state_dir``, state_dir.py): after every sync the worker adopts
-(a pull loaded, or overlap's merge) it saves ``state_dict()``: θ_base and its version,
-the model's θ_local (θ_base − θ_local is what the server has not received: the codec's
+Restarts (``WorkerConfig.state_dir``, state_dir.py): before each push is sent
+(write-ahead, ``_save_before_sending``), and after a sync that sent none, the worker saves
+``state_dict()``: θ_base and its version, the model's θ_local (θ_base − θ_local is what the server has not received: the codec's
 residual, overlap's steps since the snapshot), an unacknowledged push, the push counter,
 the round's step count, the inner optimizer and the caller's ``extra``. A worker built on
 that folder loads it: the model holds θ_local again. When the server resumes its
@@ -69,7 +69,10 @@ registration (same name, ``JoinReply.resumed``) it first retries the saved push 
 push id (applied at most once: the server answers a retry with its original outcome),
 then pulls the newest global model keeping θ_base − θ_local on top of it, and counts on
 from the saved step. A restart so loses at most the inner steps since the last save;
-those are trained again on the same data when the caller restores its data position.
+those are trained again on the same data when the caller restores its data position, and
+never into another Δ under an id the server already holds. A folder behind a push the
+server holds (a failed save) is not continued: ``JoinReply.last_push_id`` at or past the
+saved counter drops what was not sent (``not_resumed``) and goes on with new ids.
 If the server does not know the worker (a fresh run), only the inner optimizer and
 ``extra`` carry over and the model is the global one (or initializes it).
 
@@ -298,6 +301,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._restored_push_id: int | None = None
         #: The join continues a restored state or a rejoined registration (``_continue_unsent``).
         self._resuming = False
+        #: The newest push was saved before it was sent, and nothing since (``_save_after_sync``).
+        self._push_saved = False
         self._restore_saved_state()
 
     # ------------------------------------------------------------ lifecycle
@@ -338,7 +343,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             True when the join continues (``_continue_unsent``).
         """
         restored, self._restored_push_id = self._restored_push_id, None
-        if restored is not None and reply.resumed and restored >= reply.last_push_id:
+        if restored is not None and reply.resumed and restored > reply.last_push_id:
             self._next_push_id = restored
             return True
         if restored is not None:
@@ -462,6 +467,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         if self._pending is None:
             if self._steps_since_sync > 0:  # θ_local(t0) -> snapshot; Δ is taken and encoded in the background
                 self._new_pending(overlap.snapshot, encode=False)
+                self._save_before_sending()
             else:
                 self.flat.copy_into(overlap.snapshot)  # a pull only
         # else: a retry: the snapshot still holds θ_local at the time the pending Δ was taken
@@ -526,7 +532,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.pulls += 1
         self.stats.bytes_pulled += out.bytes_pulled
         self._backoff_s = self.config.initial_backoff_s
-        self._save_state()  # adopted, on the training thread, before the next sync starts
+        self._save_after_sync()  # adopted, on the training thread, before the next sync starts
         self._raise_if_dropping_every_push()
         return True
 
@@ -605,6 +611,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             except InvalidPayloadError as exc:  # Δ is not finite (nothing was sent, no push id taken)
                 self._drop_unsent(NON_FINITE, str(exc))
                 return
+            self._save_before_sending()
         try:
             reply = self._send_payload(pending)
         except PayloadCorruptedError:
@@ -723,7 +730,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.stats.pulls += 1
         self.stats.bytes_pulled += pulled.payload.numel()
         if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
-            self._save_state()
+            self._save_after_sync()
 
     def _before_rejoin(self) -> None:
         """Keep what the server has not acknowledged for the Join to decide: a resumed
@@ -740,9 +747,31 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._carry_residual = False
 
     # ---------------------------------------------------------- saved state
+    def _save_before_sending(self) -> None:
+        """Write-ahead: a new push is in the state folder before any byte of it is sent,
+        with the model, counters and the caller's data position as they are when it was
+        packed. A process that dies at any point after this restarts with that push and
+        retries exactly its bytes under its id (the server answers it once: applied, or
+        with its first outcome). Were only the sync before saved, the restarted worker
+        would train the same steps again into another Δ under the same id, and the
+        server's "duplicate, applied" (the first Δ's outcome) would lose or double-count
+        steps."""
+        self._save_state()
+        self._push_saved = self.state_dir is not None
+
+    def _save_after_sync(self) -> None:
+        """The save after an adopted sync, skipped when that sync's push was saved before
+        it was sent (``_save_before_sending``): a restart from that save retries the push
+        (answered with its outcome) and pulls, which leads where this save would stand, so
+        one save per sync is enough."""
+        if self._push_saved:
+            self._push_saved = False
+            return
+        self._save_state()
+
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The worker's own state, to continue after a restart (``load_state_dict``;
-        saved into ``config.state_dir`` after every adopted sync). Call it on the
+        saved into ``config.state_dir`` before each push is sent). Call it on the
         training thread; with overlap, a sync in flight is waited for and merged first.
 
         Args:
@@ -760,6 +789,9 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._guarded(self._wait_and_merge)  # θ_base and the pending push are the background's until then
         state = super().state_dict(extra)
         pending = self._pending
+        payload = None if pending is None else pending.payload
+        if pending is not None and payload is None and self._overlap is not None:
+            payload = self._encode_for_saving(pending, self._overlap.snapshot)
         state.update(
             version=self.version,
             theta_base=self._base.clone(),
@@ -768,9 +800,9 @@ class AsyncDiLoCoWorker(WorkerBase):
             steps_since_sync=self._steps_since_sync,
             tokens_since_sync=self._tokens_since_sync,
             pending=None
-            if pending is None or pending.payload is None
+            if pending is None or payload is None
             else {
-                "payload": pending.payload.clone(),
+                "payload": payload.clone(),
                 "push_id": pending.push_id,
                 "base_version": pending.base_version,
                 "num_local_steps": pending.num_local_steps,
@@ -779,6 +811,21 @@ class AsyncDiLoCoWorker(WorkerBase):
             },
         )
         return state
+
+    def _encode_for_saving(self, pending: _PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
+        """Overlap packs a push on the training thread and leaves Δ = θ_base − θ_local(t0)
+        to its background thread, not started yet when the push is saved: encode it here
+        the same way (the codecs are deterministic, so these are the bytes it will send).
+
+        Returns:
+            The payload, uint8; None when Δ is not finite (the background thread drops it).
+        """
+        delta = torch.sub(self._base, snapshot)
+        try:
+            check_finite_delta(delta, self.worker_id, pending.num_local_steps)
+        except InvalidPayloadError:
+            return None
+        return self._encode_delta(delta).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` before the worker joins: the model holds the saved

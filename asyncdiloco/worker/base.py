@@ -10,8 +10,8 @@ and flat fp32 vectors are flat.py's (``self.flat``). ``AsyncDiLoCoWorker``
 
 With ``WorkerConfig.state_dir`` the base also owns the worker's state folder
 (state_dir.py): its name, the common part of ``state_dict`` (name, model layout, inner
-optimizer, the caller's ``extra``) and the save after every adopted sync; the subclasses
-add their own part.
+optimizer, the caller's ``extra``) and the save (``_save_state``, at the sync points each
+subclass chooses); the subclasses add their own part.
 
 The step hook is installed by ``join``, once the server has said what H is: before it a
 step would count towards a sync point of a registration that does not exist yet. A worker
@@ -493,7 +493,7 @@ class WorkerBase(GroupMember):
 
     def _save_state(self) -> None:
         """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder:
-        after every sync this worker adopted, on the training thread. A later failed write
+        at the sync points the subclass chooses, on the training thread. A later failed write
         is logged and training goes on (a restart then resumes from the previous save).
 
         Raises:

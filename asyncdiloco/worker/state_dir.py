@@ -5,7 +5,8 @@ had not sent yet, its push counter and whatever its caller keeps there (``extra`
 The folder holds:
 
 * ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
-  with ``torch.save`` after every sync the worker adopted: written to ``state.pt.tmp``,
+  with ``torch.save`` at its sync points (an async worker: before each push is sent, and
+  after a sync without one; a sync member: after each round): written to ``state.pt.tmp``,
   fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
   sees the previous save or the new one, never a torn file. Read back with
   ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, no
