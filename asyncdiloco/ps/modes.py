@@ -76,12 +76,14 @@ class Mode(Protocol):
         """A worker left (called without the state's locks)."""
 
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
     ) -> Assignment | QuorumMiss:
-        """Block up to ``timeout_s`` seconds for the next round's quorum."""
+        """Block up to ``timeout_s`` seconds for the next round's quorum (``poll``: a
+        long poll's short hold, long_poll.py)."""
 
-    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
-        """Vote on a round, then block up to ``timeout_s`` seconds for its decision."""
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
+        """Vote on a round, then block up to ``timeout_s`` seconds for its decision
+        (``poll``: a long poll's short hold)."""
 
 
 class AsyncMode:
@@ -116,11 +118,11 @@ class AsyncMode:
         pass
 
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
     ) -> Assignment | QuorumMiss:
         self._touch(worker_id)
         raise self.mismatch(f"the quorum request of worker {worker_id}")
 
-    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
         self._touch(vote.worker_id)
         raise self.mismatch(f"the commit vote of worker {vote.worker_id}")

@@ -24,6 +24,11 @@ members of the previous quorum. At least ``min_workers`` must wait, and:
   live worker waits, or ``join_timeout_s`` after the first request.
 
 A wait that ends without a quorum says why (``QuorumMiss``: have, need, queued, reason).
+A long poll (``poll_quorum``, the servicer's QuorumRequest.poll) waits only a short hold
+and, unless it is the caller's last, keeps the request among the waiting for ``keep_s``
+clock seconds (each poll renews it; one not renewed in time is withdrawn), so a quorum
+of any size forms without a thread per waiting member (docs/protocol.md, "Long-polled
+waits").
 docs/protocol.md, "The sync round", describes the whole round, both sides, once: why a
 dead member of the previous quorum is waited for, healing, timeouts.
 
@@ -45,100 +50,14 @@ import torch
 
 from asyncdiloco.errors import AsyncDiLoCoError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
+from asyncdiloco.ps.quorum_types import Assignment, CommittedRound, Decision, MemberVote, QuorumMiss, RoundInFlight
 
 log = logging.getLogger(__name__)
 
 #: Decisions remembered for late voters.
 _DECISION_MEMORY = 64
 
-
-@dataclasses.dataclass(frozen=True)
-class Assignment:
-    """One member's view of a formed quorum.
-
-    Attributes:
-        quorum_id: ≥ 1, unique for the server's lifetime (rendezvous prefix ``q<id>``).
-        round: committed rounds; every member starts from this round's global state.
-        members: worker ids in rank order.
-        rank: this worker's index in ``members``.
-        heal: this worker's θ_base is from another round: pull the state, weight 0.
-        deadline: clock time by which every member must have voted.
-    """
-
-    quorum_id: int
-    round: int
-    members: tuple[int, ...]
-    rank: int
-    heal: bool
-    deadline: float
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumMiss:
-    """Why no quorum formed for a worker by the end of its wait.
-
-    Attributes:
-        have: workers waiting for the next round when the wait ended, this one included.
-        need: workers a quorum needs (``min_workers``).
-        queued: this worker waits for the running group's next round boundary (its
-            members still train, or a round is in flight): asking again joins that round.
-            False when the quorum lacks workers, or the server is stopping.
-        reason: in words, naming the knob ("quorum not reached: have 1, need 2 ...").
-    """
-
-    have: int
-    need: int
-    queued: bool
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """The outcome of a round: ``committed`` or aborted with ``reason``; ``round`` is the
-    committed-round counter after it."""
-
-    quorum_id: int
-    committed: bool
-    round: int
-    reason: str = ""
-
-
-@dataclasses.dataclass
-class _Vote:
-    success: bool
-    total_weight: float
-    num_tokens: int
-    num_local_steps: int
-    reason: str
-
-
-@dataclasses.dataclass
-class _Round:
-    quorum_id: int
-    round: int
-    members: tuple[int, ...]
-    heal: frozenset[int]
-    formed_at: float
-    deadline: float
-    votes: dict[int, _Vote] = dataclasses.field(default_factory=dict)
-    result: torch.Tensor | None = None
-    decision: Decision | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CommittedRound:
-    """What ``on_commit`` receives: the reduced Δ̄ (float32 (N,), or None when every
-    member healed and nothing is applied) and the members' votes for accounting."""
-
-    quorum_id: int
-    round: int
-    result: torch.Tensor | None
-    tokens_by_worker: dict[int, int]
-    steps_by_worker: dict[int, int]
+__all__ = ["Assignment", "CommittedRound", "Decision", "QuorumManager", "QuorumMiss"]
 
 
 class QuorumManager:
@@ -170,12 +89,14 @@ class QuorumManager:
         self.rounds_committed = 0
         self.rounds_failed = 0
         self._waiting: dict[int, int] = {}  # worker id -> its round
+        #: Long-polled requests: worker id -> clock time by which its next poll must come.
+        self._keep: dict[int, float] = {}
         #: Since the last formation: the first request of any worker, and the first of a
         #: member of the running group (its round boundary). Worker timeouts keep them.
         self._first_request_at: float | None = None
         self._boundary_at: float | None = None
         self._previous: frozenset[int] = frozenset()
-        self._active: _Round | None = None
+        self._active: RoundInFlight | None = None
         self._assigned: dict[int, Assignment] = {}  # handed out, not yet collected
         self._decisions: OrderedDict[int, Decision] = OrderedDict()
         self._next_quorum_id = 1
@@ -187,18 +108,27 @@ class QuorumManager:
         """Ask to join the next round; returns the assignment once the quorum formed
         (call again with the same arguments to poll)."""
         with self._cond:
-            got = self._assigned.pop(worker_id, None)
-            if got is not None:
-                return got
-            self._ask_locked(worker_id, worker_round)
-            self._tick_locked()
-            return self._assigned.pop(worker_id, None)
+            return self._request_locked(worker_id, worker_round)
+
+    def _request_locked(self, worker_id: int, worker_round: int) -> Assignment | None:
+        got = self._assigned.pop(worker_id, None)
+        if got is not None:
+            return got
+        self._ask_locked(worker_id, worker_round)
+        self._tick_locked()
+        return self._assigned.pop(worker_id, None)
+
+    def waiting_workers(self) -> frozenset[int]:
+        """The ids of the workers whose request waits for the next quorum now."""
+        with self._cond:
+            return frozenset(self._waiting)
 
     def withdraw(self, worker_id: int) -> None:
         """Forget a waiting request (the worker gave up, left or lost its lease)."""
         with self._cond:
             self._waiting.pop(worker_id, None)
             self._assigned.pop(worker_id, None)
+            self._keep.pop(worker_id, None)
             if not self._waiting:
                 self._first_request_at = self._boundary_at = None
             self._tick_locked()
@@ -261,7 +191,9 @@ class QuorumManager:
                     f"round refused: worker {worker_id} is not a member of quorum {quorum_id} "
                     f"(members {list(rnd.members)})"
                 )
-            rnd.votes.setdefault(worker_id, _Vote(success, float(total_weight), num_tokens, num_local_steps, reason))
+            rnd.votes.setdefault(
+                worker_id, MemberVote(success, float(total_weight), num_tokens, num_local_steps, reason)
+            )
             if not success:
                 self._decide_locked(rnd, False, f"worker {worker_id} failed the round: {reason or 'no reason given'}")
             elif len(rnd.votes) == len(rnd.members):
@@ -286,8 +218,9 @@ class QuorumManager:
         """``request`` and wait up to ``timeout_s`` real seconds for the quorum; a
         ``QuorumMiss`` saying why if it did not form (the request is withdrawn)."""
         end = time.monotonic() + timeout_s
-        got = self.request(worker_id, worker_round)
         with self._cond:
+            self._keep.pop(worker_id, None)  # a blocking wait: no poll deadline
+            got = self._request_locked(worker_id, worker_round)
             while got is None:
                 got = self._assigned.pop(worker_id, None)
                 if got is not None:
@@ -300,6 +233,44 @@ class QuorumManager:
                     self._ask_locked(worker_id, worker_round)  # dropped meanwhile (e.g. lease check): re-ask
                 self._tick_locked()
         return got
+
+    def poll_quorum(
+        self, worker_id: int, worker_round: int, *, hold_s: float, keep_s: float, final: bool
+    ) -> Assignment | QuorumMiss:
+        """A long poll: ``request``, and wait at most ``hold_s`` real seconds (0: answer
+        at once) for the quorum.
+
+        Args:
+            hold_s: seconds this call may wait, ≥ 0.
+            keep_s: clock seconds the request stays registered after this call without
+                another poll (then it is withdrawn, as a worker that gave up).
+            final: the caller's wait ends with this call: without a quorum the request
+                is withdrawn (as at the end of ``wait_quorum``).
+        Returns:
+            The assignment; or a ``QuorumMiss`` with ``pending`` True (the request is
+            kept: poll again within ``keep_s``), or False (withdrawn: final, or the
+            server is stopping).
+        """
+        end = time.monotonic() + hold_s
+        with self._cond:
+            self._keep[worker_id] = self._clock() + keep_s
+            got = self._request_locked(worker_id, worker_round)
+            while got is None:
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cond.wait(min(left, self._next_wake_locked()))
+                got = self._assigned.pop(worker_id, None)
+                if got is None:
+                    got = self._request_locked(worker_id, worker_round)  # re-asks if dropped meanwhile
+            if got is not None:
+                self._keep.pop(worker_id, None)
+                return got
+            if final or self._closed:
+                self._keep.pop(worker_id, None)
+                return self._give_up_locked(worker_id)
+            self._keep[worker_id] = self._clock() + keep_s
+            return dataclasses.replace(self._miss_locked(worker_id), pending=True)
 
     def wait_decision(self, quorum_id: int, timeout_s: float) -> Decision | None:
         """Wait up to ``timeout_s`` real seconds for ``quorum_id``'s decision."""
@@ -376,8 +347,14 @@ class QuorumManager:
         """Withdraw a request whose wait ended and say why no quorum formed for it. The
         join clocks keep running: resetting them would let callers that time out and ask
         again postpone the join timeout forever."""
-        waiting = set(self._waiting) | {worker_id}
+        miss = self._miss_locked(worker_id)
         self._waiting.pop(worker_id, None)
+        log.info("no quorum for worker %d: %s", worker_id, miss.reason)
+        return miss
+
+    def _miss_locked(self, worker_id: int) -> QuorumMiss:
+        """Why no quorum formed for ``worker_id`` (yet), counting it among the waiting."""
+        waiting = set(self._waiting) | {worker_id}
         have, need = len(waiting), self.config.min_workers
         rnd, live = self._active, self._live_workers()
         group = self._previous & live
@@ -405,9 +382,7 @@ class QuorumManager:
                 f"quorum not formed yet: waiting for workers {sorted((group or live) - waiting)} up to "
                 f"--quorum-wait-s {self.config.join_timeout_s:g} s; ask again"
             )
-        miss = QuorumMiss(have, need, queued, reason)
-        log.info("no quorum for worker %d: %s", worker_id, miss.reason)
-        return miss
+        return QuorumMiss(have, need, queued, reason)
 
     def _tick_locked(self) -> None:
         now = self._clock()
@@ -423,6 +398,9 @@ class QuorumManager:
             return
         if not self._waiting:
             return
+        for w in [w for w, until in self._keep.items() if until <= now]:  # polls that stopped coming
+            del self._keep[w]
+            self._waiting.pop(w, None)
         live = self._live_workers()
         for w in [w for w in self._waiting if w not in live]:
             del self._waiting[w]
@@ -450,10 +428,12 @@ class QuorumManager:
         quorum_id = self._next_quorum_id
         self._next_quorum_id += 1
         deadline = now + self.config.round_timeout_s
-        self._active = _Round(quorum_id, self.round, members, heal, now, deadline)
+        self._active = RoundInFlight(quorum_id, self.round, members, heal, now, deadline)
         for rank, w in enumerate(members):
             self._assigned[w] = Assignment(quorum_id, self.round, members, rank, w in heal, deadline)
         self._waiting.clear()
+        for w in members:
+            self._keep.pop(w, None)
         self._first_request_at = self._boundary_at = None
         log.info(
             "quorum %d formed for round %d: members %s%s",
@@ -464,7 +444,7 @@ class QuorumManager:
         )
         self._cond.notify_all()
 
-    def _decide_locked(self, rnd: _Round, committed: bool, reason: str) -> None:
+    def _decide_locked(self, rnd: RoundInFlight, committed: bool, reason: str) -> None:
         total = rnd.votes[rnd.members[0]].total_weight if committed else 0.0
         if committed:
             try:

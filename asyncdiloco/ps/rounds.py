@@ -37,6 +37,7 @@ import torch
 
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
 from asyncdiloco.ps.intake import check_values
+from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, HeldWaits, max_held_waits
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
@@ -115,6 +116,8 @@ class SyncMode:
         self.quorum: QuorumManager | None = QuorumManager(
             self.config.sync, live_workers=live_worker_ids, on_commit=self.apply_round, clock=parts.clock
         )
+        #: Long-polled Quorum/Commit calls held now (at most an eighth of the RPC pool).
+        self.held_waits = HeldWaits(max_held_waits(self.config.max_concurrent_rpcs))
         #: What a restore found (checkpoint and log), for ``resume``.
         self._next_quorum_id, self._rounds_failed = 1, 0
 
@@ -256,11 +259,19 @@ class SyncMode:
             if not self.model.initialized:
                 raise NotInitializedError(_NOT_INITIALIZED)
 
+    @property
+    def peak_held_waits(self) -> int:
+        """The most long-polled Quorum/Commit calls held at once so far."""
+        return self.held_waits.peak
+
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
     ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum (a ``QuorumMiss``,
-        saying why, when none formed).
+        saying why, when none formed). With ``poll`` (a long poll, long_poll.py) block at
+        most ``HOLD_S`` seconds, and none when every hold is taken: a ``QuorumMiss`` with
+        ``pending`` then says the request stays registered (``KEEP_S``); when
+        ``timeout_s`` ≤ ``HOLD_S`` the caller's wait ends here and the answer is final.
 
         Raises:
             UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash
@@ -275,14 +286,21 @@ class SyncMode:
             )
         if not timeout_s > 0:
             raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
-        got = self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
+        if poll:
+            with self.held_waits.hold(timeout_s) as hold_s:
+                got = self.rounds.poll_quorum(
+                    worker_id, worker_round, hold_s=hold_s, keep_s=KEEP_S, final=timeout_s <= HOLD_S
+                )
+        else:
+            got = self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
         if isinstance(got, Assignment):
             self.rendezvous.open(got.quorum_id, got.members)
         return got
 
-    def commit(self, vote: Vote, timeout_s: float) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
         """Vote, then block up to ``timeout_s`` seconds for the decision (None: not
-        decided yet; ask again).
+        decided yet; ask again). With ``poll`` block at most ``HOLD_S`` seconds, and
+        none when every hold is taken (long_poll.py); a vote sent again counts once.
 
         Raises:
             UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member).
@@ -298,7 +316,12 @@ class SyncMode:
             reason=vote.reason,
         )
         if decision is None and timeout_s > 0:
-            decision = self.rounds.wait_decision(vote.quorum_id, timeout_s)
+            if poll:
+                with self.held_waits.hold(timeout_s) as hold_s:
+                    if hold_s > 0:
+                        decision = self.rounds.wait_decision(vote.quorum_id, hold_s)
+            else:
+                decision = self.rounds.wait_decision(vote.quorum_id, timeout_s)
         if decision is not None:
             self.rendezvous.close(vote.quorum_id)
             self.parts.journal.maybe_checkpoint()  # outside every lock

@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
+from asyncdiloco.ps.long_poll import KEEP_S
 from asyncdiloco.ps.quorum import QuorumMiss
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -139,12 +140,22 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Quorum(self, request: pb.QuorumRequest, context: grpc.ServicerContext) -> pb.QuorumReply:
         try:
-            got = self.state.request_quorum(request.worker_id, request.round, request.manifest_hash, request.timeout_s)
+            got = self.state.request_quorum(
+                request.worker_id, request.round, request.manifest_hash, request.timeout_s, request.poll
+            )
         except AsyncDiLoCoError as exc:
             log.warning("quorum request of worker %d refused: %s", request.worker_id, exc)
             _abort(context, exc)
         if isinstance(got, QuorumMiss):
-            return pb.QuorumReply(formed=False, reason=got.reason, have=got.have, need=got.need, queued=got.queued)
+            return pb.QuorumReply(
+                formed=False,
+                reason=got.reason,
+                have=got.have,
+                need=got.need,
+                queued=got.queued,
+                pending=got.pending,
+                keep_s=KEEP_S if got.pending else 0.0,
+            )
         return pb.QuorumReply(
             formed=True,
             quorum_id=got.quorum_id,
@@ -167,6 +178,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 num_local_steps=request.num_local_steps,
                 reason=request.reason,
                 timeout_s=request.timeout_s,
+                poll=request.poll,
             )
         except AsyncDiLoCoError as exc:
             log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)

@@ -429,16 +429,17 @@ class ParameterServerState:
 
     # ------------------------------------------------------------ sync mode
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float
+        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
     ) -> Assignment | QuorumMiss:
         """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
-        ``QuorumMiss`` when none formed; rounds.py ``SyncMode.request_quorum``).
+        ``QuorumMiss`` when none formed; with ``poll`` a long poll's short hold, a
+        pending ``QuorumMiss`` meaning "ask again"; rounds.py ``SyncMode.request_quorum``).
 
         Raises:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,
             ManifestMismatchError, InvalidPayloadError.
         """
-        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s)
+        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s, poll)
 
     def commit(
         self,
@@ -451,11 +452,12 @@ class ParameterServerState:
         num_local_steps: int,
         reason: str,
         timeout_s: float,
+        poll: bool = False,
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
         not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
         vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
-        return self.mode.commit(vote, timeout_s)
+        return self.mode.commit(vote, timeout_s, poll)
 
     def store(self, request: pb.StoreRequest) -> pb.StoreReply:
         """Sync mode: one operation on a quorum's rendezvous store, answered at once

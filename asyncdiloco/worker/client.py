@@ -54,6 +54,7 @@ from asyncdiloco.wire.security import (
     client_token,
 )
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
+from asyncdiloco.worker import long_poll
 from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
 
 log = logging.getLogger(__name__)
@@ -438,13 +439,17 @@ class ParameterServerClient:
         self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id, session_id=self._sessions.get(worker_id, 0)))
 
     def quorum(self, *, worker_id: int, round: int, manifest_hash: str, timeout_s: float) -> pb.QuorumReply:
-        """Sync mode: ask to join the next round; blocks up to ``timeout_s`` seconds
-        (``formed`` is False when no quorum formed by then)."""
-        return self._call(
-            self._stub.Quorum,
-            pb.QuorumRequest(worker_id=worker_id, round=round, manifest_hash=manifest_hash, timeout_s=timeout_s),
-            timeout_s + self.rpc_timeout_s,
-        )
+        """Sync mode: ask to join the next round; waits up to ``timeout_s`` seconds
+        (``formed`` is False when no quorum formed by then). A long poll (long_poll.py):
+        no server thread is held while this worker waits."""
+
+        def ask(left_s: float) -> pb.QuorumReply:
+            request = pb.QuorumRequest(
+                worker_id=worker_id, round=round, manifest_hash=manifest_hash, timeout_s=left_s, poll=True
+            )
+            return self._call(self._stub.Quorum, request, left_s + self.rpc_timeout_s)
+
+        return long_poll.poll(ask, lambda reply: reply.pending, timeout_s)
 
     def commit(
         self,
@@ -459,10 +464,11 @@ class ParameterServerClient:
         timeout_s: float = 10.0,
     ) -> pb.CommitReply:
         """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
-        decision (``decided`` is False when it is not there yet)."""
-        return self._call(
-            self._stub.Commit,
-            pb.CommitRequest(
+        decision (``decided`` is False when it is not there yet). A long poll
+        (long_poll.py): the same vote is sent again until decided; it counts once."""
+
+        def ask(left_s: float) -> pb.CommitReply:
+            request = pb.CommitRequest(
                 worker_id=worker_id,
                 quorum_id=quorum_id,
                 success=success,
@@ -470,10 +476,12 @@ class ParameterServerClient:
                 num_tokens=num_tokens,
                 num_local_steps=num_local_steps,
                 reason=reason[:1000],
-                timeout_s=timeout_s,
-            ),
-            timeout_s + self.rpc_timeout_s,
-        )
+                timeout_s=left_s,
+                poll=True,
+            )
+            return self._call(self._stub.Commit, request, left_s + self.rpc_timeout_s)
+
+        return long_poll.poll(ask, lambda reply: not reply.decided, timeout_s)
 
     def store(self, request: pb.StoreRequest, timeout_s: float | None = None) -> pb.StoreReply:
         """Sync mode: one rendezvous-store operation (answered at once; worker/rendezvous.py

@@ -403,19 +403,21 @@ class EvalPoint(_message.Message):
     def __init__(self, version: _Optional[int] = ..., loss: _Optional[float] = ..., num_tokens: _Optional[int] = ..., evaluator: _Optional[str] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class QuorumRequest(_message.Message):
-    __slots__ = ("worker_id", "round", "manifest_hash", "timeout_s")
+    __slots__ = ("worker_id", "round", "manifest_hash", "timeout_s", "poll")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    POLL_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     round: int
     manifest_hash: str
     timeout_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., round: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    poll: bool
+    def __init__(self, worker_id: _Optional[int] = ..., round: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., timeout_s: _Optional[float] = ..., poll: _Optional[bool] = ...) -> None: ...
 
 class QuorumReply(_message.Message):
-    __slots__ = ("formed", "quorum_id", "round", "members", "rank", "world_size", "store_host", "store_port", "heal", "round_deadline_s", "reason", "have", "need", "queued")
+    __slots__ = ("formed", "quorum_id", "round", "members", "rank", "world_size", "store_host", "store_port", "heal", "round_deadline_s", "reason", "have", "need", "queued", "pending", "keep_s")
     FORMED_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +432,8 @@ class QuorumReply(_message.Message):
     HAVE_FIELD_NUMBER: _ClassVar[int]
     NEED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    KEEP_S_FIELD_NUMBER: _ClassVar[int]
     formed: bool
     quorum_id: int
     round: int
@@ -444,10 +448,12 @@ class QuorumReply(_message.Message):
     have: int
     need: int
     queued: bool
-    def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., have: _Optional[int] = ..., need: _Optional[int] = ..., queued: _Optional[bool] = ...) -> None: ...
+    pending: bool
+    keep_s: float
+    def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., have: _Optional[int] = ..., need: _Optional[int] = ..., queued: _Optional[bool] = ..., pending: _Optional[bool] = ..., keep_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s")
+    __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s", "poll")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +462,7 @@ class CommitRequest(_message.Message):
     NUM_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    POLL_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     quorum_id: int
     success: bool
@@ -464,7 +471,8 @@ class CommitRequest(_message.Message):
     num_local_steps: int
     reason: str
     timeout_s: float
-    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., success: _Optional[bool] = ..., total_weight: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., reason: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    poll: bool
+    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., success: _Optional[bool] = ..., total_weight: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., reason: _Optional[str] = ..., timeout_s: _Optional[float] = ..., poll: _Optional[bool] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("committed", "round", "reason", "decided")

@@ -137,6 +137,8 @@ class ParameterServerServicer:
     def Quorum(self, request, context):
         """Sync mode: ask to take part in the next round. Blocks (up to QuorumRequest.timeout_s)
         until the round's quorum forms; joiners are admitted only at round boundaries.
+        With QuorumRequest.poll (a long poll) it blocks at most a short hold instead, and
+        answers `pending` while the request stays registered; the client asks again.
         FAILED_PRECONDITION ("mode mismatch") on an async server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,6 +148,8 @@ class ParameterServerServicer:
     def Commit(self, request, context):
         """Sync mode: vote on a quorum's round. Blocks (up to CommitRequest.timeout_s) until
         every member voted or the round's deadline passed; the reply says commit or abort.
+        With CommitRequest.poll it blocks at most a short hold (decided = false: vote again;
+        a vote counts once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
