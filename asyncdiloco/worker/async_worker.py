@@ -61,8 +61,9 @@ the progress made meanwhile; see overlap.py for the rule and its sources.
 
 Restarts (``WorkerConfig.state_dir``, state_dir.py): before each push is sent
 (write-ahead, ``_save_before_sending``), and after a sync that sent none, the worker saves
-``state_dict()``: θ_base and its version, the model's θ_local (θ_base − θ_local is what the server has not received: the codec's
-residual, overlap's steps since the snapshot), an unacknowledged push, the push counter,
+``state_dict()``: θ_base and its version, the model's θ_local (θ_base − θ_local is what
+the server has not received: the codec's residual, overlap's steps since the snapshot),
+an unacknowledged push, the push counter,
 the round's step count, the inner optimizer and the caller's ``extra``. A worker built on
 that folder loads it: the model holds θ_local again. When the server resumes its
 registration (same name, ``JoinReply.resumed``) it first retries the saved push with its
