@@ -115,6 +115,34 @@ class UpstreamConfig:
         require(self.flush_timeout_s >= 0, "flush_timeout_s", self.flush_timeout_s, "must be >= 0 seconds")
 
 
+def take_snapshot(state: ParameterServerState) -> tuple[torch.Tensor, tuple[int, int]]:
+    """S, a copy of θ_regional (fp32 (N,)), with the regional (applied pushes, tokens) it holds."""
+    with state.locks.apply:
+        snapshot = state.model.theta.clone()
+        with state.locks.books:
+            return snapshot, (state.counters.applied_pushes, state.counters.tokens)
+
+
+def rebase_onto(
+    state: ParameterServerState, theta_g: torch.Tensor, since: torch.Tensor, residual: torch.Tensor | None = None
+) -> None:
+    """θ_regional ← θ_g − (since − θ_regional) − residual, in place, as one regional version.
+
+    Args:
+        state: the regional server's state (initialized).
+        theta_g: the pulled global model, fp32 (N,).
+        since: S, θ_regional when the push upward was cut (or θ_base: keep all since it), fp32 (N,).
+        residual: what the parent's wire codec did not carry of that push, fp32 (N,); None = 0.
+    """
+    shift = theta_g - since
+    if residual is not None:
+        shift.sub_(residual)
+    with state.locks.apply:
+        state.model.theta.add_(shift)
+        with state.locks.books:
+            state.model.version += 1
+
+
 @dataclasses.dataclass
 class _Cut:
     """A push upward, cut and not yet answered: its id, S, its payload and residual r."""
@@ -333,10 +361,7 @@ class UpstreamLink:
     def _make_cut(self) -> _Cut:
         """S ← θ_regional; Δ_region = θ_base − S, encoded with the parent's wire codec."""
         assert self._base is not None and self._codec is not None
-        with self.state.locks.apply:
-            snapshot = self.state.model.theta.clone()
-            with self.state.locks.books:
-                marks = (self.state.counters.applied_pushes, self.state.counters.tokens)
+        snapshot, marks = take_snapshot(self.state)
         tokens = marks[1] - self._marks[1]
         self._marks = marks
         delta = self._base - snapshot
@@ -377,15 +402,8 @@ class UpstreamLink:
 
     def _rebase(self, theta_g: torch.Tensor, version: int, since: torch.Tensor, residual: torch.Tensor | None) -> None:
         """θ_regional ← θ_g − (since − θ_regional) − residual; θ_base ← θ_g (one regional version)."""
-        shift = theta_g - since
-        if residual is not None:
-            shift.sub_(residual)
-        state = self.state
-        with state.locks.apply:
-            state.model.theta.add_(shift)
-            with state.locks.books:
-                state.model.version += 1
-                self.rebases += 1
+        rebase_onto(self.state, theta_g, since, residual)
+        self.rebases += 1
         self._base, self.parent_version = theta_g, version
         self._finished_sync()
 
