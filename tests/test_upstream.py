@@ -212,3 +212,36 @@ def test_the_cli_builds_the_link(tmp_path):
     assert cli_server.upstream(cli.build_parser().parse_args(["server"])) is None
     with pytest.raises(ConfigError, match="without --parent"):
         cli_server.upstream(cli.build_parser().parse_args(["server", "--parent-every", "8"]))
+
+
+class Weights(torch.nn.Module):
+    """θ, (4,) fp32; the loss −Σθ has the constant gradient −1: SGD η = 1 adds exactly 1 to
+    every weight per inner step, so each push of H steps is Δ = −H."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+
+
+def test_library_workers_through_two_regions_add_up_to_every_inner_step(servers, one_thread):
+    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+    from asyncdiloco.worker.config import WorkerConfig
+
+    top = servers(_config())
+    regions = [servers(_config(local_steps=2), _link(top, every=2)) for _ in range(2)]
+    trained = []
+    for j, region in enumerate(regions):
+        model = Weights()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        worker = AsyncDiLoCoWorker(model, opt, WorkerConfig(server=region.address, worker_name=f"lib-{j}"))
+        steps = 6 + 4 * j  # H = 2: 3 and 5 pushes
+        for _ in range(steps):
+            (-model.w.sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        worker.close()
+        trained.append(steps)
+    for region in regions:
+        _synced(region)
+        assert region.upstream.sync_now(STUCK_S)
+    assert torch.equal(top.state.params, torch.full((4,), float(sum(trained))))

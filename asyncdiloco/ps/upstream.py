@@ -319,7 +319,7 @@ class UpstreamLink:
         )  # fmt: skip
         self.bytes_up += payload.numel()
         self.parent_version, self._synced = 0, True
-        self._finished_sync()
+        self._finished_sync("initialized the parent at")
 
     def _first_sync(self) -> None:
         """Pull the global model and rebase against θ_base (keeping all that was applied
@@ -407,12 +407,12 @@ class UpstreamLink:
         self._base, self.parent_version = theta_g, version
         self._finished_sync()
 
-    def _finished_sync(self) -> None:
+    def _finished_sync(self, what: str = "rebased onto") -> None:
         with self._done:
             self.syncs += 1
             self._sync_requested = False
             self._done.notify_all()
-        log.info("rebased onto the parent's version %d (sync %d)", self.parent_version, self.syncs)
+        log.info("%s the parent's version %d (sync %d)", what, self.parent_version, self.syncs)
 
     def _flush(self) -> None:
         """``stop``'s last push: what was applied since the last cut, within ``flush_timeout_s``."""
