@@ -245,3 +245,36 @@ def test_library_workers_through_two_regions_add_up_to_every_inner_step(servers,
         _synced(region)
         assert region.upstream.sync_now(STUCK_S)
     assert torch.equal(top.state.params, torch.full((4,), float(sum(trained))))
+
+
+def test_a_push_upward_whose_reply_is_lost_is_applied_once(servers):
+    from asyncdiloco.errors import ServerUnavailableError
+
+    class LosesOneReply(ParameterServerClient):
+        """The parent applies the first pseudo-gradient push; its reply never arrives."""
+
+        lost = 0
+
+        def push(self, payload, **kw):
+            reply = super().push(payload, **kw)
+            if kw.get("kind", pb.PUSH_KIND_PSEUDO_GRADIENT) == pb.PUSH_KIND_PSEUDO_GRADIENT and not LosesOneReply.lost:
+                LosesOneReply.lost += 1
+                raise ServerUnavailableError("the connection broke before the reply")
+            return reply
+
+    top = servers(_config())
+    region = servers(_config())
+    config = _link(top, every=1)
+    link = UpstreamLink(region.state, config, client=lambda: LosesOneReply(config.parent))
+    w = Worker(region)
+    link.start()
+    try:
+        wait_until(lambda: link.syncs >= 1, "the parent initialized")
+        w.push(3)
+        wait_until(lambda: link.syncs >= 2, "the push upward, retried")
+        assert LosesOneReply.lost == 1 and link.failures >= 1
+        assert top.state.applied_pushes == 1 and top.state.duplicate_pushes == 1  # the retry was answered
+        assert torch.equal(top.state.params, THETA0 - w.pushed)
+    finally:
+        link.stop()
+        w.close()
