@@ -278,3 +278,24 @@ def test_a_push_upward_whose_reply_is_lost_is_applied_once(servers):
     finally:
         link.stop()
         w.close()
+
+
+def test_what_a_lossy_parent_codec_drops_goes_up_with_the_next_push(servers):
+    top = servers(_config(wire_codec="bf16"))
+    region = servers(_config())
+    link = UpstreamLink(region.state, _link(top, every=1000))  # driven step by step
+    w = Worker(region)
+    link._step()  # initializes the parent with θ_0 (raw: exact)
+    delta = (torch.arange(N, dtype=torch.float32) + 1) / 3  # not representable in bf16
+    w.client.push(MANIFEST.pack_flat(delta), worker_id=w.worker_id, push_id=w.push_id, base_version=0)
+    exact = THETA0 - delta
+    link._sync_requested = True
+    link._step()  # Δ_region = Δ, sent as bf16(Δ)
+    once = float((top.state.params - exact).abs().max())
+    assert once > 1e-4  # bf16 dropped ~2^-9 of it
+    link._sync_requested = True
+    link._step()  # nothing new regionally: the push carries the residual
+    twice = float((top.state.params - exact).abs().max())
+    assert twice < once / 50
+    link.stop()
+    w.close()

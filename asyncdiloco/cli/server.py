@@ -136,8 +136,15 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{host}:{server.metrics_port}"
         print(f"asyncdiloco server: dashboard at {url}/, Prometheus metrics at {url}/metrics", flush=True)
     stop.wait()
+    link = server.upstream
     server.stop(**stopping)  # the drain, the grace, then the final checkpoint (--checkpoint-dir)
     print(_final_line(server.state.status(), server.config.mode), flush=True)
+    if link is not None:
+        print(
+            f"asyncdiloco server: {link.pushes} pushes to the parent applied, {link.rebases} rebases onto its model "
+            f"(last: version {link.parent_version}), {link.failures} calls found it unreachable",
+            flush=True,
+        )
     return 0
 
 
