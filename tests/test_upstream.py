@@ -299,3 +299,17 @@ def test_what_a_lossy_parent_codec_drops_goes_up_with_the_next_push(servers):
     assert twice < once / 50
     link.stop()
     w.close()
+
+
+def test_a_regional_server_started_again_links_up_again(servers):
+    top = servers(_config())
+    region = servers(_config(), _link(top, every=1000))
+    w = Worker(region)
+    _synced(region)
+    w.push(4)
+    w.close()
+    region.stop(None)  # its last push goes up
+    region.start()  # the same state, already initialized: a new link takes its model as θ_base
+    _synced(region)
+    assert torch.equal(top.state.params, THETA0 - w.pushed)
+    assert torch.equal(region.state.params, top.state.params)

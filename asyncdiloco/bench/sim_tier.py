@@ -40,7 +40,7 @@ from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.upstream import DEFAULT_PARENT_EVERY, rebase_onto, take_snapshot
+from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, rebase_onto, take_snapshot
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 

@@ -18,7 +18,7 @@ import threading
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.upstream import DEFAULT_PARENT_EVERY, UpstreamConfig
+from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from asyncdiloco.ps.bulk import BulkServer
     from asyncdiloco.ps.metrics import ServerMetrics
     from asyncdiloco.ps.monitor import MonitorServer
-    from asyncdiloco.ps.upstream import UpstreamConfig, UpstreamLink
+    from asyncdiloco.ps.tier import UpstreamConfig
+    from asyncdiloco.ps.upstream import UpstreamLink
 
 log = logging.getLogger(__name__)
 

@@ -57,90 +57,16 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
     WorkerSupersededError,
-    require,
 )
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig, rebase_onto, take_snapshot
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for
-from asyncdiloco.wire.security import ClientSecurityConfig
 from asyncdiloco.worker.client import ParameterServerClient
 
 log = logging.getLogger(__name__)
 
-#: Regional pushes applied between two pushes upward (``--parent-every``). The two-region
-#: profile of the benchmark suite (docs/algorithms.md, "Hierarchical tier") measured it.
-DEFAULT_PARENT_EVERY = 4
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class UpstreamConfig:
-    """The regional server's link to its parent (module docstring)."""
-
-    #: The parent parameter server, "HOST:PORT".
-    parent: str
-    #: K: regional pseudo-gradients applied between two pushes upward.
-    every: int = DEFAULT_PARENT_EVERY
-    #: The name the parent knows this regional server by (a rejoin resumes it); "" = one of
-    #: this process (server.py: "region-HOSTNAME:PORT").
-    name: str = ""
-    #: Token and TLS towards the parent (None: plaintext).
-    security: ClientSecurityConfig | None = None
-    #: Deadline of the small calls to the parent, seconds.
-    rpc_timeout_s: float = 10.0
-    #: Seconds before the first retry of an unreachable parent; doubles up to ``max_backoff_s``.
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 10.0
-    #: Seconds between two looks at the regional push count.
-    poll_s: float = 0.05
-    #: Seconds ``stop`` gives the last push upward (0: no last push).
-    flush_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.parent.rpartition(":")
-        require(
-            bool(sep and host and port.isdigit() and 0 < int(port) <= 65535),
-            "parent",
-            self.parent,
-            "give the parent parameter server as HOST:PORT (e.g. 10.0.0.5:29500)",
-        )
-        require(self.every >= 1, "parent_every", self.every, "must be >= 1 regional push")
-        require(self.rpc_timeout_s > 0, "rpc_timeout_s", self.rpc_timeout_s, "must be > 0 seconds")
-        require(
-            0 < self.initial_backoff_s <= self.max_backoff_s,
-            "initial_backoff_s",
-            self.initial_backoff_s,
-            f"must be in (0, max_backoff_s={self.max_backoff_s}] seconds",
-        )
-        require(self.poll_s > 0, "poll_s", self.poll_s, "must be > 0 seconds")
-        require(self.flush_timeout_s >= 0, "flush_timeout_s", self.flush_timeout_s, "must be >= 0 seconds")
-
-
-def take_snapshot(state: ParameterServerState) -> tuple[torch.Tensor, tuple[int, int]]:
-    """S, a copy of θ_regional (fp32 (N,)), with the regional (applied pushes, tokens) it holds."""
-    with state.locks.apply:
-        snapshot = state.model.theta.clone()
-        with state.locks.books:
-            return snapshot, (state.counters.applied_pushes, state.counters.tokens)
-
-
-def rebase_onto(
-    state: ParameterServerState, theta_g: torch.Tensor, since: torch.Tensor, residual: torch.Tensor | None = None
-) -> None:
-    """θ_regional ← θ_g − (since − θ_regional) − residual, in place, as one regional version.
-
-    Args:
-        state: the regional server's state (initialized).
-        theta_g: the pulled global model, fp32 (N,).
-        since: S, θ_regional when the push upward was cut (or θ_base: keep all since it), fp32 (N,).
-        residual: what the parent's wire codec did not carry of that push, fp32 (N,); None = 0.
-    """
-    shift = theta_g - since
-    if residual is not None:
-        shift.sub_(residual)
-    with state.locks.apply:
-        state.model.theta.add_(shift)
-        with state.locks.books:
-            state.model.version += 1
+__all__ = ["DEFAULT_PARENT_EVERY", "UpstreamConfig", "UpstreamLink", "rebase_onto", "take_snapshot"]
 
 
 @dataclasses.dataclass
@@ -202,7 +128,11 @@ class UpstreamLink:
         self._sync_requested = False
         self._done = threading.Condition()
         self._thread: threading.Thread | None = None
-        state.observer.when_initialized(self._capture_base)
+        if state.initialized:  # a server started again: its model as it is now is θ_base
+            with state.locks.apply:
+                self._base = state.model.theta.clone()
+        else:
+            state.observer.when_initialized(self._capture_base)
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> UpstreamLink:
