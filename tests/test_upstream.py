@@ -313,3 +313,32 @@ def test_a_regional_server_started_again_links_up_again(servers):
     _synced(region)
     assert torch.equal(top.state.params, THETA0 - w.pushed)
     assert torch.equal(region.state.params, top.state.params)
+
+
+def test_an_initial_push_upward_that_fails_is_sent_again(servers):
+    from asyncdiloco.errors import ServerUnavailableError
+
+    class FailsFirstInit(ParameterServerClient):
+        failed = 0
+
+        def push(self, payload, **kw):
+            if kw.get("kind") == pb.PUSH_KIND_INITIAL_PARAMETERS and not FailsFirstInit.failed:
+                FailsFirstInit.failed += 1
+                raise ServerUnavailableError("the parent went away before the initial parameters arrived")
+            return super().push(payload, **kw)
+
+    top = servers(_config())
+    region = servers(_config())
+    config = _link(top, every=1)
+    link = UpstreamLink(region.state, config, client=lambda: FailsFirstInit(config.parent))
+    w = Worker(region)
+    link.start()
+    try:
+        wait_until(lambda: link.syncs >= 1, "the parent initialized on the second try")
+        assert FailsFirstInit.failed == 1 and torch.equal(top.state.params, THETA0)
+        w.push(5)
+        wait_until(lambda: link.pushes >= 1 and link.syncs >= 2, "a push upward")
+        assert torch.equal(top.state.params, THETA0 - w.pushed)
+    finally:
+        link.stop()
+        w.close()

@@ -123,7 +123,9 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
     runs = [(p, sim_config(cfg, p, m, s)) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
     records: list[dict] = []
     if not runs:  # only the two-region section
-        (out / "report.md").write_text(_tier_section(cfg, out, progress))
+        (out / "report.md").write_text(
+            "# Two regions — benchmark report (virtual clock)\n" + _tier_section(cfg, out, progress)
+        )
         return records
     processes = min(len(runs), cfg.processes or os.cpu_count() or 1)
     with (

@@ -121,7 +121,7 @@ class UpstreamLink:
         self._cut: _Cut | None = None
         self._marks = (0, 0)  # (applied pushes, tokens) of the regional server at the last cut
         self._next_push_id = 1
-        self._joined = self._synced = False
+        self._joined = self._synced = self._must_initialize = False
         self._heartbeat_at = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -214,6 +214,8 @@ class UpstreamLink:
             self._client = self._make_client()
         if not self._joined:
             self._join()
+        if self._must_initialize:  # retried here until the parent has its initial parameters
+            self._initialize_parent()
         if not self._synced:
             self._first_sync()
             return
@@ -230,23 +232,22 @@ class UpstreamLink:
         self._codec = codec_for(reply.run_config, self.state.manifest)
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
-        if reply.initialize:
-            try:
-                self._initialize_parent()
-            except StalePushError as exc:  # another region initialized it first
-                log.info(
-                    "the parent %s was initialized by another worker (%s); pulling its model", self.config.parent, exc
-                )
-                self._synced = False
+        self._must_initialize = reply.initialize
 
     def _initialize_parent(self) -> None:
         """The parent has no model yet: θ_base (the regional initial parameters) becomes it."""
         assert self._client is not None and self._base is not None and self.state.manifest is not None
         payload = self.state.manifest.pack_flat(self._base)
-        self._client.push(
-            payload, worker_id=self.worker_id, push_id=self._take_push_id(), base_version=0,
-            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
-        )  # fmt: skip
+        try:
+            self._client.push(
+                payload, worker_id=self.worker_id, push_id=self._take_push_id(), base_version=0,
+                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            )  # fmt: skip
+        except StalePushError as exc:  # initialized meanwhile (by another worker, or by this retried push)
+            log.info("the parent %s is initialized (%s); pulling its model", self.config.parent, exc)
+            self._must_initialize = self._synced = False  # the first sync rebases against θ_base
+            return
+        self._must_initialize = False
         self.bytes_up += payload.numel()
         self.parent_version, self._synced = 0, True
         self._finished_sync("initialized the parent at")
@@ -287,6 +288,7 @@ class UpstreamLink:
         assert self._client is not None
         reply = self._client.heartbeat(self.worker_id)
         self._heartbeat_at = time.monotonic() + max(reply.lease_remaining_s, 1.0) / 3
+        self._must_initialize = self._must_initialize or reply.initialize
 
     def _make_cut(self) -> _Cut:
         """S ← θ_regional; Δ_region = θ_base − S, encoded with the parent's wire codec."""
