@@ -61,18 +61,31 @@ class SuiteConfig:
     job: JobConfig = dataclasses.field(
         default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
     )
+    #: Two-region profiles (sim_tier.py ``REGION_PROFILES``): a flat server against the
+    #: hierarchical tier, one tier run per K in ``tier_every`` (suite_tier.py).
+    regions: tuple[str, ...] = ()
+    tier_every: tuple[int, ...] = (1, 4, 16)
 
     def __post_init__(self) -> None:
+        from asyncdiloco.bench.sim_tier import REGION_PROFILES
+
         unknown = [p for p in self.profiles if p not in PROFILES]
         if unknown:
             raise ConfigError(f"profiles {unknown} are unknown: choose from {sorted(PROFILES)}")
+        unknown = [p for p in self.regions if p not in REGION_PROFILES]
+        if unknown:
+            raise ConfigError(f"regions {unknown} are unknown: choose from {sorted(REGION_PROFILES)}")
+        if any(k < 1 for k in self.tier_every):
+            raise ConfigError(f"tier_every={self.tier_every} is invalid: every K must be >= 1 regional push")
         if len(self.seeds) < 1:
             raise ConfigError("give at least one seed (3 or more for mean ± std)")
 
 
 SUITES = {
-    "quick": SuiteConfig(profiles=("uneven",)),
-    "full": SuiteConfig(profiles=tuple(PROFILES)),
+    "quick": SuiteConfig(profiles=("uneven",), regions=("two_region",)),
+    "full": SuiteConfig(profiles=tuple(PROFILES), regions=("two_region",)),
+    #: Only the two-region section (flat server vs hierarchical tier).
+    "tier": SuiteConfig(profiles=(), regions=("two_region",), tier_every=(1, 2, 4, 8, 16)),
 }
 
 
@@ -108,8 +121,13 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
     jsonl = out / "runs.jsonl"
     jsonl.unlink(missing_ok=True)
     runs = [(p, sim_config(cfg, p, m, s)) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
+    records: list[dict] = []
+    if not runs:  # only the two-region section
+        (out / "report.md").write_text(
+            "# Two regions — benchmark report (virtual clock)\n" + _tier_section(cfg, out, progress)
+        )
+        return records
     processes = min(len(runs), cfg.processes or os.cpu_count() or 1)
-    records = []
     with (
         tqdm(total=len(runs), disable=not progress, unit="run", dynamic_ncols=True) as bar,
         concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool,
@@ -121,8 +139,16 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
             with open(jsonl, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     _add_targets(records, cfg.target_margin)
-    write_outputs(records, cfg, out, "virtual", peer_section(cfg, out, progress))
+    extra = peer_section(cfg, out, progress) + _tier_section(cfg, out, progress)
+    write_outputs(records, cfg, out, "virtual", extra)
     return records
+
+
+def _tier_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool) -> str:
+    """The two-region section (suite_tier.py; "" without ``cfg.regions``)."""
+    from asyncdiloco.bench.suite_tier import run_tier_section
+
+    return ("\n" + run_tier_section(cfg, out, progress)) if cfg.regions else ""
 
 
 def write_outputs(records: list[dict], cfg: SuiteConfig, out: pathlib.Path, clock: str, extra: str = "") -> None:

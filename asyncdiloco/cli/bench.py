@@ -23,9 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--suite",
-        choices=["quick", "full", "perf", "scale"],
+        choices=["quick", "full", "tier", "perf", "scale"],
         default="quick",
-        help="quick/full: sync vs async methods on speed profiles; "
+        help="quick/full: sync vs async methods on speed profiles, and a flat server vs the hierarchical "
+        "tier on two regions; tier: only the latter; "
         "perf: transport, server and overlap micro-benchmarks; "
         "scale: --workers simulated workers on the virtual clock against the server's state code, "
         "with the shards they need (default %(default)s)",
@@ -89,6 +90,14 @@ def _run(args: argparse.Namespace) -> int:
         run_scale(ScaleConfig(workers=args.workers, seed=args.seed), out, progress=not args.no_progress)
     elif args.clock == "real":
         from asyncdiloco.bench.suite_real import REAL_SUITES, run_real_suite
+
+        if args.suite not in REAL_SUITES:
+            from asyncdiloco.errors import ConfigError
+
+            raise ConfigError(
+                f"--suite {args.suite} runs on the virtual clock only (its links are simulated): "
+                f"drop --clock real, or choose --suite {' or '.join(REAL_SUITES)}"
+            )
 
         run_real_suite(REAL_SUITES[args.suite], out, progress=not args.no_progress)
     else:

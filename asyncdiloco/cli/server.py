@@ -18,6 +18,7 @@ import threading
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +38,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "balancers and readiness probes stop sending new work before the port closes (default %(default)s)",
     )
     SERVER.add_to(p)
+    tier = p.add_argument_group("hierarchical tier (this server as a regional one; ps/upstream.py)")
+    tier.add_argument(
+        "--parent",
+        metavar="HOST:PORT",
+        help="a parent (global) parameter server: this one applies its workers' pushes and, every "
+        "--parent-every of them, pushes its own pseudo-gradient to the parent, pulls the global model "
+        "and rebases onto it (default: none, a flat server)",
+    )
+    tier.add_argument(
+        "--parent-every",
+        type=int,
+        default=DEFAULT_PARENT_EVERY,
+        metavar="K",
+        help="regional pushes applied between two pushes to the parent (default %(default)s)",
+    )
+    tier.add_argument(
+        "--parent-name", default="", help="the name the parent knows this server by (default: region-HOSTNAME:PORT)"
+    )
+    tier.add_argument("--parent-token-file", help="the parent's shared token (first line); default: none")
+    tier.add_argument("--parent-tls-ca", help="PEM CA bundle: reach the parent over TLS; default: plaintext")
     p.set_defaults(func=run)
 
 
@@ -62,16 +83,43 @@ def config(args: argparse.Namespace) -> ServerConfig:
     return SERVER.build(SERVER.given(args))
 
 
+def upstream(args: argparse.Namespace) -> UpstreamConfig | None:
+    """The link to ``--parent`` (None: a flat server).
+
+    Raises:
+        ConfigError: a bad --parent, --parent-every < 1, a --parent-* flag without
+            --parent, or an unreadable token/CA file.
+    """
+    if not args.parent:
+        given = [
+            f
+            for f, v in (("--parent-token-file", args.parent_token_file), ("--parent-tls-ca", args.parent_tls_ca))
+            if v
+        ]
+        if given or args.parent_name or args.parent_every != DEFAULT_PARENT_EVERY:
+            raise ConfigError(
+                f"{', '.join(given) or '--parent-every/--parent-name'} given without --parent: "
+                "add --parent HOST:PORT or drop them"
+            )
+        return None
+    from asyncdiloco.wire.security import ClientSecurityConfig
+
+    security = None
+    if args.parent_token_file or args.parent_tls_ca:
+        security = ClientSecurityConfig(token_file=args.parent_token_file, tls_ca=args.parent_tls_ca)
+    return UpstreamConfig(parent=args.parent, every=args.parent_every, name=args.parent_name, security=security)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from asyncdiloco._malloc import keep_large_blocks
     from asyncdiloco.ps import ParameterServer
 
-    cfg, stopping = config(args), stop_kwargs(args)
+    cfg, stopping, parent = config(args), stop_kwargs(args), upstream(args)
     torch.set_num_threads(1)  # one intra-op thread: the outer step competes with the RPC threads for cores
     keep_large_blocks()  # reuse payload-sized memory instead of faulting it in again for every push
-    server = ParameterServer(cfg).start()
+    server = ParameterServer(cfg, parent).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after
         signal.signal(sig, lambda *_: stop.set())
@@ -79,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         assert server.port is not None, "a started server has its port"
         _write_port_file(args.port_file, server.port)
     print(f"asyncdiloco server listening on {server.address}", flush=True)
+    if parent is not None:
+        print(f"asyncdiloco server: regional tier of {parent.parent}, pushing every {parent.every}", flush=True)
     if server.bulk_port:
         print(f"asyncdiloco server: bulk data channel on port {server.bulk_port}", flush=True)
     if server.metrics_port:
@@ -86,8 +136,15 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{host}:{server.metrics_port}"
         print(f"asyncdiloco server: dashboard at {url}/, Prometheus metrics at {url}/metrics", flush=True)
     stop.wait()
+    link = server.upstream
     server.stop(**stopping)  # the drain, the grace, then the final checkpoint (--checkpoint-dir)
     print(_final_line(server.state.status(), server.config.mode), flush=True)
+    if link is not None:
+        print(
+            f"asyncdiloco server: {link.pushes} pushes to the parent applied, {link.rebases} rebases onto its model "
+            f"(last: version {link.parent_version}), {link.failures} calls found it unreachable",
+            flush=True,
+        )
     return 0
 
 

@@ -27,6 +27,7 @@ RPC is measured (grpc_metrics.py) and the HTTP monitoring endpoint (monitor.py:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from asyncdiloco.ps.bulk import BulkServer
     from asyncdiloco.ps.metrics import ServerMetrics
     from asyncdiloco.ps.monitor import MonitorServer
+    from asyncdiloco.ps.tier import UpstreamConfig
+    from asyncdiloco.ps.upstream import UpstreamLink
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +64,26 @@ class ParameterServer:
 
     Args:
         config: address, outer optimizer, H, limits, durability, security.
+        upstream: the parent server this one is a regional tier of (upstream.py; None:
+            a flat server). Async mode only, without durability.
     Raises:
+        ConfigError (from the constructor): ``upstream`` with sync mode or a checkpoint folder.
         ConfigError (from ``start``): the address cannot be bound (port in use, bad host),
             or a token/PEM file cannot be read.
         CheckpointError (from ``start``): the checkpoint folder is in use, or its newest
             checkpoint or log is unusable.
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, upstream: UpstreamConfig | None = None) -> None:
+        if upstream is not None and (config.mode != "async" or config.durability is not None):
+            raise ConfigError(
+                f"--parent {upstream.parent} needs an async server without --checkpoint-dir (the rebase onto the "
+                f"parent's model is not in the write-ahead log): drop --checkpoint-dir or --mode sync, or --parent"
+            )
         self.config = config
+        self.upstream_config = upstream
+        #: The link to the parent (upstream.py), while serving with ``upstream``.
+        self.upstream: UpstreamLink | None = None
         self.state = ParameterServerState(config)
         self.store = DurableStore(config.durability, config) if config.durability is not None else None
         self._server: grpc.Server | None = None
@@ -135,6 +149,13 @@ class ParameterServer:
             server.start()
             undo.pop_all()  # serving: stop() gives everything back from here on
         self._server, self.port = server, port
+        if self.upstream_config is not None:
+            from asyncdiloco.ps.upstream import UpstreamLink
+
+            link = self.upstream_config
+            if not link.name:  # unique per process: two regions must not share a name at the parent
+                link = dataclasses.replace(link, name=f"region-{socket.gethostname()}:{port}")
+            self.upstream = UpstreamLink(self.state, link).start()
         log.info("parameter server listening on %s", self.address)
         return self
 
@@ -270,6 +291,9 @@ class ParameterServer:
         self.health.enter_graceful_shutdown()
         if drain_s > 0:
             _drain(drain_s)
+        if self.upstream is not None:  # its last push upward, then Leave the parent
+            self.upstream.stop()
+            self.upstream = None
         self.state.groups.close()  # held push replies go out now, not at their deadlines
         if self.state.quorum is not None:  # and sync mode's blocked Quorum/Commit calls return
             self.state.quorum.close()
