@@ -191,3 +191,46 @@ def test_shard_map_file_round_trip_and_refusal(tmp_path):
     path.write_text('{"shards": []}')
     with pytest.raises(ConfigError, match="at least one address"):
         load_shard_addresses(path)
+
+
+def test_followers_use_shard_0s_worker_count_and_a_retry_completes_a_half_applied_push(start_server):
+    """A third worker known to shard 0 only (N = 3 there, 2 on the follower): the follower
+    still steps with N = 3; and a push that reached shard 0 only, retried with its push id,
+    is completed on the follower once. Both as one server with three workers."""
+    model = make_model()
+    manifest = Manifest.from_module(model)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    fields = dict(grouping="off", dylu=False)  # the default outer optimizer: Delayed Nesterov, N = live workers
+    single = ParameterServerClient(start_server(**fields).address, bulk_channel=False)
+    servers = start_shards(start_server, 2, **fields)
+    sharded = ShardedClient([s.address for s in servers])
+    smap = sharded.shard_map(manifest)
+    gen = torch.Generator().manual_seed(5)
+    deltas = [torch.randn(manifest.numel, generator=gen) * 0.01 for _ in range(7)]
+    try:
+        a1, a2 = single.join(manifest, "a"), sharded.join(manifest, "a")
+        b1, b2 = single.join(manifest, "b"), sharded.join(manifest, "b")
+        single.join(manifest, "c")
+        ParameterServerClient(servers[0].address, bulk_channel=False).join(smap.sub_manifest(0), "c")
+        for c, w in ((single, a1), (sharded, a2)):
+            c.push(manifest.pack_flat(theta0), worker_id=w.worker_id, push_id=1, base_version=0, kind=INITIAL)
+        for n, delta in enumerate(deltas):
+            (w1, w2) = (a1, a2) if n % 2 == 0 else (b1, b2)
+            r1 = single.push(manifest.pack_flat(delta), worker_id=w1.worker_id, push_id=n + 2, base_version=n)
+            if n == 3:  # the follower part is lost the first time: only shard 0 gets it
+                lo, hi = smap.range_of(0)
+                sharded.clients[0].push(
+                    smap.sub_manifest(0).pack_flat(delta[lo:hi]),
+                    worker_id=sharded._ids_of(w2.worker_id)[0],
+                    push_id=n + 2,
+                    base_version=n,
+                )
+            r2 = sharded.push(manifest.pack_flat(delta), worker_id=w2.worker_id, push_id=n + 2, base_version=n)
+            assert r1.version == r2.version == n + 1
+        assert servers[1].state.mode.kinds[PSEUDO].gate.zero_filled == 0
+        one, two = single.pull(manifest, a1.worker_id), sharded.pull(manifest, a2.worker_id)
+    finally:
+        single.close()
+        sharded.close()
+    assert one.version == two.version == 7
+    assert torch.equal(one.payload, two.payload)
