@@ -234,3 +234,42 @@ def test_followers_use_shard_0s_worker_count_and_a_retry_completes_a_half_applie
         sharded.close()
     assert one.version == two.version == 7
     assert torch.equal(one.payload, two.payload)
+
+
+def test_a_zero_fill_is_in_the_followers_log_and_replayed_after_a_crash(start_server, tmp_path):
+    from helpers import crash, open_durable
+
+    model = make_model()
+    manifest = Manifest.from_module(model)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    durability = DurabilityConfig(checkpoint_dir=str(tmp_path / "shard-1"), checkpoint_every=1000)
+    fields = dict(grouping="off", dylu=False, shard_fill_timeout_s=0.2)
+    servers = [
+        start_server(shard_index=0, shard_count=2, **fields),
+        start_server(shard_index=1, shard_count=2, durability=durability, **fields),
+    ]
+    client = ShardedClient([s.address for s in servers])
+    smap = client.shard_map(manifest)
+    try:
+        a = client.join(manifest, "a")
+        client.push(manifest.pack_flat(theta0), worker_id=a.worker_id, push_id=1, base_version=0, kind=INITIAL)
+        delta = torch.full((manifest.numel,), 0.01)
+        lo, hi = smap.range_of(0)
+        part = smap.sub_manifest(0).pack_flat(delta[lo:hi])
+        client.clients[0].push(part, worker_id=client._ids_of(a.worker_id)[0], push_id=2, base_version=0)
+        client.push(manifest.pack_flat(delta), worker_id=a.worker_id, push_id=3, base_version=1)
+    finally:
+        client.close()
+    follower = servers[1].state
+    assert follower.mode.kinds[PSEUDO].gate.zero_filled == 1 and follower.version == 2
+    outer = follower.outer
+    before = (follower.version, follower.params.clone(), outer.momentum_buffer.clone(), outer.arrivals)
+    crash(servers[1].store)
+    restored, store = open_durable(servers[1].config)
+    try:
+        assert restored.version == before[0]
+        assert torch.equal(restored.params, before[1])
+        assert torch.equal(restored.outer.momentum_buffer, before[2]) and restored.outer.arrivals == before[3]
+        assert restored.registry.get(client._ids_of(a.worker_id)[1]).applied_pushes == 1  # the fill is nobody's
+    finally:
+        store.close()

@@ -2,7 +2,8 @@
 
 * ``--shards S``: S shards in this process on one host, on ports ``--port`` + i (0: free
   ports) or the ``--shard-ports`` list; ``--checkpoint-dir ROOT`` keeps shard i in
-  ``ROOT/shard-i`` and the manifest ``ROOT/shards.json`` (every shard's version);
+  ``ROOT/shard-i`` and the manifest ``ROOT/shards.json`` (every shard's version; written
+  at start, every ``MANIFEST_EVERY_S`` and at stop);
   ``--shard-map FILE`` is written with the bound addresses for the workers.
 * ``--shard-index i --shard-map FILE``: one shard per host; this process serves shard i on
   the port of the i-th address in FILE (``{"shards": ["host:port", ...]}``).
@@ -22,6 +23,9 @@ from pathlib import Path
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+
+#: Seconds between two writes of ``ROOT/shards.json`` while serving.
+MANIFEST_EVERY_S = 10.0
 
 
 def add_shard_flags(p: argparse.ArgumentParser) -> None:
@@ -172,7 +176,8 @@ def run_shards(args: argparse.Namespace, cfg: ServerConfig, stopping: dict[str, 
             flush=True,
         )
     print(f"asyncdiloco server listening on {servers[0].address}", flush=True)
-    stop.wait()
+    while not stop.wait(MANIFEST_EVERY_S):
+        manifest()
     for s in reversed(servers):  # the followers first: shard 0 keeps sequencing until the end
         s.stop(**stopping)
     manifest()

@@ -32,6 +32,9 @@ from asyncdiloco.ps.shard_order import CURRENT, OrderGate, ShardOrder
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
+#: The push id a follower shard logs its zero fills with (ps/shard_order.py); real pushes start at 1.
+ZERO_FILL_PUSH_ID = 0
+
 
 def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcome:
     """The worker's record, its lease renewed; or the answer to a replay: a concurrent
@@ -174,7 +177,7 @@ class PseudoGradient:
         parts = self.parts
         order = self._order()
         if order is not None and self.gate is not None:
-            self.gate.wait_turn(order)
+            self.gate.wait_turn(order, header.worker_id)
         with parts.locks.apply:  # one apply at a time; θ and m change only under this lock
             with parts.locks.books:
                 rec = _admit(parts, header)
@@ -234,14 +237,25 @@ class PseudoGradient:
             )
         return order.tau, order.weight, order.version_after
 
-    def fill_zero(self, order: ShardOrder) -> None:
+    def fill_zero(self, order: ShardOrder, worker_id: int) -> None:
         """Apply zero pseudo-gradients until the version is ``order.version_after − 1``
-        (a follower's missing parts; ps/shard_order.py), with the decision's N."""
+        (a follower's missing parts; ps/shard_order.py), with the decision's N. Each is
+        logged as a push of ``worker_id`` (the waiting push's worker) with push id 0, which
+        no real push has (ids start at 1): replay steps it and counts it for nobody."""
         parts = self.parts
+        size = parts.model.pseudo_gradient_bytes()[0]
         with parts.locks.apply:
             while parts.model.version < order.version_after - 1:
                 version = parts.model.version
                 applied = AppliedAs(tau=0, weight=1.0, version_after=version + 1, num_workers=order.num_workers)
+                with parts.locks.books:
+                    header = pb.PushHeader(
+                        worker_id=worker_id,
+                        push_id=ZERO_FILL_PUSH_ID,
+                        total_bytes=size,
+                        kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                    )
+                    parts.journal.log_push(header, torch.zeros(size, dtype=torch.uint8), applied)
                 self.snapshots.before_apply(version)
                 self._step(torch.zeros_like(parts.model.theta), applied)
                 snap = self.snapshots.after_apply(version + 1)
@@ -309,7 +323,11 @@ class PseudoGradient:
 
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with its τ, s(τ) and N (both locks held); the logged
-        version keys η's schedule."""
+        version keys η's schedule. A follower's zero fill (push id 0) moves only θ, m and the version."""
+        if header.push_id == ZERO_FILL_PUSH_ID:
+            self._step(delta, applied)
+            self.parts.model.version += 1
+            return
         self._step(delta, applied)
         self.record(rec, header, applied.tau, applied.weight, applied.num_workers)
 

@@ -15,7 +15,8 @@ decision in the same metadata key. A follower shard (``ServerConfig.shard_index`
 * when the push before it in the order has not arrived after ``shard_fill_timeout_s``
   (its worker died between shard 0 and this shard), applies it as a zero pseudo-gradient
   with the waiting decision's N: the version and the Delayed Nesterov phase advance as on
-  shard 0; a late part of a zero-filled push is then refused (``StalePushError``);
+  shard 0 (logged as a push with id 0, apply.py ``ZERO_FILL_PUSH_ID``, so replay redoes it);
+  a late part of a zero-filled push is then refused (``StalePushError``);
 * takes the initial parameters from whichever worker sends them first (the worker sends
   them only after it initialized shard 0).
 
@@ -91,8 +92,8 @@ class OrderGate:
 
     Args:
         version: () -> the shard's current version.
-        fill_zero: (decision) -> applies zero pseudo-gradients until the version is
-            ``decision.version_after − 1`` (the apply lock taken inside).
+        fill_zero: (decision, worker id of the waiting push) -> applies zero pseudo-gradients
+            until the version is ``decision.version_after − 1`` (the apply lock taken inside).
         timeout_s: how long a push waits for the one before it before that one is filled with zeros.
         clock: monotonic seconds.
     """
@@ -100,7 +101,7 @@ class OrderGate:
     def __init__(
         self,
         version: Callable[[], int],
-        fill_zero: Callable[[ShardOrder], None],
+        fill_zero: Callable[[ShardOrder, int], None],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -112,7 +113,7 @@ class OrderGate:
         #: Pseudo-gradients applied as zeros because their part never came (metrics, tests).
         self.zero_filled = 0
 
-    def wait_turn(self, order: ShardOrder) -> None:
+    def wait_turn(self, order: ShardOrder, worker_id: int) -> None:
         """Block until the version is ``order.version_after − 1``; after ``timeout_s``, fill the gap with zeros."""
         deadline = self._clock() + self.timeout_s
         with self._cond:
@@ -130,7 +131,7 @@ class OrderGate:
                 order.version_after,
                 self.timeout_s,
             )
-            self._fill_zero(order)
+            self._fill_zero(order, worker_id)
             self.notify()
 
     def notify(self) -> None:
