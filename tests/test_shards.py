@@ -273,3 +273,50 @@ def test_a_zero_fill_is_in_the_followers_log_and_replayed_after_a_crash(start_se
         assert restored.registry.get(client._ids_of(a.worker_id)[1]).applied_pushes == 1  # the fill is nobody's
     finally:
         store.close()
+
+
+def test_a_push_waiting_for_its_turn_holds_no_receive_buffer(start_server):
+    """The follower's budget admits one push at a time: the later push of the order, there
+    first, waits without a buffer, so the earlier one is received and applied (no zero fill)."""
+    import threading
+
+    from helpers import wait_until
+
+    from asyncdiloco.ps.shard_order import METADATA_KEY
+
+    model = make_model()
+    manifest = Manifest.from_module(model)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    fields = dict(grouping="off", dylu=False, receive_buffer_bytes=0, shard_fill_timeout_s=20.0)
+    servers = [start_server(shard_index=i, shard_count=2, **fields) for i in range(2)]
+    client = ShardedClient([s.address for s in servers])
+    smap = client.shard_map(manifest)
+    delta = torch.full((manifest.numel,), 0.01)
+    parts = [smap.sub_manifest(i).pack_flat(x) for i, x in enumerate(smap.split_flat(delta))]
+    try:
+        a, b = client.join(manifest, "a"), client.join(manifest, "b")
+        client.push(manifest.pack_flat(theta0), worker_id=a.worker_id, push_id=1, base_version=0, kind=INITIAL)
+        orders = []
+        for w in (a, b):  # shard 0 sequences a's push (version 1), then b's (version 2)
+            shard0 = client.clients[0]
+            shard0.push(parts[0], worker_id=client._ids_of(w.worker_id)[0], push_id=2, base_version=0)
+            orders.append(((METADATA_KEY, dict(shard0.last_push_trailer)[METADATA_KEY]),))
+        follower = client.clients[1]
+        ids = [client._ids_of(w.worker_id)[1] for w in (a, b)]
+        late = threading.Thread(
+            target=follower.push,
+            args=(parts[1],),
+            kwargs=dict(worker_id=ids[1], push_id=2, base_version=0, last=True, metadata=orders[1]),
+        )
+        late.start()
+        gate = servers[1].state.mode.kinds[PSEUDO].gate
+        wait_until(lambda: gate.waiting == 1, "b's part waiting for its turn")
+        other = ParameterServerClient(servers[1].address, bulk_channel=False)
+        other._sessions = follower._sessions  # noqa: SLF001 - the same worker's session
+        other.push(parts[1], worker_id=ids[0], push_id=2, base_version=0, last=True, metadata=orders[0])
+        other.close()
+        late.join(timeout=30)
+        assert not late.is_alive()
+        assert gate.zero_filled == 0 and servers[1].state.version == servers[0].state.version == 2
+    finally:
+        client.close()

@@ -205,6 +205,18 @@ class PseudoGradient:
         self.gate.notify()  # a follower holds no reply: shard 0's already did
         return outcome
 
+    def before_receive(self, header: pb.PushHeader) -> None:
+        """A follower shard: wait for this push's turn in shard 0's order before a receive
+        buffer is taken (waiting pushes then never hold the buffer budget the push before
+        them needs). Nothing on shard 0 or an unsharded server.
+
+        Raises:
+            InvalidPayloadError: a follower got a push without shard 0's decision.
+        """
+        order = self._order()
+        if order is not None and self.gate is not None:
+            self.gate.wait_turn(order, header.worker_id)
+
     def _order(self) -> ShardOrder | None:
         """The decision of shard 0 this follower must apply the push with (None on shard 0).
 

@@ -112,16 +112,22 @@ class OrderGate:
         self._cond = threading.Condition()
         #: Pseudo-gradients applied as zeros because their part never came (metrics, tests).
         self.zero_filled = 0
+        #: Pushes waiting for their turn now.
+        self.waiting = 0
 
     def wait_turn(self, order: ShardOrder, worker_id: int) -> None:
         """Block until the version is ``order.version_after − 1``; after ``timeout_s``, fill the gap with zeros."""
         deadline = self._clock() + self.timeout_s
         with self._cond:
-            while self._version() < order.version_after - 1:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            self.waiting += 1
+            try:
+                while self._version() < order.version_after - 1:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                self.waiting -= 1
         if self._version() < order.version_after - 1:
             missing = order.version_after - 1 - self._version()
             log.warning(
