@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 
+from asyncdiloco.cli.shards import add_shard_flags, run_shards, sharded
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT: answer health checks NOT_SERVING but keep serving for S seconds, so load "
         "balancers and readiness probes stop sending new work before the port closes (default %(default)s)",
     )
+    add_shard_flags(p)
     SERVER.add_to(p)
     tier = p.add_argument_group("hierarchical tier (this server as a regional one; ps/upstream.py)")
     tier.add_argument(
@@ -119,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
     cfg, stopping, parent = config(args), stop_kwargs(args), upstream(args)
     torch.set_num_threads(1)  # one intra-op thread: the outer step competes with the RPC threads for cores
     keep_large_blocks()  # reuse payload-sized memory instead of faulting it in again for every push
+    if sharded(args):
+        if parent is not None:
+            raise ConfigError(
+                "--parent and --shards/--shard-index cannot be combined: a regional server is one "
+                "process; run the sharded server as the global (parent) one, or drop --shards"
+            )
+        return run_shards(args, cfg, stopping)
     server = ParameterServer(cfg, parent).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a caller may signal right after

@@ -48,6 +48,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     """What ``run_worker`` takes besides the configs: data order, speed, bounds, outputs."""
     g = p.add_argument_group("this run")
     g.add_argument("--mode", choices=MODES, default="async", help="must match the server's --mode (default async)")
+    g.add_argument(
+        "--shard-map",
+        default="",
+        metavar="FILE",
+        help='a sharded parameter server: JSON {"shards": ["host:port", ...]} (asyncdiloco server --shards S '
+        "--shard-map FILE writes it); --server must be its shard 0 (default: none: --server is one server, "
+        "or HOST:PORT,HOST:PORT,... shard 0 first)",
+    )
     g.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order (default %(default)s)")
     g.add_argument(
         "--slowdown",
@@ -128,6 +136,8 @@ def configs(args: argparse.Namespace) -> _Configs:
         raise ConfigError(f"--threads {args.threads} is invalid: give 1 or more torch intra-op threads")
     given = WORKER.given(args)
     given["worker_name"] = _worker_name(given.get("worker_name") or "", given.get("state_dir"))
+    if args.shard_map:
+        given["server"] = _shard_servers(args.shard_map, given["server"])
     wcfg = WORKER.build(given)
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
@@ -190,6 +200,22 @@ def _worker_name(given: str, state_dir: str | None) -> str:
 
     saved = saved_worker_name(state_dir) if state_dir else None
     return resolve_worker_name(given, saved, state_dir or "")
+
+
+def _shard_servers(path: str, server: str) -> str:
+    """``--server`` for the shards of ``--shard-map``: every address, shard 0 first.
+
+    Raises:
+        ConfigError: the file is unusable, or ``--server`` is not its shard 0.
+    """
+    from asyncdiloco.wire.shards import load_shard_addresses
+
+    addresses = load_shard_addresses(path)
+    if server.split(",")[0].strip() != addresses[0]:
+        raise ConfigError(
+            f"--server {server} is not shard 0 of --shard-map {path} ({addresses[0]}); give --server {addresses[0]}"
+        )
+    return ",".join(addresses)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -267,6 +267,11 @@ SERVER_EXCLUDED = {
     "max_concurrent_rpcs",
     # Buckets of the staleness histogram in the status: a reporting detail (the simulator sets it).
     "histogram_buckets",
+    # A sharded server's place and fill timeout: set per shard by cli/shards.py from --shards,
+    # --shard-index, --shard-map and --shard-fill-timeout-s (one flag set, S configs).
+    "shard_index",
+    "shard_count",
+    "shard_fill_timeout_s",
 }
 
 #: How a worker reaches the server: ``WorkerConfig``.
@@ -274,7 +279,13 @@ WORKER = FlagTable.of(
     WorkerConfig,
     "connection",
     (
-        Flag(flag="--server", field="server", required=True, metavar="HOST:PORT", help="the parameter server"),
+        Flag(
+            flag="--server",
+            field="server",
+            required=True,
+            metavar="HOST:PORT",
+            help="the parameter server (a sharded one: HOST:PORT,HOST:PORT,... shard 0 first)",
+        ),
         Flag(
             flag="--worker-name",
             aliases=("--name",),

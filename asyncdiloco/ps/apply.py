@@ -24,12 +24,16 @@ import torch
 
 from asyncdiloco.algo.outer import DelayedNesterov, PseudoGradientMonitor, staleness_weight
 from asyncdiloco.algo.schedule import GroupGate
-from asyncdiloco.errors import NotInitializedError, StalePushError, UnknownVersionError
+from asyncdiloco.errors import InvalidPayloadError, NotInitializedError, StalePushError, UnknownVersionError
 from asyncdiloco.ps.intake import check_values
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
+from asyncdiloco.ps.shard_order import CURRENT, OrderGate, ShardOrder
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+#: The push id a follower shard logs its zero fills with (ps/shard_order.py); real pushes start at 1.
+ZERO_FILL_PUSH_ID = 0
 
 
 def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcome:
@@ -64,7 +68,8 @@ class InitialParameters:
                 f"initial parameters from worker {header.worker_id} refused: the server is already "
                 f"initialized at version {model.version}; pull the global model instead"
             )
-        if header.worker_id != registry.initializer:
+        if header.worker_id != registry.initializer and self.parts.config.shard_index == 0:
+            # a follower shard takes them from whoever initialized shard 0 (ps/shard_order.py)
             raise StalePushError(
                 f"initial parameters from worker {header.worker_id} refused: worker {registry.initializer} "
                 f"was chosen to initialize; pull the global model once it is there"
@@ -135,6 +140,10 @@ class PseudoGradient:
         self.snapshots = snapshots
         self.groups = groups
         self.monitor = monitor
+        #: A follower shard's wait for shard 0's order (ps/shard_order.py); None on shard 0 or unsharded.
+        self.gate: OrderGate | None = None
+        if parts.config.shard_index > 0:
+            self.gate = OrderGate(lambda: parts.model.version, self.fill_zero, parts.config.shard_fill_timeout_s)
 
     def check(self, header: pb.PushHeader) -> None:
         """Raises NotInitializedError: no θ yet."""
@@ -166,14 +175,22 @@ class PseudoGradient:
         self, header: pb.PushHeader, payload: torch.Tensor, delta: torch.Tensor, largest: float
     ) -> PushOutcome:
         parts = self.parts
+        order = self._order()
+        if order is not None and self.gate is not None:
+            self.gate.wait_turn(order, header.worker_id)
         with parts.locks.apply:  # one apply at a time; θ and m change only under this lock
             with parts.locks.books:
                 rec = _admit(parts, header)
                 if isinstance(rec, PushOutcome):
                     return rec
-                tau, weight, version_after = self.staleness(header)
-                expected = _live_workers(parts, header.worker_id)
-                applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=len(expected))
+                if order is None:
+                    tau, weight, version_after = self.staleness(header)
+                    expected = _live_workers(parts, header.worker_id)
+                    num_workers = len(expected)
+                else:  # a follower: shard 0's τ, s(τ), version and N
+                    tau, weight, version_after = self._follow(order)
+                    expected, num_workers = {header.worker_id}, order.num_workers
+                applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=num_workers)
                 parts.journal.log_push(header, payload, applied)
             self.snapshots.before_apply(version_after - 1)  # pulls meanwhile get θ as it is now
             # the tensor math, books free meanwhile
@@ -181,9 +198,84 @@ class PseudoGradient:
                 self._step(delta, applied)
             snap = self.snapshots.after_apply(version_after)
             with parts.locks.books:
-                outcome = self.record(rec, header, tau, weight)
+                outcome = self.record(rec, header, tau, weight, applied.num_workers)
                 self.snapshots.publish(snap)
-                return self._hand_off(rec, header, outcome, expected, largest)
+                if self.gate is None:
+                    return self._hand_off(rec, header, outcome, expected, largest)
+        self.gate.notify()  # a follower holds no reply: shard 0's already did
+        return outcome
+
+    def before_receive(self, header: pb.PushHeader) -> None:
+        """A follower shard: wait for this push's turn in shard 0's order before a receive
+        buffer is taken (waiting pushes then never hold the buffer budget the push before
+        them needs). Nothing on shard 0 or an unsharded server.
+
+        Raises:
+            InvalidPayloadError: a follower got a push without shard 0's decision.
+        """
+        order = self._order()
+        if order is not None and self.gate is not None:
+            self.gate.wait_turn(order, header.worker_id)
+
+    def _order(self) -> ShardOrder | None:
+        """The decision of shard 0 this follower must apply the push with (None on shard 0).
+
+        Raises:
+            InvalidPayloadError: a follower got a push without one.
+        """
+        if self.gate is None:
+            return None
+        order = CURRENT.get()
+        if order is None:
+            raise InvalidPayloadError(
+                f"this server is shard {self.parts.config.shard_index} of {self.parts.config.shard_count}: it applies "
+                f"pseudo-gradients only in shard 0's order; push through the sharded client (worker/sharded.py) "
+                f"with the shard map"
+            )
+        return order
+
+    def _follow(self, order: ShardOrder) -> tuple[int, float, int]:
+        """(τ, s(τ), version after) of shard 0's decision, at its turn (books lock held).
+
+        Raises:
+            StalePushError: its turn passed (applied as zeros after the fill timeout).
+        """
+        version = self.parts.model.version
+        if version != order.version_after - 1:
+            raise StalePushError(
+                f"this part of the push making version {order.version_after} came too late: shard "
+                f"{self.parts.config.shard_index} is at version {version} (it was applied here as a zero "
+                f"pseudo-gradient after shard_fill_timeout_s={self.parts.config.shard_fill_timeout_s}); pull and go on"
+            )
+        return order.tau, order.weight, order.version_after
+
+    def fill_zero(self, order: ShardOrder, worker_id: int) -> None:
+        """Apply zero pseudo-gradients until the version is ``order.version_after − 1``
+        (a follower's missing parts; ps/shard_order.py), with the decision's N. Each is
+        logged as a push of ``worker_id`` (the waiting push's worker) with push id 0, which
+        no real push has (ids start at 1): replay steps it and counts it for nobody."""
+        parts = self.parts
+        size = parts.model.pseudo_gradient_bytes()[0]
+        with parts.locks.apply:
+            while parts.model.version < order.version_after - 1:
+                version = parts.model.version
+                applied = AppliedAs(tau=0, weight=1.0, version_after=version + 1, num_workers=order.num_workers)
+                with parts.locks.books:
+                    header = pb.PushHeader(
+                        worker_id=worker_id,
+                        push_id=ZERO_FILL_PUSH_ID,
+                        total_bytes=size,
+                        kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                    )
+                    parts.journal.log_push(header, torch.zeros(size, dtype=torch.uint8), applied)
+                self.snapshots.before_apply(version)
+                self._step(torch.zeros_like(parts.model.theta), applied)
+                snap = self.snapshots.after_apply(version + 1)
+                with parts.locks.books:
+                    parts.model.version += 1
+                    self.snapshots.publish(snap)
+                    if self.gate is not None:
+                        self.gate.zero_filled += 1
 
     def staleness(self, header: pb.PushHeader) -> tuple[int, float, int]:
         """(τ, s(τ), version after the apply) of a push about to be applied (books lock held).
@@ -207,7 +299,9 @@ class PseudoGradient:
             )
         return tau, staleness_weight(self.parts.config.outer, tau), version + 1
 
-    def record(self, rec: WorkerRecord, header: pb.PushHeader, tau: int, weight: float) -> PushOutcome:
+    def record(
+        self, rec: WorkerRecord, header: pb.PushHeader, tau: int, weight: float, num_workers: int = 0
+    ) -> PushOutcome:
         """The version, the counters and the outcome remembered for retries (books lock held)."""
         parts = self.parts
         parts.model.version += 1
@@ -219,7 +313,9 @@ class PseudoGradient:
         rec.staleness_sum += tau
         rec.staleness_pushes += 1
         rec.last_staleness = tau
-        outcome = PushOutcome(True, False, parts.model.version, tau, weight, parts.config.local_steps)
+        outcome = PushOutcome(
+            True, False, parts.model.version, tau, weight, parts.config.local_steps, num_workers=num_workers
+        )
         rec.remember(header.push_id, outcome)
         return outcome
 
@@ -239,9 +335,13 @@ class PseudoGradient:
 
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with its τ, s(τ) and N (both locks held); the logged
-        version keys η's schedule."""
+        version keys η's schedule. A follower's zero fill (push id 0) moves only θ, m and the version."""
+        if header.push_id == ZERO_FILL_PUSH_ID:
+            self._step(delta, applied)
+            self.parts.model.version += 1
+            return
         self._step(delta, applied)
-        self.record(rec, header, applied.tau, applied.weight)
+        self.record(rec, header, applied.tau, applied.weight, applied.num_workers)
 
     def _step(self, delta: torch.Tensor, applied: AppliedAs) -> None:
         """The outer step of one push; the step making version V + 1 is applied at V (η's schedule)."""

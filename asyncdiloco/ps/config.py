@@ -155,12 +155,37 @@ class ServerConfig:
     #: Prometheus metrics at /metrics, the dashboard at /, the status at /status.json;
     #: 0 picks a free one; None = off.
     metrics_port: int | None = None
+    #: This server's place in a sharded parameter server (ps/shard_order.py): shard 0 sequences
+    #: every push, shards 1..S-1 apply them in its order. 0 of 1 = one unsharded server.
+    shard_index: int = 0
+    #: S, the number of shards the parameter vector is split over (wire/shards.py).
+    shard_count: int = 1
+    #: A follower shard: seconds a push waits for the one before it in shard 0's order
+    #: before that one is applied as a zero pseudo-gradient.
+    shard_fill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self._check_shards()
         self._check_mode_and_ports()
         self._check_limits()
         self._check_grouping()
         self._check_codec()
+
+    def _check_shards(self) -> None:
+        require(self.shard_count >= 1, "shard_count", self.shard_count, "must be >= 1 (1 = unsharded)")
+        require(
+            0 <= self.shard_index < self.shard_count,
+            "shard_index",
+            self.shard_index,
+            f"must be in [0, {self.shard_count - 1}] for shard_count={self.shard_count}",
+        )
+        require(
+            self.shard_count == 1 or self.mode == "async",
+            "mode",
+            self.mode,
+            "a sharded parameter server runs async mode only; use one server (shard_count=1) for sync mode",
+        )
+        require(self.shard_fill_timeout_s > 0, "shard_fill_timeout_s", self.shard_fill_timeout_s, "must be > 0 s")
 
     def _check_mode_and_ports(self) -> None:
         require(self.mode in MODES, "mode", self.mode, f"choose one of {MODES}")

@@ -195,6 +195,9 @@ class PushIntake:
             raise InvalidPayloadError(
                 f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
             )
+        before_receive = getattr(kind, "before_receive", None)  # a follower shard's turn (apply.py)
+        if before_receive is not None:
+            before_receive(header)  # no receive buffer held while it waits
         return self._assembler(header, kind.pooled, is_active)
 
     def _retried(self, header: pb.PushHeader) -> PushOutcome | None:

@@ -34,6 +34,8 @@ class PushOutcome:
         staleness_weight: s(τ), the factor the pseudo-gradient was scaled by.
         local_steps: H, the inner steps of the worker's next round.
         group_id: the push group whose release the reply waits for (0: none).
+        num_workers: N, the live-worker count the outer step used (0: not a pseudo-gradient);
+            shard 0 of a sharded server sends it to the workers (ps/shard_order.py).
     """
 
     applied: bool
@@ -43,6 +45,7 @@ class PushOutcome:
     staleness_weight: float
     local_steps: int
     group_id: int = 0
+    num_workers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -466,7 +466,7 @@ class WorkerRegistry:
                 "staleness": [r.staleness_sum, r.staleness_pushes, r.last_staleness],
                 "push_high_water": r.push_high_water,
                 "outcomes": [
-                    [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps]
+                    [pid, o.applied, o.version, o.staleness, o.staleness_weight, o.local_steps, o.num_workers]
                     for pid, o in r.outcomes.items()
                 ],
             }
@@ -492,8 +492,10 @@ class WorkerRegistry:
                 w.get("session", 0),
             )  # older checkpoints: a stopped worker shows as "expired"
             rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
-            for pid, applied, version, tau, weight, steps in w["outcomes"]:
-                rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps)
+            for pid, applied, version, tau, weight, steps, *n in w["outcomes"]:  # older: no N
+                rec.outcomes[pid] = PushOutcome(
+                    applied, False, version, tau, weight, steps, num_workers=n[0] if n else 0
+                )
             rec.push_high_water = w.get("push_high_water", rec.last_push_id)  # older: the newest remembered
             self.workers[rec.worker_id] = rec
             if named:

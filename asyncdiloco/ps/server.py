@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.service import ParameterServerService
+from asyncdiloco.ps.shard_files import check_shard_identity
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire.channel import grpc_channel_options
@@ -130,6 +131,10 @@ class ParameterServer:
         with contextlib.ExitStack() as undo:
             if metrics is not None:
                 undo.callback(metrics.detach)
+            if self.store is not None and self.config.durability is not None:
+                check_shard_identity(
+                    self.config.durability.checkpoint_dir, self.config.shard_index, self.config.shard_count
+                )
             if self.store is not None:
                 self.store.observer = self.state.observer
                 self.store.open(self.state)  # restored before the port is bound

@@ -13,6 +13,7 @@ import grpc
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
 from asyncdiloco.ps.long_poll import KEEP_S
 from asyncdiloco.ps.quorum import QuorumMiss
+from asyncdiloco.ps.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
@@ -92,7 +93,12 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                     "the first PushMessage must carry a PushHeader; send the header, then the chunks"
                 )
             worker_id, hold = first.header.worker_id, not first.header.last  # a last push is not held
-            outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
+            follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
+            token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
+            try:
+                outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
+            finally:
+                CURRENT.reset(token)
         except AsyncDiLoCoError as exc:
             log.warning("push from worker %d refused: %s", worker_id, exc)
             self.state.record_rejected(worker_id, exc.reason)
@@ -105,7 +111,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             raise
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
-        return self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
+        reply = self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
+        if self.state.config.shard_count > 1 and outcome.applied and outcome.num_workers:
+            order = ShardOrder(outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers)
+            context.set_trailing_metadata(((METADATA_KEY, order.encode()),))  # for the other shards
+        return reply
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         try:

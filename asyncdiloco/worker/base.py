@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.flat import FlatParams
 from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
 from asyncdiloco.worker.group_member import GroupMember
+from asyncdiloco.worker.sharded import ShardedClient, shard_addresses
 from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
 
 log = logging.getLogger(__name__)
@@ -137,13 +138,28 @@ class WorkerBase(GroupMember):
         self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
         self._pull_wire: torch.Tensor | None = None
         if not self.follower:  # a follower has no client: it never contacts the server
-            self.client = ParameterServerClient(
-                config.server,
-                rpc_timeout_s=config.rpc_timeout_s,
-                timeout_s_per_mib=config.timeout_s_per_mib,
-                security=config.security,
-                bulk_channel=config.bulk_channel,
-            )
+            addresses = shard_addresses(config.server)
+            if len(addresses) == 1:
+                self.client = ParameterServerClient(
+                    addresses[0],
+                    rpc_timeout_s=config.rpc_timeout_s,
+                    timeout_s_per_mib=config.timeout_s_per_mib,
+                    security=config.security,
+                    bulk_channel=config.bulk_channel,
+                )
+            else:  # a sharded server (async mode): the same calls over every shard (sharded.py)
+                if self.mode != "async":
+                    raise ConfigError(
+                        f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
+                        f"runs async mode only; give one server address for --mode {self.mode}"
+                    )
+                sharded = ShardedClient(
+                    addresses,
+                    rpc_timeout_s=config.rpc_timeout_s,
+                    timeout_s_per_mib=config.timeout_s_per_mib,
+                    security=config.security,
+                )
+                self.client = cast(ParameterServerClient, sharded)  # the async worker's subset of its calls
         self._stop_requested = False  # request_stop() was called on this rank
         self._group_stopping = False  # some rank's request arrived with a step's exchange
         self._group_joined = False  # the group's join completed on every rank

@@ -115,6 +115,8 @@ class ParameterServerClient:
         self.resend_backoff_s = resend_backoff_s
         #: Pushes and pulls whose payload arrived corrupted (each was sent again, or raised).
         self.corrupted_transfers = 0
+        #: The trailing metadata of the newest push answered over gRPC (key, value) pairs.
+        self.last_push_trailer: tuple = ()
         self.rpc_timeout_s = rpc_timeout_s
         self.timeout_s_per_mib = timeout_s_per_mib
         self.chunk_bytes = chunk_bytes
@@ -204,11 +206,13 @@ class ParameterServerClient:
         if worker_id:
             self._push_wait_s[worker_id] = wait_s
 
-    def _call(self, method, request, timeout_s: float | None = None):
+    def _call(self, method, request, timeout_s: float | None = None, extra_metadata: tuple = ()):
         """Invoke an RPC with a deadline; a failure becomes the library's exception."""
         try:
             return method(
-                request, timeout=self.rpc_timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
+                request,
+                timeout=self.rpc_timeout_s if timeout_s is None else timeout_s,
+                metadata=(*self._metadata, *extra_metadata) if extra_metadata else self._metadata,
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -324,11 +328,15 @@ class ParameterServerClient:
         kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         quorum_id: int = 0,
         last: bool = False,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> pb.PushReply:
         """Stream one payload (pseudo-gradient or initial parameters).
 
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
+            metadata: extra gRPC metadata pairs (a sharded server's order, ps/shard_order.py);
+                such a push goes over gRPC, never the bulk channel. The reply's trailing
+                metadata is then in ``last_push_trailer``.
         Raises:
             StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
             WorkerSupersededError (another process joined under this worker's name),
@@ -349,13 +357,15 @@ class ParameterServerClient:
             session_id=self._sessions.get(worker_id, 0),
         )
         return self._resending_corrupted(
-            lambda: self._push_in_server_chunks(payload, header), f"push {push_id} of worker {worker_id}"
+            lambda: self._push_in_server_chunks(payload, header, metadata), f"push {push_id} of worker {worker_id}"
         )
 
-    def _push_in_server_chunks(self, payload: torch.Tensor, header: pb.PushHeader) -> pb.PushReply:
+    def _push_in_server_chunks(
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()
+    ) -> pb.PushReply:
         """``_push_once``; refused, once more cut with the server's chunk size if it changed."""
         try:
-            return self._push_once(payload, header)
+            return self._push_with(payload, header, metadata)
         except PayloadCorruptedError:
             raise  # the chunking was right (the payload arrived whole): resent as it is
         except (InvalidPayloadError, PayloadTooLargeError):
@@ -366,7 +376,7 @@ class ParameterServerClient:
                 self.chunk_bytes,
                 header.push_id,
             )
-            return self._push_once(payload, header)  # the refusal applied nothing: the same push id again
+            return self._push_with(payload, header, metadata)  # the refusal applied nothing: the same push id again
 
     def _resending_corrupted(self, call: Callable[[], _T], what: str) -> _T:
         """``call()``, made again while its payload arrives corrupted (module docstring).
@@ -406,12 +416,16 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         return True
 
-    def _push_once(self, payload: torch.Tensor, header: pb.PushHeader) -> pb.PushReply:
+    def _push_with(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple) -> pb.PushReply:
+        """``_push_once``, with the extra metadata only when there is some."""
+        return self._push_once(payload, header, metadata) if metadata else self._push_once(payload, header)
+
+    def _push_once(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()) -> pb.PushReply:
         """``push`` cut in chunks of the current ``chunk_bytes``."""
         total = payload.numel()
         header.num_chunks = num_chunks_for(total, self.chunk_bytes)
         timeout_s = self._push_timeout(total, header.worker_id)
-        if self._bulk is not None and payload.is_contiguous():
+        if self._bulk is not None and payload.is_contiguous() and not metadata:
             reply = self._bulk.push(header, payload, timeout_s)
             if reply is not None:
                 self._told(reply.group_max_wait_s, header.worker_id)
@@ -421,7 +435,8 @@ class ParameterServerClient:
             yield pb.PushMessage(header=header)
             yield from chunk_messages(payload, self.chunk_bytes)
 
-        reply = self._call(self._push, messages(), timeout_s)
+        reply, call = self._call(self._push.with_call, messages(), timeout_s, metadata)
+        self.last_push_trailer = tuple(call.trailing_metadata() or ())
         self._told(reply.group_max_wait_s, header.worker_id)
         return reply
 

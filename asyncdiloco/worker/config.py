@@ -63,13 +63,15 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_worker_name(self.worker_name)
-        host, sep, port = self.server.rpartition(":")
-        require(
-            bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
-            "server",
-            self.server,
-            "give HOST:PORT with a port in [1, 65535], e.g. 127.0.0.1:29500",
-        )
+        for address in self.server.split(","):  # several: the shards of a sharded server, shard 0 first
+            host, sep, port = address.strip().rpartition(":")
+            require(
+                bool(sep) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                "server",
+                self.server,
+                "give HOST:PORT with a port in [1, 65535], e.g. 127.0.0.1:29500 (a sharded server: "
+                "HOST:PORT,HOST:PORT,... shard 0 first, or --shard-map FILE)",
+            )
         for name in ("rpc_timeout_s", "timeout_s_per_mib", "initial_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")

@@ -1,0 +1,151 @@
+"""Sharded parameter server: shard 0 sequences every push, the other shards follow its order.
+
+Each shard (wire/shards.py) is a complete parameter server over a range of θ. So that a
+push applied on some shards and not others never leaves the shards in different versions
+or Delayed Nesterov phases (Liu et al. 2024, arXiv 2401.09135, Alg. 3: the momentum moves
+every N-th arrival), shard 0 alone decides: accept or refuse, staleness τ, weight s(τ), the
+live-worker count N and the version V + 1 the push makes. The worker (worker/sharded.py)
+pushes its part to shard 0 first, reads that decision (the reply, plus N in the trailing
+metadata ``adl-shard-order``), and then pushes the other parts in parallel carrying the
+decision in the same metadata key. A follower shard (``ServerConfig.shard_index`` > 0)
+
+* applies a pseudo-gradient only with a decision, in the decision's order: the push waits
+  until the shard's version is V (``OrderGate.wait_turn``), then steps with τ, s(τ), N of
+  the decision instead of its own;
+* when the push before it in the order has not arrived after ``shard_fill_timeout_s``
+  (its worker died between shard 0 and this shard), applies it as a zero pseudo-gradient
+  with the waiting decision's N: the version and the Delayed Nesterov phase advance as on
+  shard 0 (logged as a push with id 0, apply.py ``ZERO_FILL_PUSH_ID``, so replay redoes it);
+  a late part of a zero-filled push is then refused (``StalePushError``);
+* takes the initial parameters from whichever worker sends them first (the worker sends
+  them only after it initialized shard 0).
+
+The metadata value is ``"V,τ,s(τ) as float.hex,N"``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from asyncdiloco.errors import InvalidPayloadError
+
+log = logging.getLogger(__name__)
+
+#: gRPC metadata key of a shard-0 decision (reply trailer on shard 0, call metadata to followers).
+METADATA_KEY = "adl-shard-order"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOrder:
+    """Shard 0's decision on one pseudo-gradient push.
+
+    Attributes:
+        version_after: V + 1, the version the push makes (its place in the order).
+        tau: staleness τ on shard 0. weight: s(τ). num_workers: N, the live workers.
+    """
+
+    version_after: int
+    tau: int
+    weight: float
+    num_workers: int
+
+    def encode(self) -> str:
+        return f"{self.version_after},{self.tau},{float(self.weight).hex()},{self.num_workers}"
+
+    @classmethod
+    def decode(cls, text: str) -> ShardOrder:
+        """Raises InvalidPayloadError: not ``"V,τ,weight-hex,N"`` with V ≥ 1, τ ≥ 0, N ≥ 1."""
+        try:
+            v, tau, weight, n = text.split(",")
+            order = cls(int(v), int(tau), float.fromhex(weight), int(n))
+        except ValueError:
+            order = None
+        if order is None or order.version_after < 1 or order.tau < 0 or order.num_workers < 1:
+            raise InvalidPayloadError(
+                f"metadata {METADATA_KEY}={text!r} is not 'V,tau,weight-hex,N' with V >= 1, tau >= 0, N >= 1; "
+                f"send the decision shard 0 returned"
+            )
+        return order
+
+
+#: The decision that came with the push being received on this thread (service.py sets it).
+CURRENT: contextvars.ContextVar[ShardOrder | None] = contextvars.ContextVar("adl_shard_order", default=None)
+
+
+def order_from_metadata(metadata) -> ShardOrder | None:
+    """The decision in gRPC invocation metadata (pairs of key, value), or None."""
+    for key, value in metadata or ():
+        if key == METADATA_KEY:
+            return ShardOrder.decode(value if isinstance(value, str) else value.decode())
+    return None
+
+
+class OrderGate:
+    """A follower shard's wait for its turn in shard 0's order (module docstring).
+
+    Args:
+        version: () -> the shard's current version.
+        fill_zero: (decision, worker id of the waiting push) -> applies zero pseudo-gradients
+            until the version is ``decision.version_after − 1`` (the apply lock taken inside).
+        timeout_s: how long a push waits for the one before it before that one is filled with zeros.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        version: Callable[[], int],
+        fill_zero: Callable[[ShardOrder, int], None],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._version = version
+        self._fill_zero = fill_zero
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        #: Pseudo-gradients applied as zeros because their part never came (metrics, tests).
+        self.zero_filled = 0
+        #: Pushes waiting for their turn now.
+        self.waiting = 0
+
+    def wait_turn(self, order: ShardOrder, worker_id: int) -> None:
+        """Block until the version is ``order.version_after − 1``; after ``timeout_s``, fill the gap with zeros."""
+        deadline = self._clock() + self.timeout_s
+        with self._cond:
+            self.waiting += 1
+            try:
+                while self._version() < order.version_after - 1:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                self.waiting -= 1
+        if self._version() < order.version_after - 1:
+            missing = order.version_after - 1 - self._version()
+            log.warning(
+                "shard order: %d push(es) before version %d never reached this shard within %.1f s; "
+                "applying them as zero pseudo-gradients",
+                missing,
+                order.version_after,
+                self.timeout_s,
+            )
+            self._fill_zero(order, worker_id)
+            self.notify()
+
+    def notify(self) -> None:
+        """The version moved: wake the waiting pushes."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+def zero_like(params: torch.Tensor) -> torch.Tensor:
+    """A zero pseudo-gradient for θ (float32 (N,))."""
+    return torch.zeros_like(params)
