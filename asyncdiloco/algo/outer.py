@@ -51,10 +51,11 @@ from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 
 log = logging.getLogger(__name__)
 
-#: Elements per block of a blocked step (``on_block``): 64 Ki fp32 = 256 KiB per vector,
-#: so θ, Δ and m of one block (768 KiB) stay in a 1 MiB L2 cache. A multiple of every
-#: SIMD width, so block edges never split a vector of torch's kernels.
-STEP_BLOCK_ELEMS = 1 << 16
+#: Elements per block of a blocked step (``on_block``): 256 Ki fp32 = 1 MiB per vector,
+#: so θ, Δ and m of one block (3 MiB) stay in cache until the block is copied; smaller
+#: blocks cost more in per-call overhead than they save (docs/performance.md). A multiple
+#: of every SIMD width, so block edges never split a vector of torch's kernels.
+STEP_BLOCK_ELEMS = 1 << 18
 
 #: ``on_block(start, end)``: elements [start, end) of θ hold their new values.
 BlockHook = Callable[[int, int], None]
