@@ -12,6 +12,7 @@
   ≥ 500 over the bulk channel). Targets: targets.py.
 
     python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
+        [--only push_rate --address HOST:PORT]   (a server started by hand, e.g. under py-spy)
 """
 
 from __future__ import annotations
@@ -110,30 +111,39 @@ def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
     return pushes / (time.perf_counter() - t0)
 
 
-def bench_push_rate(numel: int, procs: int, threads: int, seconds: float, bulk: bool = False) -> dict:
-    ctx = mp.get_context("spawn")
+def bench_push_rate(
+    numel: int, procs: int, threads: int, seconds: float, bulk: bool = False, address: str | None = None
+) -> dict:
+    """Pushes applied per second by ``procs`` × ``threads`` workers pushing for ``seconds``,
+    against a server started here, or against ``address`` (a server started by hand,
+    e.g. under a profiler; its flags then decide the path)."""
     # --grouping off: the rate of the server itself, replies not held for push groups (schedule.py)
     flags: tuple[str, ...] = ("--outer-optimizer", "nesterov", "--max-staleness", "1000", "--grouping", "off")
     flags += ("--bulk-port", "0") if bulk else ()
-    with server_process(*flags) as (_, address):
-        manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
-        client, _ = _join_and_init(address, manifest, "init")
-        start_evt, q = ctx.Event(), ctx.Queue()
-        ps = [
-            ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)
-        ]
-        for p in ps:
-            p.start()
-        time.sleep(5.0)  # let every client join (spawned interpreters import torch)
-        v0 = client.status().version
-        t0 = time.monotonic()
-        start_evt.set()
-        applied = sum(q.get(timeout=seconds + 120) for _ in ps)
-        wall = time.monotonic() - t0
-        v1 = client.status().version
-        for p in ps:
-            p.join(timeout=30)
-        client.close()
+    if address is not None:
+        return _push_rate_at(address, numel, procs, threads, seconds, bulk)
+    with server_process(*flags) as (_, started):
+        return _push_rate_at(started, numel, procs, threads, seconds, bulk)
+
+
+def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: float, bulk: bool) -> dict:
+    ctx = mp.get_context("spawn")
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    client, _ = _join_and_init(address, manifest, f"init-{os.getpid()}")
+    start_evt, q = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(5.0)  # let every client join (spawned interpreters import torch)
+    v0 = client.status().version
+    t0 = time.monotonic()
+    start_evt.set()
+    applied = sum(q.get(timeout=seconds + 120) for _ in ps)
+    wall = time.monotonic() - t0
+    v1 = client.status().version
+    for p in ps:
+        p.join(timeout=30)
+    client.close()
     return {
         "path": "bulk-tcp" if bulk else "grpc-stream",
         "pushes_applied": applied,
@@ -203,6 +213,10 @@ def main() -> None:
     p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
     p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
     p.add_argument("--out", help="also append the JSON lines to this file")
+    p.add_argument(
+        "--address",
+        help="push_rate against this running server (HOST:PORT; e.g. one under a profiler), gRPC path only",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # as the server runs
     keep_large_blocks()
@@ -237,8 +251,10 @@ def main() -> None:
                 )
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
-        for bulk in (False, True):
-            r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
+        for bulk in (False,) if args.address else (False, True):
+            r = bench_push_rate(
+                1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk, address=args.address
+            )
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
                 f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
