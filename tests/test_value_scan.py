@@ -88,3 +88,33 @@ def test_a_bad_chunk_still_refuses_the_whole_push_with_nothing_changed():
     with pytest.raises(InvalidPayloadError, match="magnitude 1e\\+30"):
         state.push(MANIFEST.pack([delta]), worker_id=wid, push_id=3, base_version=0)
     assert state.version == 0 and torch.equal(state.model.theta, theta)
+
+
+def test_bulk_fill_calls_watch_per_slice():
+    """The bulk channel's ``fill_with`` scans each slice as it lands, as ``add`` does per chunk."""
+    x = torch.linspace(-1, 1, NUMEL)
+    x[17] = -9.0
+    payload = x.view(torch.uint8).clone()
+    asm = PayloadAssembler(total_bytes=payload.numel(), num_chunks=10, crc32=crc32_of(payload), chunk_bytes=4096)
+    ranges = []
+    scan = ValueScan(asm.buffer)
+
+    def watch(start: int, end: int) -> None:
+        ranges.append((start, end))
+        scan(start, end)
+
+    asm.watch = watch
+    src = payload.numpy().data
+    pos = 0
+
+    def readinto(view) -> int:
+        nonlocal pos
+        n = min(len(view), 3000, len(src) - pos)
+        view[:n] = src[pos : pos + n]
+        pos += n
+        return n
+
+    asm.fill_with(readinto, slice_bytes=10_000)
+    assert ranges == [(s, min(40_000, s + 10_000)) for s in range(0, 40_000, 10_000)]
+    assert scan.largest == 9.0
+    assert torch.equal(asm.finish(), payload)
