@@ -29,6 +29,10 @@ lr_schedule.py). The caller passes v; the async server, its log replay, the sync
 server and every sync member pass the same v for the same update.
 
 All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
+A step may run block by block (``on_block``): every update above is elementwise, so the
+same operations on consecutive slices of θ, m, b and Δ give bit-identical vectors, and
+the caller reads each block of the new θ while it is still in cache (the server copies
+it into the next pull snapshot: snapshots.py ``FusedSnapshot``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import collections
 import logging
 import math
 import statistics
+from collections.abc import Callable
 
 import torch
 from torch.optim.sgd import sgd as _torch_sgd
@@ -45,6 +50,22 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 
 log = logging.getLogger(__name__)
+
+#: Elements per block of a blocked step (``on_block``): 256 Ki fp32 = 1 MiB per vector,
+#: so θ, Δ and m of one block (3 MiB) stay in cache until the block is copied; smaller
+#: blocks cost more in per-call overhead than they save (docs/performance.md). A multiple
+#: of every SIMD width, so block edges never split a vector of torch's kernels.
+STEP_BLOCK_ELEMS = 1 << 18
+
+#: ``on_block(start, end)``: elements [start, end) of θ hold their new values.
+BlockHook = Callable[[int, int], None]
+
+
+def _blocks(numel: int, block_elems: int) -> list[tuple[int, int]]:
+    """[start, end) of each block of ``numel`` elements, in order."""
+    if block_elems <= 0:
+        raise ValueError(f"block_elems is {block_elems}; it must be > 0 elements")
+    return [(s, min(numel, s + block_elems)) for s in range(0, numel, block_elems)] or [(0, 0)]
 
 
 def staleness_weight(config: OuterConfig, staleness: int) -> float:
@@ -123,7 +144,16 @@ class OuterOptimizer:
             )
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor, weight: float = 1.0, *, version: int, num_workers: int = 1) -> None:
+    def step(
+        self,
+        delta: torch.Tensor,
+        weight: float = 1.0,
+        *,
+        version: int,
+        num_workers: int = 1,
+        on_block: BlockHook | None = None,
+        block_elems: int = STEP_BLOCK_ELEMS,
+    ) -> None:
         """θ ← update(θ, s·Δ) with η_v as in the module docstring, in one fused pass.
 
         The update is ``torch.optim.SGD``'s fused kernel (``torch.optim.sgd.sgd`` with
@@ -137,24 +167,60 @@ class OuterOptimizer:
             version: v, the version this update is applied at (updates applied before
                 it); keys η's schedule.
             num_workers: live workers (used only by delayed_nesterov with dn_buffer=0).
+            on_block: optional ``(start, end) -> None``: the step then runs block by
+                block, ``block_elems`` elements at a time, and calls it after each block
+                of θ is updated (bit-identical to one pass over the whole vectors).
+            block_elems: elements per block (> 0) with ``on_block``.
         Raises:
-            ValueError: ``delta`` has another shape or dtype, or ``version`` < 0
-                (nothing is changed).
+            ValueError: ``delta`` has another shape or dtype, ``version`` < 0, or
+                ``block_elems`` ≤ 0 (nothing is changed).
         """
         self._check(delta)
         lr = self.lr_at(version)
-        if weight != 1.0:
-            delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
-        _torch_sgd(
-            [self.params],
+        spans = _blocks(delta.numel(), block_elems) if on_block is not None else []
+        if on_block is None:
+            if weight != 1.0:
+                delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
+            self._kernel(self.params, delta, self.momentum_buffer, lr)
+            return
+        m = self.momentum_buffer
+        for start, end in spans:
+            d = delta[start:end]
+            if weight != 1.0:
+                d.mul_(weight)
+            self._kernel(self.params[start:end], d, None if m is None else m[start:end], lr)
+            on_block(start, end)
+
+    def _kernel(self, params: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float) -> None:
+        """One pass of torch's fused SGD kernel over (slices of) θ, Δ and m: the
+        ``torch._fused_sgd_`` call ``torch.optim.sgd.sgd(fused=True)`` makes, without
+        its per-call grouping of the tensor lists (a blocked step calls it per block);
+        ``torch.optim.sgd.sgd`` itself where the fused kernel is missing (other devices)."""
+        mu = self.config.momentum
+        nesterov = self.config.optimizer == "nesterov" and mu > 0
+        if params.device.type in ("cpu", "cuda") and hasattr(torch, "_fused_sgd_"):
+            torch._fused_sgd_(
+                [params],
+                [delta],
+                [] if momentum is None else [momentum],  # m exists when μ > 0 (from __init__): never a first step
+                weight_decay=0.0,
+                momentum=mu,
+                lr=lr,
+                dampening=0.0,
+                nesterov=nesterov,
+                maximize=False,
+                is_first_step=False,
+            )
+            return
+        _torch_sgd(  # pragma: no cover - CPU and CUDA have the fused kernel
+            [params],
             [delta],
-            [self.momentum_buffer],
-            fused=self.params.device.type in ("cpu", "cuda"),
+            [momentum],
             weight_decay=0.0,
-            momentum=self.config.momentum,
+            momentum=mu,
             lr=lr,
             dampening=0.0,
-            nesterov=self.config.optimizer == "nesterov" and self.config.momentum > 0,
+            nesterov=nesterov,
             maximize=False,
         )
 
@@ -202,31 +268,51 @@ class DelayedNesterov(OuterOptimizer):
                     g_b.mul_(max(0.0, 1.0 + dot / norms))
 
     @torch.no_grad()
-    def step(self, delta: torch.Tensor, weight: float = 1.0, *, version: int, num_workers: int = 1) -> None:
+    def step(
+        self,
+        delta: torch.Tensor,
+        weight: float = 1.0,
+        *,
+        version: int,
+        num_workers: int = 1,
+        on_block: BlockHook | None = None,
+        block_elems: int = STEP_BLOCK_ELEMS,
+    ) -> None:
         """Apply one arrival g_t = s·Δ at version ``version`` with η_v (``delta`` is scaled
-        in place when s ≠ 1)."""
+        in place when s ≠ 1); ``on_block`` and ``block_elems`` as in ``OuterOptimizer.step``
+        (``block_check``'s per-tensor damping needs whole blocks' dot products, so it runs
+        over the whole Δ first)."""
         self._check(delta)
-        if weight != 1.0:
+        spans = [(0, delta.numel())] if on_block is None else _blocks(delta.numel(), block_elems)
+        if weight != 1.0 and (on_block is None or self.config.block_check):
             delta.mul_(weight)
+            weight = 1.0
         if self.config.block_check:
             self._damp_against_momentum(delta)
         lr, mu, c = self.lr_at(version), self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
         m, b = self.momentum_buffer, self.delta_buffer
         assert m is not None  # allocated in __init__
-        b.add_(delta)  # b ← b + g_t
         self.arrivals += 1
-        if self.arrivals >= n:  # (t+1) mod N = 0
-            # m ← μ·m + b/N, the mean over the buffer's arrivals: with N = live workers, N
-            # can shrink while the buffer fills (a worker left), and b/N would then count
-            # the earlier arrivals N_old/N times over.
-            m.mul_(mu).add_(b, alpha=1.0 / self.arrivals)
-            self.params.sub_(m, alpha=lr * (1.0 - c * n + c) * mu)
-            b.zero_()
-            self.arrivals = 0
-        elif c > 0:
-            self.params.sub_(m, alpha=lr * c * mu)
-        self.params.sub_(delta, alpha=lr / n)  # the arrival's own g_t/N
+        complete = self.arrivals >= n  # (t+1) mod N = 0
+        arrivals, self.arrivals = self.arrivals, 0 if complete else self.arrivals
+        for start, end in spans:
+            d, m_s, b_s, p_s = delta[start:end], m[start:end], b[start:end], self.params[start:end]
+            if weight != 1.0:
+                d.mul_(weight)
+            b_s.add_(d)  # b ← b + g_t
+            if complete:
+                # m ← μ·m + b/N, the mean over the buffer's arrivals: with N = live workers, N
+                # can shrink while the buffer fills (a worker left), and b/N would then count
+                # the earlier arrivals N_old/N times over.
+                m_s.mul_(mu).add_(b_s, alpha=1.0 / arrivals)
+                p_s.sub_(m_s, alpha=lr * (1.0 - c * n + c) * mu)
+                b_s.zero_()
+            elif c > 0:
+                p_s.sub_(m_s, alpha=lr * c * mu)
+            p_s.sub_(d, alpha=lr / n)  # the arrival's own g_t/N
+            if on_block is not None:
+                on_block(start, end)
 
 
 def make_outer_optimizer(

@@ -10,7 +10,8 @@ in log replay. The initial parameters become θ (version unchanged).
 
 Each apply: decode (outside the locks) → check the values → under the ``apply`` lock:
 admit (lease, τ, s(τ), the live-worker count N; logged to the journal), the outer step
-(tensor math, ``books`` free meanwhile), the next pull snapshot if pulls are coming, then
+(tensor math, ``books`` free meanwhile) with the next pull snapshot's copy fused into it
+block by block if pulls are coming (snapshots.py ``step_and_encode``), then
 under ``books``: the version, the counters, the remembered outcome, and the hand-offs of
 a pseudo-gradient: the step-rate meter (DyLU), the push group (schedule.py ``GroupGate``;
 Alg. 2) and the divergence monitor.
@@ -22,7 +23,7 @@ import dataclasses
 
 import torch
 
-from asyncdiloco.algo.outer import DelayedNesterov, PseudoGradientMonitor, staleness_weight
+from asyncdiloco.algo.outer import BlockHook, DelayedNesterov, PseudoGradientMonitor, staleness_weight
 from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import InvalidPayloadError, NotInitializedError, StalePushError, UnknownVersionError
 from asyncdiloco.ps.intake import check_values
@@ -78,8 +79,9 @@ class InitialParameters:
     def payload_bytes(self) -> tuple[int, str]:
         return self.parts.model.known_manifest.total_bytes, "(see the manifest from Join)"
 
-    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        """θ ← the payload (in the manifest's layout), a fresh outer optimizer.
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
+        """θ ← the payload (in the manifest's layout), a fresh outer optimizer
+        (``largest``: its ‖x‖∞ scanned as it landed, values.py; else computed here).
 
         Raises:
             InvalidPayloadError: non-finite or too large values. StalePushError: another
@@ -87,7 +89,7 @@ class InitialParameters:
         """
         parts = self.parts
         delta = parts.model.known_manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
-        check_values(delta, header.worker_id, parts.config.max_abs_value, parts.model.known_manifest)
+        check_values(delta, header.worker_id, parts.config.max_abs_value, parts.model.known_manifest, largest=largest)
         with parts.locks.apply:
             with parts.locks.books:
                 rec = _admit(parts, header)
@@ -153,8 +155,9 @@ class PseudoGradient:
     def payload_bytes(self) -> tuple[int, str]:
         return self.parts.model.pseudo_gradient_bytes()
 
-    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        """Decode Δ with the run's wire codec (outside the locks), check it, apply it.
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
+        """Decode Δ with the run's wire codec (outside the locks), check it, apply it
+        (``largest``: ‖Δ‖∞ scanned as the raw payload landed, values.py; else computed here).
 
         Returns:
             The outcome: the version after, τ, s(τ), and the push group to wait for.
@@ -165,7 +168,11 @@ class PseudoGradient:
         """
         with self.parts.model.decoded_pseudo_gradient(payload) as delta:  # (N,) fp32, the step's scratch
             largest = check_values(
-                delta, header.worker_id, self.parts.config.max_abs_value, self.parts.model.known_manifest
+                delta,
+                header.worker_id,
+                self.parts.config.max_abs_value,
+                self.parts.model.known_manifest,
+                largest=largest,
             )
             outcome = self._apply_checked(header, payload, delta, largest)
         self.parts.journal.maybe_checkpoint()
@@ -194,9 +201,10 @@ class PseudoGradient:
                 parts.journal.log_push(header, payload, applied)
             self.snapshots.before_apply(version_after - 1)  # pulls meanwhile get θ as it is now
             # the tensor math, books free meanwhile
-            with parts.observer.timed("outer_step"):
-                self._step(delta, applied)
-            snap = self.snapshots.after_apply(version_after)
+            with parts.observer.timed("outer_step"):  # with the next snapshot's copy, fused per block
+                snap = self.snapshots.step_and_encode(
+                    version_after, lambda on_block: self._step(delta, applied, on_block)
+                )
             with parts.locks.books:
                 outcome = self.record(rec, header, tau, weight, applied.num_workers)
                 self.snapshots.publish(snap)
@@ -343,8 +351,13 @@ class PseudoGradient:
         self._step(delta, applied)
         self.record(rec, header, applied.tau, applied.weight, applied.num_workers)
 
-    def _step(self, delta: torch.Tensor, applied: AppliedAs) -> None:
-        """The outer step of one push; the step making version V + 1 is applied at V (η's schedule)."""
+    def _step(self, delta: torch.Tensor, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
+        """The outer step of one push; the step making version V + 1 is applied at V (η's
+        schedule). ``on_block``: called after each block of θ is updated (outer.py)."""
         self.parts.model.optimizer.step(
-            delta, applied.weight, version=applied.version_after - 1, num_workers=applied.num_workers
+            delta,
+            applied.weight,
+            version=applied.version_after - 1,
+            num_workers=applied.num_workers,
+            on_block=on_block,
         )

@@ -19,6 +19,7 @@ with the number of workers pushing at once. So:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 import time
@@ -26,10 +27,10 @@ from collections.abc import Iterator
 
 import torch
 
-from asyncdiloco.errors import ServerBusyError
+from asyncdiloco.errors import InvalidPayloadError, ServerBusyError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.grpc_chunks import chunk_messages, encode_chunk
-from asyncdiloco.wire.tensors import chunk_views, crc32_update
+from asyncdiloco.wire.grpc_chunks import chunk_messages, chunk_prefix
+from asyncdiloco.wire.tensors import chunk_views, crc32_update, num_chunks_for
 
 
 class ReceivePool:
@@ -130,17 +131,92 @@ class Snapshot:
             yield memoryview(msg)[start:]
 
 
+def _new_bytes(nbytes: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``nbytes`` (contents undefined) and a writable view of
+    its contents: CPython's ``PyBytes_FromStringAndSize(NULL, n)``, whose contents the C
+    API lets its creator fill before the object is shared. Only ``SnapshotBuilder``
+    writes through the view, before its ``Snapshot`` exists; gRPC sends ``bytes``
+    without copying them again (a ``bytearray`` would cost one more copy)."""
+    obj = _PyBytes_FromStringAndSize(None, nbytes)
+    if not nbytes:
+        return obj, memoryview(bytearray())
+    address = _PyBytes_AsString(obj)
+    return obj, memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
+_PyBytes_FromStringAndSize.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_PyBytes_FromStringAndSize.restype = ctypes.py_object
+_PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
+_PyBytes_AsString.argtypes = (ctypes.py_object,)
+_PyBytes_AsString.restype = ctypes.c_void_p
+
+
+class SnapshotBuilder:
+    """Builds one ``Snapshot`` from the payload's bytes fed in order, in pieces of any
+    size: each piece is copied into its place in the chunk messages (allocated up front,
+    their headers written) and folded into the CRC-32 while it is still in cache. The
+    outer step feeds each block of θ as soon as it is updated (snapshots.py), so the new
+    θ is read once, from cache, instead of in a second pass over the whole model.
+
+    Args:
+        version: the global version the snapshot is of.
+        total_bytes: payload size in bytes (>= 0).
+        chunk_bytes: payload bytes per chunk message (> 0).
+    Raises:
+        InvalidPayloadError: ``chunk_bytes`` <= 0 (constructor); ``feed`` past
+            ``total_bytes``; ``finish`` before every byte was fed.
+    """
+
+    def __init__(self, version: int, total_bytes: int, chunk_bytes: int) -> None:
+        self.version, self.total_bytes, self.chunk_bytes = version, total_bytes, chunk_bytes
+        if chunk_bytes <= 0:
+            raise InvalidPayloadError(f"chunk_bytes is {chunk_bytes}; it must be > 0")
+        messages, offsets, views = [], [], []
+        for index in range(num_chunks_for(total_bytes, chunk_bytes)):
+            offset = index * chunk_bytes
+            n = min(chunk_bytes, total_bytes - offset)
+            prefix = chunk_prefix(index, offset, n)
+            msg, view = _new_bytes(len(prefix) + n)
+            view[: len(prefix)] = prefix
+            messages.append(msg)
+            offsets.append(len(prefix))
+            views.append(view[len(prefix) :])
+        self._messages, self._offsets, self._views = messages, offsets, views
+        self._filled = 0
+        self._crc = 0
+
+    def feed(self, data: memoryview) -> None:
+        """Copy the payload's next ``len(data)`` bytes (a C-contiguous 'B' buffer) into place."""
+        n = data.nbytes
+        if self._filled + n > self.total_bytes:
+            raise InvalidPayloadError(f"snapshot fed {self._filled + n} bytes; the payload is {self.total_bytes} bytes")
+        pos = 0
+        while pos < n:
+            index, within = divmod(self._filled, self.chunk_bytes)
+            dst = self._views[index]
+            take = min(len(dst) - within, n - pos)
+            dst[within : within + take] = data[pos : pos + take]
+            pos += take
+            self._filled += take
+        self._crc = crc32_update(self._crc, data)
+
+    def finish(self) -> Snapshot:
+        """The snapshot, once every byte was fed."""
+        if self._filled != self.total_bytes:
+            raise InvalidPayloadError(f"snapshot fed {self._filled} of {self.total_bytes} bytes")
+        self._views = []  # no writes after this
+        return Snapshot(self.version, self.total_bytes, self._crc, tuple(self._messages), tuple(self._offsets))
+
+
 def encode_snapshot(version: int, payload: torch.Tensor, chunk_bytes: int) -> Snapshot:
     """Copy a uint8 payload (1-D CPU tensor) into the Pull stream's chunk messages (the
     only copy a pull's bytes make on the server) and take its CRC-32, chunk by chunk
     while each copy is still in cache. Call it while the payload cannot change."""
-    messages, offsets, crc = [], [], 0
-    for index, offset, part in chunk_views(payload, chunk_bytes):
-        msg = encode_chunk(index, offset, part)
-        offsets.append(len(msg) - len(part))
-        messages.append(msg)
-        crc = crc32_update(crc, memoryview(msg)[offsets[-1] :])
-    return Snapshot(version, payload.numel(), crc, tuple(messages), tuple(offsets))
+    builder = SnapshotBuilder(version, payload.numel(), chunk_bytes)
+    for _, _, part in chunk_views(payload, chunk_bytes):
+        builder.feed(part)
+    return builder.finish()
 
 
 class PullSnapshots:
@@ -195,6 +271,15 @@ class PullSnapshots:
         dropped first when that is what makes room."""
         with self._cond:
             return self._make_room_locked()
+
+    def has_spare_room(self) -> bool:
+        """True when one more snapshot fits beside every one alive now (being read, or
+        published), none dropped: a snapshot built while the published one still serves
+        pulls (during an outer step) stays within ``max_snapshots``."""
+        with self._cond:
+            pub = self._published
+            unread = pub is not None and not self._readers.get(pub.version)
+            return self._reading_versions() + unread + 1 <= self.max_snapshots
 
     def wait_for_room(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds until ``has_room``; False if it never came."""

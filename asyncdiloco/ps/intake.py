@@ -29,6 +29,7 @@ from asyncdiloco.ps.counters import Counters
 from asyncdiloco.ps.modes import KNOWN_KINDS, Mode, PushHandler, describe_push
 from asyncdiloco.ps.records import PushOutcome, StateLocks
 from asyncdiloco.ps.registry import WorkerRegistry
+from asyncdiloco.ps.values import ValueScan, largest_magnitude
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import WireChunk
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
@@ -40,17 +41,13 @@ log = logging.getLogger(__name__)
 _NOT_DEDUPLICATED = (pb.PUSH_KIND_ROUND_RESULT,)
 
 
-def largest_magnitude(x: torch.Tensor) -> float:
-    """max |x| of a 1-D float tensor (NaN if any NaN, inf if any ±inf; 0 when empty),
-    in one ``aminmax`` pass."""
-    if not x.numel():
-        return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(x))
-    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
-
-
 def check_values(
-    delta: torch.Tensor, worker_id: int, max_abs_value: float, manifest: Manifest | None = None, what: str = ""
+    delta: torch.Tensor,
+    worker_id: int,
+    max_abs_value: float,
+    manifest: Manifest | None = None,
+    what: str = "",
+    largest: float | None = None,
 ) -> float:
     """Refuse a decoded push (float32 (N,), in the manifest's parameter order) with
     non-finite values or values too large for θ; returns ‖Δ‖∞ (the divergence monitor's
@@ -58,11 +55,14 @@ def check_values(
 
     Args:
         what: names the payload in the refusal (default "payload from worker <id>").
+        largest: ‖Δ‖∞ when it is known already (values.py ``ValueScan``, computed while
+            the chunks landed): then a payload that passes costs no pass here.
     Raises:
         InvalidPayloadError: a NaN or ±inf, or a magnitude over ``max_abs_value``.
     """
     what = what or f"payload from worker {worker_id}"
-    largest = largest_magnitude(delta)  # NaN/Inf propagate
+    if largest is None:
+        largest = largest_magnitude(delta)  # NaN/Inf propagate
     if not math.isfinite(largest):
         bad = ~torch.isfinite(delta)
         first = int(torch.argmax(bad.to(torch.uint8)))  # argmax gives the first maximal index
@@ -222,7 +222,7 @@ class PushIntake:
         if pooled:
             buffer = self.pool.acquire(header.total_bytes, is_active=is_active)  # waits up to 30 s
         try:
-            return PayloadAssembler(
+            assembler = PayloadAssembler(
                 total_bytes=header.total_bytes,
                 num_chunks=header.num_chunks,
                 crc32=header.crc32,
@@ -230,19 +230,36 @@ class PushIntake:
                 max_bytes=self.config.max_payload_bytes,
                 buffer=buffer,
             )
+            if self._float32_payload(header):  # the value check per chunk, as the chunks land
+                assembler.watch = ValueScan(assembler.buffer)
+            return assembler
         except Exception:
             if buffer is not None:
                 self.pool.release(buffer)
             raise
 
-    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+    def _float32_payload(self, header: pb.PushHeader) -> bool:
+        """Whether the payload's bytes are the float32 vector the kind's value check reads
+        (raw fp32 pseudo-gradients and initial parameters; Δ̄ of a round), so that it can
+        be scanned as it lands (values.py)."""
+        model = self.registry.model
+        fp32 = model.manifest is not None and model.manifest.all_float32 and header.total_bytes % 4 == 0
+        if header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
+            return fp32 and model.config.wire_codec == "raw"
+        if header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS:
+            return fp32
+        return header.kind == pb.PUSH_KIND_ROUND_RESULT and header.total_bytes % 4 == 0
+
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """Apply a complete, CRC-checked payload (uint8 (total_bytes,)) with its kind's apply.
 
+        Args:
+            largest: the payload's ‖x‖∞ when it was scanned as it landed (values.py), else None.
         Raises:
             The kind's refusals (apply.py, rounds.py); ``kind_of``'s for a kind this mode
             does not take. In every case θ, momentum, version and the counters are unchanged.
         """
-        return self.kind_of(header).apply(header, payload)
+        return self.kind_of(header).apply(header, payload, largest=largest)
 
     def receive(
         self,
@@ -266,7 +283,9 @@ class PushIntake:
             return started
         try:
             fill(started)
-            return self.apply(header, started.finish())
+            payload = started.finish()  # size and CRC-32 checked
+            scan = started.watch
+            return self.apply(header, payload, scan.largest if isinstance(scan, ValueScan) else None)
         finally:  # the payload is not used after this; a buffer of its own is not the pool's
             self.pool.release(started.buffer)
 

@@ -113,11 +113,15 @@ class GlobalModel:
         finally:
             buffers.give(buffer)
 
+    def pulls_raw_theta(self) -> bool:
+        """True when a pull's payload is θ's own bytes (raw codec, every tensor fp32)."""
+        return self.config.wire_codec == "raw" and self.manifest is not None and self.manifest.all_float32
+
     def pull_payload(self) -> torch.Tensor:
         """θ in the wire layout, uint8: a view of θ for raw fp32 models, else encoded into
         a reused buffer (raw: the manifest's dtypes). ``apply`` lock held."""
         theta = self.theta
-        if self.config.wire_codec == "raw" and self.known_manifest.all_float32:
+        if self.pulls_raw_theta():
             return theta.view(torch.uint8)  # no intermediate copy
         codec = self.wire_codec()
         if self._pack_scratch is None or self._pack_scratch.numel() != codec.wire_bytes:

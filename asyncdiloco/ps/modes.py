@@ -44,8 +44,9 @@ class PushHandler(Protocol):
     def payload_bytes(self) -> tuple[int, str]:
         """(bytes, how they are laid out) the payload must have (books lock held)."""
 
-    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        """Apply (or stage) a complete, CRC-checked payload (uint8 (total_bytes,))."""
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
+        """Apply (or stage) a complete, CRC-checked payload (uint8 (total_bytes,));
+        ``largest``: its ‖x‖∞ when it was scanned as it landed (values.py), else None."""
 
 
 class Mode(Protocol):

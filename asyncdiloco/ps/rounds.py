@@ -68,14 +68,15 @@ class RoundResult:
     def payload_bytes(self) -> tuple[int, str]:
         return self.mode.model.known_manifest.numel * 4, "(see the manifest from Join)"  # float32 Δ̄, any dtypes
 
-    def apply(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
-        """Stage Δ̄ (the payload viewed as float32 (N,)) for the quorum's vote.
+    def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
+        """Stage Δ̄ (the payload viewed as float32 (N,)) for the quorum's vote (``largest``:
+        ‖Δ̄‖∞ scanned as it landed, values.py).
 
         Raises:
             InvalidPayloadError: wrong size or non-finite values. UnknownWorkerError.
             RoundRefusedError: not the round in flight, or not its rank 0.
         """
-        return self.mode.stage_result(header, payload)
+        return self.mode.stage_result(header, payload, largest)
 
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged committed round (start-up replay; both locks held): Δ̄ float32
@@ -141,7 +142,7 @@ class SyncMode:
         self.rounds.notify()
 
     # ------------------------------------------------------------ the round
-    def stage_result(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
+    def stage_result(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """Keep rank 0's Δ̄ (uint8 payload of float32 (N,)) for the vote, after the checks
         an async pseudo-gradient passes: finite, and |Δ̄| ≤ ``max_abs_value``.
 
@@ -160,6 +161,7 @@ class SyncMode:
             self.config.max_abs_value,
             self.model.known_manifest,
             what=f"the round result of quorum {header.quorum_id}",
+            largest=largest,
         )
         with self.locks.books:
             self.registry.touch(header.worker_id, header.session_id)

@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from asyncdiloco.algo.outer import BlockHook
 from asyncdiloco.errors import NotInitializedError
-from asyncdiloco.ps.buffers import PullSnapshots, PullSource, Snapshot, encode_snapshot
+from asyncdiloco.ps.buffers import PullSnapshots, PullSource, Snapshot, SnapshotBuilder, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.model import GlobalModel
 from asyncdiloco.ps.modes import Mode
@@ -133,6 +134,36 @@ class Snapshots:
             return
         if self.slots.has_room():
             self.slots.publish(self.encode(version), keep_wanted=True)
+
+    def step_and_encode(self, version: int, step: Callable[[BlockHook | None], None]) -> Snapshot | None:
+        """Run an outer step that makes ``version`` (``apply`` lock held) and build that
+        version's snapshot in the same pass where it can: ``step(on_block)`` is called
+        with a hook that copies each block of the new θ into the snapshot's chunk
+        messages while the block is still in cache (outer.py ``on_block``; buffers.py
+        ``SnapshotBuilder``), instead of a second pass over θ after the step. Fused when
+        pulls are coming, θ travels raw (the wire payload is θ's own bytes) and a slot is
+        free beside the published snapshot (which serves the pulls during the step);
+        otherwise ``step(None)`` then ``after_apply``. Publish the result with ``publish``."""
+        theta = self.model.params
+        fused = (
+            theta is not None
+            and theta.device.type == "cpu"
+            and self.model.pulls_raw_theta()
+            and self.slots.wanted
+            and self.slots.has_spare_room()
+        )
+        if not fused:
+            step(None)
+            return self.after_apply(version)
+        assert theta is not None
+        builder = SnapshotBuilder(version, theta.numel() * 4, self.config.chunk_bytes)
+        raw = theta.view(torch.uint8).numpy().data  # θ's bytes, no copy
+
+        def on_block(start: int, end: int) -> None:
+            builder.feed(raw[start * 4 : end * 4])
+
+        step(on_block)
+        return builder.finish()
 
     def after_apply(self, version: int) -> Snapshot | None:
         """The snapshot of the version an apply just made (``apply`` lock held), when pulls

@@ -61,6 +61,20 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def chunk_prefix(index: int, offset: int, nbytes: int) -> bytes:
+    """The bytes of ``PushMessage(chunk=PayloadChunk(index, offset, data))`` (equally a
+    ``PullMessage``) that come before ``data`` when ``data`` is ``nbytes`` long: the
+    message is ``chunk_prefix(...) + data``, byte-identical to the generated code."""
+    head = bytearray()
+    if index:
+        head += b"\x08" + _varint(index)
+    if offset:
+        head += b"\x10" + _varint(offset)
+    if nbytes:
+        head += b"\x1a" + _varint(nbytes)
+    return b"\x12" + _varint(len(head) + nbytes) + bytes(head)
+
+
 def encode_chunk(index: int, offset: int, data: memoryview) -> bytes:
     """Serialise ``PushMessage(chunk=PayloadChunk(index, offset, data))`` (equally a
     ``PullMessage``), byte-identical to the generated code, copying ``data`` once.
@@ -71,14 +85,7 @@ def encode_chunk(index: int, offset: int, data: memoryview) -> bytes:
             ``memoryview``).
     """
     n = data.nbytes
-    head = bytearray()
-    if index:
-        head += b"\x08" + _varint(index)
-    if offset:
-        head += b"\x10" + _varint(offset)
-    if n:
-        head += b"\x1a" + _varint(n)
-    prefix = b"\x12" + _varint(len(head) + n) + bytes(head)
+    prefix = chunk_prefix(index, offset, n)
     return b"".join((prefix, data)) if n else prefix
 
 

@@ -382,6 +382,10 @@ class PayloadAssembler:
             raise InvalidPayloadError(f"buffer has {buffer.numel()} {buffer.dtype} elements; need {total_bytes} uint8")
         self._buffer = buffer
         self._np = buffer.numpy()
+        #: Optional ``(start, end) -> None``, called after bytes [start, end) of the buffer
+        #: were filled, in order, while they are still in cache (the server's value scan:
+        #: ps/values.py). Whatever it raises ends the fill.
+        self.watch: Callable[[int, int], None] | None = None
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -415,6 +419,8 @@ class PayloadAssembler:
             )
         self._np[self._filled : self._filled + n] = memoryview(chunk.data)
         self._crc = crc32_update(self._crc, chunk.data)
+        if self.watch is not None:
+            self.watch(self._filled, self._filled + n)
         self._filled += n
         self._next_index += 1
 
@@ -447,6 +453,8 @@ class PayloadAssembler:
                     )
                 pos += n
             self._crc = _crc32(view[self._filled : end], self._crc)
+            if self.watch is not None:
+                self.watch(self._filled, end)
             self._filled = end
         self._next_index = self.num_chunks
 

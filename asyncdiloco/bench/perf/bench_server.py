@@ -1,16 +1,18 @@
 """The parameter server's own costs, each against a baseline in the same run.
 
 - ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
-  ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.2).
+  ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.1).
 - ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
-  momentum) bytes (target ≤ 2.0); once with pushes only, once with each worker pulling
+  momentum) bytes (target ≤ 1.8 from 64 MiB); once with pushes only, once with each worker pulling
   right after its push, as workers do. Growth = peak VmHWM during the pushes − RSS of
   the idle server process before the model arrived. By design the server holds θ, m,
   the receive budget (at least one payload) and up to --pull-snapshots encoded versions.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
-  (2 processes × 8 threads) (target ≥ 200).
+  (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
+  ≥ 500 over the bulk channel). Targets: targets.py.
 
     python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
+        [--only push_rate --address HOST:PORT]   (a server started by hand, e.g. under py-spy)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from asyncdiloco.bench.perf._harness import (
     rss_bytes,
     server_process,
 )
+from asyncdiloco.bench.perf.targets import OUTER_STEP, PEAK_RSS, PUSH_RATE, target_for
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -72,7 +75,7 @@ def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt
     counts = []
 
     def run(k: int) -> None:
-        client, wid = _join_and_init(address, manifest, f"pusher-{k}")
+        client, wid = _join_and_init(address, manifest, f"pusher-{os.getpid()}-{k}")  # one name per worker
         start_evt.wait()
         deadline = time.monotonic() + seconds
         n, push_id, version = 0, 2, client.status().version
@@ -108,28 +111,39 @@ def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
     return pushes / (time.perf_counter() - t0)
 
 
-def bench_push_rate(numel: int, procs: int, threads: int, seconds: float, bulk: bool = False) -> dict:
+def bench_push_rate(
+    numel: int, procs: int, threads: int, seconds: float, bulk: bool = False, address: str | None = None
+) -> dict:
+    """Pushes applied per second by ``procs`` × ``threads`` workers pushing for ``seconds``,
+    against a server started here, or against ``address`` (a server started by hand,
+    e.g. under a profiler; its flags then decide the path)."""
+    # --grouping off: the rate of the server itself, replies not held for push groups (schedule.py)
+    flags: tuple[str, ...] = ("--outer-optimizer", "nesterov", "--max-staleness", "1000", "--grouping", "off")
+    flags += ("--bulk-port", "0") if bulk else ()
+    if address is not None:
+        return _push_rate_at(address, numel, procs, threads, seconds, bulk)
+    with server_process(*flags) as (_, started):
+        return _push_rate_at(started, numel, procs, threads, seconds, bulk)
+
+
+def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: float, bulk: bool) -> dict:
     ctx = mp.get_context("spawn")
-    flags = ("--outer-optimizer", "nesterov", "--max-staleness", "1000", *(("--bulk-port", "0") if bulk else ()))
-    with server_process(*flags) as (_, address):
-        manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
-        client, _ = _join_and_init(address, manifest, "init")
-        start_evt, q = ctx.Event(), ctx.Queue()
-        ps = [
-            ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)
-        ]
-        for p in ps:
-            p.start()
-        time.sleep(5.0)  # let every client join (spawned interpreters import torch)
-        v0 = client.status().version
-        t0 = time.monotonic()
-        start_evt.set()
-        applied = sum(q.get(timeout=seconds + 120) for _ in ps)
-        wall = time.monotonic() - t0
-        v1 = client.status().version
-        for p in ps:
-            p.join(timeout=30)
-        client.close()
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
+    client, _ = _join_and_init(address, manifest, f"init-{os.getpid()}")
+    start_evt, q = ctx.Event(), ctx.Queue()
+    ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    time.sleep(5.0)  # let every client join (spawned interpreters import torch)
+    v0 = client.status().version
+    t0 = time.monotonic()
+    start_evt.set()
+    applied = sum(q.get(timeout=seconds + 120) for _ in ps)
+    wall = time.monotonic() - t0
+    v1 = client.status().version
+    for p in ps:
+        p.join(timeout=30)
+    client.close()
     return {
         "path": "bulk-tcp" if bulk else "grpc-stream",
         "pushes_applied": applied,
@@ -199,6 +213,10 @@ def main() -> None:
     p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
     p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
     p.add_argument("--out", help="also append the JSON lines to this file")
+    p.add_argument(
+        "--address",
+        help="push_rate against this running server (HOST:PORT; e.g. one under a profiler), gRPC path only",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # as the server runs
     keep_large_blocks()
@@ -209,9 +227,9 @@ def main() -> None:
             emit(
                 {
                     "bench": "server",
-                    "measure": "outer step / fused torch SGD(nesterov)",
+                    "measure": OUTER_STEP,
                     "model_mib": n / MIB,
-                    "target": 1.2,
+                    "target": target_for(OUTER_STEP),
                     **r,
                 },
                 args.out,
@@ -224,17 +242,19 @@ def main() -> None:
                 emit(
                     {
                         "bench": "server",
-                        "measure": "peak RSS growth / (params + momentum), 8 pushers",
+                        "measure": PEAK_RSS,
                         "model_mib": n / MIB,
-                        "target": 2.0,
+                        "target": target_for(PEAK_RSS, model_mib=n / MIB),
                         **r,
                     },
                     args.out,
                 )
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
-        for bulk in (False, True):
-            r = bench_push_rate(1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk)
+        for bulk in (False,) if args.address else (False, True):
+            r = bench_push_rate(
+                1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk, address=args.address
+            )
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
                 f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
@@ -242,9 +262,9 @@ def main() -> None:
             emit(
                 {
                     "bench": "server",
-                    "measure": "pushes applied per second, 1M params, 16 workers",
+                    "measure": PUSH_RATE,
                     "model_mib": 4e6 / MIB,
-                    "target": 200,
+                    "target": target_for(PUSH_RATE, "bulk-tcp" if bulk else "grpc-stream"),
                     "in_process_pushes_per_s": alone,
                     "note": note,
                     **r,

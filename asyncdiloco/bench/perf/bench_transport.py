@@ -17,7 +17,7 @@ into place, CRC-32 on both sides, validation, the outer step, the snapshot's enc
 
     python -m asyncdiloco.bench.perf.bench_transport [--sizes 4,64,256] [--repeats 3] [--paths grpc,bulk] [--out FILE]
 
-Targets (issue 6): ratio ≥ 0.45 with gRPC alone, ≥ 0.8 with the bulk channel, 256 MiB model.
+Targets (issue 16; targets.py): ratio ≥ 0.6 with gRPC alone, ≥ 0.9 with the bulk channel.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from asyncdiloco._malloc import keep_large_blocks
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.bench.perf._harness import MIB, emit, median, median_seconds, parse_sizes, server_process
+from asyncdiloco.bench.perf.targets import TRANSPORT, target_for
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -192,7 +193,7 @@ def main() -> None:
             push_pull_bytes_per_s = 2 * n / (g["push_s"] + g["pull_s"])
             record = {
                 "bench": "transport",
-                "measure": "push+pull throughput / raw TCP loopback throughput",
+                "measure": TRANSPORT,
                 "path": "bulk-tcp" if bulk else "grpc-stream",
                 "model_mib": n / MIB,
                 "chunk_bytes": args.chunk_bytes,
@@ -202,7 +203,7 @@ def main() -> None:
                 "push_pull_gb_s": push_pull_bytes_per_s / 1e9,
                 "ratio": g["ratio"],
                 "ratio_per_round": g["ratios"],
-                "target": 0.8 if bulk else 0.45,
+                "target": target_for(TRANSPORT, "bulk-tcp" if bulk else "grpc-stream"),
                 "repeats": args.repeats,
                 # the same bytes without the server's work (retried push + unchanged pull)
                 "transfer_only_ratio": 2 * n / (g["retry_s"] + g["cached_pull_s"]) / raw,

@@ -16,16 +16,12 @@ import subprocess
 import sys
 import time
 
+from asyncdiloco.bench.perf.targets import SIGNS
+
 SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap")
 
-#: measure -> (how to read it, whether larger is better)
-_TARGETS = {
-    "push+pull throughput / raw TCP loopback throughput": ("≥", True),
-    "outer step / fused torch SGD(nesterov)": ("≤", False),
-    "peak RSS growth / (params + momentum), 8 pushers": ("≤", False),
-    "pushes applied per second, 1M params, 16 workers": ("≥", True),
-    "worker blocked on communication / worker wall time": ("≤", False),
-}
+#: measure -> (how to read it, whether larger is better); the targets: targets.py
+_TARGETS = SIGNS
 
 
 def _value(rec: dict) -> float:
@@ -58,7 +54,7 @@ def summarize(records: list[dict]) -> str:
         v = _value(r)
         note = r.get("note", "")
         head = f"| {r['measure']} | {_variant(r)} | {r['model_mib']:.0f} MiB | {v:.3g}"
-        if "target" not in r:  # a baseline row (overlap off, the codecs): measured, no target
+        if r.get("target") is None:  # a baseline row (overlap off, the codecs, small models): no target
             lines.append(f"{head} | — | — | {note} |")
             continue
         met = v >= r["target"] if larger else v <= r["target"]
