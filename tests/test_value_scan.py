@@ -118,3 +118,15 @@ def test_bulk_fill_calls_watch_per_slice():
     assert ranges == [(s, min(40_000, s + 10_000)) for s in range(0, 40_000, 10_000)]
     assert scan.largest == 9.0
     assert torch.equal(asm.finish(), payload)
+
+
+def test_non_finite_initial_parameters_are_refused_with_advice_about_the_model_not_the_learning_rate():
+    state = ParameterServerState(ServerConfig(port=0, chunk_bytes=4096))
+    wid, _, _ = state.join(MANIFEST, "w")
+    bad = torch.zeros(NUMEL)
+    bad[7] = float("nan")
+    with pytest.raises(InvalidPayloadError) as refused:
+        state.push(MANIFEST.pack([bad]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    message = str(refused.value)
+    assert "the initial parameters from worker" in message and "check its initialization" in message
+    assert "learning rate" not in message and not state.initialized

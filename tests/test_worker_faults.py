@@ -291,6 +291,63 @@ def test_one_nan_weight_before_a_sync_point_is_dropped_the_global_model_pulled_a
     assert_accounted(srv, model, worker)
 
 
+def _stateful(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.1)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _nan_gradient_step(model: Weights, opt: torch.optim.Optimizer) -> None:
+    (-model.w.sum()).backward()
+    model.w.grad[0] = float("nan")  # one NaN gradient: the optimizer's state takes it in
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd_momentum"])
+def test_one_nan_gradient_into_a_stateful_inner_optimizer_is_dropped_once_and_training_goes_on(server, overlap, kind):
+    """A NaN gradient also enters AdamW's moments / SGD's momentum buffer. Before the fix
+    only the model was restarted, so every later Δ was NaN again: five drops, then a raise."""
+    srv = server()
+    model = Weights()
+    opt = _stateful(kind, model)
+    worker = AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, worker_name="w", overlap=overlap))
+    with worker:
+        model.step(opt)
+        _nan_gradient_step(model, opt)  # sync point: Δ is not finite, dropped
+        settle(worker)
+        assert worker.stats.drops == {"non_finite": 1} and worker.stats.optimizer_states_cleared == 1
+        for _ in range(8):  # more rounds than max_dropped_in_a_row: all applied
+            model.step(opt, H)
+            settle(worker)
+        assert worker.stats.drops == {"non_finite": 1}
+        assert worker.stats.pushes_applied >= 6 and torch.isfinite(srv.state.params).all()
+        for value in opt.state[model.w].values():
+            assert not isinstance(value, torch.Tensor) or torch.isfinite(value).all()
+
+
+def test_a_sync_member_with_one_nan_gradient_into_adamw_skips_one_round_only(start_server):
+    srv = start_server(
+        mode="sync",
+        outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
+        local_steps=H,
+        lease_s=30.0,
+        sync=SyncConfig(min_workers=1, join_timeout_s=1.0, round_timeout_s=20.0),
+    )
+    model = Weights()
+    opt = _stateful("adamw", model)
+    cfg = WorkerConfig(server=srv.address, max_dropped_in_a_row=2)
+    worker = SyncDiLoCoWorker(model, opt, cfg, sync=SyncWorkerConfig(quorum_timeout_s=5.0, allreduce_timeout_s=5.0))
+    with worker:
+        model.step(opt)
+        _nan_gradient_step(model, opt)  # round 1: skipped
+        for _ in range(4):
+            model.step(opt, H)
+        assert [r["committed"] for r in worker.stats.rounds] == [False, True, True, True, True]
+        assert worker.stats.non_finite_rounds == 1 and torch.isfinite(srv.state.params).all()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
 def test_a_push_the_server_refuses_as_out_of_range_is_dropped_and_later_pushes_are_applied(server, overlap):
     """A finite weight of 1e12 (over --max-abs-value): INVALID_ARGUMENT from the server,

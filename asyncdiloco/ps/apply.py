@@ -89,7 +89,16 @@ class InitialParameters:
         """
         parts = self.parts
         delta = parts.model.known_manifest.unpack_flat(payload)  # (N,) float32, a view when all fp32
-        check_values(delta, header.worker_id, parts.config.max_abs_value, parts.model.known_manifest, largest=largest)
+        check_values(
+            delta,
+            header.worker_id,
+            parts.config.max_abs_value,
+            parts.model.known_manifest,
+            what=f"the initial parameters from worker {header.worker_id}",
+            largest=largest,
+            fix="the model this worker started from holds them: check its initialization or the checkpoint "
+            "it was loaded from",
+        )
         with parts.locks.apply:
             with parts.locks.books:
                 rec = _admit(parts, header)

@@ -48,6 +48,7 @@ def check_values(
     manifest: Manifest | None = None,
     what: str = "",
     largest: float | None = None,
+    fix: str = "lower the inner learning rate or clip gradients",
 ) -> float:
     """Refuse a decoded push (float32 (N,), in the manifest's parameter order) with
     non-finite values or values too large for θ; returns ‖Δ‖∞ (the divergence monitor's
@@ -68,15 +69,14 @@ def check_values(
         first = int(torch.argmax(bad.to(torch.uint8)))  # argmax gives the first maximal index
         raise InvalidPayloadError(
             f"{what} holds {int(bad.sum())} non-finite values (NaN/Inf), the first at "
-            f"{element_name(manifest, first)}; the limit is 0: lower the inner learning rate or clip gradients"
+            f"{element_name(manifest, first)}; the limit is 0: {fix}"
         )
     if largest > max_abs_value:
         first = int(torch.argmax((delta.abs() > max_abs_value).to(torch.uint8)))
         raise InvalidPayloadError(
             f"{what} holds a value of magnitude {largest:.3g} (the first over the limit at "
             f"{element_name(manifest, first)}), over max_abs_value={max_abs_value:g} (it would overflow the "
-            f"global model); the worker diverged: lower its inner learning rate, or raise --max-abs-value for a "
-            f"model on that scale"
+            f"global model); {fix}, or raise --max-abs-value for a model on that scale"
         )
     return largest
 

@@ -141,6 +141,9 @@ class WorkerStats:
     #: ``not_resumed`` (a rejoin the server did not resume: an unacknowledged push's
     #: outcome is unknown).
     drops: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Parameters whose inner-optimizer state held NaN/Inf after a non-finite Δ and was
+    #: cleared (``WorkerBase._reset_diverged_optimizer_state``).
+    optimizer_states_cleared: int = 0
     sync_failures: int = 0
     #: Pushes and pulls whose payload arrived corrupted and were sent again (client.py).
     corrupted_transfers: int = 0
@@ -217,7 +220,10 @@ NOT_RESUMED = "not_resumed"
 
 #: What the user can change when every push is dropped, by drop reason.
 _FIXES = {
-    NON_FINITE: "the local model diverges: lower the inner learning rate (--inner-lr) or clip the gradients",
+    NON_FINITE: (
+        "the local model diverges every round: check the data and the loss for NaN/Inf, lower the inner "
+        "learning rate (--inner-lr) or clip the gradients"
+    ),
     "invalid_payload": (
         "the server refuses its values (not finite, or over --max-abs-value): lower the inner learning rate "
         "(--inner-lr) or clip the gradients"
@@ -689,6 +695,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         self.flat.load(self._base)
         self._start_round()
         stats = self.stats
+        if reason == NON_FINITE:
+            stats.optimizer_states_cleared += self._reset_diverged_optimizer_state()
         stats.pseudo_gradients_dropped += 1
         stats.steps_dropped += steps
         stats.tokens_dropped += tokens

@@ -364,6 +364,33 @@ class WorkerBase(GroupMember):
         """Drop what was meant for the old registration (subclasses that keep some)."""
 
     # ------------------------------------------------------------ dropped pushes
+    def _reset_diverged_optimizer_state(self) -> int:
+        """After a non-finite pseudo-gradient: clear the inner optimizer's per-parameter
+        state (AdamW's moments and step, SGD's momentum buffer) of every parameter whose
+        state holds a NaN or ±Inf. One NaN gradient is enough to poison it, and restarting
+        the model from the global one would not help: every later step would make θ_local
+        NaN again. A cleared state starts afresh at the next step, as for a new
+        parameter (``torch.optim.Optimizer`` creates it lazily).
+
+        Returns:
+            How many parameters' states were cleared.
+        """
+        cleared = 0
+        state = self.inner_optimizer.state
+        for param in list(state.keys()):
+            values = [v for v in state[param].values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            if any(not bool(torch.isfinite(v).all()) for v in values):
+                state[param] = {}
+                cleared += 1
+        if cleared:
+            log.warning(
+                "worker %d: the inner optimizer's state of %d parameter(s) held NaN/Inf (e.g. from one NaN "
+                "gradient); cleared, they start afresh at the next step",
+                self.worker_id,
+                cleared,
+            )
+        return cleared
+
     def _note_drop(self, error: type[AsyncDiLoCoError], what: str, fix: str) -> None:
         """One more pseudo-gradient dropped in a row: ``what`` happened to it (a refusal
         of class ``error``, or a local check), and ``fix`` is what the user can change."""

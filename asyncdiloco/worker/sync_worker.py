@@ -287,6 +287,7 @@ class SyncDiLoCoWorker(WorkerBase):
             self._note_applied()
             return
         self.stats.non_finite_rounds += 1
+        self._reset_diverged_optimizer_state()
         self._note_drop(
             InvalidPayloadError,
             f"its pseudo-gradient of {steps} inner steps in quorum {q.quorum_id} was not finite (NaN/Inf)",
