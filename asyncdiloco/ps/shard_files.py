@@ -57,8 +57,14 @@ def check_shard_identity(folder: str | Path, shard_index: int, shard_count: int)
             f"checkpoint folder {str(folder)!r} holds shard {had_index} of {had_count}, not shard {shard_index}; "
             f"give each shard its own folder (--shard-index {had_index} for this one)"
         )
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"shard_index": shard_index, "shard_count": shard_count}) + "\n")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"shard_index": shard_index, "shard_count": shard_count}) + "\n")
+    except OSError as exc:
+        raise CheckpointError(
+            f"checkpoint dir {folder} cannot be created ({exc.strerror}); give a folder path this process "
+            f"may create and write"
+        ) from None
 
 
 def check_root(root: str | Path, shard_count: int) -> None:
