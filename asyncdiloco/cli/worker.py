@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     keep_large_blocks()
     began: list[float] = []  # when training began (wall clock), once it has
+    marks: dict[str, float] = {}  # join_started / train_ended, wall clock
     ordered = False
     try:
         stats = train.run_worker(
@@ -224,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
             train_log=cfg.train_log,
             device=group.device if group is not None else cfg.device,
             on_start=lambda: began.append(time.time()),
+            on_join=lambda: marks.setdefault("join_started_unix_s", time.time()),
+            on_end=lambda: marks.setdefault("train_ended_unix_s", time.time()),
             stop=stop,
             wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
         )
@@ -235,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         return 0  # rank 0 writes the group's stats file and final line
     if args.stats_file:
         with open(args.stats_file, "w") as f:
-            json.dump(_summary(args, stats, cfg.worker.worker_name, began), f)
+            json.dump(_summary(args, stats, cfg.worker.worker_name, began) | marks, f)
     print(_final_line(cfg.worker.worker_name, stats), flush=True)
     return 0
 

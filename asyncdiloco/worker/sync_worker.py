@@ -315,6 +315,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 "allreduce_s": round(allreduce_s, 4),
                 "commit_wait_s": round(commit_wait_s, 4),
                 "end_s": time.monotonic(),
+                "end_unix_s": time.time(),
                 "checksum": self.checksum(),
                 "reason": decision.reason,
             }
