@@ -19,7 +19,7 @@ lighthouse. It measures what torchft's replicas measure (peer_torchft.py), the s
   join, the first round decided everywhere, the last inner step, the workers exited
   and the final evaluation done (docs/performance.md, "Sync mode end to end").
 
-    python -m asyncdiloco.bench.peer_sync --replicas 4 --steps 160 --local-steps 20 --out DIR
+    python -m asyncdiloco.bench.peer_sync --replicas 4 --steps 160 --local-steps 20 --out DIR [--with-torchft]
 """
 
 from __future__ import annotations
@@ -187,16 +187,71 @@ def summarize(results: list[dict], command_wall_s: float, loss: float, tokens: i
     }
 
 
+def run_row(*, replicas: int, steps: int, local_steps: int, out_dir: str, job: JobConfig) -> list[dict]:
+    """Ours, then torchft's DiLoCo when it is installed, on the same job, one after the
+    other in this call: one result dict each (``run_ours``'s and ``run_peer``'s keys).
+
+    Raises:
+        RuntimeError: either run failed (its logs are named).
+    """
+    from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
+
+    out = pathlib.Path(out_dir)
+    rows = [run_ours(replicas=replicas, steps=steps, local_steps=local_steps, out_dir=str(out / "ours"), job=job)]
+    if torchft_available():
+        rows.append(
+            run_peer(
+                replicas=replicas,
+                steps=steps,
+                local_steps=local_steps,
+                out_dir=str(out / "torchft"),
+                n_layer=job.n_layer,
+                n_embd=job.n_embd,
+                context_len=job.context_len,
+                batch_size=job.batch_size,
+                seed=job.seed,
+            )
+        )
+    return rows
+
+
+def row_table(rows: list[dict]) -> str:
+    """The peer row as a markdown table: one line per side, and ours ÷ torchft's."""
+    head = (
+        "| run | final loss | median round (s) | outer steps | training wall (s) | whole command (s) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['peer']} | {r['final_eval_loss']:.3f} | {r['median_round_s'] or float('nan'):.3f} | "
+        f"{r['outer_steps']} | {r['training_wall_s']:.2f} | {r['command_wall_s']:.1f} |\n"
+        for r in rows
+    ]
+    if len(rows) == 2:
+        ours, theirs = rows
+        lines.append(
+            f"| ours ÷ torchft | | {(ours['median_round_s'] or 0) / (theirs['median_round_s'] or 1):.2f} | | "
+            f"{ours['training_wall_s'] / theirs['training_wall_s']:.2f} | "
+            f"{ours['command_wall_s'] / theirs['command_wall_s']:.2f} |\n"
+        )
+    return head + "".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=160, help="inner steps per replica")
     p.add_argument("--local-steps", type=int, default=20)
     p.add_argument("--out", default="peer-sync-out")
+    p.add_argument("--with-torchft", action="store_true", help="also run torchft's DiLoCo (when installed)")
     args = p.parse_args()
     job = JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
-    r = run_ours(replicas=args.replicas, steps=args.steps, local_steps=args.local_steps, out_dir=args.out, job=job)
-    print(json.dumps(r))
+    kw = {"replicas": args.replicas, "steps": args.steps, "local_steps": args.local_steps, "job": job}
+    if args.with_torchft:
+        rows = run_row(out_dir=args.out, **kw)
+        pathlib.Path(args.out, "peer_row.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print(row_table(rows))
+        return
+    print(json.dumps(run_ours(out_dir=args.out, **kw)))
 
 
 if __name__ == "__main__":
