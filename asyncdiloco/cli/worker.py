@@ -225,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
             train_log=cfg.train_log,
             device=group.device if group is not None else cfg.device,
             on_start=lambda: began.append(time.time()),
-            on_join=lambda: marks.setdefault("join_started_unix_s", time.time()),
-            on_end=lambda: marks.setdefault("train_ended_unix_s", time.time()),
+            on_join=lambda: _mark(marks, "join_started_unix_s"),
+            on_end=lambda: _mark(marks, "train_ended_unix_s"),
             stop=stop,
             wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
         )
@@ -241,6 +241,11 @@ def run(args: argparse.Namespace) -> int:
             json.dump(_summary(args, stats, cfg.worker.worker_name, began) | marks, f)
     print(_final_line(cfg.worker.worker_name, stats), flush=True)
     return 0
+
+
+def _mark(marks: dict[str, float], name: str) -> None:
+    """The wall-clock time of ``name`` in the stats file (the first time only)."""
+    marks.setdefault(name, time.time())
 
 
 def _on_sigterm(stop: threading.Event, in_group: bool = False) -> Callable[..., None]:
