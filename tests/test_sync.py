@@ -188,28 +188,33 @@ def test_a_worker_joining_at_round_k_heals_and_matches_the_others_from_round_k_p
     a, b = new_worker(srv), new_worker(srv)
     a.join()
     b.join()
-    finished = threading.Event()
+    joiner_done = threading.Event()
     quorum = srv.state.quorum
     late: list[SyncDiLoCoWorker] = []
 
     def first_two(w, i):
+        # H·R steps, and on until the joiner is done: however long its join and heal
+        # take, the first two are still there for it to share rounds with
         train(w, i, steps=H * R)
+        train(w, i, until=joiner_done.is_set)
         w.close()
 
+    def committed(w) -> int:
+        return sum(r["committed"] for r in w.stats.rounds)
+
     def joiner():
-        with quorum._cond:  # an event, not a sleep: wake when round K is committed
-            assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=STUCK_S)
-        c = new_worker(srv)
-        late.append(c)
-        with c:
-            assert c.round >= K
-            train(c, 2, until=finished.is_set)
+        try:
+            with quorum._cond:  # an event, not a sleep: wake when round K is committed
+                assert quorum._cond.wait_for(lambda: quorum.round >= K, timeout=STUCK_S)
+            c = new_worker(srv)
+            late.append(c)
+            with c:
+                assert c.round >= K
+                train(c, 2, steps=4 * H * R, until=lambda: committed(c) >= 3)
+        finally:
+            joiner_done.set()
 
-    def both_then_finish():
-        run_threads([lambda: first_two(a, 0), lambda: first_two(b, 1)])
-        finished.set()
-
-    run_threads([both_then_finish, joiner])
+    run_threads([lambda: first_two(a, 0), lambda: first_two(b, 1), joiner])
     (c,) = late
     joined_at = c.stats.rounds[0]["round"] - 1 if c.stats.rounds else None
     assert joined_at is not None and joined_at >= K

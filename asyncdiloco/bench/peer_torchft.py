@@ -65,6 +65,7 @@ def _replica(args: argparse.Namespace) -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, args.replica_index)
+    join_started = time.time()  # as our workers' join_started_unix_s: model and data built (peer_sync.py)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
     manager = Manager(
@@ -97,11 +98,14 @@ def _replica(args: argparse.Namespace) -> None:
                     sync_times.append(now - last)
                 last = now
     wall = time.monotonic() - started
+    train_ended = time.time()
     loss = evaluate(model, job.eval_set(corpus))
     out = {
         "replica": args.replica_index,
         "steps": args.steps,
         "wall_s": wall,
+        "join_started_unix_s": join_started,
+        "train_ended_unix_s": train_ended,
         "round_s": sync_times,
         "final_eval_loss": loss,
         "outer_steps": manager.current_step(),
@@ -123,8 +127,12 @@ def run_peer(
     batch_size: int = 16,
     timeout_s: float = 600,
 ) -> dict:
-    """Run torchft DiLoCo with ``replicas`` replica groups; returns median round time and
-    the replicas' final held-out loss. Raises RuntimeError when torchft is missing or a
+    """Run torchft DiLoCo with ``replicas`` replica groups; returns median round time, the
+    replicas' final held-out loss, ``wall_s`` (the slowest replica's own training time,
+    from entering DiLoCo), ``training_wall_s`` (the first replica's join, i.e. its manager
+    being built, to the last replica's last inner step, on the wall clock: measured as
+    peer_sync.py measures ours) and ``command_wall_s`` (lighthouse start to every replica
+    reaped), seconds. Raises RuntimeError when torchft is missing or a
     replica fails."""
     if not torchft_available():
         raise RuntimeError("torchft is not installed: pip install torchft==0.2.0 (after torch)")
@@ -132,6 +140,7 @@ def run_peer(
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    command_started = time.monotonic()
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=replicas, join_timeout_ms=5000, quorum_tick_ms=100)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
@@ -175,6 +184,7 @@ def run_peer(
                 p.kill()
                 p.wait()
         lighthouse.shutdown()
+    command_wall_s = time.monotonic() - command_started
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(
             f"a torchft replica failed (exit codes {[p.returncode for p in procs]}); see {out}/replica-*.log"
@@ -189,6 +199,10 @@ def run_peer(
         "median_round_s": rounds[len(rounds) // 2] if rounds else None,
         "final_eval_loss": sum(r["final_eval_loss"] for r in results) / len(results),
         "wall_s": max(r["wall_s"] for r in results),
+        # as peer_sync.py's: the first replica's join to the last one's last inner step; and the whole run
+        "training_wall_s": max(r["train_ended_unix_s"] for r in results)
+        - min(r["join_started_unix_s"] for r in results),
+        "command_wall_s": command_wall_s,
         "outer_steps": min(r["outer_steps"] for r in results),
     }
 

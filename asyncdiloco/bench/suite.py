@@ -161,37 +161,41 @@ def write_outputs(records: list[dict], cfg: SuiteConfig, out: pathlib.Path, cloc
 
 
 def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
-    """The torchft row (https://github.com/pytorch/torchft): its synchronous DiLoCo on the same model, data order,
-    H and token budget, 4 replicas at full speed; or why it was skipped."""
-    from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
+    """The peer row: our ``--mode sync`` (bench/peer_sync.py: a server and 4 CLI workers)
+    and torchft's synchronous DiLoCo (https://github.com/pytorch/torchft) on the same
+    model, data order, H and token budget, 4 replicas at full speed, one after the other
+    in this run, each with its training wall and whole-command wall measured the same way;
+    torchft's line is left out, saying why, when it is not installed."""
+    from asyncdiloco.bench.peer_sync import row_table, run_row
+    from asyncdiloco.bench.peer_torchft import torchft_available
 
-    head = "## Peer: torchft synchronous DiLoCo (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
-    if not torchft_available():
-        return head + (
-            "torchft is not installed, so this row was skipped: `pip install 'asyncdiloco[peer]'` "
-            "(after torch) adds it.\n"
-        )
+    head = (
+        "## Peer: synchronous DiLoCo, ours and torchft's (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
+    )
     if progress:
-        print("peer: torchft DiLoCo", flush=True)
+        print("peer: --mode sync, then torchft DiLoCo", flush=True)
     job = cfg.job
     try:
-        r = run_peer(
-            replicas=4,
-            steps=cfg.total_steps // 4,
-            local_steps=cfg.local_steps,
-            out_dir=str(out / "peer"),
-            n_layer=job.n_layer,
-            n_embd=job.n_embd,
-            context_len=job.context_len,
-            batch_size=job.batch_size,
+        rows = run_row(
+            replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"), job=job
         )
     except RuntimeError as exc:
-        return head + f"torchft run failed: {exc}\n"
-    (out / "peer.json").write_text(json.dumps(r) + "\n")
-    return head + (
-        f"| peer | final loss | median round (s) | outer steps | wall (s) |\n|---|---|---|---|---|\n"
-        f"| {r['peer']} | {r['final_eval_loss']:.3f} | {r['median_round_s']:.3f} | {r['outer_steps']} | "
-        f"{r['wall_s']:.1f} |\n\nCompare with sync_diloco on the homogeneous profile above (seed 0 here).\n"
+        return head + f"peer run failed: {exc}\n"
+    (out / "peer.json").write_text(json.dumps(rows) + "\n")
+    missing = (
+        ""
+        if torchft_available()
+        else "torchft is not installed, so its line was skipped: `pip install 'asyncdiloco[peer]'` (after torch) "
+        "adds it.\n\n"
+    )
+    return (
+        head
+        + missing
+        + row_table(rows)
+        + (
+            "\nTraining wall: the first replica's join to the last replica's last inner step; whole command: the "
+            'first process started to the last one reaped (docs/performance.md, "Sync mode end to end").\n'
+        )
     )
 
 

@@ -40,6 +40,8 @@ def run_worker(
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
     on_start: Callable[[], None] | None = None,
+    on_join: Callable[[], None] | None = None,
+    on_end: Callable[[], None] | None = None,
     stop: threading.Event | None = None,
     wait_to_join: Callable[[], bool] | None = None,
     train_log: TrainLogConfig | None = None,
@@ -63,6 +65,9 @@ def run_worker(
         on_step: called after every inner step with (step, loss in nats/char).
         on_start: called once training begins (joined, global model pulled): the
             moment ``slowdown_changes`` and ``max_seconds`` count from.
+        on_join: called right before the join (model and data built); on_end: once the
+            last inner step (and its sync) is done, before the Leave. The peer row's
+            training wall runs from the first to the second (bench/peer_sync.py).
         stop: once set, training ends after the current inner step (never in the middle
             of a sync); the worker then pushes its last steps and leaves. Set before
             training began, it ends right after the join (still with a Leave).
@@ -109,6 +114,8 @@ def run_worker(
     if not worker.follower:
         name = worker_config.worker_name
         log.info("joining %s as %s (mode %s, device %s)", worker_config.server, name, worker.mode, device)
+    if on_join is not None:
+        on_join()
     with _left(tlog, loop), worker:
         if worker.follower:  # rank 0's position arrived with the join; this rank's own stream goes there
             loop.load_state_dict(worker.restored_extra, own_stream=True)
@@ -117,6 +124,8 @@ def run_worker(
             if on_start is not None:
                 on_start()
             loop.run(max_steps, max_seconds, stop, on_step)
+            if on_end is not None:
+                on_end()
         except KeyboardInterrupt:  # SIGINT: stop training; close() still pushes and leaves
             if rank is not None:
                 raise  # in a group this rank leaves alone (its close is no collective)

@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     keep_large_blocks()
     began: list[float] = []  # when training began (wall clock), once it has
+    marks: dict[str, float] = {}  # join_started / train_ended, wall clock
     ordered = False
     try:
         stats = train.run_worker(
@@ -250,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
             train_log=cfg.train_log,
             device=group.device if group is not None else cfg.device,
             on_start=lambda: began.append(time.time()),
+            on_join=lambda: _mark(marks, "join_started_unix_s"),
+            on_end=lambda: _mark(marks, "train_ended_unix_s"),
             stop=stop,
             wait_to_join=_wait_for_file(args.join_when_file, stop) if args.join_when_file else None,
         )
@@ -261,9 +264,14 @@ def run(args: argparse.Namespace) -> int:
         return 0  # rank 0 writes the group's stats file and final line
     if args.stats_file:
         with open(args.stats_file, "w") as f:
-            json.dump(_summary(args, stats, cfg.worker.worker_name, began), f)
+            json.dump(_summary(args, stats, cfg.worker.worker_name, began) | marks, f)
     print(_final_line(cfg.worker.worker_name, stats), flush=True)
     return 0
+
+
+def _mark(marks: dict[str, float], name: str) -> None:
+    """The wall-clock time of ``name`` in the stats file (the first time only)."""
+    marks.setdefault(name, time.time())
 
 
 def _on_sigterm(stop: threading.Event, in_group: bool = False) -> Callable[..., None]:

@@ -1,4 +1,4 @@
-"""One fresh torch.distributed process group per quorum, for sync mode's allreduce.
+"""One torch.distributed process group per quorum membership, for sync mode's allreduce.
 
 Each quorum rendezvouses over its own store (``QuorumGroup.store``: for sync workers the
 server's, over the authenticated gRPC channel, rendezvous.py), under the prefix
@@ -30,6 +30,16 @@ the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both. `
 builds a quorum's group once for several collectives: the sync worker first agrees with
 the others on a few numbers (``QuorumProcessGroup.all_max``: the buffer sizes and each
 member's ‖Δ‖∞, docs/protocol.md "The sync round"), then sums the buffer in the same group.
+
+Reuse: a quorum whose members (``QuorumGroup.members``, worker ids in rank order) equal
+those of the quorum before it, when that quorum's round committed (``keep``), reuses its
+group instead of building one: no rendezvous, no new connections (building a gloo group
+of 4 over the server's store is most of a round's collective time,
+docs/performance.md "Sync mode end to end"). Every member learns the same decision from
+the server, so every member reuses or rebuilds alike; after an abort (``drop``), or
+with other members, every member builds a fresh group. A member that alone saw a round
+differently (a vote the server refused after a restart) makes at most one round fail on
+a rendezvous or collective timeout, and that failure drops the group everywhere.
 """
 
 from __future__ import annotations
@@ -63,6 +73,9 @@ class QuorumGroup:
     #: The ``torch.distributed.Store`` the members rendezvous over (rendezvous.py
     #: ``ServerStore`` for sync workers; any store, e.g. a ``TCPStore``, in benchmarks).
     store: Any
+    #: The members' worker ids in rank order (``QuorumReply.members``); empty: never
+    #: reuse a group for this quorum (module docstring, "Reuse").
+    members: tuple[int, ...] = ()
 
 
 class InFlightAllreduce:
@@ -196,6 +209,12 @@ class QuorumCollectives:
         self._store: Any = None  # the current quorum's rendezvous store, kept until the next one
         self._device: Any = None  # gloo device, created once
         self._device_buf: torch.Tensor | None = None  # NCCL's buffer on ``device``, reused across quorums
+        #: (members, rank) and group of the quorum opened last, and of the one kept for reuse.
+        self._current: tuple[tuple[tuple[int, ...], int], QuorumProcessGroup] | None = None
+        self._kept: tuple[tuple[tuple[int, ...], int], QuorumProcessGroup] | None = None
+        #: Groups built and reused so far (a reuse skips the rendezvous).
+        self.groups_built = 0
+        self.groups_reused = 0
 
     def allreduce_sum(self, buf: torch.Tensor, group: QuorumGroup, timeout_s: float) -> None:
         """Sum ``buf`` in place over the quorum's members (a no-op for one member).
@@ -216,14 +235,42 @@ class QuorumCollectives:
         return self.open(group, timeout_s).start_allreduce_sum(buf)
 
     def open(self, group: QuorumGroup, timeout_s: float) -> QuorumProcessGroup:
-        """Build the quorum's process group (one per quorum: its rendezvous keys are the
-        quorum's), for ``all_max`` and ``start_allreduce_sum`` in that order on every member.
+        """The quorum's process group, for ``all_max`` and ``start_allreduce_sum`` in that
+        order on every member: the kept one when its members are this quorum's (``keep``),
+        else a new one (its rendezvous keys are the quorum's).
 
         Raises:
             RuntimeError (from torch.distributed): the rendezvous failed within ``timeout_s``.
         """
+        self._current = None
         if group.world_size == 1:
+            self._kept = None
             return QuorumProcessGroup(self, None, timeout_s)
+        key = (group.members, group.rank)
+        if group.members and len(group.members) == group.world_size and self._kept is not None:
+            if self._kept[0] == key:
+                self.groups_reused += 1
+                self._current, self._kept = self._kept, None  # kept again only if this round commits
+                return self._current[1]
+        self._kept = None  # another membership: the old group is let go
+        pg = self._build(group, timeout_s)
+        self.groups_built += 1
+        if group.members and len(group.members) == group.world_size:
+            self._current = (key, pg)
+        return pg
+
+    def keep(self) -> None:
+        """The round of the quorum opened last committed (every member's collectives
+        succeeded, and every member learns so): keep its group for the next quorum of
+        the same members."""
+        self._kept = self._current
+
+    def drop(self) -> None:
+        """The round aborted: the next quorum builds a fresh group, whoever its members."""
+        self._kept = self._current = None
+
+    def _build(self, group: QuorumGroup, timeout_s: float) -> QuorumProcessGroup:
+        """A new process group for the quorum, over its rendezvous store."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)

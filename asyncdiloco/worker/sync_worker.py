@@ -14,9 +14,10 @@ Every H inner steps (H, the outer optimizer and the weighting come from the serv
 which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard et al.
 2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica): Δ into a
 separate buffer, a quorum from the server (healing first when behind), a small
-agreement in a fresh process group for that quorum (every member's buffer size and
+agreement in a process group for that quorum (every member's buffer size and
 ‖Δ‖∞: a size mismatch or a non-finite Δ anywhere fails the round on every member before
-the sum, naming the member), one allreduce of ``[w·Δ, w]`` in the same group, rank
+the sum, naming the member), one allreduce of ``[w·Δ, w]`` in the same group (the group
+is reused by the next quorum of the same members after a commit, collectives.py), rank
 0's upload (checked by the server as an async push is) and every member's vote, then
 the same outer step on θ_base everywhere on commit (on abort the round's local steps
 are dropped so replicas never drift apart). docs/protocol.md, "The sync round",
@@ -108,6 +109,9 @@ class SyncWorkerStats:
     idle_s: float = 0.0
     quorum_wait_s: float = 0.0
     allreduce_s: float = 0.0
+    #: Quorum process groups built, and reused from the quorum before (same members, committed).
+    groups_built: int = 0
+    groups_reused: int = 0
     rounds: list[dict] = dataclasses.field(default_factory=list)
 
 
@@ -304,6 +308,8 @@ class SyncDiLoCoWorker(WorkerBase):
         commit_wait_s: float,
     ) -> None:
         """One entry of ``stats.rounds`` (SyncWorkerStats), the phases' seconds included."""
+        self.stats.groups_built = self._collectives.groups_built
+        self.stats.groups_reused = self._collectives.groups_reused
         self.stats.rounds.append(
             {
                 "round": self.round,
@@ -316,6 +322,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 "allreduce_s": round(allreduce_s, 4),
                 "commit_wait_s": round(commit_wait_s, 4),
                 "end_s": time.monotonic(),
+                "end_unix_s": time.time(),
                 "checksum": self.checksum(),
                 "reason": decision.reason,
             }
@@ -458,7 +465,7 @@ class SyncDiLoCoWorker(WorkerBase):
         return float(self._buf[self._numel])
 
     def _allreduce(self, q: pb.QuorumReply) -> None:
-        """Agree, then sum ``[w·Δ, w]`` in place over the quorum's members, in a fresh
+        """Agree, then sum ``[w·Δ, w]`` in place over the quorum's members, in the
         process group.
 
         The collective seam: a subclass may wrap it (the fault-injection tests do).
@@ -467,7 +474,8 @@ class SyncDiLoCoWorker(WorkerBase):
 
     def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
         """Build the quorum's group, run the agreement (``_agree``) and launch the sum in flight."""
-        group = QuorumGroup(q.quorum_id, q.rank, q.world_size, self._rendezvous_store(q))
+        members = tuple(int(m) for m in q.members)
+        group = QuorumGroup(q.quorum_id, q.rank, q.world_size, self._rendezvous_store(q), members)
         pg = self._collectives.open(group, self.sync_config.allreduce_timeout_s)
         self._agree(pg, q)
         return pg.start_allreduce_sum(self._buf)
@@ -589,12 +597,14 @@ class SyncDiLoCoWorker(WorkerBase):
         """Commit: the outer step on θ_base; abort: θ_base stays. Either way the model
         restarts from θ_base (the new global model, or the last committed one)."""
         if decision.committed:
+            self._collectives.keep()  # the next quorum of the same members reuses its group
             if total_weight > 0:
                 # the same step on every member and on the server, at the round it started from
                 self._outer().step(mean_delta, version=decision.round - 1)
             self.round = decision.round
             self.stats.rounds_committed += total_weight > 0  # an all-healing round applies nothing
         else:
+            self._collectives.drop()  # every member builds a fresh group next round
             self.stats.rounds_failed += 1
             log.warning(
                 "worker %d: round of quorum %d aborted (%s); restarting from round %d",

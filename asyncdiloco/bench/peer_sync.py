@@ -1,0 +1,258 @@
+"""Our side of the suite's peer row: ``--mode sync`` on the job torchft's DiLoCo runs.
+
+``run_ours`` starts ``asyncdiloco server --mode sync`` (the suite's ``sync_diloco``
+flags: a quorum of every replica, Nesterov η=0.7 μ=0.9, H) and ``replicas`` CLI workers
+at equal speed, each training ``steps`` inner steps (``--max-steps``), on 127.0.0.1. The
+workers start with the server, not after it listens (each holds its join with
+``--join-when-file`` on the server's port file), as torchft's replicas start with its
+lighthouse. It measures what torchft's replicas measure (peer_torchft.py), the same way:
+
+- ``training_wall_s``: from the first worker's join (its ``train.run_worker`` about to
+  join, model and data built: torchft's replicas start their clock at the same point,
+  entering ``DiLoCo`` with the model built) to the last worker's last inner step (its
+  last round decided), on the wall clock, from the stats files;
+- ``command_wall_s``: from starting the first process to every process reaped (the
+  server's start-up and stop, every worker's start-up, the final evaluation);
+- ``median_round_s``: between two committed rounds, over the workers;
+- ``final_eval_loss``: the server's final global model on the held-out batches;
+- ``phases_s``: seconds from the start to the server listening, the first and last
+  join, the first round decided everywhere, the last inner step, the workers exited
+  and the final evaluation done (docs/performance.md, "Sync mode end to end").
+
+    python -m asyncdiloco.bench.peer_sync --replicas 4 --steps 160 --local-steps 20 --out DIR [--with-torchft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from asyncdiloco.job.config import JobConfig
+
+
+def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: float) -> int:
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}; see {port_file.parent}/server.log")
+        time.sleep(0.01)
+    raise RuntimeError(f"the server did not listen in time; see {port_file.parent}/server.log")
+
+
+def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str, ...]:
+    from asyncdiloco.bench.sim import SimConfig
+    from asyncdiloco.bench.suite_real import server_flags
+
+    sim = SimConfig(
+        method="sync_diloco",
+        speeds_s_per_step=(1.0,) * replicas,
+        total_steps=replicas * local_steps,
+        local_steps=local_steps,
+        job=job,
+    )
+    _mode, flags, _worker = server_flags(sim)
+    return flags
+
+
+def run_ours(
+    *,
+    replicas: int,
+    steps: int,
+    local_steps: int,
+    out_dir: str,
+    job: JobConfig,
+    timeout_s: float = 600,
+) -> dict:
+    """Run ``--mode sync`` with ``replicas`` CLI workers of ``steps`` inner steps each.
+
+    Returns:
+        ``training_wall_s``, ``command_wall_s``, ``median_round_s`` (seconds),
+        ``final_eval_loss`` (nats/char), ``outer_steps`` (rounds committed), ``tokens``.
+    Raises:
+        RuntimeError: the server did not start, or a worker failed (its log is named).
+    """
+    from asyncdiloco.flags.settings import WORKER_JOB
+    from asyncdiloco.tools.evaluator import Evaluator  # imported now, not after training
+    from asyncdiloco.worker.client import ParameterServerClient
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    python = [sys.executable, "-m", "asyncdiloco"]
+    port_file = out / "server.port"
+    port_file.unlink(missing_ok=True)
+    started, started_unix = time.monotonic(), time.time()
+    deadline = started + timeout_s
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    server_cmd = [*python, "server", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)]
+    server = _spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
+    procs, workers = [server], []
+    marks: dict[str, float] = {}
+    try:
+        for i in range(replicas):  # started with the server: each holds its join until the server listens
+            stats = out / f"worker-{i}.json"
+            stats.unlink(missing_ok=True)
+            cmd = [*python, "worker", "--mode", "sync", "--server", address, "--worker-index", str(i)]
+            cmd += ["--max-steps", str(steps), "--stats-file", str(stats), "--worker-name", f"replica-{i}"]
+            cmd += ["--join-when-file", str(port_file)]
+            workers.append(_spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
+        procs += workers
+        _wait_for_port(server, port_file, deadline)
+        marks["server_listening_s"] = time.monotonic() - started
+        for w in workers:
+            w.wait(timeout=max(1.0, deadline - time.monotonic()))
+        marks["workers_exited_s"] = time.monotonic() - started
+        if any(w.returncode != 0 for w in workers):
+            raise RuntimeError(
+                f"a sync worker failed (exit codes {[w.returncode for w in workers]}); see {out}/worker-*.log"
+            )
+        evaluator = Evaluator(ParameterServerClient(address), job, name="peer-row")
+        try:
+            loss = evaluator.evaluate_global().loss
+        finally:
+            evaluator.client.close()
+        marks["evaluated_s"] = time.monotonic() - started
+        server.terminate()
+        server.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    command_wall_s = time.monotonic() - started
+    results = [json.loads((out / f"worker-{i}.json").read_text()) for i in range(replicas)]
+    row = summarize(results, command_wall_s, loss, replicas * steps * job.tokens_per_step)
+    row["phases_s"] = marks | _phases(results, started_unix)
+    return row
+
+
+def _free_port() -> int:
+    """A free loopback port for the server, so the workers can start with it (a bench-only
+    shortcut: another process could take it in between, and the run then fails loudly)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _phases(results: list[dict], started_unix: float) -> dict[str, float]:
+    """Seconds from the command's start: the first and last join, the last inner step."""
+    joins = [r["join_started_unix_s"] - started_unix for r in results]
+    return {
+        "first_join_s": min(joins),
+        "last_join_s": max(joins),
+        "first_round_s": max(r["rounds"][0]["end_unix_s"] for r in results if r["rounds"]) - started_unix
+        if all(r["rounds"] and "end_unix_s" in r["rounds"][0] for r in results)
+        else float("nan"),
+        "last_step_s": max(r["train_ended_unix_s"] for r in results) - started_unix,
+    }
+
+
+def summarize(results: list[dict], command_wall_s: float, loss: float, tokens: int) -> dict:
+    """The row from the workers' stats files (``asyncdiloco worker --stats-file``).
+
+    Raises:
+        RuntimeError: a stats file lacks the join or end time (a worker from before them).
+    """
+    missing = [r.get("name") for r in results if "join_started_unix_s" not in r or "train_ended_unix_s" not in r]
+    if missing:
+        raise RuntimeError(f"the stats of {missing} carry no join_started_unix_s / train_ended_unix_s")
+    rounds = []
+    for r in results:
+        ends = [x["end_s"] for x in r["rounds"] if x["committed"]]
+        rounds += [b - a for a, b in zip(ends, ends[1:])]
+    first_join = min(r["join_started_unix_s"] for r in results)
+    return {
+        "peer": "asyncdiloco --mode sync",
+        "replicas": len(results),
+        "tokens": tokens,
+        "median_round_s": statistics.median(rounds) if rounds else None,
+        "final_eval_loss": loss,
+        "training_wall_s": max(r["train_ended_unix_s"] for r in results) - first_join,
+        "command_wall_s": command_wall_s,
+        "outer_steps": min(r["rounds_committed"] for r in results),
+    }
+
+
+def run_row(*, replicas: int, steps: int, local_steps: int, out_dir: str, job: JobConfig) -> list[dict]:
+    """Ours, then torchft's DiLoCo when it is installed, on the same job, one after the
+    other in this call: one result dict each (``run_ours``'s and ``run_peer``'s keys).
+
+    Raises:
+        RuntimeError: either run failed (its logs are named).
+    """
+    from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
+
+    out = pathlib.Path(out_dir)
+    rows = [run_ours(replicas=replicas, steps=steps, local_steps=local_steps, out_dir=str(out / "ours"), job=job)]
+    if torchft_available():
+        rows.append(
+            run_peer(
+                replicas=replicas,
+                steps=steps,
+                local_steps=local_steps,
+                out_dir=str(out / "torchft"),
+                n_layer=job.n_layer,
+                n_embd=job.n_embd,
+                context_len=job.context_len,
+                batch_size=job.batch_size,
+                seed=job.seed,
+            )
+        )
+    return rows
+
+
+def row_table(rows: list[dict]) -> str:
+    """The peer row as a markdown table: one line per side, and ours ÷ torchft's."""
+    head = (
+        "| run | final loss | median round (s) | outer steps | training wall (s) | whole command (s) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    lines = [
+        f"| {r['peer']} | {r['final_eval_loss']:.3f} | {r['median_round_s'] or float('nan'):.3f} | "
+        f"{r['outer_steps']} | {r['training_wall_s']:.2f} | {r['command_wall_s']:.1f} |\n"
+        for r in rows
+    ]
+    if len(rows) == 2:
+        ours, theirs = rows
+        lines.append(
+            f"| ours ÷ torchft | | {(ours['median_round_s'] or 0) / (theirs['median_round_s'] or 1):.2f} | | "
+            f"{ours['training_wall_s'] / theirs['training_wall_s']:.2f} | "
+            f"{ours['command_wall_s'] / theirs['command_wall_s']:.2f} |\n"
+        )
+    return head + "".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=160, help="inner steps per replica")
+    p.add_argument("--local-steps", type=int, default=20)
+    p.add_argument("--out", default="peer-sync-out")
+    p.add_argument("--with-torchft", action="store_true", help="also run torchft's DiLoCo (when installed)")
+    args = p.parse_args()
+    job = JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
+    kw = {"replicas": args.replicas, "steps": args.steps, "local_steps": args.local_steps, "job": job}
+    if args.with_torchft:
+        rows = run_row(out_dir=args.out, **kw)
+        pathlib.Path(args.out, "peer_row.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print(row_table(rows))
+        return
+    print(json.dumps(run_ours(out_dir=args.out, **kw)))
+
+
+if __name__ == "__main__":
+    main()
