@@ -7,12 +7,15 @@ virtual clock). The algorithm: upstream.py's module docstring, and docs/algorith
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncdiloco.errors import require
-from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire.security import ClientSecurityConfig
+
+if TYPE_CHECKING:  # the worker command imports this module's defaults, not the server's state
+    from asyncdiloco.ps.state import ParameterServerState
 
 #: Regional pushes applied between two pushes upward (``--parent-every``). The two-region
 #: profile of the benchmark suite (docs/algorithms.md, "Hierarchical tier") measured it.
