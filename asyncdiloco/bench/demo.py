@@ -24,6 +24,14 @@ its start-up is not added to the time away. Seconds of training count from
 ``train_start_s`` in the report: the moment the demo's status poll (every 0.25 s) first
 saw the global model initialized (the first worker's push of its initial parameters).
 ``workers[]`` then has one entry per process, with ``index`` and ``rejoin``.
+
+``shards=S`` (> 1) runs the server as S shards (``asyncdiloco server --shards S
+--shard-map out/shards.json``; async mode, raw or bf16 codec) and the workers with
+``--shard-map``. The evaluator then assembles θ from every shard at one version
+(worker/sharded.py ``ShardedClient.pull``); the status poll (version, tokens, workers)
+and the evaluation reports go to shard 0, which sequences every push; the report's
+server counters are shard 0's, except ``bytes_pushed`` and ``bytes_pulled``, summed over
+the shards (``ShardedClient.combined_status``), and it lists ``shard_addresses``.
 """
 
 from __future__ import annotations
@@ -47,11 +55,15 @@ from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.tools.evaluator import Evaluator
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.shards import load_shard_addresses
 from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.sharded import ShardedClient
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOWDOWNS = (1.0, 1.5, 2.0, 3.0)
+#: The most parameter-server shards the demo runs on one machine.
+MAX_SHARDS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,10 +104,21 @@ class DemoConfig:
     #: with the others, held back) joins at the second, or once the server shows the
     #: first gone if later. None: nobody leaves.
     leave_rejoin: tuple[int, float, float] | None = None
+    #: Parameter-server shards (``asyncdiloco server --shards S``); 1: one unsharded server.
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ConfigError(f"mode={self.mode!r} is invalid: choose async or sync")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ConfigError(f"shards={self.shards} is invalid: use 1..{MAX_SHARDS} on one machine")
+        if self.shards > 1 and self.mode != "async":
+            raise ConfigError(
+                f"shards={self.shards} with mode={self.mode!r}: a sharded server runs async mode only; "
+                f"drop the shards or use mode async"
+            )
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ConfigError(f"token_budget={self.token_budget} is invalid: give tokens >= 1, or None for no budget")
         if not 1 <= self.num_workers <= 64:
             raise ConfigError(f"workers={self.num_workers} is invalid: use 1..64 on one machine")
         if not self.max_seconds > 0:
@@ -214,6 +237,8 @@ class Outcome:
     #: When the global model first existed: seconds after the demo started, and on the wall clock.
     train_start_s: float
     train_start_unix_s: float | None
+    #: The shards' addresses, shard 0 first; empty: one unsharded server.
+    shard_addresses: Sequence[str] = ()
 
 
 class _Processes:
@@ -224,13 +249,19 @@ class _Processes:
         self.speeds = cfg.speed_factors()
         self.popens: list[subprocess.Popen] = []
         self.python = [sys.executable, "-m", "asyncdiloco"]
+        #: With ``cfg.shards`` > 1: the shard-map file the server writes and the workers read.
+        self.shard_map = out / "shards.json" if cfg.shards > 1 else None
 
     def start_server(self) -> str:
-        """Start ``asyncdiloco server`` on a free port; returns its address once it listens."""
+        """Start ``asyncdiloco server`` on a free port (``cfg.shards`` > 1: S shards on free
+        ports, their addresses in ``shard_map``); returns (shard 0's) address once it listens."""
         port_file = self.out / "server.port"
         port_file.unlink(missing_ok=True)
         cmd = [*self.python, "server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)]
         cmd += ["--drain-s", "0"]  # no load balancer routes to it: stop at once
+        if self.shard_map is not None:  # the server writes the map before the port file
+            self.shard_map.unlink(missing_ok=True)
+            cmd += ["--shards", str(self.cfg.shards), "--shard-map", str(self.shard_map)]
         server = _spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
         self.popens.append(server)
         return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
@@ -270,6 +301,7 @@ class _Processes:
             "--mode",
             cfg.mode,
             *WORKER_JOB.argv(cfg.job),
+            *(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()),
             *cfg.worker_args,
             *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
             *extra,
@@ -280,6 +312,15 @@ class _Processes:
 
     def reap(self) -> None:
         _reap(self.popens)
+
+    def shard_addresses(self) -> list[str]:
+        """Every shard's address, shard 0 first (after ``start_server``); empty: one server."""
+        return load_shard_addresses(self.shard_map) if self.shard_map is not None else []
+
+    def client(self, address: str) -> ParameterServerClient | ShardedClient:
+        """The demo's own client: of every shard (``ShardedClient``), or of the one server."""
+        shards = self.shard_addresses()
+        return ShardedClient(shards) if shards else ParameterServerClient(address)
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
@@ -308,7 +349,7 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
     started = time.monotonic()
     address = procs.start_server()
     workers = procs.start_workers(address)
-    evaluator = Evaluator(ParameterServerClient(address), cfg.job, name="demo")
+    evaluator = Evaluator(procs.client(address), cfg.job, name="demo")
     initial_loss = evaluator.held_out_loss()  # the seed's model = the server's version 0
     curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": initial_loss}]
     watched, train_start_s, train_start_unix_s, run_config = _watch(
@@ -316,7 +357,8 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
     )
     curve += watched
     exit_codes = [_stop(w.popen) for w in workers]  # overdue workers (hung, stopped) are terminated
-    status = evaluator.client.status()
+    client = evaluator.client
+    status = client.combined_status(evaluator.manifest) if isinstance(client, ShardedClient) else client.status()
     if not status.initialized:
         raise AsyncDiLoCoError(
             f"no worker initialized the global model (exit codes {exit_codes}); see {cfg.out_dir}/worker-*.log"
@@ -338,6 +380,7 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
         exit_codes=exit_codes,
         train_start_s=train_start_s,
         train_start_unix_s=train_start_unix_s,
+        shard_addresses=procs.shard_addresses(),
     )
 
 

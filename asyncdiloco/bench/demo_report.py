@@ -86,6 +86,7 @@ def report(cfg: ReportedRun, out: pathlib.Path, o: Outcome) -> dict:
         "rounds_failed": status.rounds_failed if sync else None,
         "round_time_s": _round_times([out / f"{p.stem}.json" for p in o.workers]) if sync else None,
         "server": o.address,
+        "shard_addresses": list(o.shard_addresses),
         "initial_eval_loss": o.initial_loss,
         "final_eval_loss": o.final_loss,
         "eval_loss_unit": "nats/char on the held-out split",

@@ -64,6 +64,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--overlap", action="store_true", help="workers push and pull in the background while training on (async only)"
     )
+    g.add_argument(
+        "--shards",
+        type=int,
+        default=d.shards,
+        metavar="S",
+        help="run the server as S parameter-server shards (asyncdiloco server --shards S; async only); "
+        "the evaluator assembles the model from every shard (default %(default)s: one unsharded server)",
+    )
+    g.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="stop the workers once the server has applied this many tokens, for comparisons at equal "
+        "tokens (default: none, each worker trains --max-seconds)",
+    )
     join = ", ".join(f"{mode} {s:g}" for mode, s in DEMO_JOIN_TIMEOUT_S.items())
     SERVER_RUN.add_to(p, default_means={"--quorum-wait-s": f"the demo's own: {join}"})
     JOB.add_to(p)
@@ -103,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         job=JOB.build(JOB.given(args)),
         eval_every_s=args.eval_every,
         worker_args=("--overlap",) if args.overlap else (),
+        shards=args.shards,
+        token_budget=args.token_budget,
     )
     _warn_if_overwriting(cfg.out_dir)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C

@@ -25,6 +25,7 @@ from asyncdiloco.job.models import evaluate
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.global_model import pull_into
+from asyncdiloco.worker.sharded import ShardedClient
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,17 @@ class Evaluator:
 
     Args:
         client: a client of the server; the evaluator pulls and reports through it (the
-            caller closes it).
+            caller closes it). A ``ShardedClient``: θ is assembled from every shard at one
+            version (each shard's part checked against its share of the shard map), the
+            status and the reports are shard 0's (it sequences every push).
         job: the default job's model shape and evaluation batches; must be the job the
             workers train (its model's manifest is checked against the server's).
         name: the evaluator's name in the server's status and dashboard.
     """
 
-    def __init__(self, client: ParameterServerClient, job: JobConfig | None = None, name: str = "") -> None:
+    def __init__(
+        self, client: ParameterServerClient | ShardedClient, job: JobConfig | None = None, name: str = ""
+    ) -> None:
         job = job if job is not None else JobConfig()
         corpus = CharCorpus.default()
         self.client = client

@@ -16,42 +16,54 @@ import torch
 from torch import nn
 
 from asyncdiloco.errors import ManifestMismatchError, NotInitializedError
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import codec_for
 from asyncdiloco.wire.security import ClientSecurityConfig
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.flat import FlatParams
+from asyncdiloco.worker.sharded import ShardedClient
 
 
-def check_against_server(manifest: Manifest, client: ParameterServerClient) -> None:
-    """Check that the server holds a global model of ``manifest``'s layout (one Status call).
+def check_against_server(manifest: Manifest, client: ParameterServerClient | ShardedClient) -> None:
+    """Check that the server holds a global model of ``manifest``'s layout (one Status call;
+    a sharded server: one per shard, each against its part of the shard map, wire/shards.py).
 
     Raises:
         NotInitializedError: no worker has pushed initial parameters yet.
         ManifestMismatchError: the layouts differ; the message names the first difference.
         ServerUnavailableError, UnauthenticatedError: the server cannot be asked.
     """
-    status = client.status()
+    if isinstance(client, ShardedClient):
+        smap = client.shard_map(manifest)
+        for i, status in enumerate(client.statuses()):
+            _check_status(smap.sub_manifest(i), status, f"{client.addresses[i]} (shard {i} of {client.num_shards})")
+        return
+    _check_status(manifest, client.status(), client.address)
+
+
+def _check_status(manifest: Manifest, status: pb.StatusReply, where: str) -> None:
     if not status.initialized:
         raise NotInitializedError(
-            f"the server at {client.address} has no global model yet: no worker has pushed its initial "
+            f"the server at {where} has no global model yet: no worker has pushed its initial "
             f"parameters; start a worker, then try again"
         )
     diff = manifest.first_difference(Manifest.from_proto(status.manifest))
     if diff is not None:
         raise ManifestMismatchError(
-            f"the module does not match the global model of the server at {client.address}: {diff} "
+            f"the module does not match the global model of the server at {where}: {diff} "
             f"('the worker' is the module given here); build the model the workers train, with the same "
             f"shapes and dtypes"
         )
 
 
-def pull_into(client: ParameterServerClient, model: nn.Module, manifest: Manifest | None = None) -> int:
+def pull_into(client: ParameterServerClient | ShardedClient, model: nn.Module, manifest: Manifest | None = None) -> int:
     """Pull the newest global θ into ``model``'s parameters (cast to each one's dtype
     and device); the layout is checked first (``check_against_server``).
 
     Args:
-        client: a client of the server (it pulls with worker id 0, as an observer).
+        client: a client of the server (it pulls with worker id 0, as an observer); a
+            ``ShardedClient`` assembles θ from every shard at one version.
         model: the module; its ``named_parameters()`` order is the manifest's.
         manifest: ``Manifest.from_module(model)``, when the caller has it already.
     Returns:

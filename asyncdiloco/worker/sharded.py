@@ -18,6 +18,9 @@ a push is cut and a pull assembled by slicing, with no copy on the push side. Ca
 * ``pull``: every shard in parallel; a shard behind the others (a push applied on shard 0
   and not yet on it) is pulled again until all report one version, within ``rpc_timeout_s``.
 * ``heartbeat`` / ``leave``: every shard; shard 0's reply.
+* ``status`` / ``report_eval``: shard 0 (it sequences every push: its version, pushes,
+  tokens, staleness and workers are the run's; the dashboard is its). ``combined_status``
+  adds the other shards' bytes and the whole model's manifest, for reports.
 
 Source: parameter-server sharding, Li et al. 2014 (OSDI, "Scaling distributed machine
 learning with the parameter server", Sec. 3–4); the outer step per shard, as fragments in
@@ -250,6 +253,29 @@ class ShardedClient:
     def status(self) -> pb.StatusReply:
         """Shard 0's status (its version is the run's)."""
         return self.clients[0].status()
+
+    def statuses(self) -> list[pb.StatusReply]:
+        """Every shard's status (in parallel), shard 0 first."""
+        return self._on_all(lambda i, c: c.status())
+
+    def combined_status(self, manifest: Manifest) -> pb.StatusReply:
+        """The run's status across the shards: shard 0's (version, pushes, tokens, staleness,
+        workers, evaluations: shard 0 sequences every push), with ``bytes_pushed`` and
+        ``bytes_pulled`` summed over every shard and ``manifest`` (the whole model's, in
+        place of shard 0's sub-manifest). ``pulls`` stays shard 0's: a pull reads every shard.
+        """
+        replies = self.statuses()
+        out = pb.StatusReply()
+        out.CopyFrom(replies[0])
+        out.bytes_pushed = sum(r.bytes_pushed for r in replies)
+        out.bytes_pulled = sum(r.bytes_pulled for r in replies)
+        if replies[0].initialized:
+            out.manifest.CopyFrom(manifest.to_proto())
+        return out
+
+    def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> None:
+        """Report a held-out loss of the whole global model to shard 0 (its status and dashboard)."""
+        self.clients[0].report_eval(version, loss, num_tokens, evaluator)
 
     def close(self) -> None:
         for c in self.clients:
