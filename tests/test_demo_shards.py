@@ -105,3 +105,27 @@ def test_a_demo_through_two_shards_trains_and_every_worker_exits_0(tmp_path):
     assert report["num_parameters"] == Manifest.from_module(TINY.build(CharCorpus.default())).numel
     log = (tmp_path / "server.log").read_text()
     assert "shard 1 of 2 listening" in log, log[-2000:]
+
+
+def test_demo_cli_passes_shards_and_token_budget(monkeypatch, tmp_path):
+    from asyncdiloco.bench import demo as bench_demo
+    from asyncdiloco.cli import app, demo
+
+    seen = {}
+
+    def fake_run_demo(cfg, progress=True):
+        seen["cfg"] = cfg
+        return {"final_eval_loss": 1.0, "initial_eval_loss": 2.0}
+
+    monkeypatch.setattr(bench_demo, "run_demo", fake_run_demo)
+    monkeypatch.setattr(demo.signal, "signal", lambda *_: None)
+    argv = ["demo", "--shards", "2", "--token-budget", "800000", "--out", str(tmp_path), "--no-progress"]
+    assert demo.run(app.build_parser().parse_args(argv)) == 0
+    assert (seen["cfg"].shards, seen["cfg"].token_budget) == (2, 800000)
+    default = app.build_parser().parse_args(["demo"])
+    assert (default.shards, default.token_budget) == (1, None)  # one unsharded server, no budget
+
+
+def test_demo_cli_refuses_shards_in_sync_mode(cli_exit):
+    code, err = cli_exit(["demo", "--shards", "2", "--mode", "sync"])
+    assert code != 0 and "a sharded server runs async mode only" in err
