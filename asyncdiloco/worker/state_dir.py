@@ -5,7 +5,7 @@ had not sent yet, its push counter and whatever its caller keeps there (``extra`
 The folder holds:
 
 * ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
-  with ``torch.save`` behind a header with its SHA-256 (state_file.py, verified at load)
+  with ``torch.save`` behind a header with its CRC-32 (state_file.py, verified at load)
   at its sync points (an async worker: before each push is sent, and after a sync
   without one; a sync member: after each round): written to ``state.pt.tmp``,
   fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
