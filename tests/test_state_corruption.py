@@ -192,3 +192,22 @@ def test_an_intact_state_of_a_newer_format_is_refused_not_set_aside(tmp_path):
     with pytest.raises(ConfigError, match="has format 3; this worker reads formats 1 and 2: run the version"):
         WorkerStateDir(folder)
     assert (folder / STATE_FILE).exists()
+
+
+def test_a_run_that_dies_before_its_next_save_leaves_the_name_to_the_one_after(start_server, tmp_path, caplog):
+    """The restart set the damaged file aside, then died before it joined and saved (e.g.
+    the server was down): the run after it still rejoins under the name, by state.json."""
+    srv = start_server(outer=SGD1, local_steps=3, dylu=False, grouping="off")
+    folder = tmp_path / "w"
+    name, wid = _saved(srv, folder)
+    (folder / STATE_FILE).write_bytes(b"")  # an empty file: e.g. a file system that lost its blocks
+    caplog.set_level(logging.WARNING)
+    died, _, _ = _worker(srv, folder)
+    assert died.worker_name == name
+    assert "does not begin with a state header (0 bytes" in _warnings(caplog)[0]
+    died.state_dir.close()  # the process dies here, before any save
+    assert saved_worker_name(folder) == name
+    again, _, _ = _worker(srv, folder)
+    with again:
+        assert (again.worker_name, again.worker_id) == (name, wid)
+    assert len(_warnings(caplog)) == 1

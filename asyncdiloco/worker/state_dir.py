@@ -95,7 +95,8 @@ class WorkerStateDir:
         self._lock: TextIO | None = self._take_lock()
         #: Whether this process saved into the folder yet (a first save that fails is a ConfigError).
         self._saved = False
-        #: The name of a state set aside as unusable (``_set_aside``; None: none was).
+        #: The name of a state set aside as unusable (``_set_aside``), or ``state.json``'s
+        #: when ``state.pt`` is missing (None: neither).
         self.recovered_name: str | None = None
         #: The newest saved state (None: the folder holds none yet, or only an unusable one).
         self.state: dict[str, Any] | None = self._read()
@@ -126,7 +127,8 @@ class WorkerStateDir:
 
     def _read(self) -> dict[str, Any] | None:
         file = self.path / STATE_FILE
-        if not file.exists():
+        if not file.exists():  # a state set aside by a run that died before its next save keeps its name
+            self.recovered_name = _name_from_summary(self.path)
             return None
         name: str | None = None
         try:
@@ -168,8 +170,9 @@ class WorkerStateDir:
 
     @property
     def saved_name(self) -> str | None:
-        """The worker name of the saved state, or of one set aside as unusable (None: no
-        state saved yet, or the unusable one's name could not be read)."""
+        """The worker name of the saved state, or of one set aside as unusable, or
+        ``state.json``'s when ``state.pt`` is missing (None: no state saved yet, or the
+        unusable one's name could not be read)."""
         return self.recovered_name if self.state is None else str(self.state["worker_name"])
 
     def resolve_name(self, given: str) -> str:
@@ -230,14 +233,15 @@ def saved_worker_name(folder: str | os.PathLike[str]) -> str | None:
     """The name saved in a state folder, read without taking its lock (the CLI checks
     its flags with it before the worker opens the folder); None: no state saved there.
     For an unusable ``state.pt`` (which the worker sets aside when it opens the folder),
-    the name in ``state.json``, else in the file's still-readable part.
+    the name in ``state.json``, else in the file's still-readable part; for a missing one
+    (set aside by a run that died before its next save), ``state.json``'s.
 
     Raises:
         ConfigError: the state file cannot be opened, or is of a newer format.
     """
     file = pathlib.Path(folder) / STATE_FILE
     if not file.is_file():
-        return None
+        return _name_from_summary(folder)
     try:
         return str(_read_state(file, folder)["worker_name"])
     except CorruptStateError as exc:
