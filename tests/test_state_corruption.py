@@ -189,9 +189,12 @@ def test_an_intact_state_of_a_newer_format_is_refused_not_set_aside(tmp_path):
     size = len(data) - HEADER_BYTES
     data[20:HEADER_BYTES] = struct.pack("<I", zlib.crc32(bytes(data[HEADER_BYTES:]) + struct.pack("<IQ", 3, size)))
     (folder / STATE_FILE).write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match="has format 3; this worker reads formats 1 and 2: run the version"):
+    with pytest.raises(ConfigError, match="has format 3; this worker reads formats 1 and 2: run the version") as first:
         WorkerStateDir(folder)
     assert (folder / STATE_FILE).exists()
+    with pytest.raises(ConfigError, match="has format 3"):  # the refusal released the folder (not "in use")
+        WorkerStateDir(folder)
+    del first
 
 
 def test_a_run_that_dies_before_its_next_save_leaves_the_name_to_the_one_after(start_server, tmp_path, caplog):

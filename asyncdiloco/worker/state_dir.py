@@ -99,7 +99,11 @@ class WorkerStateDir:
         #: when ``state.pt`` is missing (None: neither).
         self.recovered_name: str | None = None
         #: The newest saved state (None: the folder holds none yet, or only an unusable one).
-        self.state: dict[str, Any] | None = self._read()
+        try:
+            self.state: dict[str, Any] | None = self._read()
+        except ConfigError:
+            self.close()  # the folder is not this worker's to use: release it
+            raise
 
     def _unwritable(self, exc: OSError) -> ConfigError:
         return ConfigError(
