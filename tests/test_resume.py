@@ -27,6 +27,7 @@ from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.state_dir import STATE_FILE, WorkerStateDir
+from asyncdiloco.worker.state_file import read_state
 from tests.helpers import FakeClock, assert_same, crash, fingerprint
 
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
@@ -240,7 +241,7 @@ def test_the_worker_state_round_trips_through_its_folder(start_server, tmp_path)
     with worker:
         _train(worker, model, opt, 7)  # two syncs, then one step of the next round
         name, wid = worker.worker_name, worker.worker_id
-    saved = torch.load(folder / STATE_FILE, weights_only=True)
+    saved = read_state(folder / STATE_FILE)
     assert saved["worker_name"] == name and name.count("-") >= 2  # <host>-<pid>-<hex>, made once
     assert saved["next_push_id"] == 5 and saved["extra"] == {"position": 7}  # pushes 2, 3, then close's 4
     again, model2, opt2 = _worker(srv, folder)  # a fresh model: the state brings it back
@@ -365,7 +366,7 @@ def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, t
     _train(worker, model, opt, 3)  # one sync (its push saved before it was sent)
     worker._save_state()  # noqa: SLF001 - the state after the sync, as close saves it
     worker.state_dir.close()  # the process dies here
-    state = torch.load(folder / STATE_FILE, weights_only=True)
+    state = read_state(folder / STATE_FILE)
     unsent = torch.linspace(-0.01, 0.01, state["theta_base"].numel())  # e.g. overlap's steps since its snapshot
     state["theta_local"] = state["theta_base"] - unsent
     state["steps_since_sync"] = 2
@@ -375,7 +376,7 @@ def test_a_resumed_worker_keeps_what_the_server_has_not_received(start_server, t
         local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
         assert torch.allclose(local, srv.state.params - unsent, atol=1e-6)
         assert again._steps_since_sync == 2  # noqa: SLF001 - the round goes on from the saved step
-    saved = torch.load(tmp_path / "w2" / STATE_FILE, weights_only=True)
+    saved = read_state(tmp_path / "w2" / STATE_FILE)
     assert saved["worker_name"] == "w1"
 
 

@@ -16,6 +16,7 @@ import torch
 
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.worker.state_dir import STATE_FILE, SUMMARY_FILE
+from asyncdiloco.worker.state_file import read_state
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
@@ -23,9 +24,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 JOB = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "4", "--context-len", "16"]
 
 
-def _start(address: str, folder, log_file) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "asyncdiloco", "worker", "--server", address, "--worker-name", "resumer"]
-    argv += ["--state-dir", str(folder), "--max-steps", "100000", "--threads", "1", "--worker-index", "3", *JOB]
+def _start(address: str, folder, log_file, max_steps: int = 100000, name: str = "resumer") -> subprocess.Popen:
+    argv = [sys.executable, "-m", "asyncdiloco", "worker", "--server", address, *(["--worker-name", name] * bool(name))]
+    argv += ["--state-dir", str(folder), "--max-steps", str(max_steps), "--threads", "1", "--worker-index", "3", *JOB]
     return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
 
 
@@ -59,7 +60,7 @@ def test_a_killed_cli_worker_restarts_as_itself_and_continues(start_server, tmp_
             os.kill(first.pid, signal.SIGKILL)
         finally:
             _stop(first)
-    killed = torch.load(folder / STATE_FILE, weights_only=True)  # what the restart continues from
+    killed = read_state(folder / STATE_FILE)  # what the restart continues from
     [row] = srv.state.status().workers
     worker_id, step = row.worker_id, killed["extra"]["step"]
     assert killed["worker_id"] == worker_id and step >= 12
@@ -67,7 +68,7 @@ def test_a_killed_cli_worker_restarts_as_itself_and_continues(start_server, tmp_
         second = _start(srv.address, folder, log2)
         try:
             later = _saves_by(folder, second.pid, 3)
-            now = torch.load(folder / STATE_FILE, weights_only=True)
+            now = read_state(folder / STATE_FILE)
             status = srv.state.status().workers
         finally:
             _stop(second)
@@ -117,3 +118,40 @@ def test_a_step_cut_short_before_the_inner_step_is_saved_as_not_done_with_its_ba
     for _ in range(2):
         next(expected)
     assert all(torch.equal(a, b) for a, b in zip(next(again), next(expected)))  # the cut step's batch again
+
+
+def test_a_cli_worker_restarted_on_a_damaged_state_trains_on_as_itself_and_exits_0(start_server, tmp_path):
+    """The top exponent bit of θ_base[0] flipped on disk (-0.135 would load as -4.6e37, and
+    the inner optimizer's state would turn NaN): the restart sets the file aside, rejoins
+    under the name in state.json with its id, trains from the global model and ends well."""
+    srv = start_server(local_steps=4, dylu=False, grouping="off", lease_s=60.0)
+    folder = tmp_path / "state"
+    with open(tmp_path / "first.log", "w") as log1:
+        first = _start(srv.address, folder, log1)
+        try:
+            _saves_by(folder, first.pid, 2)
+            os.kill(first.pid, signal.SIGKILL)
+        finally:
+            _stop(first)
+    [row] = srv.state.status().workers
+    file = folder / STATE_FILE
+    data = bytearray(file.read_bytes())
+    base = read_state(file)["theta_base"]
+    data[bytes(data).index(bytes(base[:4].view(torch.uint8).tolist())) + 3] ^= 0x40
+    file.write_bytes(bytes(data))
+    with open(tmp_path / "second.log", "w") as log2:
+        second = _start(srv.address, folder, log2, max_steps=8, name="")  # the name from the folder
+        try:
+            code = second.wait(timeout=120)
+        finally:
+            _stop(second)
+    log = (tmp_path / "second.log").read_text()
+    assert code == 0, log
+    assert "state.pt fails its checksum" in log and "worker 'resumer' rejoins from the global model" in log
+    assert "resuming at inner step" not in log and "Traceback" not in log
+    [kept] = folder.glob(f"{STATE_FILE}.corrupt-*")
+    assert kept.read_bytes() == bytes(data)
+    assert [(w.worker_id, w.worker_name) for w in srv.state.status().workers] == [(row.worker_id, "resumer")]
+    after = read_state(file)
+    assert after["worker_name"] == "resumer" and after["extra"]["step"] == 8
+    assert torch.isfinite(after["theta_base"]).all()

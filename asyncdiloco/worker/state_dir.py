@@ -5,15 +5,25 @@ had not sent yet, its push counter and whatever its caller keeps there (``extra`
 The folder holds:
 
 * ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
-  with ``torch.save`` at its sync points (an async worker: before each push is sent, and
-  after a sync without one; a sync member: after each round): written to ``state.pt.tmp``,
+  with ``torch.save`` behind a header with its CRC-32 (state_file.py, verified at load)
+  at its sync points (an async worker: before each push is sent, and after a sync
+  without one; a sync member: after each round): written to ``state.pt.tmp``,
   fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
   sees the previous save or the new one, never a torn file. Read back with
   ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, no
   pickled code.
 * ``state.json``: a summary of the newest save for people and scripts (name, worker id,
   syncs saved, version, next push id, wall-clock time, the caller's ``extra`` where it is
-  plain JSON); written after ``state.pt`` and never read back by the worker.
+  plain JSON); written after ``state.pt``. The worker reads back only its name, and only
+  when ``state.pt`` is unusable (below).
+* ``state.pt.corrupt-<UTC time>``: a ``state.pt`` that failed its checksum, could not be
+  parsed, or held non-finite values in θ_base, θ_local or the inner optimizer's state (a
+  worker that had diverged). It is set aside at open, with one warning naming it and what
+  was wrong, and the worker starts afresh under its name (from ``state.json``, else from
+  the still-readable part of the file): the server gives it its id back and it trains on
+  from the global model with a fresh inner optimizer, its data position and anything it
+  had not sent lost. Loading such a file would train on garbage, or make every restart
+  diverge again.
 * ``LOCK``: held (``flock``) while a worker uses the folder, so two processes never share
   one state, and with it one name. The kernel releases it when the process dies.
 
@@ -36,16 +46,16 @@ import socket
 import time
 from typing import Any, TextIO
 
-import torch
-
-from asyncdiloco._atomic import write_atomically
+from asyncdiloco._atomic import fsync_dir, write_atomically
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.worker import state_file
+from asyncdiloco.worker.state_file import CorruptStateError, NewerFormatError, nonfinite_part
 
 log = logging.getLogger(__name__)
 
-#: ``state.pt``'s ``format``: what this version writes and reads.
-STATE_FORMAT = 1
+#: ``state.pt``'s ``format``: what this version writes (it reads 1 as well; state_file.py).
+STATE_FORMAT = state_file.FORMAT
 STATE_FILE, SUMMARY_FILE, LOCK_FILE = "state.pt", "state.json", "LOCK"
 
 
@@ -68,7 +78,9 @@ class WorkerStateDir:
         path: the folder; created if missing.
     Raises:
         ConfigError: the folder cannot be created or written, another process uses it,
-            or its state file cannot be read (each message names the folder and the fix).
+            or its state file cannot be opened or is of a newer format (each message names
+            the folder and the fix). A state file whose bytes are damaged or that holds
+            non-finite values is set aside instead (the module docstring).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -83,8 +95,15 @@ class WorkerStateDir:
         self._lock: TextIO | None = self._take_lock()
         #: Whether this process saved into the folder yet (a first save that fails is a ConfigError).
         self._saved = False
-        #: The newest saved state (None: the folder holds none yet).
-        self.state: dict[str, Any] | None = self._read()
+        #: The name of a state set aside as unusable (``_set_aside``), or ``state.json``'s
+        #: when ``state.pt`` is missing (None: neither).
+        self.recovered_name: str | None = None
+        #: The newest saved state (None: the folder holds none yet, or only an unusable one).
+        try:
+            self.state: dict[str, Any] | None = self._read()
+        except ConfigError:
+            self.close()  # the folder is not this worker's to use: release it
+            raise
 
     def _unwritable(self, exc: OSError) -> ConfigError:
         return ConfigError(
@@ -112,27 +131,53 @@ class WorkerStateDir:
 
     def _read(self) -> dict[str, Any] | None:
         file = self.path / STATE_FILE
-        if not file.exists():
+        if not file.exists():  # a state set aside by a run that died before its next save keeps its name
+            self.recovered_name = _name_from_summary(self.path)
             return None
+        name: str | None = None
         try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-            raise ConfigError(
-                f"state_dir {str(self.path)!r}: {STATE_FILE} cannot be loaded ({exc}); delete {file} to start "
-                f"this worker afresh (it then rejoins as a new worker unless --worker-name is given)"
-            ) from None
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(
-                f"state_dir {str(self.path)!r}: {STATE_FILE} has format {found!r}; this worker reads format "
-                f"{STATE_FORMAT}: delete {file} to start this worker afresh"
-            )
-        return state
+            state: dict[str, Any] | None = _read_state(file, self.path)
+            problem = nonfinite_part(state or {})
+            if problem is not None:
+                problem = f"holds non-finite values in {problem}; the worker that saved it had diverged"
+        except CorruptStateError as exc:
+            state, problem, name = None, exc.reason, exc.name
+        if problem is None:
+            return state
+        self._set_aside(file, problem, _name_from_summary(self.path) or (state or {}).get("worker_name") or name)
+        return None
+
+    def _set_aside(self, file: pathlib.Path, problem: str, name: str | None) -> None:
+        """Rename an unusable ``state.pt`` to ``state.pt.corrupt-<UTC time>`` and say so."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        kept = file.with_name(f"{file.name}.corrupt-{stamp}")
+        n = 1
+        while kept.exists():
+            n += 1
+            kept = file.with_name(f"{file.name}.corrupt-{stamp}-{n}")
+        try:
+            os.rename(file, kept)
+            fsync_dir(self.path)
+        except OSError as exc:
+            raise self._unwritable(exc) from None
+        self.recovered_name = name
+        who = f"worker {name!r}" if name else "the worker (its name is lost: a new one unless --worker-name is given)"
+        log.warning(
+            "state_dir %r: %s %s; kept it as %s and not loaded: %s rejoins from the global model with a fresh "
+            "inner optimizer state (its data position and unsent progress are lost)",
+            str(self.path),
+            STATE_FILE,
+            problem,
+            kept,
+            who,
+        )
 
     @property
     def saved_name(self) -> str | None:
-        """The worker name of the saved state (None: no state saved yet)."""
-        return None if self.state is None else str(self.state["worker_name"])
+        """The worker name of the saved state, or of one set aside as unusable, or
+        ``state.json``'s when ``state.pt`` is missing (None: no state saved yet, or the
+        unusable one's name could not be read)."""
+        return self.recovered_name if self.state is None else str(self.state["worker_name"])
 
     def resolve_name(self, given: str) -> str:
         """The worker's name (``resolve_worker_name`` with the saved state's)."""
@@ -155,7 +200,7 @@ class WorkerStateDir:
             OSError: a later save failed (the previous one is intact).
         """
         try:
-            write_atomically(self.path / STATE_FILE, lambda f: torch.save(state, f))
+            write_atomically(self.path / STATE_FILE, lambda f: state_file.write_state(f, state))
         except OSError as exc:
             if not self._saved:
                 raise self._unwritable(exc) from None
@@ -191,20 +236,58 @@ def resolve_worker_name(given: str, saved: str | None, folder: str | os.PathLike
 def saved_worker_name(folder: str | os.PathLike[str]) -> str | None:
     """The name saved in a state folder, read without taking its lock (the CLI checks
     its flags with it before the worker opens the folder); None: no state saved there.
+    For an unusable ``state.pt`` (which the worker sets aside when it opens the folder),
+    the name in ``state.json``, else in the file's still-readable part; for a missing one
+    (set aside by a run that died before its next save), ``state.json``'s.
 
     Raises:
-        ConfigError: the state file cannot be read.
+        ConfigError: the state file cannot be opened, or is of a newer format.
     """
     file = pathlib.Path(folder) / STATE_FILE
     if not file.is_file():
-        return None
+        return _name_from_summary(folder)
     try:
-        return str(torch.load(file, map_location="cpu", weights_only=True)["worker_name"])
-    except Exception as exc:  # noqa: BLE001 - any failure means an unusable file
+        return str(_read_state(file, folder)["worker_name"])
+    except CorruptStateError as exc:
+        return _name_from_summary(folder) or exc.name
+
+
+def _read_state(file: pathlib.Path, folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """``state_file.read_state`` with its environment's errors as ConfigErrors.
+
+    Raises:
+        ConfigError: the file cannot be opened, or is intact and of a format this version does not read.
+        CorruptStateError: its bytes are not what was saved.
+    """
+    try:
+        state = state_file.read_state(file)
+    except OSError as exc:
         raise ConfigError(
-            f"state_dir {str(folder)!r}: {STATE_FILE} cannot be loaded ({exc}); delete {file} to start this "
-            f"worker afresh"
+            f"state_dir {str(folder)!r}: {STATE_FILE} cannot be read ({exc.strerror or exc}); make it readable "
+            f"by this process's user (ls -l {file})"
         ) from None
+    except NewerFormatError as exc:
+        raise ConfigError(
+            f"state_dir {str(folder)!r}: {STATE_FILE} {exc}: run the version that wrote it, or delete {file} "
+            f"to start this worker afresh"
+        ) from None
+    if state.get("format") not in (1, STATE_FORMAT):
+        raise ConfigError(
+            f"state_dir {str(folder)!r}: {STATE_FILE} has format {state.get('format')!r}; this worker reads "
+            f"formats 1 and {STATE_FORMAT}: delete {file} to start this worker afresh"
+        )
+    if not isinstance(state.get("worker_name"), str):
+        raise CorruptStateError("holds no worker name")
+    return state
+
+
+def _name_from_summary(folder: str | os.PathLike[str]) -> str | None:
+    """``state.json``'s worker name (None: no such file, or none readable in it)."""
+    try:
+        name = json.loads((pathlib.Path(folder) / SUMMARY_FILE).read_text()).get("worker_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None:
