@@ -25,10 +25,11 @@ fall back to gRPC per call when it cannot be used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -46,6 +47,7 @@ from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.codec import wire_bytes_for
 from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
+from asyncdiloco.wire.header_crc import check_header, seal
 from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
@@ -69,6 +71,22 @@ _T = TypeVar("_T")
 CORRUPTED_RESENDS = 3
 #: Seconds before the first resend of a corrupted payload; doubles with every resend.
 RESEND_BACKOFF_S = 0.05
+
+
+class _BulkCorrupted(PayloadCorruptedError):
+    """A ``PayloadCorruptedError`` of a try over the bulk channel (it travels as its parent:
+    no reason of its own); ``_resending_corrupted`` then goes on over gRPC."""
+
+
+@contextlib.contextmanager
+def _over_bulk() -> Iterator[None]:
+    """A ``PayloadCorruptedError`` raised inside becomes a ``_BulkCorrupted``."""
+    try:
+        yield
+    except _BulkCorrupted:
+        raise
+    except PayloadCorruptedError as exc:
+        raise _BulkCorrupted(str(exc)) from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +264,7 @@ class ParameterServerClient:
         total = manifest.numel * 4 * (2 if with_momentum else 1)
         request = pb.PullRequest(worker_id=worker_id, sync_state=True)
         return self._resending_corrupted(
-            lambda: self._pull(request, total, None, total), f"the sync-state pull of worker {worker_id}"
+            lambda bulk: self._pull(request, total, None, total, bulk), f"the sync-state pull of worker {worker_id}"
         )
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
@@ -265,20 +283,29 @@ class ParameterServerClient:
         deadline_bytes = max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
         request = pb.PullRequest(worker_id=worker_id)
         return self._resending_corrupted(
-            lambda: self._pull(request, size, buffer, deadline_bytes), f"the pull of worker {worker_id}"
+            lambda bulk: self._pull(request, size, buffer, deadline_bytes, bulk), f"the pull of worker {worker_id}"
         )
 
     def _pull(
-        self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, deadline_bytes: int
+        self,
+        request: pb.PullRequest,
+        size: PayloadSize,
+        buffer: torch.Tensor | None,
+        deadline_bytes: int,
+        bulk: bool = True,
     ) -> Pulled:
         """One pull over the bulk channel, or gRPC when it cannot be used.
 
         Args:
             size: the payload's size in bytes, or a function of the header giving it.
             deadline_bytes: the payload size the call's deadline allows for.
+            bulk: the bulk channel may carry it (False: gRPC only).
         """
         timeout_s = self._payload_timeout(deadline_bytes)
-        got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s) if self._bulk is not None else None
+        got = None
+        if bulk and self._bulk is not None:
+            with _over_bulk():
+                got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
         if got is not None:
             self._told(got[0].run_config.group_max_wait_s)
             pulled = Pulled(got[0].version, got[1], got[0].run_config)
@@ -298,6 +325,11 @@ class ParameterServerClient:
         if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
             raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
         header = first.header
+        try:
+            check_header(header, f"the pull of version {header.version} (as received)")
+        except PayloadCorruptedError:
+            stream.cancel()  # the payload that follows is not read
+            raise
         total, buffer = expected_payload(size, header, buffer)
         self._told(header.run_config.group_max_wait_s)
         assembler = PayloadAssembler(
@@ -357,15 +389,16 @@ class ParameterServerClient:
             session_id=self._sessions.get(worker_id, 0),
         )
         return self._resending_corrupted(
-            lambda: self._push_in_server_chunks(payload, header, metadata), f"push {push_id} of worker {worker_id}"
+            lambda bulk: self._push_in_server_chunks(payload, header, metadata, bulk),
+            f"push {push_id} of worker {worker_id}",
         )
 
     def _push_in_server_chunks(
-        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
     ) -> pb.PushReply:
         """``_push_once``; refused, once more cut with the server's chunk size if it changed."""
         try:
-            return self._push_with(payload, header, metadata)
+            return self._push_with(payload, header, metadata, bulk)
         except PayloadCorruptedError:
             raise  # the chunking was right (the payload arrived whole): resent as it is
         except (InvalidPayloadError, PayloadTooLargeError):
@@ -376,27 +409,47 @@ class ParameterServerClient:
                 self.chunk_bytes,
                 header.push_id,
             )
-            return self._push_with(payload, header, metadata)  # the refusal applied nothing: the same push id again
+            return self._push_with(payload, header, metadata, bulk)  # the refusal applied nothing: the same push id
 
-    def _resending_corrupted(self, call: Callable[[], _T], what: str) -> _T:
-        """``call()``, made again while its payload arrives corrupted (module docstring).
+    def _resending_corrupted(self, call: Callable[[bool], _T], what: str) -> _T:
+        """``call(bulk)``, made again while its payload or header arrives corrupted (module
+        docstring). When every try of a round went over the bulk channel and arrived
+        corrupted, the channel is marked unusable (as when it is down: gRPC until its
+        backoff passes) and the transfer gets a second round over gRPC only.
 
         Raises:
-            PayloadCorruptedError: every one of the ``1 + corrupted_resends`` tries was
-                corrupted; the message names the count and what to check.
+            PayloadCorruptedError: every one of the ``1 + corrupted_resends`` tries (over
+                gRPC, after the bulk channel's round) was corrupted; the message names the
+                count and what to check.
             Whatever else ``call`` raises.
         """
+        bulk = self._bulk is not None
+        while True:
+            try:
+                return self._resend_round(call, what, bulk)
+            except _BulkCorrupted as exc:  # the last try went over the bulk channel
+                channel = self._bulk
+                if not bulk or channel is None:
+                    raise PayloadCorruptedError(str(exc)) from exc.__cause__  # pragma: no cover - bulk only
+                channel.suspect(exc)
+                log.warning("%s arrived corrupted over the bulk data channel every time; sending it over gRPC", what)
+                bulk = False
+
+    def _resend_round(self, call: Callable[[bool], _T], what: str, bulk: bool) -> _T:
+        """Up to ``1 + corrupted_resends`` tries of ``call(bulk)`` while it arrives corrupted."""
         delay_s = self.resend_backoff_s
         for attempt in range(1, self.corrupted_resends + 2):
             try:
-                return call()
+                return call(bulk)
             except PayloadCorruptedError as exc:
                 self.corrupted_transfers += 1
                 if attempt > self.corrupted_resends:
-                    raise PayloadCorruptedError(
-                        f"{what} arrived corrupted {attempt} times in a row (the limit is 1 + corrupted_resends="
-                        f"{self.corrupted_resends}; last: {exc}); the network path to {self.address} corrupts data: "
-                        f"check its links, NICs and proxies"
+                    where = "over the bulk data channel" if isinstance(exc, _BulkCorrupted) else "over gRPC"
+                    error = _BulkCorrupted if isinstance(exc, _BulkCorrupted) else PayloadCorruptedError
+                    raise error(
+                        f"{what} arrived corrupted {attempt} times in a row {where} (the limit is 1 + "
+                        f"corrupted_resends={self.corrupted_resends}; last: {exc}); the network path to "
+                        f"{self.address} corrupts data: check its links, NICs and proxies"
                     ) from exc
                 log.warning("%s arrived corrupted (%s); sending it again in %.2f s", what, exc, delay_s)
                 time.sleep(delay_s)
@@ -416,17 +469,25 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         return True
 
-    def _push_with(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple) -> pb.PushReply:
+    def _push_with(
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple, bulk: bool = True
+    ) -> pb.PushReply:
         """``_push_once``, with the extra metadata only when there is some."""
+        if not bulk and self._bulk is not None:
+            return self._push_once(payload, header, metadata, bulk=False)
         return self._push_once(payload, header, metadata) if metadata else self._push_once(payload, header)
 
-    def _push_once(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()) -> pb.PushReply:
-        """``push`` cut in chunks of the current ``chunk_bytes``."""
+    def _push_once(
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
+    ) -> pb.PushReply:
+        """``push`` cut in chunks of the current ``chunk_bytes`` (``bulk`` False: gRPC only)."""
         total = payload.numel()
         header.num_chunks = num_chunks_for(total, self.chunk_bytes)
+        seal(header)  # header_crc32 over the final fields (wire/header_crc.py)
         timeout_s = self._push_timeout(total, header.worker_id)
-        if self._bulk is not None and payload.is_contiguous() and not metadata:
-            reply = self._bulk.push(header, payload, timeout_s)
+        if bulk and self._bulk is not None and payload.is_contiguous() and not metadata:
+            with _over_bulk():
+                reply = self._bulk.push(header, payload, timeout_s)
             if reply is not None:
                 self._told(reply.group_max_wait_s, header.worker_id)
                 return reply
