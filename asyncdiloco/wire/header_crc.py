@@ -8,7 +8,11 @@ receiver parses the header, re-serializes it the same way and compares: protobuf
 deterministic serialization of a parsed message gives back its fields in field-number
 order, so any flipped bit that changes a field's value (or adds an unknown field) changes
 the bytes and so the CRC. ``header_crc32 == 0`` means "not sent" (a peer from before the
-field, or the 1 in 2^32 header whose CRC is 0): nothing is checked, as before.
+field, or the 1 in 2^32 header whose CRC is 0): nothing is checked, as before, unless the
+header holds an unknown field. A flipped tag can turn a field into a length-delimited one
+that swallows the rest of the header, ``header_crc32`` included; a peer that sends fields
+this library does not know is newer than ``header_crc32`` and so sends it, so "no CRC and
+an unknown field" is refused as corrupted too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ def header_crc(header: pb.PushHeader | pb.PullHeader) -> int:
     return crc32_update(0, data)
 
 
+def _has_unknown_fields(header: pb.PushHeader | pb.PullHeader) -> bool:
+    known = type(header)()
+    known.CopyFrom(header)
+    known.DiscardUnknownFields()  # recursive (a PullHeader's run_config too)
+    return known.ByteSize() != header.ByteSize()
+
+
 def seal(header: _H) -> _H:
     """Set ``header.header_crc32`` to the header's CRC (every other field final); returns it."""
     header.header_crc32 = header_crc(header)
@@ -50,6 +61,12 @@ def check_header(header: pb.PushHeader | pb.PullHeader, what: str) -> None:
     """
     sent = header.header_crc32
     if not sent:
+        if _has_unknown_fields(header):  # a flipped tag that swallowed the CRC's own field
+            raise PayloadCorruptedError(
+                f"the header of {what} carries no header_crc32 but holds an unknown field: it was corrupted in "
+                f"transit (a flipped tag swallowed the CRC; a peer that knows fields past header_crc32 sends it); "
+                f"send it again, and check the network path if this repeats"
+            )
         return
     got = header_crc(header)
     if got != sent:
