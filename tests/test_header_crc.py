@@ -136,6 +136,8 @@ def test_a_flipped_push_id_is_resent_and_the_worker_goes_on(start_server, monkey
         assert worker.stats.pushes_applied == applied + 4 and worker.stats.drops == {}
         assert worker.stats.corrupted_transfers == 1 and rec.last_push_id == mark + 4
         assert srv.state.status().rejected_pushes == 1
+        if bulk:  # resent on a fresh bulk connection, not handed to gRPC
+            assert worker.client._bulk.fallbacks == 0  # noqa: SLF001
         assert _in_step(srv, model)
 
 

@@ -294,14 +294,17 @@ class BulkServer:
     def _refuse_corrupted_header(self, conn: socket.socket, exc: PayloadCorruptedError) -> None:
         """Answer a push whose header arrived corrupted, then end the connection: its
         total_bytes cannot be trusted, so the payload after it cannot be drained in step.
-        The bytes the client still sends are read and discarded until it closes (closing
-        with them unread would reset the connection and could lose the reply first)."""
+        The reply is followed by the end of the stream (the client's next request on this
+        connection meets it and is made again on a fresh one, bulk_client.py); what the
+        client still sends is read and discarded until it closes (closing with bytes
+        unread would reset the connection and could lose the reply first)."""
         log.warning("bulk push refused: %s", exc)
         self.state.record_rejected(0, exc.reason)  # its worker_id is as untrusted as the rest
         self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
         scratch = memoryview(bytearray(1 << 16))
         try:
-            while conn.recv_into(scratch):  # under the idle timeout; the client drops the connection
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv_into(scratch):  # under the idle timeout, until the client closes
                 pass
         except OSError:
             pass

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, PayloadCorruptedError, from_rpc_error
+from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import BulkStatus, ConnectionEnded, recv_frame, send_frame
 from asyncdiloco.wire.header_crc import check_header
@@ -240,13 +240,7 @@ class BulkChannel:
         send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, push=header))
         for start in range(0, len(view), _SLICE_BYTES):
             deadline.arm(sock).sendall(view[start : start + _SLICE_BYTES])
-        try:
-            return self._reply(sock, deadline, "push").push
-        except PayloadCorruptedError:
-            # A corrupted header's payload size cannot be trusted, so the server closes the
-            # connection after this reply (ps/bulk.py); the resend starts on a fresh one.
-            self._drop()
-            raise
+        return self._reply(sock, deadline, "push").push
 
     def _pull(
         self,
