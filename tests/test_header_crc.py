@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from asyncdiloco import AsyncDiLoCoWorker, WorkerConfig
-from asyncdiloco.errors import InvalidPayloadError, PayloadCorruptedError
+from asyncdiloco.errors import InvalidPayloadError, PayloadCorruptedError, UnknownVersionError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.header_crc import check_header, header_crc, seal
 from asyncdiloco.worker import bulk_client
@@ -233,3 +233,19 @@ def test_a_bulk_channel_that_corrupts_every_push_hands_it_to_grpc(start_server, 
         assert corrupted["n"] >= tries and worker.stats.pushes_applied == 3 and worker.stats.drops == {}
         assert worker.client._bulk._down  # noqa: SLF001 - marked as when it is down
         assert _in_step(srv, model)
+
+
+def test_the_push_after_a_refused_one_is_applied_though_the_mark_did_not_move(start_server):
+    """Why the server bounds push ids from below only: the mark moves on applied pushes, so
+    a worker's next id after a refusal is 2 past it (docs/protocol.md, duplicate replies)."""
+    srv, model, opt, worker = _worker(start_server, bulk=False)
+    with worker:
+        _steps(model, opt, H)
+        rec = srv.state.registry.get(worker.worker_id)
+        mark, version = rec.last_push_id, srv.state.version
+        payload = worker.manifest.pack_flat(torch.zeros(worker.manifest.numel))
+        with pytest.raises(UnknownVersionError):  # a base version from the future
+            worker.client.push(payload, worker_id=worker.worker_id, push_id=mark + 1, base_version=version + 5)
+        assert rec.last_push_id == mark
+        reply = worker.client.push(payload, worker_id=worker.worker_id, push_id=mark + 2, base_version=version)
+        assert reply.applied and rec.last_push_id == mark + 2
