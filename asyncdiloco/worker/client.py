@@ -9,11 +9,14 @@ a call's deadline allows, so a deadline expires only when the server or the netw
 fails (then a retry with the same push id is answered with the push's outcome).
 A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
-policy (the Worker retries with backoff), with one exception: a payload corrupted in
-transit (``PayloadCorruptedError``: its CRC-32 differs, on either side) is sent again
-here, a push with the same header and push id (the refusal applied nothing), a pull
-from the start, up to ``corrupted_resends`` times with a backoff from
-``resend_backoff_s`` doubling; only when every try arrived corrupted is it raised.
+policy (the Worker retries with backoff), with one exception: a payload or header
+corrupted in transit (``PayloadCorruptedError``: the payload's CRC-32 or the header's
+``header_crc32`` differs, on either side; wire/header_crc.py) is sent again here, a push
+with the same header and push id (the refusal applied nothing), a pull from the start,
+up to ``corrupted_resends`` times with a backoff from ``resend_backoff_s`` doubling. When
+every one of those tries went over the bulk channel, the channel is marked unusable (as
+when it is down) and the transfer gets as many tries over gRPC; only when the last of
+them arrived corrupted too is it raised.
 
 With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
 channel uses TLS (optionally with a client certificate), see wire/security.py.
@@ -25,11 +28,9 @@ fall back to gRPC per call when it cannot be used.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -58,6 +59,7 @@ from asyncdiloco.wire.security import (
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.worker import long_poll
 from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
+from asyncdiloco.worker.resend import over_bulk, resending_corrupted
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +73,6 @@ _T = TypeVar("_T")
 CORRUPTED_RESENDS = 3
 #: Seconds before the first resend of a corrupted payload; doubles with every resend.
 RESEND_BACKOFF_S = 0.05
-
-
-class _BulkCorrupted(PayloadCorruptedError):
-    """A ``PayloadCorruptedError`` of a try over the bulk channel (it travels as its parent:
-    no reason of its own); ``_resending_corrupted`` then goes on over gRPC."""
-
-
-@contextlib.contextmanager
-def _over_bulk() -> Iterator[None]:
-    """A ``PayloadCorruptedError`` raised inside becomes a ``_BulkCorrupted``."""
-    try:
-        yield
-    except _BulkCorrupted:
-        raise
-    except PayloadCorruptedError as exc:
-        raise _BulkCorrupted(str(exc)) from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +290,7 @@ class ParameterServerClient:
         timeout_s = self._payload_timeout(deadline_bytes)
         got = None
         if bulk and self._bulk is not None:
-            with _over_bulk():
+            with over_bulk():
                 got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
         if got is not None:
             self._told(got[0].run_config.group_max_wait_s)
@@ -412,49 +398,20 @@ class ParameterServerClient:
             return self._push_with(payload, header, metadata, bulk)  # the refusal applied nothing: the same push id
 
     def _resending_corrupted(self, call: Callable[[bool], _T], what: str) -> _T:
-        """``call(bulk)``, made again while its payload or header arrives corrupted (module
-        docstring). When every try of a round went over the bulk channel and arrived
-        corrupted, the channel is marked unusable (as when it is down: gRPC until its
-        backoff passes) and the transfer gets a second round over gRPC only.
+        """``call(bulk)``, made again while it arrives corrupted (resend.py)."""
 
-        Raises:
-            PayloadCorruptedError: every one of the ``1 + corrupted_resends`` tries (over
-                gRPC, after the bulk channel's round) was corrupted; the message names the
-                count and what to check.
-            Whatever else ``call`` raises.
-        """
-        bulk = self._bulk is not None
-        while True:
-            try:
-                return self._resend_round(call, what, bulk)
-            except _BulkCorrupted as exc:  # the last try went over the bulk channel
-                channel = self._bulk
-                if not bulk or channel is None:
-                    raise PayloadCorruptedError(str(exc)) from exc.__cause__  # pragma: no cover - bulk only
-                channel.suspect(exc)
-                log.warning("%s arrived corrupted over the bulk data channel every time; sending it over gRPC", what)
-                bulk = False
+        def count() -> None:
+            self.corrupted_transfers += 1
 
-    def _resend_round(self, call: Callable[[bool], _T], what: str, bulk: bool) -> _T:
-        """Up to ``1 + corrupted_resends`` tries of ``call(bulk)`` while it arrives corrupted."""
-        delay_s = self.resend_backoff_s
-        for attempt in range(1, self.corrupted_resends + 2):
-            try:
-                return call(bulk)
-            except PayloadCorruptedError as exc:
-                self.corrupted_transfers += 1
-                if attempt > self.corrupted_resends:
-                    where = "over the bulk data channel" if isinstance(exc, _BulkCorrupted) else "over gRPC"
-                    error = _BulkCorrupted if isinstance(exc, _BulkCorrupted) else PayloadCorruptedError
-                    raise error(
-                        f"{what} arrived corrupted {attempt} times in a row {where} (the limit is 1 + "
-                        f"corrupted_resends={self.corrupted_resends}; last: {exc}); the network path to "
-                        f"{self.address} corrupts data: check its links, NICs and proxies"
-                    ) from exc
-                log.warning("%s arrived corrupted (%s); sending it again in %.2f s", what, exc, delay_s)
-                time.sleep(delay_s)
-                delay_s *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
+        return resending_corrupted(
+            call,
+            what,
+            channel=lambda: self._bulk,
+            resends=self.corrupted_resends,
+            backoff_s=self.resend_backoff_s,
+            address=self.address,
+            on_corrupted=count,
+        )
 
     def _adopt_server_chunking(self) -> bool:
         """After a refused push: whether the server's chunk size (its Status's RunConfig)
@@ -486,7 +443,7 @@ class ParameterServerClient:
         seal(header)  # header_crc32 over the final fields (wire/header_crc.py)
         timeout_s = self._push_timeout(total, header.worker_id)
         if bulk and self._bulk is not None and payload.is_contiguous() and not metadata:
-            with _over_bulk():
+            with over_bulk():
                 reply = self._bulk.push(header, payload, timeout_s)
             if reply is not None:
                 self._told(reply.group_max_wait_s, header.worker_id)
