@@ -95,7 +95,8 @@ class InvalidPayloadError(AsyncDiLoCoError, ValueError):
 
 
 class PayloadCorruptedError(InvalidPayloadError):
-    """A payload's CRC-32 differs from the one its header announced: it was corrupted in
+    """A payload's CRC-32 differs from the one its header announced, or a push or pull
+    header's own ``header_crc32`` differs (wire/header_crc.py): it was corrupted in
     transit. Unlike the other invalid payloads, the same call sent again may succeed: the
     client resends a push (same push_id; the refusal applied nothing) or pulls again, a
     few times with backoff, before it raises this (``ParameterServerClient``). An

@@ -425,3 +425,36 @@ def test_connections_over_the_limit_are_closed_and_their_clients_use_grpc(server
         s.close()
     other.close()
     client.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_corrupted_push_header_is_resent_on_a_fresh_connection(servers, pki, monkeypatch, tls):  # noqa: F811
+    """The server cannot drain a payload whose header it cannot trust: it answers
+    payload_corrupted and ends the connection; the resend reconnects within the call."""
+    client_sec = None
+    if tls:
+        srv = servers(security=ServerSecurityConfig(tls_cert=pki["ca_server_cert"], tls_key=pki["ca_server_key"]))
+        client_sec = ClientSecurityConfig(tls_ca=pki["ca_cert"])
+    else:
+        srv = servers()
+    client, w = _initialized_client(srv, security=client_sec)
+    client.resend_backoff_s = 0.001
+    _no_grpc_payloads(client)
+    real, left = BulkChannel._push, {"n": 1}
+
+    def flipping(self, sock, deadline, header, view):
+        if left["n"]:
+            left["n"] -= 1
+            bad = pb.PushHeader()
+            bad.CopyFrom(header)
+            bad.base_version ^= 8  # header_crc32 is the sender's: the server sees the mismatch
+            header = bad
+        return real(self, sock, deadline, header, view)
+
+    monkeypatch.setattr(BulkChannel, "_push", flipping)
+    before = _state(srv)
+    reply = client.push(_payload(4, 1e-2), worker_id=w, push_id=2, base_version=0)
+    assert reply.applied and reply.version == before[0] + 1 and left["n"] == 0
+    assert client.corrupted_transfers == 1 and client._bulk.fallbacks == 0  # noqa: SLF001
+    assert srv.state.status().rejected_pushes == 1
+    client.close()

@@ -32,10 +32,17 @@ import threading
 
 import grpc
 
-from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, InvalidPayloadError, UnauthenticatedError
+from asyncdiloco.errors import (
+    AsyncDiLoCoError,
+    ConfigError,
+    InvalidPayloadError,
+    PayloadCorruptedError,
+    UnauthenticatedError,
+)
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
+from asyncdiloco.wire.header_crc import check_header
 from asyncdiloco.wire.security import token_matches
 
 log = logging.getLogger(__name__)
@@ -247,6 +254,10 @@ class BulkServer:
             raise _Close
 
     def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:
+        try:
+            check_header(header, f"a bulk push from worker {header.worker_id} (push_id {header.push_id} as received)")
+        except PayloadCorruptedError as exc:
+            self._refuse_corrupted_header(conn, exc)
         worker_id, total = header.worker_id, header.total_bytes
         reading = False
 
@@ -279,6 +290,25 @@ class BulkServer:
             return
         reply = self.state.finish_push(outcome, header.worker_id, hold=not header.last)  # a last push is not held
         self._reply(conn, grpc.StatusCode.OK, push=reply)
+
+    def _refuse_corrupted_header(self, conn: socket.socket, exc: PayloadCorruptedError) -> None:
+        """Answer a push whose header arrived corrupted, then end the connection: its
+        total_bytes cannot be trusted, so the payload after it cannot be drained in step.
+        The reply is followed by the end of the stream (the client's next request on this
+        connection meets it and is made again on a fresh one, bulk_client.py); what the
+        client still sends is read and discarded until it closes (closing with bytes
+        unread would reset the connection and could lose the reply first)."""
+        log.warning("bulk push refused: %s", exc)
+        self.state.record_rejected(0, exc.reason)  # its worker_id is as untrusted as the rest
+        self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
+        scratch = memoryview(bytearray(1 << 16))
+        try:
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv_into(scratch):  # under the idle timeout, until the client closes
+                pass
+        except OSError:
+            pass
+        raise _Close
 
     def _pull(self, conn: socket.socket, request: pb.PullRequest) -> None:
         try:

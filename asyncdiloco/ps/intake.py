@@ -32,6 +32,7 @@ from asyncdiloco.ps.registry import WorkerRegistry
 from asyncdiloco.ps.values import ValueScan, largest_magnitude
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import WireChunk
+from asyncdiloco.wire.header_crc import check_header
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of, num_chunks_for
 
 log = logging.getLogger(__name__)
@@ -101,12 +102,18 @@ def _check_fields(header: pb.PushHeader, max_payload_bytes: int) -> None:
             f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes="
             f"{max_payload_bytes}; send a smaller model or raise the server's limit"
         )
-    if header.push_id < 1:
-        raise InvalidPayloadError(f"push_id is {header.push_id}; use a per-worker counter starting at 1")
     if header.base_version < 0:
         raise UnknownVersionError(
             f"base_version {header.base_version} was never served: versions start at 0; push against the "
             f"version the worker pulled"
+        )
+
+
+def _check_push_id(header: pb.PushHeader) -> None:
+    """A push id is a per-worker counter from 1 (PushHeader.push_id)."""
+    if header.push_id < 1:
+        raise InvalidPayloadError(
+            f"push_id is {header.push_id}; the smallest is 1: number a worker's pushes with a counter starting at 1"
         )
 
 
@@ -176,10 +183,13 @@ class PushIntake:
             A ``PayloadAssembler`` to feed the chunks to, or the original outcome when
             this ``(worker_id, push_id)`` was applied before (a retry).
         Raises:
+            PayloadCorruptedError (the header's header_crc32 differs: corrupted in transit),
             UnknownWorkerError, WorkerSupersededError, InvalidPayloadError, PayloadTooLargeError, StalePushError,
             NotInitializedError, ModeMismatchError, ServerBusyError (no buffer within
             30 s): nothing is changed.
         """
+        check_header(header, f"a push from worker {header.worker_id} (push_id {header.push_id} as received)")
+        _check_push_id(header)  # before a retry's answer: 0 or -5 is no replay of anything
         with self.locks.books:
             self.registry.check_session(header.worker_id, header.session_id)  # before a retry's answer
             retried = self._retried(header)

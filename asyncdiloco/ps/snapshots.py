@@ -31,6 +31,7 @@ from asyncdiloco.ps.model import GlobalModel
 from asyncdiloco.ps.modes import Mode
 from asyncdiloco.ps.records import StateLocks
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import crc32_of, num_chunks_for
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class Snapshots:
             run_config=run_config(request.worker_id),
             round=mode.pull_round(version),
         )
-        return PullSource(header, snap, payload)
+        return PullSource(seal(header), snap, payload)
 
     def close_pull(self, source: PullSource) -> None:
         """A pull from ``open_pull`` ended: its snapshot may be freed."""

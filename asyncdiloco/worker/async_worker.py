@@ -37,8 +37,9 @@ what a push or pull raises (the class decides, errors.py; never the message):
   ``WorkerConfig.max_dropped_in_a_row`` drops in a row (a model that diverges every
   round, a worker too slow for ``max_staleness``) the sync raises once, the newest
   drop's class, naming the count and the fix.
-- ``PayloadCorruptedError``: the client has sent it again a few times already
-  (client.py); if every try arrived corrupted it is raised, the push kept for a retry.
+- ``PayloadCorruptedError``: the client has sent it again a few times already, over
+  gRPC too when the bulk channel corrupted every try (client.py); if every try arrived
+  corrupted it is raised, the push kept for a retry.
 - ``UnknownWorkerError`` (the lease lapsed): rejoin at the next sync point. If the server
   resumes the registration (a named worker), the unacknowledged push is retried with its
   id and the unsent steps are kept, as after a restart below; otherwise its outcome is

@@ -38,6 +38,7 @@ import torch
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, from_rpc_error
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import BulkStatus, ConnectionEnded, recv_frame, send_frame
+from asyncdiloco.wire.header_crc import check_header
 from asyncdiloco.wire.tensors import PayloadAssembler
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,13 @@ class BulkChannel:
         with self._lock:
             self._drop()
 
+    def suspect(self, exc: BaseException) -> None:
+        """Stop using the channel as when it is down (gRPC until the backoff passes; the
+        connection is closed): every resend of a transfer over it arrived corrupted (``exc``)."""
+        with self._lock:
+            self._drop()
+            self._mark_down(exc)
+
     # ----------------------------------------------------------- plumbing
     def _run(self, call, timeout_s: float):
         result = self._run_once(call, timeout_s)
@@ -246,6 +254,7 @@ class BulkChannel:
         send_frame(deadline.arm(sock), pb.BulkRequest(token=self._token, pull=request))
         header = self._reply(sock, deadline, "pull").pull
         try:  # from here on the payload is in flight: a refusal here closes the connection
+            check_header(header, f"the pull of version {header.version} (as received)")
             total, buffer = expected_payload(size, header, buffer)
             assembler = PayloadAssembler(
                 total_bytes=total,

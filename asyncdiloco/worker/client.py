@@ -9,11 +9,14 @@ a call's deadline allows, so a deadline expires only when the server or the netw
 fails (then a retry with the same push id is answered with the push's outcome).
 A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
-policy (the Worker retries with backoff), with one exception: a payload corrupted in
-transit (``PayloadCorruptedError``: its CRC-32 differs, on either side) is sent again
-here, a push with the same header and push id (the refusal applied nothing), a pull
-from the start, up to ``corrupted_resends`` times with a backoff from
-``resend_backoff_s`` doubling; only when every try arrived corrupted is it raised.
+policy (the Worker retries with backoff), with one exception: a payload or header
+corrupted in transit (``PayloadCorruptedError``: the payload's CRC-32 or the header's
+``header_crc32`` differs, on either side; wire/header_crc.py) is sent again here, a push
+with the same header and push id (the refusal applied nothing), a pull from the start,
+up to ``corrupted_resends`` times with a backoff from ``resend_backoff_s`` doubling. When
+every one of those tries went over the bulk channel, the channel is marked unusable (as
+when it is down) and the transfer gets as many tries over gRPC; only when the last of
+them arrived corrupted too is it raised.
 
 With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
 channel uses TLS (optionally with a client certificate), see wire/security.py.
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -46,6 +48,7 @@ from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.codec import wire_bytes_for
 from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
+from asyncdiloco.wire.header_crc import check_header, seal
 from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
@@ -56,6 +59,7 @@ from asyncdiloco.wire.security import (
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.worker import long_poll
 from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
+from asyncdiloco.worker.resend import over_bulk, resending_corrupted
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +250,7 @@ class ParameterServerClient:
         total = manifest.numel * 4 * (2 if with_momentum else 1)
         request = pb.PullRequest(worker_id=worker_id, sync_state=True)
         return self._resending_corrupted(
-            lambda: self._pull(request, total, None, total), f"the sync-state pull of worker {worker_id}"
+            lambda bulk: self._pull(request, total, None, total, bulk), f"the sync-state pull of worker {worker_id}"
         )
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
@@ -265,20 +269,29 @@ class ParameterServerClient:
         deadline_bytes = max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
         request = pb.PullRequest(worker_id=worker_id)
         return self._resending_corrupted(
-            lambda: self._pull(request, size, buffer, deadline_bytes), f"the pull of worker {worker_id}"
+            lambda bulk: self._pull(request, size, buffer, deadline_bytes, bulk), f"the pull of worker {worker_id}"
         )
 
     def _pull(
-        self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, deadline_bytes: int
+        self,
+        request: pb.PullRequest,
+        size: PayloadSize,
+        buffer: torch.Tensor | None,
+        deadline_bytes: int,
+        bulk: bool = True,
     ) -> Pulled:
         """One pull over the bulk channel, or gRPC when it cannot be used.
 
         Args:
             size: the payload's size in bytes, or a function of the header giving it.
             deadline_bytes: the payload size the call's deadline allows for.
+            bulk: the bulk channel may carry it (False: gRPC only).
         """
         timeout_s = self._payload_timeout(deadline_bytes)
-        got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s) if self._bulk is not None else None
+        got = None
+        if bulk and self._bulk is not None:
+            with over_bulk():
+                got = self._bulk.pull(request, size, buffer, self.chunk_bytes, timeout_s)
         if got is not None:
             self._told(got[0].run_config.group_max_wait_s)
             pulled = Pulled(got[0].version, got[1], got[0].run_config)
@@ -298,6 +311,11 @@ class ParameterServerClient:
         if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
             raise InvalidPayloadError("the server's pull stream did not start with a PullHeader")
         header = first.header
+        try:
+            check_header(header, f"the pull of version {header.version} (as received)")
+        except PayloadCorruptedError:
+            stream.cancel()  # the payload that follows is not read
+            raise
         total, buffer = expected_payload(size, header, buffer)
         self._told(header.run_config.group_max_wait_s)
         assembler = PayloadAssembler(
@@ -357,15 +375,16 @@ class ParameterServerClient:
             session_id=self._sessions.get(worker_id, 0),
         )
         return self._resending_corrupted(
-            lambda: self._push_in_server_chunks(payload, header, metadata), f"push {push_id} of worker {worker_id}"
+            lambda bulk: self._push_in_server_chunks(payload, header, metadata, bulk),
+            f"push {push_id} of worker {worker_id}",
         )
 
     def _push_in_server_chunks(
-        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
     ) -> pb.PushReply:
         """``_push_once``; refused, once more cut with the server's chunk size if it changed."""
         try:
-            return self._push_with(payload, header, metadata)
+            return self._push_with(payload, header, metadata, bulk)
         except PayloadCorruptedError:
             raise  # the chunking was right (the payload arrived whole): resent as it is
         except (InvalidPayloadError, PayloadTooLargeError):
@@ -376,32 +395,23 @@ class ParameterServerClient:
                 self.chunk_bytes,
                 header.push_id,
             )
-            return self._push_with(payload, header, metadata)  # the refusal applied nothing: the same push id again
+            return self._push_with(payload, header, metadata, bulk)  # the refusal applied nothing: the same push id
 
-    def _resending_corrupted(self, call: Callable[[], _T], what: str) -> _T:
-        """``call()``, made again while its payload arrives corrupted (module docstring).
+    def _resending_corrupted(self, call: Callable[[bool], _T], what: str) -> _T:
+        """``call(bulk)``, made again while it arrives corrupted (resend.py)."""
 
-        Raises:
-            PayloadCorruptedError: every one of the ``1 + corrupted_resends`` tries was
-                corrupted; the message names the count and what to check.
-            Whatever else ``call`` raises.
-        """
-        delay_s = self.resend_backoff_s
-        for attempt in range(1, self.corrupted_resends + 2):
-            try:
-                return call()
-            except PayloadCorruptedError as exc:
-                self.corrupted_transfers += 1
-                if attempt > self.corrupted_resends:
-                    raise PayloadCorruptedError(
-                        f"{what} arrived corrupted {attempt} times in a row (the limit is 1 + corrupted_resends="
-                        f"{self.corrupted_resends}; last: {exc}); the network path to {self.address} corrupts data: "
-                        f"check its links, NICs and proxies"
-                    ) from exc
-                log.warning("%s arrived corrupted (%s); sending it again in %.2f s", what, exc, delay_s)
-                time.sleep(delay_s)
-                delay_s *= 2
-        raise AssertionError("unreachable")  # pragma: no cover
+        def count() -> None:
+            self.corrupted_transfers += 1
+
+        return resending_corrupted(
+            call,
+            what,
+            channel=lambda: self._bulk,
+            resends=self.corrupted_resends,
+            backoff_s=self.resend_backoff_s,
+            address=self.address,
+            on_corrupted=count,
+        )
 
     def _adopt_server_chunking(self) -> bool:
         """After a refused push: whether the server's chunk size (its Status's RunConfig)
@@ -416,17 +426,25 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         return True
 
-    def _push_with(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple) -> pb.PushReply:
+    def _push_with(
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple, bulk: bool = True
+    ) -> pb.PushReply:
         """``_push_once``, with the extra metadata only when there is some."""
+        if not bulk and self._bulk is not None:
+            return self._push_once(payload, header, metadata, bulk=False)
         return self._push_once(payload, header, metadata) if metadata else self._push_once(payload, header)
 
-    def _push_once(self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = ()) -> pb.PushReply:
-        """``push`` cut in chunks of the current ``chunk_bytes``."""
+    def _push_once(
+        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
+    ) -> pb.PushReply:
+        """``push`` cut in chunks of the current ``chunk_bytes`` (``bulk`` False: gRPC only)."""
         total = payload.numel()
         header.num_chunks = num_chunks_for(total, self.chunk_bytes)
+        seal(header)  # header_crc32 over the final fields (wire/header_crc.py)
         timeout_s = self._push_timeout(total, header.worker_id)
-        if self._bulk is not None and payload.is_contiguous() and not metadata:
-            reply = self._bulk.push(header, payload, timeout_s)
+        if bulk and self._bulk is not None and payload.is_contiguous() and not metadata:
+            with over_bulk():
+                reply = self._bulk.push(header, payload, timeout_s)
             if reply is not None:
                 self._told(reply.group_max_wait_s, header.worker_id)
                 return reply

@@ -159,20 +159,22 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., sync_state: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "total_bytes", "num_chunks", "crc32", "run_config", "round")
+    __slots__ = ("version", "total_bytes", "num_chunks", "crc32", "run_config", "round", "header_crc32")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    HEADER_CRC32_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     num_chunks: int
     crc32: int
     run_config: RunConfig
     round: int
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[int] = ...) -> None: ...
+    header_crc32: int
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., run_config: _Optional[_Union[RunConfig, _Mapping]] = ..., round: _Optional[int] = ..., header_crc32: _Optional[int] = ...) -> None: ...
 
 class PayloadChunk(_message.Message):
     __slots__ = ("index", "offset", "data")
@@ -193,7 +195,7 @@ class PullMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id", "last", "session_id")
+    __slots__ = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "num_chunks", "crc32", "kind", "compute_s", "quorum_id", "last", "session_id", "header_crc32")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +209,7 @@ class PushHeader(_message.Message):
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_CRC32_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     push_id: int
     base_version: int
@@ -220,7 +223,8 @@ class PushHeader(_message.Message):
     quorum_id: int
     last: bool
     session_id: int
-    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ..., last: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
+    header_crc32: int
+    def __init__(self, worker_id: _Optional[int] = ..., push_id: _Optional[int] = ..., base_version: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., num_tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., crc32: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., compute_s: _Optional[float] = ..., quorum_id: _Optional[int] = ..., last: _Optional[bool] = ..., session_id: _Optional[int] = ..., header_crc32: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")
