@@ -177,7 +177,7 @@ def test_an_address_where_no_ray_listens_is_one_line_and_exit_1(capsys):
     with socket.socket() as s:  # a port of 127.0.0.1 that nothing listens on once closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = app._run(["launch", "--address", f"127.0.0.1:{port}", "--max-seconds", "5", "--out", "/nonexistent/x"])
+    code, _ = app._run(["launch", "--address", f"127.0.0.1:{port}", "--max-seconds", "5", "--out", "/nonexistent/x"])
     err = capsys.readouterr().err
     assert code == 1, err
     assert err == (
