@@ -320,3 +320,33 @@ def test_a_push_waiting_for_its_turn_holds_no_receive_buffer(start_server):
         assert gate.zero_filled == 0 and servers[1].state.version == servers[0].state.version == 2
     finally:
         client.close()
+
+
+def test_a_follower_one_version_behind_is_pulled_again_only_once_it_caught_up():
+    """The follower is a version behind shard 0 for its first 5 status asks; before, its whole
+    part was pulled again every 5 ms until it caught up."""
+    from asyncdiloco.worker.client import Pulled
+
+    manifest = Manifest.from_named_tensors([("a", torch.zeros(64)), ("b", torch.zeros(64))])
+    sharded = ShardedClient(["127.0.0.1:1", "127.0.0.1:2"])
+    pulls, asks = [0, 0], []
+
+    class Shard:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def version(self) -> int:
+            return 4 if self.index == 0 or len(asks) >= 5 else 3
+
+        def pull(self, sub, worker_id):
+            pulls[self.index] += 1
+            return Pulled(self.version(), torch.zeros(sub.total_bytes, dtype=torch.uint8), pb.RunConfig())
+
+        def status(self):
+            asks.append(self.index)
+            return pb.StatusReply(version=self.version())
+
+    sharded.clients = [Shard(0), Shard(1)]
+    pulled = sharded.pull(manifest)
+    assert pulled.version == 4 and pulled.payload.numel() == manifest.total_bytes
+    assert pulls == [1, 2] and asks == [1] * 5  # one pull at version 3, one once it reported 4
