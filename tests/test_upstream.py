@@ -342,3 +342,20 @@ def test_an_initial_push_upward_that_fails_is_sent_again(servers):
     finally:
         link.stop()
         w.close()
+
+
+def test_a_parent_with_a_momentum_outer_optimizer_is_named_once_with_the_fix(servers, caplog):
+    """The suite's tier diverged under a Delayed Nesterov parent: the region says so at its
+    first join, naming the flags; an SGD parent without momentum is not warned about."""
+    dn_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))  # the server's default outer optimizer
+    sgd_parent = servers(_config())
+    with caplog.at_level("ERROR", logger="asyncdiloco.ps.upstream"):
+        warned = servers(_config(), _link(dn_parent))
+        Worker(warned).close()
+        _synced(warned)
+        quiet = servers(_config(), _link(sgd_parent))
+        Worker(quiet).close()
+        _synced(quiet)
+    lines = [r.getMessage() for r in caplog.records if "runs outer optimizer" in r.getMessage()]
+    assert len(lines) == 1 and dn_parent.address in lines[0]
+    assert "--outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R" in lines[0]

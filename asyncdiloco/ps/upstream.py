@@ -123,6 +123,7 @@ class UpstreamLink:
         self._next_push_id = 1
         self._joined = self._synced = self._must_initialize = False
         self._heartbeat_at = 0.0
+        self._warned_outer = False  # the parent's outer optimizer was judged (``_check_parent_outer``)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._sync_requested = False
@@ -233,6 +234,26 @@ class UpstreamLink:
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
         self._must_initialize = reply.initialize
+        self._check_parent_outer(reply.run_config)
+
+    def _check_parent_outer(self, rc: pb.RunConfig) -> None:
+        """A parent of regional servers should average the regions' pseudo-gradients (SGD, no
+        momentum, lr 1/R for R regions): each is already the result of a region's outer
+        optimizer, and a second outer optimizer with momentum on top diverged in the suite's
+        two-region runs (docs/algorithms.md). Said once, loudly, at the first join; the
+        link goes on (the parent is the operator's to restart)."""
+        if self._warned_outer or (rc.outer_optimizer == "sgd" and rc.outer_momentum == 0):
+            return
+        self._warned_outer = True
+        log.error(
+            "the parent %s runs outer optimizer %s (momentum %g): it applies each region's pseudo-gradient, "
+            "already the result of this region's outer optimizer, through a second one, which diverged in the "
+            "suite's two-region runs; start the parent with --outer-optimizer sgd --outer-momentum 0 "
+            "--outer-lr 1/R (R regions, e.g. 0.5 for two)",
+            self.config.parent,
+            rc.outer_optimizer,
+            rc.outer_momentum,
+        )
 
     def _initialize_parent(self) -> None:
         """The parent has no model yet: θ_base (the regional initial parameters) becomes it."""
