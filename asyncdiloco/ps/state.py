@@ -42,6 +42,7 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.durable import Durability
 from asyncdiloco.ps.intake import PushIntake
 from asyncdiloco.ps.journal import Journal, StateDict
+from asyncdiloco.ps.long_poll import NO_WATCH, CallWatch
 from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
@@ -429,7 +430,13 @@ class ParameterServerState:
 
     # ------------------------------------------------------------ sync mode
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
+        self,
+        worker_id: int,
+        worker_round: int,
+        manifest_hash: str,
+        timeout_s: float,
+        poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
         ``QuorumMiss`` when none formed; with ``poll`` a long poll's short hold, a
@@ -439,7 +446,7 @@ class ParameterServerState:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,
             ManifestMismatchError, InvalidPayloadError.
         """
-        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s, poll)
+        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s, poll, call)
 
     def commit(
         self,
@@ -453,11 +460,12 @@ class ParameterServerState:
         reason: str,
         timeout_s: float,
         poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
         not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
         vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
-        return self.mode.commit(vote, timeout_s, poll)
+        return self.mode.commit(vote, timeout_s, poll, call)
 
     def store(self, request: pb.StoreRequest) -> pb.StoreReply:
         """Sync mode: one operation on a quorum's rendezvous store, answered at once
