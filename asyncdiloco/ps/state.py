@@ -48,6 +48,7 @@ from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, Vote, WorkerRecord
+from asyncdiloco.ps.registry import check_rate
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -246,7 +247,9 @@ class ParameterServerState:
         Raises:
             UnknownWorkerError: the worker left or its lease lapsed.
             WorkerSupersededError: a later Join under the worker's name started a newer session.
+            InvalidPayloadError: ``steps_per_s`` is NaN, infinite or negative (the lease is not renewed).
         """
+        check_rate(steps_per_s)  # before the lease is renewed: nothing half applied
         with self.locks.books:
             self.registry.touch(worker_id, session_id)
             self.registry.report_rate(worker_id, steps_per_s)
