@@ -295,9 +295,11 @@ class SyncMode:
                 f"manifest mismatch: worker {worker_id} asks for a quorum with manifest_hash {manifest_hash[:16]}..., "
                 f"the server's is {server_hash[:16]}...; every member must train the same model"
             )
-        if not timeout_s > 0:
-            raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
         check_wait(timeout_s, poll=poll, what="Quorum")
+        if not timeout_s > 0:
+            raise InvalidPayloadError(
+                f"Quorum timeout_s is {timeout_s}; it must be > 0 seconds (the wait for a quorum)"
+            )
         if poll:
             with self.held_waits.hold(min(timeout_s, call.left_s)) as hold_s:
                 got = self.rounds.poll_quorum(
