@@ -463,15 +463,16 @@ def test_an_abandoned_uninitialized_server_accepts_another_model(make_server):
 def test_a_worker_reports_its_rate_and_takes_its_h_w_before_its_first_push(make_server):
     # DyLU from the first round (Liu et al. 2024, Eq. 6): the worker times its first inner
     # steps and reports the rate; a much faster worker is known, so its H_w drops to 1
-    # before it ever pushes, and its first push carries that H_w, not H.
-    srv = make_server(local_steps=50, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), grouping="off")
+    # before it ever pushes, and its first push carries that H_w, not H. (The measured rate
+    # counts as at least a tenth of the fast one's, RATE_SPREAD: with H = 5 that is H_w 1.)
+    srv = make_server(local_steps=5, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), grouping="off")
     model = make_model()
     _, _, fast_id = init_server(srv, make_model())
     srv.state.report_rate(fast_id, 1e12)  # a worker of practically infinite speed
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     batch = regression_task(0)
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address), tokens_per_step=16) as worker:
-        assert worker.local_steps == 50  # Join: no rate of its own yet
+        assert worker.local_steps == 5  # Join: no rate of its own yet
         for _ in range(1 + AsyncDiLoCoWorker.RATE_PROBE_STEPS):  # one untimed step, then the probe
             x, y = batch()
             nn.functional.mse_loss(model(x), y).backward()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
@@ -39,6 +40,13 @@ GROUPINGS = ("off", "window", "barrier")
 MAX_WINDOW_S = 600.0
 #: Reported or measured rates are clamped to this range, inner steps per second.
 RATE_RANGE = (1e-4, 1e7)
+#: A rate sample is also clamped to within this factor of the median rate of the other
+#: workers with a known rate: one worker's absurd report (1e-6 or 1e300 steps/s) cannot
+#: set everybody's H_w to 1 or hold every push for the longest window.
+RATE_SPREAD = 10.0
+#: Real seconds between two rechecks of a held push's group (``GroupGate.wait`` with
+#: ``refresh``): an expected worker whose lease lapsed stops holding it within this.
+RECHECK_S = 0.5
 
 
 def dylu_local_steps(steps_per_s: Mapping[int, float], local_steps: int) -> dict[int, int]:
@@ -72,8 +80,9 @@ class StepRateMeter:
     a few rounds.
     """
 
-    def __init__(self, alpha: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.5, spread: float = RATE_SPREAD) -> None:
         self.alpha = alpha
+        self.spread = spread
         self._last: dict[int, float] = {}
         self.rates: dict[int, float] = {}
 
@@ -100,7 +109,13 @@ class StepRateMeter:
             self._sample(worker_id, num_local_steps / (now - last))
 
     def _sample(self, worker_id: int, sample: float) -> None:
+        """Fold in one sample, clamped to ``RATE_RANGE`` and to [m / spread, m · spread],
+        m the median rate of the other workers with a known rate (none: no such bound)."""
         sample = min(max(sample, RATE_RANGE[0]), RATE_RANGE[1])
+        others = [v for w, v in self.rates.items() if w != worker_id]
+        if others:
+            mid = statistics.median(others)
+            sample = min(max(sample, mid / self.spread), mid * self.spread)
         old = self.rates.get(worker_id)
         self.rates[worker_id] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 
@@ -186,10 +201,18 @@ class GroupWindow:
         self._check_complete(group, now, live, buffer_complete)
         return group.group_id
 
-    def recheck(self, now: float, live: set[int]) -> None:
-        """A worker left or lapsed: the open group may now hold every expected worker."""
-        if self._open is not None and self._open.released_at is None:
-            self._check_complete(self._open, now, live, False)
+    def recheck(self, now: float, live: set[int], window_s: float | None = None) -> None:
+        """A worker left or lapsed: the open group may now hold every expected worker.
+        ``window_s`` (the window as of now): the group's deadline moves earlier to its
+        first arrival + ``window_s`` when that is sooner (a slow worker's lease lapsed)."""
+        group = self._open
+        if group is None or group.released_at is not None:
+            return
+        if window_s is not None:
+            group.deadline = min(group.deadline, group.opened_at + max(0.0, window_s))
+        self._expire(group, now)
+        if group.released_at is None:
+            self._check_complete(group, now, live, False)
 
     def _check_complete(self, group: _Group, now: float, live: set[int], buffer_complete: bool) -> None:
         if self.mode == "off":
@@ -255,24 +278,45 @@ class GroupGate:
             self._cond.notify_all()
             return group_id
 
-    def recheck(self, live: set[int]) -> None:
+    def recheck(self, live: set[int], window_s: float | None = None) -> None:
+        """``GroupWindow.recheck`` now; wakes the held replies."""
         with self._cond:
-            self.window.recheck(self._clock(), live)
+            self.window.recheck(self._clock(), live, window_s)
             self._cond.notify_all()
 
-    def wait(self, group_id: int, max_wait_s: float = math.inf) -> float:
+    def wait(
+        self,
+        group_id: int,
+        max_wait_s: float = math.inf,
+        refresh: Callable[[], tuple[set[int], float]] | None = None,
+    ) -> float:
         """Block until group ``group_id`` is released, or ``max_wait_s`` (the caller's
-        deadline); returns the seconds waited."""
+        deadline); returns the seconds waited (clock seconds).
+
+        ``refresh`` returns (the expected workers, the window) as of now; it is called
+        every ``RECHECK_S`` real seconds without this gate's lock, and the group is
+        rechecked with them (``GroupWindow.recheck``): a held reply goes out once no
+        expected worker is missing (one's lease lapsed) or the shrunk window ended.
+        """
         start = self._clock()
         with self._cond:
             if self.window.released(group_id, start):
                 return 0.0  # not held
-            while True:
+        while True:
+            with self._cond:
                 now = self._clock()
                 if self.window.released(group_id, now) or now - start >= max_wait_s:
                     return now - start
                 until = min(self.window.deadline(group_id), start + max_wait_s)
-                self._cond.wait(min(threading.TIMEOUT_MAX, max(1e-3, until - now)))
+                wait_s = max(1e-3, until - now)
+                self._cond.wait(min(threading.TIMEOUT_MAX, wait_s if refresh is None else min(wait_s, RECHECK_S)))
+            if refresh is not None and not self.released_now(group_id):
+                self.recheck(*refresh())
+
+    def released_now(self, group_id: int) -> bool:
+        """Whether group ``group_id`` is released (at its deadline, if passed)."""
+        with self._cond:
+            return self.window.released(group_id, self._clock())
 
     def close(self) -> None:
         """Release every held reply (the server is stopping)."""

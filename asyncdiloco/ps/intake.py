@@ -313,6 +313,14 @@ class PushIntake:
 
         return self.receive(header, fill, drain=lambda: None)
 
+    def _group_now(self) -> tuple[set[int], float]:
+        """(the workers a group waits for, the window) as of now, leases re-checked: what
+        a held reply rechecks its group with (schedule.py ``GroupGate.wait``)."""
+        with self.locks.books:
+            now = self.registry.clock()
+            self.registry.expire(now)
+            return self.registry.expected(now), self.registry.group_max_wait_s()
+
     def reply(
         self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True, max_wait_s: float = math.inf
     ) -> pb.PushReply:
@@ -344,7 +352,7 @@ class PushIntake:
         elif outcome.group_id and hold:
             with self.locks.books:
                 told_s = self.registry.told_wait_s(worker_id) if worker_id else max_wait_s
-            held_s = self.groups.wait(outcome.group_id, min(max_wait_s, told_s))
+            held_s = self.groups.wait(outcome.group_id, min(max_wait_s, told_s), self._group_now)
         with self.locks.books:
             local_steps = self.registry.local_steps(worker_id) if worker_id else outcome.local_steps
             max_wait_next_s = self.registry.tell_wait_s(worker_id)

@@ -14,8 +14,12 @@ thread, and the rest of the pool keeps serving pushes, pulls, heartbeats and Sta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+from asyncdiloco.errors import InvalidPayloadError
 
 #: Seconds a long-polled Quorum or Commit call may be held at most before it answers
 #: "pending" (Quorum) or "not decided" (Commit). Short: the server's shutdown wakes a
@@ -26,6 +30,45 @@ HOLD_S = 1.0
 KEEP_S = 15.0
 #: At most this fraction of the RPC pool (1 / HELD_FRACTION) holds waiting calls.
 HELD_FRACTION = 8
+#: The longest ``timeout_s`` a Quorum or Commit call may ask for, seconds. Above it (or
+#: not a finite number) the call is refused with INVALID_ARGUMENT: a blocking call holds
+#: an RPC thread for its whole wait (a long poll only ``HOLD_S`` of it).
+MAX_WAIT_S = 3600.0
+
+
+def check_wait(timeout_s: float, *, poll: bool, what: str) -> None:
+    """Refuse a Quorum/Commit ``timeout_s`` that is not finite, or above ``MAX_WAIT_S``
+    without ``poll`` (a long poll's ``timeout_s`` only says when the caller's wait ends).
+
+    Raises:
+        InvalidPayloadError: naming the value, the limit and the fix.
+    """
+    if not math.isfinite(timeout_s):
+        raise InvalidPayloadError(f"{what} timeout_s is {timeout_s}; it must be a finite number of seconds")
+    if not poll and timeout_s > MAX_WAIT_S:
+        raise InvalidPayloadError(
+            f"{what} timeout_s is {timeout_s:g} s, above the server's limit of {MAX_WAIT_S:g} s for a blocking "
+            f"call; ask for at most {MAX_WAIT_S:g} s and ask again, or set poll (a long poll)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CallWatch:
+    """What a held Quorum/Commit wait knows of its RPC: ``alive()`` is False once the
+    call ended (the client cancelled or its deadline passed; the servicer passes
+    ``context.is_active`` and wakes the waits when the call ends), and ``left_s`` is the
+    seconds to its deadline (inf: none), past which no wait lasts."""
+
+    alive: Callable[[], bool]
+    left_s: float = math.inf
+
+
+def _always() -> bool:
+    return True
+
+
+#: No RPC behind the wait (tests, in-process callers).
+NO_WATCH = CallWatch(_always)
 
 
 def max_held_waits(pool: int) -> int:

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from asyncdiloco.errors import ModeMismatchError
+from asyncdiloco.ps.long_poll import NO_WATCH, CallWatch
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import PushOutcome, Vote
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -77,12 +78,18 @@ class Mode(Protocol):
         """A worker left (called without the state's locks)."""
 
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
+        self,
+        worker_id: int,
+        worker_round: int,
+        manifest_hash: str,
+        timeout_s: float,
+        poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum (``poll``: a
         long poll's short hold, long_poll.py)."""
 
-    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False, call: CallWatch = NO_WATCH) -> Decision | None:
         """Vote on a round, then block up to ``timeout_s`` seconds for its decision
         (``poll``: a long poll's short hold)."""
 
@@ -119,11 +126,17 @@ class AsyncMode:
         pass
 
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
+        self,
+        worker_id: int,
+        worker_round: int,
+        manifest_hash: str,
+        timeout_s: float,
+        poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         self._touch(worker_id)
         raise self.mismatch(f"the quorum request of worker {worker_id}")
 
-    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False, call: CallWatch = NO_WATCH) -> Decision | None:
         self._touch(vote.worker_id)
         raise self.mismatch(f"the commit vote of worker {vote.worker_id}")

@@ -39,12 +39,13 @@ then state), and the state never calls in here while holding its own lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -56,6 +57,16 @@ log = logging.getLogger(__name__)
 
 #: Decisions remembered for late voters.
 _DECISION_MEMORY = 64
+
+
+def _always() -> bool:
+    return True
+
+
+def _replaced(calls: dict[int, object], worker_id: int, me: object) -> bool:
+    """A newer held call of ``worker_id`` (0: none tracked) took over from ``me``."""
+    return bool(worker_id) and calls.get(worker_id) is not me
+
 
 __all__ = ["Assignment", "CommittedRound", "Decision", "QuorumManager", "QuorumMiss"]
 
@@ -102,6 +113,10 @@ class QuorumManager:
         self._next_quorum_id = 1
         #: Set by ``close`` (the server is stopping): blocked calls return at once.
         self._closed = False
+        #: The newest held Quorum call (a token) of each worker, and its newest held
+        #: Commit call: an older one still held is answered at once (one per worker).
+        self._quorum_calls: dict[int, object] = {}
+        self._commit_calls: dict[int, object] = {}
 
     # --------------------------------------------------------- non-blocking core
     def request(self, worker_id: int, worker_round: int) -> Assignment | None:
@@ -214,19 +229,30 @@ class QuorumManager:
             return self._decisions.get(quorum_id)
 
     # ------------------------------------------------------------ blocking calls
-    def wait_quorum(self, worker_id: int, worker_round: int, timeout_s: float) -> Assignment | QuorumMiss:
+    def wait_quorum(
+        self, worker_id: int, worker_round: int, timeout_s: float, *, alive: Callable[[], bool] = _always
+    ) -> Assignment | QuorumMiss:
         """``request`` and wait up to ``timeout_s`` real seconds for the quorum; a
-        ``QuorumMiss`` saying why if it did not form (the request is withdrawn)."""
+        ``QuorumMiss`` saying why if it did not form (the request is withdrawn).
+
+        ``alive`` is False once the caller's RPC ended (cancelled, deadline passed: the
+        servicer passes ``context.is_active`` and wakes this wait with ``notify``): the
+        wait ends and the request is withdrawn. A newer ``wait_quorum`` / ``poll_quorum``
+        of the same worker replaces this one, which returns a ``QuorumMiss`` with
+        ``pending`` at once (the request stays, held by the newer call)."""
         end = time.monotonic() + timeout_s
-        with self._cond:
+        me = object()
+        with self._cond, self._turn_locked(self._quorum_calls, worker_id, me):
             self._keep.pop(worker_id, None)  # a blocking wait: no poll deadline
             got = self._request_locked(worker_id, worker_round)
             while got is None:
+                if _replaced(self._quorum_calls, worker_id, me):
+                    return self._replaced_locked(worker_id)
                 got = self._assigned.pop(worker_id, None)
                 if got is not None:
                     break
                 left = end - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closed or not alive():
                     return self._give_up_locked(worker_id)
                 self._cond.wait(min(left, self._next_wake_locked()))
                 if worker_id not in self._waiting and worker_id not in self._assigned:
@@ -235,7 +261,14 @@ class QuorumManager:
         return got
 
     def poll_quorum(
-        self, worker_id: int, worker_round: int, *, hold_s: float, keep_s: float, final: bool
+        self,
+        worker_id: int,
+        worker_round: int,
+        *,
+        hold_s: float,
+        keep_s: float,
+        final: bool,
+        alive: Callable[[], bool] = _always,
     ) -> Assignment | QuorumMiss:
         """A long poll: ``request``, and wait at most ``hold_s`` real seconds (0: answer
         at once) for the quorum.
@@ -246,18 +279,24 @@ class QuorumManager:
                 another poll (then it is withdrawn, as a worker that gave up).
             final: the caller's wait ends with this call: without a quorum the request
                 is withdrawn (as at the end of ``wait_quorum``).
+            alive: False once the caller's RPC ended: the hold ends (the request stays
+                for ``keep_s``, as after any hold). A newer call of the same worker ends
+                this hold too (as in ``wait_quorum``).
         Returns:
             The assignment; or a ``QuorumMiss`` with ``pending`` True (the request is
             kept: poll again within ``keep_s``), or False (withdrawn: final, or the
             server is stopping).
         """
         end = time.monotonic() + hold_s
-        with self._cond:
+        me = object()
+        with self._cond, self._turn_locked(self._quorum_calls, worker_id, me):
             self._keep[worker_id] = self._clock() + keep_s
             got = self._request_locked(worker_id, worker_round)
             while got is None:
+                if _replaced(self._quorum_calls, worker_id, me):
+                    return self._replaced_locked(worker_id)
                 left = end - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closed or not alive():
                     break
                 self._cond.wait(min(left, self._next_wake_locked()))
                 got = self._assigned.pop(worker_id, None)
@@ -272,16 +311,21 @@ class QuorumManager:
             self._keep[worker_id] = self._clock() + keep_s
             return dataclasses.replace(self._miss_locked(worker_id), pending=True)
 
-    def wait_decision(self, quorum_id: int, timeout_s: float) -> Decision | None:
-        """Wait up to ``timeout_s`` real seconds for ``quorum_id``'s decision."""
+    def wait_decision(
+        self, quorum_id: int, timeout_s: float, *, worker_id: int = 0, alive: Callable[[], bool] = _always
+    ) -> Decision | None:
+        """Wait up to ``timeout_s`` real seconds for ``quorum_id``'s decision (None: not
+        decided). Ends early (None) when ``alive`` turns False (the caller's RPC ended)
+        or a newer ``wait_decision`` of the same ``worker_id`` (> 0) starts."""
         end = time.monotonic() + timeout_s
-        with self._cond:
+        me = object()
+        with self._cond, self._turn_locked(self._commit_calls, worker_id, me):
             while True:
                 self._tick_locked()
                 if quorum_id in self._decisions:
                     return self._decisions[quorum_id]
                 left = end - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._closed or not alive() or _replaced(self._commit_calls, worker_id, me):
                     return None
                 self._cond.wait(min(left, self._next_wake_locked()))
 
@@ -314,6 +358,27 @@ class QuorumManager:
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- internals
+    @contextlib.contextmanager
+    def _turn_locked(self, calls: dict[int, object], worker_id: int, me: object) -> Iterator[None]:
+        """Make ``me`` the newest held call of ``worker_id`` (0: none tracked) for the
+        block, and wake the older one so that it answers now."""
+        if worker_id:
+            if worker_id in calls:
+                self._cond.notify_all()
+            calls[worker_id] = me
+        try:
+            yield
+        finally:
+            if worker_id and calls.get(worker_id) is me:
+                del calls[worker_id]
+
+    def _replaced_locked(self, worker_id: int) -> QuorumMiss:
+        """The answer to a held Quorum call that a newer call of its worker replaced."""
+        log.info("quorum request of worker %d replaced by a newer one of the same worker", worker_id)
+        miss = self._miss_locked(worker_id)
+        reason = f"replaced by a newer Quorum call of worker {worker_id} (one held call per worker; that one waits)"
+        return dataclasses.replace(miss, reason=reason, pending=True)
+
     def _next_wake_locked(self) -> float:
         """Real seconds until the next deadline that could change something (≤ 0.5 s,
         so that lease expiries, judged by the clock, are noticed too)."""

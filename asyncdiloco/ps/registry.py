@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
-from asyncdiloco.errors import PayloadTooLargeError, UnknownWorkerError, WorkerSupersededError
+from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError, UnknownWorkerError, WorkerSupersededError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
@@ -49,6 +49,19 @@ def worker_state(rec: WorkerRecord, expected: set[int]) -> str:
     if rec.alive:
         return "training" if rec.worker_id in expected else "silent"
     return "left" if rec.left else "expired"
+
+
+def check_rate(steps_per_s: float) -> None:
+    """Refuse a reported inner-step rate that is NaN, infinite or negative (0: none).
+
+    Raises:
+        InvalidPayloadError: naming the value and the fix.
+    """
+    if not (math.isfinite(steps_per_s) and steps_per_s >= 0):
+        raise InvalidPayloadError(
+            f"steps_per_s is {steps_per_s}; a reported inner-step rate must be a finite number of steps per "
+            f"second >= 0 (0: not measured); send the rate measured over the worker's inner steps"
+        )
 
 
 class WorkerRegistry:
@@ -108,6 +121,7 @@ class WorkerRegistry:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
             ConfigError: ``worker_name`` is not a valid name (wire/names.py).
+            InvalidPayloadError: ``steps_per_s`` is NaN, infinite or negative (``check_rate``).
         """
         if manifest.total_bytes > self.config.max_payload_bytes:
             raise PayloadTooLargeError(
@@ -115,6 +129,7 @@ class WorkerRegistry:
                 f"start the server with a larger --max-payload-bytes"
             )
         check_worker_name(worker_name)
+        check_rate(steps_per_s)
         now = self.clock()
         self.expire(now)
         old = self.by_name(worker_name)
@@ -313,7 +328,14 @@ class WorkerRegistry:
 
     # ------------------------------------------------------- DyLU and grouping
     def report_rate(self, worker_id: int, steps_per_s: float) -> None:
-        """A rate v_w (inner steps/s) the worker measured itself; ignored unless > 0."""
+        """A rate v_w (inner steps/s) the worker measured itself; 0: none. Clamped to
+        ``RATE_RANGE`` and to within ``RATE_SPREAD`` of the other workers' median
+        (schedule.py ``StepRateMeter``).
+
+        Raises:
+            InvalidPayloadError: NaN, infinite or negative (``check_rate``); nothing recorded.
+        """
+        check_rate(steps_per_s)
         self.rates.report(worker_id, steps_per_s)
 
     def live_rates(self) -> dict[int, float]:

@@ -37,7 +37,7 @@ import torch
 
 from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
 from asyncdiloco.ps.intake import check_values
-from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, HeldWaits, max_held_waits
+from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, NO_WATCH, CallWatch, HeldWaits, check_wait, max_held_waits
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
@@ -267,17 +267,26 @@ class SyncMode:
         return self.held_waits.peak
 
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
+        self,
+        worker_id: int,
+        worker_round: int,
+        manifest_hash: str,
+        timeout_s: float,
+        poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum (a ``QuorumMiss``,
         saying why, when none formed). With ``poll`` (a long poll, long_poll.py) block at
         most ``HOLD_S`` seconds, and none when every hold is taken: a ``QuorumMiss`` with
         ``pending`` then says the request stays registered (``KEEP_S``); when
         ``timeout_s`` ≤ ``HOLD_S`` the caller's wait ends here and the answer is final.
+        ``call`` is the RPC's watch: the wait ends when the call does, and never lasts
+        past its deadline.
 
         Raises:
             UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash
-            differs from the server's manifest), InvalidPayloadError (``timeout_s`` ≤ 0).
+            differs from the server's manifest), InvalidPayloadError (``timeout_s`` ≤ 0,
+            not finite, or above ``long_poll.MAX_WAIT_S`` without ``poll``).
         """
         self._check_request(worker_id)
         server_hash = self.model.known_manifest.manifest_hash
@@ -286,27 +295,34 @@ class SyncMode:
                 f"manifest mismatch: worker {worker_id} asks for a quorum with manifest_hash {manifest_hash[:16]}..., "
                 f"the server's is {server_hash[:16]}...; every member must train the same model"
             )
+        check_wait(timeout_s, poll=poll, what="Quorum")
         if not timeout_s > 0:
-            raise InvalidPayloadError(f"timeout_s is {timeout_s}; it must be > 0 seconds")
+            raise InvalidPayloadError(
+                f"Quorum timeout_s is {timeout_s}; it must be > 0 seconds (the wait for a quorum)"
+            )
         if poll:
-            with self.held_waits.hold(timeout_s) as hold_s:
+            with self.held_waits.hold(min(timeout_s, call.left_s)) as hold_s:
                 got = self.rounds.poll_quorum(
-                    worker_id, worker_round, hold_s=hold_s, keep_s=KEEP_S, final=timeout_s <= HOLD_S
+                    worker_id, worker_round, hold_s=hold_s, keep_s=KEEP_S, final=timeout_s <= HOLD_S, alive=call.alive
                 )
         else:
-            got = self.rounds.wait_quorum(worker_id, worker_round, timeout_s)
+            got = self.rounds.wait_quorum(worker_id, worker_round, min(timeout_s, call.left_s), alive=call.alive)
         if isinstance(got, Assignment):
             self.rendezvous.open(got.quorum_id, got.members)
         return got
 
-    def commit(self, vote: Vote, timeout_s: float, poll: bool = False) -> Decision | None:
+    def commit(self, vote: Vote, timeout_s: float, poll: bool = False, call: CallWatch = NO_WATCH) -> Decision | None:
         """Vote, then block up to ``timeout_s`` seconds for the decision (None: not
         decided yet; ask again). With ``poll`` block at most ``HOLD_S`` seconds, and
         none when every hold is taken (long_poll.py); a vote sent again counts once.
+        The wait ends when ``call`` (the RPC) ends, or a newer Commit of the worker waits.
 
         Raises:
-            UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member).
+            UnknownWorkerError, NotInitializedError, RoundRefusedError (not a member),
+            InvalidPayloadError (``timeout_s`` not finite, or above ``MAX_WAIT_S``
+            without ``poll``; checked before the vote counts).
         """
+        check_wait(timeout_s, poll=poll, what="Commit")
         self._check_request(vote.worker_id)
         decision = self.rounds.vote(
             vote.worker_id,
@@ -317,13 +333,16 @@ class SyncMode:
             num_local_steps=vote.num_local_steps,
             reason=vote.reason,
         )
-        if decision is None and timeout_s > 0:
+        wait_s = min(timeout_s, call.left_s)
+        if decision is None and wait_s > 0:
             if poll:
-                with self.held_waits.hold(timeout_s) as hold_s:
+                with self.held_waits.hold(wait_s) as hold_s:
                     if hold_s > 0:
-                        decision = self.rounds.wait_decision(vote.quorum_id, hold_s)
+                        decision = self.rounds.wait_decision(
+                            vote.quorum_id, hold_s, worker_id=vote.worker_id, alive=call.alive
+                        )
             else:
-                decision = self.rounds.wait_decision(vote.quorum_id, timeout_s)
+                decision = self.rounds.wait_decision(vote.quorum_id, wait_s, worker_id=vote.worker_id, alive=call.alive)
         if decision is not None:
             self.rendezvous.close(vote.quorum_id)
             self.parts.journal.maybe_checkpoint()  # outside every lock

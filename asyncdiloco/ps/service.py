@@ -7,11 +7,12 @@ the exception's message, which names the value, the limit and the fix.
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
 
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
-from asyncdiloco.ps.long_poll import KEEP_S
+from asyncdiloco.ps.long_poll import KEEP_S, CallWatch
 from asyncdiloco.ps.quorum import QuorumMiss
 from asyncdiloco.ps.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
 from asyncdiloco.ps.state import ParameterServerState
@@ -35,6 +36,16 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def __init__(self, state: ParameterServerState) -> None:
         self.state = state
+
+    def _watch(self, context: grpc.ServicerContext) -> CallWatch:
+        """A Quorum/Commit wait's view of its call: it ends when the call ends (the client
+        cancelled or its deadline passed: gRPC runs the callback, which wakes the waits)
+        and never outlasts the call's deadline."""
+        quorum = self.state.quorum
+        if quorum is not None:
+            context.add_callback(quorum.notify)
+        remaining = context.time_remaining()
+        return CallWatch(context.is_active, remaining if remaining is not None else math.inf)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
@@ -151,7 +162,12 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Quorum(self, request: pb.QuorumRequest, context: grpc.ServicerContext) -> pb.QuorumReply:
         try:
             got = self.state.request_quorum(
-                request.worker_id, request.round, request.manifest_hash, request.timeout_s, request.poll
+                request.worker_id,
+                request.round,
+                request.manifest_hash,
+                request.timeout_s,
+                request.poll,
+                self._watch(context),
             )
         except AsyncDiLoCoError as exc:
             log.warning("quorum request of worker %d refused: %s", request.worker_id, exc)
@@ -189,6 +205,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 reason=request.reason,
                 timeout_s=request.timeout_s,
                 poll=request.poll,
+                call=self._watch(context),
             )
         except AsyncDiLoCoError as exc:
             log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)

@@ -42,11 +42,13 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.durable import Durability
 from asyncdiloco.ps.intake import PushIntake
 from asyncdiloco.ps.journal import Journal, StateDict
+from asyncdiloco.ps.long_poll import NO_WATCH, CallWatch
 from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, Decision, QuorumManager, QuorumMiss
 from asyncdiloco.ps.records import AppliedAs, Joined, LoggedJoin, PushOutcome, Vote, WorkerRecord
+from asyncdiloco.ps.registry import check_rate
 from asyncdiloco.ps.rounds import SyncMode
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
@@ -245,7 +247,9 @@ class ParameterServerState:
         Raises:
             UnknownWorkerError: the worker left or its lease lapsed.
             WorkerSupersededError: a later Join under the worker's name started a newer session.
+            InvalidPayloadError: ``steps_per_s`` is NaN, infinite or negative (the lease is not renewed).
         """
+        check_rate(steps_per_s)  # before the lease is renewed: nothing half applied
         with self.locks.books:
             self.registry.touch(worker_id, session_id)
             self.registry.report_rate(worker_id, steps_per_s)
@@ -429,7 +433,13 @@ class ParameterServerState:
 
     # ------------------------------------------------------------ sync mode
     def request_quorum(
-        self, worker_id: int, worker_round: int, manifest_hash: str, timeout_s: float, poll: bool = False
+        self,
+        worker_id: int,
+        worker_round: int,
+        manifest_hash: str,
+        timeout_s: float,
+        poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
         ``QuorumMiss`` when none formed; with ``poll`` a long poll's short hold, a
@@ -439,7 +449,7 @@ class ParameterServerState:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,
             ManifestMismatchError, InvalidPayloadError.
         """
-        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s, poll)
+        return self.mode.request_quorum(worker_id, worker_round, manifest_hash, timeout_s, poll, call)
 
     def commit(
         self,
@@ -453,11 +463,12 @@ class ParameterServerState:
         reason: str,
         timeout_s: float,
         poll: bool = False,
+        call: CallWatch = NO_WATCH,
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
         not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
         vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
-        return self.mode.commit(vote, timeout_s, poll)
+        return self.mode.commit(vote, timeout_s, poll, call)
 
     def store(self, request: pb.StoreRequest) -> pb.StoreReply:
         """Sync mode: one operation on a quorum's rendezvous store, answered at once
