@@ -125,7 +125,7 @@ def test_the_rebase_keeps_what_was_applied_while_the_push_was_under_way(servers)
     link._step()  # the push, the pull, the rebase
     assert torch.equal(top.state.params, THETA0 - w.pushed + _delta(2))  # only Δ(1) is global
     assert torch.equal(region.state.params, THETA0 - w.pushed)  # Δ(2) kept on top of it
-    link._sync_requested = True
+    link._requested += 1  # noqa: SLF001 - as sync_now asks, without waiting
     link._step()
     link._step()
     assert link.syncs == 3 and torch.equal(top.state.params, THETA0 - w.pushed)  # it went with the next push
@@ -289,11 +289,11 @@ def test_what_a_lossy_parent_codec_drops_goes_up_with_the_next_push(servers):
     delta = (torch.arange(N, dtype=torch.float32) + 1) / 3  # not representable in bf16
     w.client.push(MANIFEST.pack_flat(delta), worker_id=w.worker_id, push_id=w.push_id, base_version=0)
     exact = THETA0 - delta
-    link._sync_requested = True
+    link._requested += 1  # noqa: SLF001 - as sync_now asks, without waiting
     link._step()  # Δ_region = Δ, sent as bf16(Δ)
     once = float((top.state.params - exact).abs().max())
     assert once > 1e-4  # bf16 dropped ~2^-9 of it
-    link._sync_requested = True
+    link._requested += 1  # noqa: SLF001 - as sync_now asks, without waiting
     link._step()  # nothing new regionally: the push carries the residual
     twice = float((top.state.params - exact).abs().max())
     assert twice < once / 50
@@ -359,3 +359,30 @@ def test_a_parent_with_a_momentum_outer_optimizer_is_named_once_with_the_fix(ser
     lines = [r.getMessage() for r in caplog.records if "runs outer optimizer" in r.getMessage()]
     assert len(lines) == 1 and dn_parent.address in lines[0]
     assert "--outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R" in lines[0]
+
+
+def test_sync_now_during_a_push_upward_waits_for_a_push_cut_after_it(servers):
+    """Before, sync_now was answered by whichever sync finished next: a push cut before the
+    call (in flight) returned it while the region's newest pushes had not gone up."""
+    import threading
+
+    top = servers(_config())
+    region = servers(_config())
+    link = UpstreamLink(region.state, _link(top, every=1000))  # driven step by step here, no thread
+    w = Worker(region)
+    link._step()  # joins, initializes the parent with θ_0
+    w.push(1)
+    link._cut = link._make_cut()  # Δ(1) cut, not sent yet: a push upward in flight
+    answered = []
+    asker = threading.Thread(target=lambda: answered.append(link.sync_now(STUCK_S)))
+    asker.start()
+    asked = lambda: getattr(link, "_requested", 0) == 1 or getattr(link, "_sync_requested", False)  # noqa: E731
+    wait_until(asked, "the sync_now request")  # (the second name: the link before the fix)
+    w.push(2)  # applied after the request: sync_now must carry it up
+    link._step()  # the push cut before the request, its pull and rebase
+    assert answered == [] and asker.is_alive()
+    link._step()  # a new cut, covering the request
+    asker.join(STUCK_S)
+    assert answered == [True] and torch.equal(top.state.params, THETA0 - w.pushed)
+    link.stop()
+    w.close()

@@ -78,6 +78,7 @@ class _Cut:
     payload: torch.Tensor  # uint8, the parent's wire codec
     residual: torch.Tensor  # r = Δ − decode(payload), fp32 (N,)
     tokens: int
+    covers: int = 0  # the ``sync_now`` requests made before it was cut (it carries what they asked for)
 
 
 class _Stopped(Exception):
@@ -126,7 +127,8 @@ class UpstreamLink:
         self._warned_outer = False  # the parent's outer optimizer was judged (``_check_parent_outer``)
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._sync_requested = False
+        #: ``sync_now`` requests made, and the newest one a finished push upward was cut after.
+        self._requested = self._synced_for = 0
         self._done = threading.Condition()
         self._thread: threading.Thread | None = None
         if state.initialized:  # a server started again: its model as it is now is θ_base
@@ -164,11 +166,11 @@ class UpstreamLink:
     def sync_now(self, timeout_s: float) -> bool:
         """Push what was applied since the last push upward (a zero Δ if nothing) and rebase now,
         without waiting for K; True once done within ``timeout_s`` seconds."""
-        with self._done:
-            target = self.syncs + 1
-            self._sync_requested = True
+        with self._done:  # a push cut before this call (one in flight) does not answer it
+            self._requested += 1
+            mine = self._requested
             self._wake.set()
-            return self._done.wait_for(lambda: self.syncs >= target, timeout_s)
+            return self._done.wait_for(lambda: self._synced_for >= mine, timeout_s)
 
     # ------------------------------------------------------------- the thread
     def _capture_base(self) -> None:
@@ -294,7 +296,9 @@ class UpstreamLink:
         """Wait (heartbeating the parent) until K regional pushes were applied since the
         last cut, or ``sync_now``; then cut. False: nothing was cut this time."""
         applied, _ = self._applied()
-        if applied - self._marks[0] < self.config.every and not self._sync_requested:
+        with self._done:
+            requested = self._requested > self._synced_for
+        if applied - self._marks[0] < self.config.every and not requested:
             self._wake.wait(self.config.poll_s)
             self._wake.clear()
             if self._stop.is_set():
@@ -320,7 +324,9 @@ class UpstreamLink:
         delta = self._base - snapshot
         payload = self._codec.encode(delta, torch.empty(self._codec.wire_bytes, dtype=torch.uint8))
         residual = delta.sub_(self._codec.decode(payload, torch.empty_like(delta)))
-        return _Cut(self._take_push_id(), snapshot, payload, residual, tokens)
+        with self._done:
+            covers = self._requested
+        return _Cut(self._take_push_id(), snapshot, payload, residual, tokens, covers)
 
     def _push_and_rebase(self) -> None:
         """Send the cut (retried by ``_run`` with the same id), pull, rebase."""
@@ -339,9 +345,9 @@ class UpstreamLink:
         theta_g, version = self._pull()
         if applied:
             self.pushes += 1
-            self._rebase(theta_g, version, cut.snapshot, cut.residual)
+            self._rebase(theta_g, version, cut.snapshot, cut.residual, covers=cut.covers)
         else:  # nothing of it reached the global model: keep all that was applied since θ_base
-            self._rebase(theta_g, version, self._base, None)
+            self._rebase(theta_g, version, self._base, None, covers=cut.covers)
         self._cut = None
 
     def _pull(self) -> tuple[torch.Tensor, int]:
@@ -353,17 +359,27 @@ class UpstreamLink:
         theta_g = self._codec.decode(pulled.payload, torch.empty(self.state.manifest.numel, dtype=torch.float32))
         return theta_g, pulled.version
 
-    def _rebase(self, theta_g: torch.Tensor, version: int, since: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def _rebase(
+        self,
+        theta_g: torch.Tensor,
+        version: int,
+        since: torch.Tensor,
+        residual: torch.Tensor | None,
+        covers: int | None = None,
+    ) -> None:
         """θ_regional ← θ_g − (since − θ_regional) − residual; θ_base ← θ_g (one regional version)."""
         rebase_onto(self.state, theta_g, since, residual)
         self.rebases += 1
         self._base, self.parent_version = theta_g, version
-        self._finished_sync()
+        self._finished_sync(covers=covers)
 
-    def _finished_sync(self, what: str = "rebased onto") -> None:
+    def _finished_sync(self, what: str = "rebased onto", covers: int | None = None) -> None:
+        """One more sync; ``covers``: the push upward it finished was cut after that many
+        ``sync_now`` requests (None: a sync that pushed nothing, which answers none)."""
         with self._done:
             self.syncs += 1
-            self._sync_requested = False
+            if covers is not None:
+                self._synced_for = max(self._synced_for, covers)
             self._done.notify_all()
         log.info("%s the parent's version %d (sync %d)", what, self.parent_version, self.syncs)
 
