@@ -365,7 +365,8 @@ def on_status(fleet, st):
 spec = FleetSpec(
     server=ServerConfig(host="127.0.0.1", port=0, local_steps=5),
     server_num_cpus=0.5,
-    groups=(WorkerGroup(name="cpu", count=3, num_cpus=0.5),),
+    # slowed down (each step ~20 times its compute) so the tiny job outlasts a status poll on a fast machine
+    groups=(WorkerGroup(name="cpu", count=3, num_cpus=0.5, slowdown=20.0),),
     job=JobConfig(**json.loads(sys.argv[2])),
     max_seconds=None,
     max_steps=40,
