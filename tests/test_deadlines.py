@@ -89,23 +89,28 @@ def test_a_reply_is_held_no_longer_than_the_wait_the_worker_was_told(start_serve
         client.close()
 
 
-def test_a_pull_waits_for_a_snapshot_slot_no_longer_than_its_deadline(start_server):
-    # One snapshot slot, held by an observer's pull of version 0 that has not finished;
-    # version 1 cannot be encoded until it does. The server waited up to 10 s for the slot
-    # (its own constant), past the worker's deadline: the pull failed DEADLINE_EXCEEDED.
-    srv = start_server(grouping="off", pull_snapshots=1, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+@pytest.mark.parametrize("codec", ["bf16", "raw"])
+def test_a_pull_waits_for_a_snapshot_slot_no_longer_than_its_deadline(start_server, codec):
+    # An encoded model: one snapshot slot, held by an observer's pull of version 0 that has
+    # not finished; version 1 cannot be encoded until it does. The server waited up to 10 s
+    # for the slot (its own constant), past the worker's deadline: the pull failed
+    # DEADLINE_EXCEEDED. A raw fp32 model's pulls read θ in place (ps/live.py): no slot,
+    # the newest version at once.
+    outer = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    srv = start_server(grouping="off", pull_snapshots=1, outer=outer, wire_codec=codec)
     a, a_id = _initialized(srv)
     slow_pull = srv.state.open_pull(pb.PullRequest(worker_id=0))
     try:
         assert slow_pull.header.version == 0
-        delta = MANIFEST.pack([torch.full((1000,), 0.5)])
-        assert a.push(delta, worker_id=a_id, push_id=2, base_version=0, num_local_steps=1).version == 1
+        delta = torch.full((1000,), 0.5)
+        payload = MANIFEST.pack([delta]) if codec == "raw" else delta.to(torch.bfloat16).view(torch.uint8)
+        assert a.push(payload, worker_id=a_id, push_id=2, base_version=0, num_local_steps=1).version == 1
         started = time.monotonic()
         pulled = a.pull(MANIFEST, a_id)
         took_s = time.monotonic() - started
     finally:
         srv.state.close_pull(slow_pull)
-    assert pulled.version == 0, "served the newest snapshot there is"
+    assert pulled.version == (0 if codec == "bf16" else 1), "served the newest snapshot there is"
     assert took_s < a._payload_timeout(MANIFEST.total_bytes)  # noqa: SLF001 - within its deadline
     assert a.pull(MANIFEST, a_id).version == 1  # the slot is free again: the newest version
     a.close()

@@ -107,6 +107,31 @@ def test_pool_stays_within_its_budget_and_reuses_buffers():
     assert pool.peak_in_use == 2
 
 
+def test_pool_frees_kept_buffers_of_another_size_beyond_its_budget():
+    """An encoded run's initial parameters arrive raw (twice a bf16 push's size): their
+    kept buffer must not stay beside the pushes' ones, beyond the budget, for good."""
+    pool = ReceivePool(budget_bytes=100)
+    pool.release(pool.acquire(100, timeout_s=1))  # the raw initial parameters' buffer, kept
+    assert pool._free_bytes == 100
+    half = pool.acquire(50, timeout_s=1)  # a bf16 push: 50 out + 100 kept > 100
+    assert pool._free_bytes == 0 and 100 not in pool._free
+    pool.release(half)
+    assert pool._free_bytes == 50 and pool.acquire(50, timeout_s=1).data_ptr() == half.data_ptr()
+
+
+def test_pool_holds_a_buffer_past_its_release_until_the_hold_ends():
+    pool = ReceivePool(budget_bytes=100)
+    buffer = pool.acquire(100, timeout_s=1)
+    release = pool.hold(buffer[10:20])  # a view into it keeps the whole buffer
+    assert release is not None and pool.hold(torch.zeros(4)) is None
+    pool.release(buffer)  # the push is done; a pull still reads the old version in it
+    assert pool._in_use_bytes == 100
+    with pytest.raises(ServerBusyError):
+        pool.acquire(100, timeout_s=0.01)
+    release()
+    assert pool._in_use_bytes == 0 and pool.acquire(100, timeout_s=1).data_ptr() == buffer.data_ptr()
+
+
 def test_pool_always_admits_one_push_larger_than_the_budget():
     pool = ReceivePool(budget_bytes=0)
     big = pool.acquire(1000, timeout_s=1)
@@ -131,8 +156,9 @@ def test_snapshot_messages_are_the_pull_stream():
 
 
 # ------------------------------------------------------------------ locks
-def _state_with_model(n=64):
-    state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)))
+def _state_with_model(n=64, wire_codec="raw"):
+    outer = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
+    state = ParameterServerState(ServerConfig(port=0, outer=outer, wire_codec=wire_codec))
     manifest = Manifest.from_named_tensors([("w", torch.zeros(n))])
     wid, initialize, _ = state.join(manifest, "w1")
     assert initialize
@@ -147,11 +173,11 @@ def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
     assert state.version == 1
     with state.locks.apply:  # as if an apply were running: these must not need it
         snap = state.acquire_snapshot()
-        state.release_snapshot(snap)
         assert snap.version == 1
         assert torch.equal(
             torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.float32), torch.full((n,), 0.5)
         )
+        state.release_snapshot(snap)
         state.heartbeat(wid)
         state.status()
         state.join(Manifest.from_named_tensors([("w", torch.zeros(n))]), "w2")
@@ -169,10 +195,12 @@ def test_refused_push_returns_its_buffer_and_changes_nothing():
 
 
 def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
-    state, wid, n = _state_with_model()
+    """An encoded model's pulls are served snapshots (a raw fp32 one's read θ in place:
+    test_live_pulls.py)."""
+    state, wid, n = _state_with_model(wire_codec="bf16")
     state.config = dataclasses.replace(state.config)  # frozen config untouched; the limit is the store's
     state.snapshots.slots.max_snapshots = 2
-    delta = torch.full((n,), 0.25).view(torch.uint8)
+    delta = torch.full((n,), 0.25).to(torch.bfloat16).view(torch.uint8)
     first = state.acquire_snapshot()  # version 0, still being pulled
     state.push(delta, worker_id=wid, push_id=2, base_version=0)  # room: {v0} + 1 <= 2, encoded at once
     second = state.acquire_snapshot()
@@ -188,8 +216,8 @@ def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
     third = state.acquire_snapshot()  # waits until the pull of version 0 ends, then encodes v2
     freed.join()
     assert third.version == 2
-    payload = torch.frombuffer(bytearray(b"".join(third.data_views())), dtype=torch.float32)
-    assert torch.equal(payload, state.params)
+    payload = torch.frombuffer(bytearray(b"".join(third.data_views())), dtype=torch.bfloat16)
+    assert torch.equal(payload.float(), state.params)
     for s in (second, third):
         state.release_snapshot(s)
     assert state.snapshots.slots._reading_versions() == 0

@@ -31,8 +31,9 @@ server and every sync member pass the same v for the same update.
 All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
 A step may run block by block (``on_block``): every update above is elementwise, so the
 same operations on consecutive slices of θ, m, b and Δ give bit-identical vectors, and
-the caller reads each block of the new θ while it is still in cache (the server copies
-it into the next pull snapshot: snapshots.py ``FusedSnapshot``).
+the caller reads each block of the new θ while it is still in cache (the server takes
+the new version's CRC-32 and moves the old version's block into Δ's spent block for the
+pulls still reading it: ps/live.py).
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ STEP_BLOCK_ELEMS = 1 << 18
 
 #: ``on_block(start, end)``: elements [start, end) of θ hold their new values.
 BlockHook = Callable[[int, int], None]
+
+
+def chain_hooks(hooks: list[BlockHook]) -> BlockHook | None:
+    """One ``on_block`` hook calling each of ``hooks`` in order (None when there are none)."""
+    if not hooks:
+        return None
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def on_block(start: int, end: int) -> None:
+        for hook in hooks:
+            hook(start, end)
+
+    return on_block
 
 
 def _blocks(numel: int, block_elems: int) -> list[tuple[int, int]]:

@@ -153,12 +153,14 @@ SERVER_RUN = FlagTable.of(
             parse=float,
             to_field=lambda mib: int(mib * _MIB),
             to_flag=lambda n: n / _MIB,
-            help="MiB of push receive buffers in use at once; more pushes wait",
+            help="MiB of push receive buffers in use at once (they also hold the old versions still being "
+            "pulled); more pushes wait",
         ),
         Flag(
             flag="--pull-snapshots",
             field="pull_snapshots",
-            help="most model versions encoded for pulls at once, one payload of memory each",
+            help="with a wire codec: most model versions encoded for pulls at once, one payload of memory "
+            "each (a raw fp32 model's pulls read the model in place)",
         ),
         Flag(
             flag="--dylu",

@@ -10,8 +10,9 @@ in log replay. The initial parameters become θ (version unchanged).
 
 Each apply: decode (outside the locks) → check the values → under the ``apply`` lock:
 admit (lease, τ, s(τ), the live-worker count N; logged to the journal), the outer step
-(tensor math, ``books`` free meanwhile) with the next pull snapshot's copy fused into it
-block by block if pulls are coming (snapshots.py ``step_and_encode``), then
+(tensor math, ``books`` free meanwhile; for a raw fp32 model the version it replaces moves
+into Δ's receive buffer block by block for the pulls still reading it, and the new θ's
+CRC-32 is taken in the same pass when pulls are coming: snapshots.py ``step_and_encode``), then
 under ``books``: the version, the counters, the remembered outcome, and the hand-offs of
 a pseudo-gradient: the step-rate meter (DyLU), the push group (schedule.py ``GroupGate``;
 Alg. 2) and the divergence monitor.
@@ -208,11 +209,11 @@ class PseudoGradient:
                     expected, num_workers = {header.worker_id}, order.num_workers
                 applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=num_workers)
                 parts.journal.log_push(header, payload, applied)
-            self.snapshots.before_apply(version_after - 1)  # pulls meanwhile get θ as it is now
-            # the tensor math, books free meanwhile
-            with parts.observer.timed("outer_step"):  # with the next snapshot's copy, fused per block
+            # the tensor math, books free meanwhile; pulls meanwhile get θ as it was before
+            swap_into = payload if delta.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr() else None
+            with parts.observer.timed("outer_step"):
                 snap = self.snapshots.step_and_encode(
-                    version_after, lambda on_block: self._step(delta, applied, on_block)
+                    version_after, lambda on_block: self._step(delta, applied, on_block), swap_into=swap_into
                 )
             with parts.locks.books:
                 outcome = self.record(rec, header, tau, weight, applied.num_workers)

@@ -1,17 +1,18 @@
-"""The server's payload memory: pooled receive buffers and the shared pull snapshot.
+"""The server's payload memory: pooled receive buffers and the shared pull snapshots.
 
 Two rules: a fresh large allocation faults every page on first touch (a copy into it
 is several times slower than a copy into reused memory), and peak memory must not grow
-with the number of workers pushing at once. So:
+with the number of workers pushing at once, nor with the versions being pulled. So:
 
 * ``ReceivePool`` hands out preallocated uint8 buffers for incoming pushes and takes
   them back; the bytes of all buffers in use at once stay within ``budget_bytes`` (but
   one push is always admitted, whatever its size). A push that finds the budget spent
   waits for a buffer before its stream is read, so its sender is held back by gRPC's
-  flow control instead of the server holding its bytes. Server memory is then about
-  θ + momentum + one snapshot + max(budget_bytes, one payload), whatever the number
-  of workers.
-* ``Snapshot`` is one version of the global model already encoded as the Pull stream's
+  flow control instead of the server holding its bytes. A buffer can be *held* past
+  its push (``hold``): a raw fp32 model's old version being pulled lives in the buffer
+  of the push that replaced it (live.py). Server memory is then about θ + momentum +
+  max(budget_bytes, one payload), whatever the number of workers and of versions pulled.
+* ``Snapshot`` (encoded models) is one version of the global model already encoded as the Pull stream's
   chunk messages (wire/grpc_chunks.py), built once per version and shared by every
   concurrent pull, which then copies nothing. ``PullSnapshots`` counts which versions are
   alive; snapshots.py builds them.
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +34,9 @@ from asyncdiloco.errors import InvalidPayloadError, ServerBusyError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import chunk_messages, chunk_prefix
 from asyncdiloco.wire.tensors import chunk_views, crc32_update, num_chunks_for
+
+if TYPE_CHECKING:
+    from asyncdiloco.ps.live import LiveView
 
 
 class ReceivePool:
@@ -41,17 +47,27 @@ class ReceivePool:
             always allowed even when it alone is larger. Free buffers are kept for reuse
             up to the same budget.
         wait_s: how long ``acquire`` waits for room by default, seconds.
+        hold_lease_s: a ``hold`` older than this, seconds, is evicted (its holder moves
+            the bytes out of the pool) when a push waits for room, so a stalled pull of
+            an old version cannot hold pushes back for good.
+        clock: monotonic clock for the holds' ages, seconds.
     """
 
-    def __init__(self, budget_bytes: int, wait_s: float = 30.0) -> None:
+    def __init__(
+        self, budget_bytes: int, wait_s: float = 30.0, hold_lease_s: float = 60.0, clock=time.monotonic
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.wait_s = wait_s
+        self.hold_lease_s = hold_lease_s
+        self._clock = clock
+        self._evictable: list[list] = []  # [since, evict or None] of each hold not ended yet
         self._cond = threading.Condition()
         self._in_use_bytes = 0
         self._in_use = 0
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
-        self._out: set[int] = set()  # id() of the buffers handed out
+        self._out: dict[int, torch.Tensor] = {}  # id() -> the buffers handed out
+        self._holds: dict[int, int] = {}  # id() -> releases still owed beyond the first (``hold``)
         #: Most buffers that were out at once (for the benchmarks and tests).
         self.peak_in_use = 0
 
@@ -67,6 +83,8 @@ class ReceivePool:
         deadline = time.monotonic() + (self.wait_s if timeout_s is None else timeout_s)
         with self._cond:
             while self._in_use and self._in_use_bytes + nbytes > self.budget_bytes:
+                if self._evict_stale_holds_locked():
+                    continue
                 left = deadline - time.monotonic()
                 if is_active is not None and not is_active():
                     raise ServerBusyError(
@@ -87,18 +105,76 @@ class ReceivePool:
                 self._free_bytes -= nbytes
                 buffer = free.pop()
             else:
+                self._drop_free_beyond_budget_locked()
                 buffer = torch.empty(nbytes, dtype=torch.uint8)
-            self._out.add(id(buffer))
+            self._out[id(buffer)] = buffer
             return buffer
+
+    def _drop_free_beyond_budget_locked(self) -> None:
+        """Free kept buffers (of other sizes: e.g. the raw initial parameters' before
+        encoded pushes) while the buffers out and kept exceed the budget."""
+        for size in sorted(self._free, reverse=True):
+            kept = self._free[size]
+            while kept and self._in_use_bytes + self._free_bytes > self.budget_bytes:
+                kept.pop()
+                self._free_bytes -= size
+            if not kept:
+                del self._free[size]
+
+    def hold(self, view: torch.Tensor, evict: Callable[[], None] | None = None) -> Callable[[], None] | None:
+        """Keep the handed-out buffer ``view`` lies in (a tensor sharing its memory) out of
+        the pool, and counted in the budget, past its ``release``: until the returned
+        function is called too (once). None when ``view`` is in no buffer handed out.
+        ``evict``: called (once, no lock held) when the hold is older than
+        ``hold_lease_s`` and a push waits for room; it must end the hold soon after."""
+        ptr = view.untyped_storage().data_ptr()
+        with self._cond:
+            for key, buffer in self._out.items():
+                if buffer.untyped_storage().data_ptr() == ptr:
+                    self._holds[key] = self._holds.get(key, 0) + 1
+                    entry = [self._clock(), evict]
+                    self._evictable.append(entry)
+                    return functools.partial(self._end_hold, buffer, entry)
+        return None
+
+    def _end_hold(self, buffer: torch.Tensor, entry: list) -> None:
+        with self._cond:
+            if entry in self._evictable:
+                self._evictable.remove(entry)
+        self.release(buffer)
+
+    def _evict_stale_holds_locked(self) -> bool:
+        """Ask the holders of holds older than ``hold_lease_s`` to let go (the lock is
+        dropped meanwhile); True when any was asked."""
+        now = self._clock()
+        stale = [e for e in self._evictable if e[1] is not None and now - e[0] > self.hold_lease_s]
+        if not stale:
+            return False
+        evicts = [e[1] for e in stale]
+        for e in stale:
+            e[1] = None  # asked once
+        self._cond.release()
+        try:
+            for evict in evicts:
+                evict()
+        finally:
+            self._cond.acquire()
+        return True
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give a buffer from ``acquire`` back (keep it for reuse within the budget). A
         buffer the pool did not hand out, or already took back, is ignored."""
         nbytes = buffer.numel()
         with self._cond:
-            if id(buffer) not in self._out:
+            key = id(buffer)
+            if key not in self._out:
                 return
-            self._out.discard(id(buffer))
+            if self._holds.get(key):
+                self._holds[key] -= 1
+                if not self._holds[key]:
+                    del self._holds[key]
+                return
+            del self._out[key]
             self._in_use -= 1
             self._in_use_bytes -= nbytes
             if self._free_bytes + nbytes <= max(self.budget_bytes, nbytes):
@@ -131,11 +207,12 @@ class Snapshot:
             yield memoryview(msg)[start:]
 
 
-def _new_bytes(nbytes: int) -> tuple[bytes, memoryview]:
+def new_bytes(nbytes: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` object of ``nbytes`` (contents undefined) and a writable view of
     its contents: CPython's ``PyBytes_FromStringAndSize(NULL, n)``, whose contents the C
-    API lets its creator fill before the object is shared. Only ``SnapshotBuilder``
-    writes through the view, before its ``Snapshot`` exists; gRPC sends ``bytes``
+    API lets its creator fill before the object is shared. Only its creator writes
+    through the view (``SnapshotBuilder`` before its ``Snapshot`` exists, live.py before
+    the message is yielded), before anyone else holds the object; gRPC sends ``bytes``
     without copying them again (a ``bytearray`` would cost one more copy)."""
     obj = _PyBytes_FromStringAndSize(None, nbytes)
     if not nbytes:
@@ -177,7 +254,7 @@ class SnapshotBuilder:
             offset = index * chunk_bytes
             n = min(chunk_bytes, total_bytes - offset)
             prefix = chunk_prefix(index, offset, n)
-            msg, view = _new_bytes(len(prefix) + n)
+            msg, view = new_bytes(len(prefix) + n)
             view[: len(prefix)] = prefix
             messages.append(msg)
             offsets.append(len(prefix))
@@ -298,6 +375,12 @@ class PullSnapshots:
             self._readers.setdefault(snap.version, []).append(self._clock())
             return snap
 
+    def note_pull(self) -> None:
+        """A pull came (one served from θ itself, not from a snapshot here)."""
+        with self._cond:
+            self.wanted = True
+            self._last_pull_at = self._clock()
+
     def pulls_recent(self) -> bool:
         """True when a pull came within the last ``stale_after_s`` seconds."""
         with self._cond:
@@ -338,27 +421,34 @@ class PullSnapshots:
 @dataclasses.dataclass(frozen=True)
 class PullSource:
     """What one pull sends, over gRPC or the bulk channel: its header, then the payload
-    from a shared ``Snapshot`` (async pulls) or a private payload (sync-state pulls).
+    from θ itself (``live``: raw fp32 models, live.py), a shared ``Snapshot`` (encoded
+    models), or a private payload (sync-state pulls).
     Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
 
     header: pb.PullHeader
     snapshot: Snapshot | None = None
     payload: torch.Tensor | None = None  # 1-D uint8 CPU, when there is no snapshot
+    live: LiveView | None = None
 
     def _private(self) -> torch.Tensor:
-        assert self.payload is not None, "a PullSource holds a snapshot or a payload"
+        assert self.payload is not None, "a PullSource holds a view, a snapshot or a payload"
         return self.payload
 
     def messages(self, chunk_bytes: int) -> Iterator[bytes]:
         """The serialised ``PullMessage(chunk=...)`` of each chunk (ready-made for a snapshot)."""
-        if self.snapshot is not None:
+        if self.live is not None:
+            yield from self.live.messages(chunk_bytes)
+        elif self.snapshot is not None:
             yield from self.snapshot.messages
-            return
-        yield from chunk_messages(self._private(), chunk_bytes)
+        else:
+            yield from chunk_messages(self._private(), chunk_bytes)
 
-    def data_views(self) -> Iterator[memoryview]:
-        """The payload as read-only memoryviews, in order, zero-copy."""
-        if self.snapshot is not None:
+    def data_views(self, chunk_bytes: int) -> Iterator[memoryview]:
+        """The payload as read-only memoryviews, in order (a live view's piece is valid
+        until the next is asked for; the others are zero-copy)."""
+        if self.live is not None:
+            yield from self.live.data_views(chunk_bytes)
+        elif self.snapshot is not None:
             yield from self.snapshot.data_views()
         else:
             yield self._private().numpy().data.toreadonly()

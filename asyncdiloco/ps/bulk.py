@@ -12,8 +12,8 @@ goes ``receive_push`` (the header checked, the payload received straight into th
 ``PayloadAssembler``'s buffer with ``fill_with``, CRC-32 folded in per slice, then
 applied; intake.py) → ``finish_push``; a refused or interrupted push changes nothing
 and is counted by ``record_rejected``. A
-pull sends ``open_pull``'s header and then the payload from its immutable snapshot
-(``sendall`` of memoryviews of the snapshot's own bytes, no copy), then ``record_pull``.
+pull sends ``open_pull``'s header and then the payload (``sendall`` of θ's bytes copied
+out chunk by chunk, live.py, or of an encoded snapshot's own bytes), then ``record_pull``.
 
 Threads: one listener thread, and one thread per connection, at most
 ``max_connections`` at a time (``ServerConfig.max_concurrent_rpcs``); a connection
@@ -318,7 +318,8 @@ class BulkServer:
             return
         try:
             self._reply(conn, grpc.StatusCode.OK, pull=source.header)
-            for view in source.data_views():  # the snapshot's own bytes: no copy
+            # an encoded snapshot's own bytes, or θ's copied out chunk by chunk
+            for view in source.data_views(self.state.config.chunk_bytes):
                 for start in range(0, len(view), _SLICE_BYTES):  # the idle timeout applies per slice
                     conn.sendall(view[start : start + _SLICE_BYTES])
             self.state.record_pull(request.worker_id, source.header.total_bytes)

@@ -112,10 +112,13 @@ class ServerConfig:
     #: Threads serving RPCs; each in-flight push or pull holds one.
     max_concurrent_rpcs: int = 64
     #: Bytes of receive buffers that pushes in flight may hold at once (one push is always
-    #: admitted); the others wait, so server memory does not grow with the number of workers.
+    #: admitted), together with the old versions of a raw fp32 model still being pulled
+    #: (ps/live.py); the others wait, so server memory does not grow with the number of
+    #: workers or of versions being pulled.
     receive_buffer_bytes: int = 64 * 1024**2
-    #: Most versions of the model encoded for pulls at once (each costs one payload of
-    #: memory); with 1, a pull of a new version waits for the pulls of the previous one.
+    #: With a wire codec (or a model not all fp32): most versions of the model encoded for
+    #: pulls at once (each costs one payload of memory); with 1, a pull of a new version
+    #: waits for the pulls of the previous one. A raw fp32 model's pulls read θ in place.
     pull_snapshots: int = 2
     #: Staleness histogram buckets; the last bucket counts every larger τ.
     histogram_buckets: int = 32

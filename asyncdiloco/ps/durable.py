@@ -227,8 +227,8 @@ class Durability:
                     f"{pb.PushKind.Name(header.kind)} record, which this server's mode does not replay: the folder "
                     f"was written by a server in the other --mode; restart with that mode"
                 )
+            self.snapshots.clear()  # before θ changes: a pull reading it in place finishes from a copy
             kind.replay(rec, header, delta, applied)
-            self.snapshots.clear()
         if self.rounds is not None and header.kind == pb.PUSH_KIND_ROUND_RESULT:
             self.rounds.resume()
 

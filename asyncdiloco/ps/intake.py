@@ -150,8 +150,9 @@ class PushIntake:
         self.counters = counters
         self.groups = groups
         self.mode = mode
-        #: Receive buffers of the pushes in flight, within ``receive_buffer_bytes``.
-        self.pool = ReceivePool(config.receive_buffer_bytes)
+        #: Receive buffers of the pushes in flight (and of the old versions pulls still read,
+        #: ps/live.py), within ``receive_buffer_bytes``.
+        self.pool = ReceivePool(config.receive_buffer_bytes, hold_lease_s=config.lease_s, clock=registry.clock)
 
     def kind_of(self, header: pb.PushHeader) -> PushHandler:
         """The mode's handler of the header's push kind.

@@ -1,17 +1,26 @@
-"""Pull snapshots: θ of one version, encoded once as the Pull stream's chunk messages
-and shared by every concurrent pull of that version (buffers.py ``Snapshot``).
+"""What pulls are served: θ read in place for a raw fp32 model (live.py ``LiveView``),
+else snapshots of θ of one version, encoded once as the Pull stream's chunk messages and
+shared by every concurrent pull of that version (buffers.py ``Snapshot``).
 
-While pulls keep coming, the apply that makes a version encodes its snapshot before it
-publishes the version (``after_apply``), and an apply that starts from a version without
-a snapshot encodes that one before its outer step (``before_apply``). A pull during an
-apply is served the newest complete snapshot (the version the apply started from) without
-taking the apply lock, so a pull never waits for an apply, however long its outer step,
-and never mixes two versions. Otherwise the first pull of a version encodes it
-(``acquire``). Only a pull that finds no snapshot at all (the first pull of a run, or the
-first after ``lease_s`` without pulls) while an apply runs waits for that apply. At
-most ``ServerConfig.pull_snapshots`` versions stay in memory (buffers.py
-``PullSnapshots`` keeps that count). ``open_pull`` says what one pull sends: a shared
-snapshot, or sync mode's private copy of θ and m for a healing member.
+Read in place: a pull registers with the view of θ's version and copies each chunk out
+as it sends it; the CRC-32 of a version is taken in the outer step that makes it while
+pulls come (else by its first pull). Before θ changes, the view of the version being
+replaced moves into the pushed Δ's receive buffer as the step goes, or is copied (sync
+rounds, regional rebases, replays), when a pull reads it or pulls are coming; so a pull
+during an apply is served the version the apply started from without taking the apply
+lock, and no version costs memory outside the receive budget (``step_and_encode``).
+
+Encoded: while pulls keep coming, the apply that makes a version encodes its snapshot
+after its step (``after_apply``), and an apply that starts from a version without a
+snapshot encodes that one before its outer step (``before_apply``); a pull during an
+apply is served the newest complete snapshot; otherwise the first pull of a version
+encodes it (``acquire``). At most ``ServerConfig.pull_snapshots`` versions stay in
+memory (buffers.py ``PullSnapshots`` keeps that count).
+
+Only a pull that finds nothing of the current version (the first pull of a run, or the
+first after ``lease_s`` without pulls) while an apply runs waits for that apply.
+``open_pull`` says what one pull sends: a view, a shared snapshot, or sync mode's
+private copy of θ and m for a healing member.
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ from collections.abc import Callable
 
 import torch
 
-from asyncdiloco.algo.outer import BlockHook
+from asyncdiloco.algo.outer import BlockHook, chain_hooks
 from asyncdiloco.errors import NotInitializedError
-from asyncdiloco.ps.buffers import PullSnapshots, PullSource, Snapshot, SnapshotBuilder, encode_snapshot
+from asyncdiloco.ps.buffers import PullSnapshots, PullSource, ReceivePool, Snapshot, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.live import LiveView, crc_hook
 from asyncdiloco.ps.model import GlobalModel
 from asyncdiloco.ps.modes import Mode
 from asyncdiloco.ps.records import StateLocks
@@ -61,14 +71,31 @@ class Snapshots:
         #: Seconds a pull waits for a free slot before it is served an older version.
         self.wait_s = SNAPSHOT_WAIT_S
         self._build_lock = threading.Lock()  # one builder at a time; the others reuse its result
+        #: The receive pool, whose buffers an apply's Δ arrives in (set by the state): the
+        #: version an apply replaces moves into its Δ's buffer (live.py ``begin_swap``).
+        self.pool: ReceivePool | None = None
+        #: The view pulls of raw fp32 θ read (live.py): of θ's version, or during a change
+        #: of θ, of the version being replaced. None: no pull since the last change.
+        self._live: LiveView | None = None
+
+    def serves_live(self) -> bool:
+        """True when pulls read θ itself (live.py): a raw fp32 model on the CPU; else they
+        are served encoded snapshots."""
+        theta = self.model.params
+        return theta is not None and theta.device.type == "cpu" and self.model.pulls_raw_theta()
 
     def _version(self) -> int:
         with self.locks.books:
             return self.model.version
 
-    def acquire(self, max_wait_s: float = math.inf) -> Snapshot:
-        """The newest global parameters, encoded once per version and shared by all
-        pulls; pair every call with ``release`` when the pull ends.
+    def acquire(self, max_wait_s: float = math.inf) -> Snapshot | LiveView:
+        """The newest global parameters for one pull: θ itself (``LiveView``) for a raw
+        fp32 model, else encoded once per version and shared by all pulls; pair every
+        call with ``release`` when the pull ends.
+
+        A live view is returned at once, also while an apply changes θ (the version it
+        started from); it waits for the apply lock only when no view of the current
+        version exists and an apply that found no pull coming is changing θ.
 
         Returns at once while the applies build the snapshots; else encodes it here, or,
         while an apply changes θ, serves the newest complete snapshot (the version that
@@ -86,6 +113,8 @@ class Snapshots:
                     "not initialized: no worker has pushed the initial parameters yet; retry shortly"
                 )
             version = self.model.version
+        if self.serves_live():
+            return self._acquire_live(version)
         snap = self.slots.acquire_if(version)
         if snap is not None:
             return snap
@@ -108,6 +137,26 @@ class Snapshots:
             finally:
                 self.locks.apply.release()
 
+    def _acquire_live(self, version: int) -> LiveView:
+        self.slots.note_pull()
+        view = self._live
+        if view is not None and view.version == version and view.reads(self.model.params) and view.enter():
+            return view
+        with self.locks.apply:  # θ holds still while the view of its version is made
+            with self.locks.books:
+                version = self.model.version
+            view = self._live
+            if view is None or view.version != version or not view.reads(self.model.params) or not view.enter():
+                view = LiveView(version, self.model.theta)
+                view.enter()
+                self._set_live(view)
+            return view
+
+    def _set_live(self, view: LiveView | None) -> None:
+        old, self._live = self._live, view
+        if old is not None and old is not view:
+            old.retire()
+
     def _build_locked(self) -> Snapshot:
         """The snapshot of the current version, encoded now unless an apply built it
         meanwhile (``apply`` lock held), registered as read by the caller."""
@@ -118,9 +167,12 @@ class Snapshots:
             self.slots.publish(snap, acquire=True)
         return snap
 
-    def release(self, snap: Snapshot) -> None:
+    def release(self, snap: Snapshot | LiveView) -> None:
         """A pull of ``snap`` (from ``acquire``) ended, completed or not."""
-        self.slots.release(snap)
+        if isinstance(snap, LiveView):
+            snap.exit()
+        else:
+            self.slots.release(snap)
 
     def encode(self, version: int) -> Snapshot:
         """θ of ``version`` in the wire layout, copied into chunk messages (``apply`` lock held)."""
@@ -130,56 +182,90 @@ class Snapshots:
         """An apply is about to change θ, still of ``version`` (``apply`` lock held):
         while pulls are being served (one within ``lease_s``) and a slot is free, make sure
         that version has a snapshot, so the pulls during the apply are served it at once.
-        Costs at most one encode per version, paid only while pulls come."""
+        Costs at most one encode per version, paid only while pulls come. A live view of
+        ``version`` is copied out instead (when a pull reads it or pulls are coming), since
+        θ is about to change under it."""
+        view = self._live
+        if view is not None and view.version == version:
+            view.freeze(keep=self.slots.pulls_recent())
+            return
+        if self.serves_live():
+            return
         if self.slots.published_version() == version or not self.slots.pulls_recent():
             return
         if self.slots.has_room():
             self.slots.publish(self.encode(version), keep_wanted=True)
 
-    def step_and_encode(self, version: int, step: Callable[[BlockHook | None], None]) -> Snapshot | None:
-        """Run an outer step that makes ``version`` (``apply`` lock held) and build that
-        version's snapshot in the same pass where it can: ``step(on_block)`` is called
-        with a hook that copies each block of the new θ into the snapshot's chunk
-        messages while the block is still in cache (outer.py ``on_block``; buffers.py
-        ``SnapshotBuilder``), instead of a second pass over θ after the step. Fused when
-        pulls are coming, θ travels raw (the wire payload is θ's own bytes) and a slot is
-        free beside the published snapshot (which serves the pulls during the step);
-        otherwise ``step(None)`` then ``after_apply``. Publish the result with ``publish``."""
-        theta = self.model.params
-        fused = (
-            theta is not None
-            and theta.device.type == "cpu"
-            and self.model.pulls_raw_theta()
-            and self.slots.wanted
-            and self.slots.has_spare_room()
-        )
-        if not fused:
+    def step_and_encode(
+        self, version: int, step: Callable[[BlockHook | None], None], swap_into: torch.Tensor | None = None
+    ) -> Snapshot | LiveView | None:
+        """Run an outer step that makes ``version`` (``apply`` lock held) and prepare what
+        pulls of it are served; publish the result with ``publish``.
+
+        θ read in place (``serves_live``): the view of ``version − 1`` moves, block by
+        block as the step goes, into ``swap_into`` (the uint8 receive buffer Δ is read
+        from, held in the receive budget until its last pull ends; live.py
+        ``begin_swap``) when a pull reads it or pulls are coming, else it is closed; and
+        when pulls came since the last version, the new θ's CRC-32 is taken per block
+        while it is in cache. Returns the new version's view. Otherwise (encoded
+        snapshots): ``before_apply``, ``step(None)``, ``after_apply``."""
+        if not self.serves_live():
+            self.before_apply(version - 1)
             step(None)
             return self.after_apply(version)
-        assert theta is not None
-        builder = SnapshotBuilder(version, theta.numel() * 4, self.config.chunk_bytes)
-        raw = theta.view(torch.uint8).numpy().data  # θ's bytes, no copy
+        theta = self.model.theta
+        hooks: list[BlockHook] = []
+        old = self._live if self._live is not None and self._live.reads(theta) else None
+        swapping = False
+        if old is not None and old.version != version - 1:
+            old.freeze(keep=False)  # (θ changed without a view of it: never left read in place)
+        elif old is not None:
+            keep = self.slots.pulls_recent()
+            release = None
+            target = swap_into if swap_into is not None and swap_into.numel() == old.total_bytes else None
+            if (old.readers or keep) and target is not None and self.pool is not None:
+                release = self.pool.hold(target, evict=old.evict)
+            if release is not None and target is not None:
+                hooks.append(old.begin_swap(target, release))
+                swapping = True
+            else:
+                old.freeze(keep=keep)
+        crc_of_new = None
+        if self.slots.wanted:  # pulls came since the last version: the new one's CRC in the same pass
+            hook, crc_of_new = crc_hook(theta)
+            hooks.append(hook)
+        try:
+            step(chain_hooks(hooks))
+        finally:
+            if swapping:
+                assert old is not None
+                old.finish_swap()
+        return LiveView(version, theta, crc32=None if crc_of_new is None else crc_of_new())
 
-        def on_block(start: int, end: int) -> None:
-            builder.feed(raw[start * 4 : end * 4])
-
-        step(on_block)
-        return builder.finish()
-
-    def after_apply(self, version: int) -> Snapshot | None:
+    def after_apply(self, version: int) -> Snapshot | LiveView | None:
         """The snapshot of the version an apply just made (``apply`` lock held), when pulls
-        are coming and a slot is free; publish it with ``publish``."""
+        are coming and a slot is free (for a live θ: its view); publish it with ``publish``."""
+        if self.serves_live():
+            return LiveView(version, self.model.theta)
         if self.slots.wanted and self.slots.has_room():  # encode it now: the pulls will not wait
             return self.encode(version)
         return None
 
-    def publish(self, snap: Snapshot | None) -> None:
-        """Make ``snap`` the newest snapshot (None: nothing to publish)."""
-        if snap is not None:
+    def publish(self, snap: Snapshot | LiveView | None) -> None:
+        """Make ``snap`` the newest snapshot or view (None: nothing to publish)."""
+        if isinstance(snap, LiveView):
+            self._set_live(snap)
+            self.slots.wanted = False  # the next version's CRC is taken in its step only if a pull comes
+        elif snap is not None:
             self.slots.publish(snap)
 
     def clear(self) -> None:
-        """Forget the published snapshot (θ was replaced: a restore or a replay)."""
+        """Forget the published snapshot (θ is about to be replaced or replayed; ``apply``
+        lock held): pulls reading θ in place finish from a copy."""
+        view = self._live
+        if view is not None:
+            view.freeze(keep=False)
+        self._set_live(None)
         self.slots.clear()
 
     def open_pull(
@@ -204,13 +290,22 @@ class Snapshots:
             NotInitializedError, ModeMismatchError (a sync-state pull of an async server).
         """
         snap: Snapshot | None = None
+        live: LiveView | None = None
         payload: torch.Tensor | None = None
         if request.sync_state:
             version, payload = mode.sync_state()
             total, crc = payload.numel(), crc32_of(payload)
         else:
-            snap = self.acquire(max_wait_s)
-            version, total, crc = snap.version, snap.total_bytes, snap.crc32
+            got = self.acquire(max_wait_s)
+            try:
+                if isinstance(got, LiveView):
+                    live, crc = got, got.crc32()
+                else:
+                    snap, crc = got, got.crc32
+            except BaseException:
+                self.release(got)
+                raise
+            version, total = got.version, got.total_bytes
         header = pb.PullHeader(
             version=version,
             total_bytes=total,
@@ -219,9 +314,11 @@ class Snapshots:
             run_config=run_config(request.worker_id),
             round=mode.pull_round(version),
         )
-        return PullSource(seal(header), snap, payload)
+        return PullSource(seal(header), snap, payload, live)
 
     def close_pull(self, source: PullSource) -> None:
-        """A pull from ``open_pull`` ended: its snapshot may be freed."""
-        if source.snapshot is not None:
+        """A pull from ``open_pull`` ended: its snapshot or view may be freed."""
+        if source.live is not None:
+            self.release(source.live)
+        elif source.snapshot is not None:
             self.release(source.snapshot)

@@ -42,6 +42,7 @@ from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.durable import Durability
 from asyncdiloco.ps.intake import PushIntake
 from asyncdiloco.ps.journal import Journal, StateDict
+from asyncdiloco.ps.live import LiveView
 from asyncdiloco.ps.long_poll import NO_WATCH, CallWatch
 from asyncdiloco.ps.modes import AsyncMode, Mode
 from asyncdiloco.ps.observer import Observer
@@ -111,6 +112,7 @@ class ParameterServerState:
             else SyncMode(core, initial, live_worker_ids=self.live_worker_ids, snapshots=self.snapshots)
         )
         self.intake = PushIntake(config, self.locks, self.registry, self.counters, self.groups, self.mode)
+        self.snapshots.pool = self.intake.pool  # an apply's Δ buffer takes the version it replaces
         replayers: dict[int, Any] = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
         sync = self.mode if isinstance(self.mode, SyncMode) else None
         if sync is not None:
@@ -272,15 +274,16 @@ class ParameterServerState:
             return self.registry.live_ids()
 
     # ---------------------------------------------------------------- pull
-    def acquire_snapshot(self) -> Snapshot:
-        """The newest θ encoded for pulls; pair with ``release_snapshot`` (snapshots.py ``Snapshots.acquire``).
+    def acquire_snapshot(self) -> Snapshot | LiveView:
+        """The newest θ for one pull (read in place, or encoded); pair with
+        ``release_snapshot`` (snapshots.py ``Snapshots.acquire``).
 
         Raises:
             NotInitializedError: no worker has pushed the initial parameters yet.
         """
         return self.snapshots.acquire()
 
-    def release_snapshot(self, snap: Snapshot) -> None:
+    def release_snapshot(self, snap: Snapshot | LiveView) -> None:
         """A pull of ``snap`` (from ``acquire_snapshot``) ended, completed or not."""
         self.snapshots.release(snap)
 
@@ -294,9 +297,8 @@ class ParameterServerState:
         return self.snapshots.open_pull(request, self.mode, self.run_config, max_wait_s)
 
     def close_pull(self, source: PullSource) -> None:
-        """A pull from ``open_pull`` ended: its snapshot may be freed."""
-        if source.snapshot is not None:
-            self.release_snapshot(source.snapshot)
+        """A pull from ``open_pull`` ended: its snapshot or view may be freed."""
+        self.snapshots.close_pull(source)
 
     def record_pull(self, worker_id: int, num_bytes: int) -> None:
         """A pull of ``num_bytes`` payload bytes completed (it renews a live worker's lease)."""

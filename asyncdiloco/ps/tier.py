@@ -88,6 +88,7 @@ def rebase_onto(
     if residual is not None:
         shift.sub_(residual)
     with state.locks.apply:
+        state.snapshots.before_apply(state.version)  # pulls reading θ in place finish from a copy
         state.model.theta.add_(shift)
         with state.locks.books:
             state.model.version += 1

@@ -4,9 +4,11 @@
   ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.1).
 - ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
   momentum) bytes (target ≤ 1.8 from 64 MiB); once with pushes only, once with each worker pulling
-  right after its push, as workers do. Growth = peak VmHWM during the pushes − RSS of
-  the idle server process before the model arrived. By design the server holds θ, m,
-  the receive budget (at least one payload) and up to --pull-snapshots encoded versions.
+  right after its push, as workers do, and that again with the bf16 wire codec. Growth =
+  peak VmHWM during the pushes − RSS of the idle server process before the model arrived.
+  By design a raw fp32 server holds θ, m and the receive budget (at least one payload),
+  which also holds the versions still being pulled (pulls read θ in place: ps/live.py);
+  an encoded one adds its decode buffers and up to --pull-snapshots encoded versions.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
   (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
   ≥ 500 over the bulk channel). Targets: targets.py.
@@ -153,16 +155,19 @@ def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: f
     }
 
 
-def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: int = 2) -> dict:
+def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, codec: str = "raw") -> dict:
     """Peak server RSS growth while ``pushers`` workers push at once (each then pulls
-    when ``then_pull``), over the RSS of the idle server before the model arrived."""
+    when ``then_pull``), over the RSS of the idle server before the model arrived;
+    ``codec``: the server's wire codec (raw, or bf16: pushes and pulls carry bf16)."""
     numel = n_bytes // 4
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
-    with server_process("--outer-optimizer", "nesterov", "--pull-snapshots", str(pull_snapshots)) as (proc, address):
+    flags = ("--outer-optimizer", "nesterov") + (("--wire-codec", codec) if codec != "raw" else ())
+    with server_process(*flags) as (proc, address):
         time.sleep(1.0)
         idle = rss_bytes(proc.pid)
         clients = [_join_and_init(address, manifest, f"w{k}") for k in range(pushers)]
-        payload = manifest.pack([torch.full((numel,), 1e-6)])
+        delta = torch.full((numel,), 1e-6)
+        payload = manifest.pack([delta]) if codec == "raw" else delta.to(torch.bfloat16).view(torch.uint8)
         clients[0][0].push(payload, worker_id=clients[0][1], push_id=2, base_version=0)  # momentum allocated
         steady = rss_bytes(proc.pid)
         reset_peak_rss(proc.pid)
@@ -184,19 +189,24 @@ def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, pull_snapshots: 
         for c, _ in clients:
             c.close()
     state = 2 * n_bytes  # parameters + momentum, fp32
-    pattern = ("push, then pull" if then_pull else "push") + (
-        "" if pull_snapshots == 2 else f", --pull-snapshots {pull_snapshots}"
-    )
-    held = 2 * n_bytes + max(64 * MIB, n_bytes) + (pull_snapshots * n_bytes if then_pull else 0)
-    snapshots = f" + {pull_snapshots} pull snapshot(s)" if then_pull else ""
+    pattern = ("push, then pull" if then_pull else "push") + ("" if codec == "raw" else f", {codec} codec")
+    wire = n_bytes if codec == "raw" else n_bytes // 2
+    budget = max(64 * MIB, wire)
+    if codec == "raw":
+        held, parts = 2 * n_bytes + budget, "θ + m + receive budget max(64 MiB, 1 payload), old versions pulled in it"
+    else:  # + the two pooled fp32 decode buffers, the encoded θ being packed, and 2 pull snapshots when pulled
+        held = 2 * n_bytes + budget + 2 * n_bytes + (wire + 2 * wire if then_pull else 0)
+        parts = "θ + m + receive budget + 2 fp32 decode buffers" + (
+            " + θ encoded + 2 encoded pull snapshots" if then_pull else ""
+        )
     note = (
-        f"by design θ + m + receive budget max(64 MiB, 1 payload){snapshots} "
-        f"= {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
+        f"by design {parts} = {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
         f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)"
     )
     return {
         "pattern": pattern,
         "pushers": pushers,
+        "codec": codec,
         "idle_rss_mib": idle / MIB,
         "after_one_push_mib": steady / MIB,
         "peak_rss_mib": peak / MIB,
@@ -236,9 +246,8 @@ def main() -> None:
             )
     if args.only in (None, "peak_rss"):
         for n in sizes:
-            runs = [(False, 2), (True, 2)] + ([(True, 1)] if n == max(sizes) else [])
-            for then_pull, snapshots in runs:
-                r = bench_peak_rss(n, pushers=8, then_pull=then_pull, pull_snapshots=snapshots)
+            for then_pull, codec in ((False, "raw"), (True, "raw"), (True, "bf16")):
+                r = bench_peak_rss(n, pushers=8, then_pull=then_pull, codec=codec)
                 emit(
                     {
                         "bench": "server",
