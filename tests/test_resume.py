@@ -463,3 +463,37 @@ def test_a_push_applied_just_before_the_worker_died_is_never_taken_for_a_retrain
     assert srv.state.duplicate_pushes == 1  # push 3, retried with its own bytes
     assert srv.state.registry.get(wid).local_steps == 4 + 3  # every step trained once, counted once
     assert again.stats.pushes_refused == 0 and again.stats.pseudo_gradients_dropped == 0
+
+
+def test_overlap_with_a_state_folder_encodes_each_push_once(start_server, tmp_path, monkeypatch):
+    """Overlap leaves Δ's encoding to its background thread, but the write-ahead save
+    encodes the push first (its bytes go into the folder): the background sends those
+    bytes instead of encoding Δ a second time, and the server gets exactly what was saved."""
+    srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off", wire_codec="bf16")
+    folder = tmp_path / "w"
+    encoded: list[int] = []
+    real_encode = AsyncDiLoCoWorker._encode_delta  # noqa: SLF001 - counts the encodings
+
+    def counting_encode(self, delta, out=None):
+        encoded.append(1)
+        return real_encode(self, delta, out)
+
+    monkeypatch.setattr(AsyncDiLoCoWorker, "_encode_delta", counting_encode)
+    worker, model, opt = _worker(srv, folder, name="w1", overlap=True)
+    sent, saved = [], []
+    real_push = worker.client.push
+
+    def recording_push(payload, **kw):
+        if kw.get("kind", pb.PUSH_KIND_PSEUDO_GRADIENT) == pb.PUSH_KIND_PSEUDO_GRADIENT:
+            sent.append(payload.clone())
+            saved.append(read_state(folder / STATE_FILE)["pending"]["payload"])
+        return real_push(payload, **kw)
+
+    worker.client.push = recording_push
+    with worker:
+        _train(worker, model, opt, 6)  # three syncs, each with a new push
+        worker._overlap.wait()  # noqa: SLF001
+        pushes = len(sent)
+    assert pushes >= 3
+    assert len(encoded) == pushes  # one encoding per push (was two: the save's and the background's)
+    assert all(torch.equal(a, b) for a, b in zip(sent, saved))

@@ -802,6 +802,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         payload = None if pending is None else pending.payload
         if pending is not None and payload is None and self._overlap is not None:
             payload = self._encode_for_saving(pending, self._overlap.snapshot)
+            pending.payload = payload  # the bytes saved are the bytes sent: the background does not encode again
         state.update(
             version=self.version,
             theta_base=self._base.clone(),
@@ -825,7 +826,8 @@ class AsyncDiLoCoWorker(WorkerBase):
     def _encode_for_saving(self, pending: _PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
         """Overlap packs a push on the training thread and leaves Δ = θ_base − θ_local(t0)
         to its background thread, not started yet when the push is saved: encode it here
-        the same way (the codecs are deterministic, so these are the bytes it will send).
+        the same way, and the push then carries these bytes (the background sends them
+        instead of encoding Δ again).
 
         Returns:
             The payload, uint8; None when Δ is not finite (the background thread drops it).
