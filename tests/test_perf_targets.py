@@ -34,3 +34,31 @@ def test_summary_shows_target_met_and_cause():
     )
     assert any("| 510 | ≥ 500 | yes |" in line for line in lines)
     assert any("| 4 MiB | 9 | — | — | fixed costs |" in line for line in lines)
+
+
+def test_gpu_rows_carry_their_target_and_a_cpu_machine_says_it_skipped(capsys):
+    """The suite's GPU rows (bench_gpu.py) from one gpu_check transfer result; without a
+    CUDA device the script writes one "skipped" line, which the summary reports."""
+    from asyncdiloco.bench.perf import bench_gpu
+    from asyncdiloco.bench.perf.targets import GPU_COPIES
+
+    result = {
+        "model_mib": 64.0,
+        "ok": True,
+        "pinned_h2d_gb_per_s": 20.0,
+        "pinned_d2h_gb_per_s": 18.0,
+        "copy_into_s": 0.004,
+        "load_s": 0.004,
+        "push_pull_s": 0.5,
+        "flat_copies_vs_pinned": 1.1,
+        "push_pull_vs_pinned": 70.0,
+    }
+    copies, push_pull = bench_gpu.rows(result)
+    assert (copies["measure"], copies["target"], copies["ratio"]) == (GPU_COPIES, 1.2, 1.1)
+    assert push_pull["target"] is None
+    lines = summarize([copies, push_pull, {"bench": "gpu", "skipped": "no CUDA device"}]).splitlines()
+    assert any("| 64 MiB | 1.1 | ≤ 1.2 | yes |" in line for line in lines)
+    assert "Skipped: gpu: no CUDA device." in lines
+    if not __import__("torch").cuda.is_available():
+        bench_gpu.main(["--sizes", "4"])
+        assert '"skipped": "no CUDA device' in capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""The performance suite: bench_transport.py, bench_server.py, bench_codec.py and
-bench_overlap.py, one JSON-lines file and a markdown summary of each target met or
-missed, with what the measurement says about the gap.
+"""The performance suite: bench_transport.py, bench_server.py, bench_codec.py,
+bench_overlap.py and (rows only with a CUDA device) bench_gpu.py, one JSON-lines file
+and a markdown summary of each target met or missed, with what the measurement says
+about the gap.
 
     python -m asyncdiloco.bench.perf.perf_suite --out DIR [--sizes 4,64,256]   (or: asyncdiloco bench --suite perf)
 
@@ -18,7 +19,7 @@ import time
 
 from asyncdiloco.bench.perf.targets import SIGNS
 
-SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap")
+SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap", "bench_gpu")
 
 #: measure -> (how to read it, whether larger is better); the targets: targets.py
 _TARGETS = SIGNS
@@ -59,6 +60,7 @@ def summarize(records: list[dict]) -> str:
             continue
         met = v >= r["target"] if larger else v <= r["target"]
         lines.append(f"{head} | {sign} {r['target']} | {'yes' if met else 'no'} | {note} |")
+    lines += ["", *(f"Skipped: {r['bench']}: {r['skipped']}." for r in records if "skipped" in r)]
     lines += ["", "Raw records (with every baseline and breakdown): perf.jsonl."]
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,8 @@ OUTER_STEP = "outer step / fused torch SGD(nesterov)"
 PEAK_RSS = "peak RSS growth / (params + momentum), 8 pushers"
 PUSH_RATE = "pushes applied per second, 1M params, 16 workers"
 OVERLAP = "worker blocked on communication / worker wall time"
+GPU_COPIES = "worker device<->pinned host copies / torch pinned copies"
+GPU_PUSH_PULL = "push+pull from a CUDA model / torch pinned copies"
 
 #: measure -> (sign, larger is better)
 SIGNS = {
@@ -20,6 +22,8 @@ SIGNS = {
     PEAK_RSS: ("≤", False),
     PUSH_RATE: ("≥", True),
     OVERLAP: ("≤", False),
+    GPU_COPIES: ("≤", False),
+    GPU_PUSH_PULL: ("≤", False),
 }
 
 #: (measure, path) -> target; path "" for measures with one row per size.
@@ -31,6 +35,7 @@ _TARGETS = {
     (PUSH_RATE, "grpc-stream"): 300.0,
     (PUSH_RATE, "bulk-tcp"): 500.0,
     (OVERLAP, ""): 0.05,
+    (GPU_COPIES, ""): 1.2,
 }
 
 #: The memory target holds from this model size up (MiB): below it the fixed costs

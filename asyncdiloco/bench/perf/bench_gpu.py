@@ -1,0 +1,71 @@
+"""The worker's CUDA path against pinned-memory copy speed, measured in the same run; rows
+only when a CUDA device is present (else one line saying it was skipped).
+
+- ``device copies``: the worker's θ_local device → pinned host copy and θ_g host → device
+  load (``FlatParams.copy_into`` / ``load``, the copies every sync makes) ÷ torch's own
+  pinned H2D + D2H copies of the same bytes (target ≤ 1.2: they are the same copies, plus
+  the per-tensor views of a model of 8 tensors).
+- ``push+pull from a CUDA model``: one sync (H = 1: push Δ, pull θ_g through a server on
+  127.0.0.1, raw fp32) ÷ the same pinned copies (no target: it is bounded by the host's
+  transport, ``bench_transport``).
+
+    python -m asyncdiloco.bench.perf.bench_gpu [--sizes 4,64,256] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from asyncdiloco.bench.perf._harness import MIB, emit, parse_sizes
+from asyncdiloco.bench.perf.targets import GPU_COPIES, GPU_PUSH_PULL, target_for
+
+
+def rows(result: dict) -> list[dict]:
+    """The suite's rows of one ``gpu_check.check_transfer`` result."""
+    mib = result["model_mib"]
+    note = (
+        f"pinned H2D {result['pinned_h2d_gb_per_s']:.1f} GB/s, D2H {result['pinned_d2h_gb_per_s']:.1f} GB/s; "
+        f"host buffers pinned: {result['ok']}"
+    )
+    return [
+        {
+            "bench": "gpu",
+            "measure": GPU_COPIES,
+            "model_mib": mib,
+            "ratio": result["flat_copies_vs_pinned"],
+            "target": target_for(GPU_COPIES),
+            "copy_into_s": result["copy_into_s"],
+            "load_s": result["load_s"],
+            "note": note,
+        },
+        {
+            "bench": "gpu",
+            "measure": GPU_PUSH_PULL,
+            "model_mib": mib,
+            "ratio": result["push_pull_vs_pinned"],
+            "target": target_for(GPU_PUSH_PULL),
+            "push_pull_s": result["push_pull_s"],
+            "note": "bounded by the host transport (bench_transport's rows), not by the device copies",
+        },
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
+    p.add_argument("--out", help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        emit({"bench": "gpu", "skipped": "no CUDA device (torch.cuda.is_available() is False)"}, args.out)
+        return
+    from asyncdiloco.bench.gpu_check import check_transfer
+
+    for n in parse_sizes(args.sizes):
+        for row in rows(check_transfer(max(1, n // MIB))):
+            emit(row, args.out)
+
+
+if __name__ == "__main__":
+    main()
