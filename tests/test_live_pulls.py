@@ -272,3 +272,52 @@ def test_pool_evicts_a_stale_hold_when_a_push_waits():
     assert not evicted
     clock.advance(61.0)
     assert pool.acquire(100, timeout_s=1).numel() == 100 and evicted == [1]
+
+
+def test_concurrent_pulls_and_pushes_each_pull_is_exactly_one_version(monkeypatch):
+    """Pushers and pullers in threads: every pull's bytes are θ of the version its header
+    names (recorded as each version is published), and match its CRC-32; every buffer
+    goes back to the pool in the end."""
+    state, _ = _state("nesterov")
+    versions = {0: state.model.theta.numpy().tobytes()}
+    publish = state.snapshots.publish
+
+    def recording_publish(snap):
+        if isinstance(snap, LiveView):
+            versions[snap.version] = state.model.theta.numpy().tobytes()
+        publish(snap)
+
+    monkeypatch.setattr(state.snapshots, "publish", recording_publish)
+    workers = [state.join(MANIFEST, f"p{k}")[0] for k in range(3)]
+    errors: list[BaseException] = []
+    pulls: list[tuple[int, bytes, int]] = []
+    done = threading.Event()
+
+    def pusher(wid: int) -> None:
+        try:
+            for push_id in range(2, 10):
+                state.push(_delta(wid * 100 + push_id), worker_id=wid, push_id=push_id, base_version=state.version)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def puller() -> None:
+        try:
+            while not done.is_set():
+                pulls.append(_pulled(state))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    pushers = [threading.Thread(target=pusher, args=(w,), daemon=True) for w in workers]
+    pullers = [threading.Thread(target=puller, daemon=True) for _ in range(3)]
+    for t in pullers + pushers:
+        t.start()
+    for t in pushers:
+        t.join(STUCK_S)
+    done.set()
+    for t in pullers:
+        t.join(STUCK_S)
+    assert not errors and state.version == 24 and pulls
+    for version, data, crc in pulls:
+        assert data == versions[version]
+        assert crc == crc32_of(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    assert state.intake.pool._in_use == 0
