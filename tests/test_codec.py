@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
+from asyncdiloco.algo.outer import STEP_BLOCK_ELEMS
 from asyncdiloco.errors import CheckpointError, ConfigError, InvalidPayloadError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
@@ -386,3 +387,56 @@ def test_demo_run_with_a_wire_codec_lowers_the_loss(tmp_path, name):
     assert report["applied_pushes"] > 0
     assert report["bytes_pushed"] == report["applied_pushes"] * make_codec(name, manifest).wire_bytes
     assert not math.isnan(report["final_eval_loss"])
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        OuterConfig(optimizer="sgd", lr=0.7, momentum=0.0),
+        OuterConfig(optimizer="nesterov"),
+        OuterConfig(optimizer="delayed_nesterov", dn_buffer=2),
+        OuterConfig(optimizer="delayed_nesterov", dn_buffer=2, block_check=True),
+    ],
+    ids=["sgd", "nesterov", "delayed_nesterov", "dn_block_check"],
+)
+def test_bf16_pushes_decoded_per_block_in_the_step_match_a_whole_decode(outer, monkeypatch):
+    """A bf16 run's Δ is decoded block by block inside the outer step (no fp32 (N,) decode
+    buffer): θ and the optimizer state are bit-identical to decoding each push whole first,
+    stale pushes (s(τ) ≠ 1) included, and the decode buffers are never taken."""
+    numel = 2 * STEP_BLOCK_ELEMS + 77
+    manifest = flat_manifest(numel)
+    states = []
+    for blocked in (True, False):
+        state = ParameterServerState(ServerConfig(port=0, wire_codec="bf16", outer=outer))
+        if not blocked:
+            monkeypatch.setattr(state.model, "pseudo_gradient_blocks", lambda payload: None)
+        wid, _, _ = state.join(manifest, "w")
+        state.push(
+            manifest.pack_flat(torch.linspace(-1, 1, numel)),
+            worker_id=wid,
+            push_id=1,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
+        gen = torch.Generator().manual_seed(3)
+        for push_id in range(2, 8):
+            delta = (torch.randn(numel, generator=gen) * 0.01).to(torch.bfloat16).view(torch.uint8)
+            base = max(0, state.version - push_id % 3)  # some pushes stale: s(τ) < 1
+            assert state.push(delta, worker_id=wid, push_id=push_id, base_version=base).applied
+        states.append(state)
+    blocked_state, whole = states
+    assert torch.equal(blocked_state.params, whole.params)
+    for name, buf in blocked_state.model.outer_buffers().items():
+        assert torch.equal(buf, whole.model.outer_buffers()[name]), name
+    decode = blocked_state.model._decode_buffers  # noqa: SLF001
+    assert decode is None or (decode._out == 0 and not decode._free)  # noqa: SLF001 - never taken
+
+
+def test_a_non_finite_bf16_push_is_refused_naming_the_element_and_changes_nothing():
+    state = sgd_state("bf16")
+    wid = initialize(state, torch.zeros(100))
+    before = state.params.clone()
+    bad = torch.zeros(100, dtype=torch.bfloat16)
+    bad[41] = float("nan")
+    with pytest.raises(InvalidPayloadError, match=r"1 non-finite values .*index \(41,\)"):
+        state.push(bad.view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
+    assert torch.equal(state.params, before) and state.version == 0

@@ -62,6 +62,43 @@ STEP_BLOCK_ELEMS = 1 << 18
 BlockHook = Callable[[int, int], None]
 
 
+class BlockDelta:
+    """A pseudo-gradient Δ decoded block by block as the step reads it, instead of into
+    a whole fp32 (N,) vector first (the server's bf16 payloads: wire/codec.py
+    ``Bf16Codec.blocks``): the step then needs one block of scratch, not 4·N bytes.
+
+    Args:
+        numel: N, elements of Δ.
+        decode: ``(start, end, out) -> out``: elements [start, end) of Δ as float32 into
+            ``out`` (a float32 tensor of end − start elements).
+    """
+
+    dtype = torch.float32
+
+    def __init__(self, numel: int, decode: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+        self.shape = torch.Size([numel])
+        self._decode = decode
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of Δ, float32, in a scratch valid until the next call
+        (the step's own: it may scale it in place)."""
+        if self._scratch.numel() < end - start:
+            self._scratch = torch.empty(end - start, dtype=torch.float32)
+        return self._decode(start, end, self._scratch[: end - start])
+
+    def full(self) -> torch.Tensor:
+        """All of Δ, float32 (N,), in a new tensor."""
+        return self._decode(0, self.numel(), torch.empty(self.numel(), dtype=torch.float32))
+
+
+def _block_of(delta: torch.Tensor | BlockDelta, start: int, end: int) -> torch.Tensor:
+    return delta.block(start, end) if isinstance(delta, BlockDelta) else delta[start:end]
+
+
 def chain_hooks(hooks: list[BlockHook]) -> BlockHook | None:
     """One ``on_block`` hook calling each of ``hooks`` in order (None when there are none)."""
     if not hooks:
@@ -151,7 +188,7 @@ class OuterOptimizer:
         version ``version`` (updates applied before it); exactly η without a schedule."""
         return self.config.lr * lr_factor(self.schedule, version)
 
-    def _check(self, delta: torch.Tensor) -> None:
+    def _check(self, delta: torch.Tensor | BlockDelta) -> None:
         if delta.shape != self.params.shape or delta.dtype != torch.float32:
             raise ValueError(
                 f"pseudo-gradient has dtype {delta.dtype} shape {tuple(delta.shape)}; "
@@ -161,7 +198,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(
         self,
-        delta: torch.Tensor,
+        delta: torch.Tensor | BlockDelta,
         weight: float = 1.0,
         *,
         version: int,
@@ -177,7 +214,8 @@ class OuterOptimizer:
 
         Args:
             delta: Δ = θ_base − θ_local, float32 (N,) on θ's device. It is the caller's
-                scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ).
+                scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ). Or a
+                ``BlockDelta`` (CPU), decoded per block: the step then runs blocked.
             weight: s(τ), the staleness weight.
             version: v, the version this update is applied at (updates applied before
                 it); keys η's schedule.
@@ -192,19 +230,19 @@ class OuterOptimizer:
         """
         self._check(delta)
         lr = self.lr_at(version)
-        spans = _blocks(delta.numel(), block_elems) if on_block is not None else []
-        if on_block is None:
+        if on_block is None and not isinstance(delta, BlockDelta):
             if weight != 1.0:
                 delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
             self._kernel(self.params, delta, self.momentum_buffer, lr)
             return
         m = self.momentum_buffer
-        for start, end in spans:
-            d = delta[start:end]
+        for start, end in _blocks(delta.numel(), block_elems):
+            d = _block_of(delta, start, end)
             if weight != 1.0:
                 d.mul_(weight)
             self._kernel(self.params[start:end], d, None if m is None else m[start:end], lr)
-            on_block(start, end)
+            if on_block is not None:
+                on_block(start, end)
 
     def _kernel(self, params: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float) -> None:
         """One pass of torch's fused SGD kernel over (slices of) θ, Δ and m: the
@@ -285,7 +323,7 @@ class DelayedNesterov(OuterOptimizer):
     @torch.no_grad()
     def step(
         self,
-        delta: torch.Tensor,
+        delta: torch.Tensor | BlockDelta,
         weight: float = 1.0,
         *,
         version: int,
@@ -294,15 +332,20 @@ class DelayedNesterov(OuterOptimizer):
         block_elems: int = STEP_BLOCK_ELEMS,
     ) -> None:
         """Apply one arrival g_t = s·Δ at version ``version`` with η_v (``delta`` is scaled
-        in place when s ≠ 1); ``on_block`` and ``block_elems`` as in ``OuterOptimizer.step``
-        (``block_check``'s per-tensor damping needs whole blocks' dot products, so it runs
-        over the whole Δ first)."""
+        in place when s ≠ 1); ``delta``, ``on_block`` and ``block_elems`` as in
+        ``OuterOptimizer.step`` (``block_check``'s per-tensor damping needs whole blocks'
+        dot products, so it runs over the whole Δ first, a ``BlockDelta`` decoded whole)."""
         self._check(delta)
-        spans = [(0, delta.numel())] if on_block is None else _blocks(delta.numel(), block_elems)
-        if weight != 1.0 and (on_block is None or self.config.block_check):
+        if isinstance(delta, BlockDelta) and self.config.block_check:
+            delta = delta.full()
+        blocked = on_block is not None or isinstance(delta, BlockDelta)
+        spans = _blocks(delta.numel(), block_elems) if blocked else [(0, delta.numel())]
+        if weight != 1.0 and (not blocked or self.config.block_check):
+            assert isinstance(delta, torch.Tensor)
             delta.mul_(weight)
             weight = 1.0
         if self.config.block_check:
+            assert isinstance(delta, torch.Tensor)
             self._damp_against_momentum(delta)
         lr, mu, c = self.lr_at(version), self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
@@ -312,7 +355,7 @@ class DelayedNesterov(OuterOptimizer):
         complete = self.arrivals >= n  # (t+1) mod N = 0
         arrivals, self.arrivals = self.arrivals, 0 if complete else self.arrivals
         for start, end in spans:
-            d, m_s, b_s, p_s = delta[start:end], m[start:end], b[start:end], self.params[start:end]
+            d, m_s, b_s, p_s = _block_of(delta, start, end), m[start:end], b[start:end], self.params[start:end]
             if weight != 1.0:
                 d.mul_(weight)
             b_s.add_(d)  # b ← b + g_t

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from asyncdiloco.algo.outer import BlockHook, DelayedNesterov, PseudoGradientMonitor, staleness_weight
+from asyncdiloco.algo.outer import BlockDelta, BlockHook, DelayedNesterov, PseudoGradientMonitor, staleness_weight
 from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import InvalidPayloadError, NotInitializedError, StalePushError, UnknownVersionError
 from asyncdiloco.ps.intake import check_values
@@ -176,20 +176,21 @@ class PseudoGradient:
             τ > max_staleness; UnknownVersionError, a base version from the future. UnknownWorkerError: the
             lease lapsed meanwhile. In every case θ, momentum, version and counters are unchanged.
         """
-        with self.parts.model.decoded_pseudo_gradient(payload) as delta:  # (N,) fp32, the step's scratch
-            largest = check_values(
-                delta,
-                header.worker_id,
-                self.parts.config.max_abs_value,
-                self.parts.model.known_manifest,
-                largest=largest,
-            )
-            outcome = self._apply_checked(header, payload, delta, largest)
+        config, manifest = self.parts.config, self.parts.model.known_manifest
+        blocks = self.parts.model.pseudo_gradient_blocks(payload)
+        if blocks is not None:  # bf16: checked as it is, decoded block by block inside the step
+            delta_blocks, values = blocks
+            largest = check_values(values, header.worker_id, config.max_abs_value, manifest, largest=largest)
+            outcome = self._apply_checked(header, payload, delta_blocks, largest)
+        else:
+            with self.parts.model.decoded_pseudo_gradient(payload) as delta:  # (N,) fp32, the step's scratch
+                largest = check_values(delta, header.worker_id, config.max_abs_value, manifest, largest=largest)
+                outcome = self._apply_checked(header, payload, delta, largest)
         self.parts.journal.maybe_checkpoint()
         return outcome
 
     def _apply_checked(
-        self, header: pb.PushHeader, payload: torch.Tensor, delta: torch.Tensor, largest: float
+        self, header: pb.PushHeader, payload: torch.Tensor, delta: torch.Tensor | BlockDelta, largest: float
     ) -> PushOutcome:
         parts = self.parts
         order = self._order()
@@ -210,7 +211,8 @@ class PseudoGradient:
                 applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=num_workers)
                 parts.journal.log_push(header, payload, applied)
             # the tensor math, books free meanwhile; pulls meanwhile get θ as it was before
-            swap_into = payload if delta.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr() else None
+            in_payload = isinstance(delta, torch.Tensor) and delta.data_ptr() == payload.data_ptr()
+            swap_into = payload if in_payload else None  # raw fp32: Δ is a view of the receive buffer
             with parts.observer.timed("outer_step"):
                 snap = self.snapshots.step_and_encode(
                     version_after, lambda on_block: self._step(delta, applied, on_block), swap_into=swap_into
@@ -361,7 +363,7 @@ class PseudoGradient:
         self._step(delta, applied)
         self.record(rec, header, applied.tau, applied.weight, applied.num_workers)
 
-    def _step(self, delta: torch.Tensor, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
+    def _step(self, delta: torch.Tensor | BlockDelta, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
         """The outer step of one push; the step making version V + 1 is applied at V (η's
         schedule). ``on_block``: called after each block of θ is updated (outer.py)."""
         self.parts.model.optimizer.step(

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import torch
 
-from asyncdiloco.algo.outer import OuterOptimizer, make_outer_optimizer
+from asyncdiloco.algo.outer import BlockDelta, OuterOptimizer, make_outer_optimizer
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.wire.codec import DecodeBuffers, WireCodec, make_codec
+from asyncdiloco.wire.codec import Bf16Codec, DecodeBuffers, WireCodec, make_codec
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,20 @@ class GlobalModel:
             yield codec.decode(payload, buffer)  # (N,) fp32
         finally:
             buffers.give(buffer)
+
+    def pseudo_gradient_blocks(self, payload: torch.Tensor) -> tuple[BlockDelta, torch.Tensor] | None:
+        """For a bf16 run on a CPU θ: (Δ decoded block by block inside the outer step,
+        its values as bf16 (N,) for the value check), so no fp32 (N,) decode buffer is
+        taken; None for the other codecs (``decoded_pseudo_gradient``)."""
+        codec = self.wire_codec()
+        if not isinstance(codec, Bf16Codec) or self.theta.device.type != "cpu":
+            return None
+        values = codec.values(payload)
+
+        def decode(start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+            return out.copy_(values[start:end])  # exact: every bf16 value is an fp32 value
+
+        return BlockDelta(codec.numel, decode), values
 
     def pulls_raw_theta(self) -> bool:
         """True when a pull's payload is θ's own bytes (raw codec, every tensor fp32)."""

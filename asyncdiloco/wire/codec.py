@@ -202,6 +202,12 @@ class Bf16Codec(WireCodec):
             out.copy_(payload.view(torch.bfloat16))  # exact: every bf16 value is an fp32 value
         return out
 
+    def values(self, payload: torch.Tensor) -> torch.Tensor:
+        """The payload's values as they are, bfloat16 (N,), a view (what a decode would
+        give, exactly: for the value check without decoding)."""
+        self._check(torch.empty(self.numel), payload)
+        return payload.view(torch.bfloat16)
+
 
 class Int8Codec(WireCodec):
     """Block-wise absmax int8 with float32 scales (layout in the module docstring).

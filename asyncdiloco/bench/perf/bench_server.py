@@ -8,7 +8,8 @@
   peak VmHWM during the pushes − RSS of the idle server process before the model arrived.
   By design a raw fp32 server holds θ, m and the receive budget (at least one payload),
   which also holds the versions still being pulled (pulls read θ in place: ps/live.py);
-  an encoded one adds its decode buffers and up to --pull-snapshots encoded versions.
+  a bf16 one (Δ decoded per block inside the step) adds θ encoded for the pulls and up to
+  --pull-snapshots encoded versions.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
   (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
   ≥ 500 over the bulk channel). Targets: targets.py.
@@ -194,11 +195,9 @@ def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, codec: str = "ra
     budget = max(64 * MIB, wire)
     if codec == "raw":
         held, parts = 2 * n_bytes + budget, "θ + m + receive budget max(64 MiB, 1 payload), old versions pulled in it"
-    else:  # + the two pooled fp32 decode buffers, the encoded θ being packed, and 2 pull snapshots when pulled
-        held = 2 * n_bytes + budget + 2 * n_bytes + (wire + 2 * wire if then_pull else 0)
-        parts = "θ + m + receive budget + 2 fp32 decode buffers" + (
-            " + θ encoded + 2 encoded pull snapshots" if then_pull else ""
-        )
+    else:  # + the encoded θ being packed and 2 pull snapshots when pulled (bf16 decodes per block in the step)
+        held = 2 * n_bytes + budget + (wire + 2 * wire if then_pull else 0)
+        parts = "θ + m + receive budget" + (" + θ encoded + 2 encoded pull snapshots" if then_pull else "")
     note = (
         f"by design {parts} = {held / state:.2f}×; measured {(peak - idle) / MIB:.0f} MiB growth, of which "
         f"{(peak - idle - held) / MIB:.0f} MiB beyond that (gRPC's per-stream buffers, thread stacks, allocator)"
