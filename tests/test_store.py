@@ -348,3 +348,30 @@ def test_checkpoint_written_with_another_lr_schedule_is_refused(tmp_path):
     other = dataclasses.replace(COSINE_OUTER, lr_total_versions=20)
     with pytest.raises(CheckpointError, match=r"outer lr_total_versions=12 .* configured with 20"):
         open_server(tmp_path, outer=other)
+
+
+@pytest.mark.parametrize("checkpoint_every", [100, 2], ids=["replayed from the log", "from a checkpoint"])
+def test_regional_pushes_averaged_in_survive_a_crash(tmp_path, checkpoint_every):
+    """A parent's regional servers (joined with the region role) are averaged in as
+    θ ← θ − s(τ)·Δ/R: the role and each push's R are in the log and the checkpoints, so a
+    restart redoes the same steps and keeps averaging (momentum untouched)."""
+    state, store = open_server(tmp_path, every=checkpoint_every)
+    a = state.join_worker(MANIFEST, "region-a", region=True).worker_id
+    push(state, a, 1, rand_tensors(0), kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    b = state.join_worker(MANIFEST, "region-b", region=True).worker_id
+    theta = state.params.clone()
+    for k in range(4):
+        wid = (a, b)[k % 2]
+        delta = [t * 0.1 for t in rand_tensors(1 + k)]
+        push(state, wid, 2 + k, delta, base_version=state.version)  # τ = 0: s = 1
+        theta -= MANIFEST.unpack_flat(MANIFEST.pack(delta)) / 2
+    assert torch.allclose(state.params, theta, atol=1e-6)
+    assert not state.outer.momentum_buffer.any()  # the outer optimizer never saw them
+    before = fingerprint(state)
+    crash(store)
+    state2, store2 = open_server(tmp_path, every=checkpoint_every)
+    assert_same(before, fingerprint(state2))
+    assert state2.registry.get(a).region and state2.registry.get(b).region
+    push(state2, a, 6, rand_tensors(9), base_version=state2.version)
+    assert not state2.outer.momentum_buffer.any()
+    store2.close()

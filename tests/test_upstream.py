@@ -86,7 +86,10 @@ def _synced(region: ParameterServer, syncs: int = 1) -> None:
     wait_until(lambda: region.upstream.syncs >= syncs, f"regional sync {syncs}")
 
 
-def test_two_regions_add_up_to_every_pseudo_gradient_once(servers):
+def test_two_regions_average_in_every_pseudo_gradient_once(servers):
+    """The parent averages each regional push in over the live regions (θ ← θ − Δ/R, R = 2
+    here, whatever its own outer optimizer: wire/roles.py), so every worker's pushes count
+    exactly once, halved."""
     top = servers(_config())
     regions = [servers(_config(), _link(top, every=2)) for _ in range(2)]
     workers = [Worker(r) for r in regions]
@@ -97,8 +100,10 @@ def test_two_regions_add_up_to_every_pseudo_gradient_once(servers):
             w.push(100 * j + k)
     for r in regions:
         assert r.upstream.sync_now(STUCK_S)  # the left-over push goes up
-    expected = THETA0 - workers[0].pushed - workers[1].pushed
+    expected = THETA0 - (workers[0].pushed + workers[1].pushed) / 2
     assert torch.equal(top.state.params, expected)
+    assert all(top.state.registry.get(r.upstream.worker_id).region for r in regions)
+    assert top.state.outer.momentum_buffer is None or not top.state.outer.momentum_buffer.any()
     assert top.state.applied_pushes == sum(r.upstream.pushes for r in regions)
     # a sync with nothing applied meanwhile: the region's model is now the global one
     a = regions[0]
@@ -187,7 +192,7 @@ def test_a_region_joining_an_initialized_parent_takes_its_model_and_keeps_its_ow
     assert torch.equal(second.state.params, top.state.params)  # its θ_0 replaced by the global model
     w2.push(2)
     assert second.upstream.sync_now(STUCK_S)
-    assert torch.equal(top.state.params, THETA0 - w1.pushed - w2.pushed)
+    assert torch.equal(top.state.params, THETA0 - w1.pushed - w2.pushed / 2)  # R = 1, then 2
     w1.close()
     w2.close()
 
@@ -223,17 +228,22 @@ class Weights(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(4))
 
 
-def test_library_workers_through_two_regions_add_up_to_every_inner_step(servers, one_thread):
+def test_library_workers_through_two_regions_average_in_every_inner_step(servers, one_thread):
     from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
     from asyncdiloco.worker.config import WorkerConfig
 
-    top = servers(_config())
+    top = servers(ServerConfig(port=0, grouping="off", dylu=False))  # the default outer optimizer
     regions = [servers(_config(local_steps=2), _link(top, every=2)) for _ in range(2)]
-    trained = []
-    for j, region in enumerate(regions):
+    joined = []
+    for j, region in enumerate(regions):  # each region initialized by its worker, so its link joins the parent
         model = Weights()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         worker = AsyncDiLoCoWorker(model, opt, WorkerConfig(server=region.address, worker_name=f"lib-{j}"))
+        worker.join()
+        joined.append((model, opt, worker))
+    wait_until(lambda: len(top.state.live_worker_ids()) == 2, "both regions joined")  # R = 2 from the start
+    trained = []
+    for j, (model, opt, worker) in enumerate(joined):
         steps = 6 + 4 * j  # H = 2: 3 and 5 pushes
         for _ in range(steps):
             (-model.w.sum()).backward()
@@ -244,7 +254,7 @@ def test_library_workers_through_two_regions_add_up_to_every_inner_step(servers,
     for region in regions:
         _synced(region)
         assert region.upstream.sync_now(STUCK_S)
-    assert torch.equal(top.state.params, torch.full((4,), float(sum(trained))))
+    assert torch.equal(top.state.params, torch.full((4,), float(sum(trained)) / 2))
 
 
 def test_a_push_upward_whose_reply_is_lost_is_applied_once(servers):
@@ -344,20 +354,25 @@ def test_an_initial_push_upward_that_fails_is_sent_again(servers):
         w.close()
 
 
-def test_a_parent_with_a_momentum_outer_optimizer_is_named_once_with_the_fix(servers, caplog):
-    """The suite's tier diverged under a Delayed Nesterov parent: the region says so at its
-    first join, naming the flags; an SGD parent without momentum is not warned about."""
+def test_only_a_parent_that_does_not_average_regions_in_is_named_once_with_the_fix(servers, caplog, monkeypatch):
+    """The suite's tier diverged under a Delayed Nesterov parent that fed regional pushes
+    through its outer optimizer. A parent of this version averages them in and says so
+    (no warning, whatever its optimizer); an older one (here: one that does not answer the
+    role) running momentum is named once at the region's first join, with the flags."""
+    from asyncdiloco.ps import service
+
     dn_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))  # the server's default outer optimizer
-    sgd_parent = servers(_config())
     with caplog.at_level("ERROR", logger="asyncdiloco.ps.upstream"):
-        warned = servers(_config(), _link(dn_parent))
-        Worker(warned).close()
-        _synced(warned)
-        quiet = servers(_config(), _link(sgd_parent))
+        quiet = servers(_config(), _link(dn_parent))
         Worker(quiet).close()
         _synced(quiet)
+        monkeypatch.setattr(service, "REGION_AVERAGED", "not-said")  # an older parent: no answer to the role
+        old_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))
+        warned = servers(_config(), _link(old_parent))
+        Worker(warned).close()
+        _synced(warned)
     lines = [r.getMessage() for r in caplog.records if "runs outer optimizer" in r.getMessage()]
-    assert len(lines) == 1 and dn_parent.address in lines[0]
+    assert len(lines) == 1 and old_parent.address in lines[0]
     assert "--outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R" in lines[0]
 
 

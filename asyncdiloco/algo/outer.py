@@ -373,6 +373,35 @@ class DelayedNesterov(OuterOptimizer):
                 on_block(start, end)
 
 
+@torch.no_grad()
+def average_in(
+    params: torch.Tensor,
+    delta: torch.Tensor | BlockDelta,
+    scale: float,
+    on_block: BlockHook | None = None,
+    block_elems: int = STEP_BLOCK_ELEMS,
+) -> None:
+    """θ ← θ − scale·Δ, in place (``on_block`` as in ``OuterOptimizer.step``): how a parent
+    server takes a regional server's pseudo-gradient, with scale = s(τ)/R over R live
+    regions. Each regional Δ is already the product of that region's outer optimizer over
+    its workers' pushes, so the parent averages the regions' progress (as DiLoCo's outer
+    step averages replicas, Douillard et al. 2023, Alg. 1, with outer lr 1 and no
+    momentum) instead of feeding it through a second outer optimizer with momentum, which
+    diverged in the suite's two-region runs.
+
+    Args:
+        params: θ, float32 (N,). delta: Δ_region, float32 (N,) or a ``BlockDelta``.
+        scale: s(τ)/R.
+    """
+    if on_block is None and not isinstance(delta, BlockDelta):
+        params.sub_(delta, alpha=scale)
+        return
+    for start, end in _blocks(delta.numel(), block_elems):
+        params[start:end].sub_(_block_of(delta, start, end), alpha=scale)
+        if on_block is not None:
+            on_block(start, end)
+
+
 def make_outer_optimizer(
     params: torch.Tensor, config: OuterConfig, block_sizes: list[int] | None = None
 ) -> OuterOptimizer:

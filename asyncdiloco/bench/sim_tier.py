@@ -16,9 +16,10 @@ the virtual clock injected), as in sim.py; transfers take virtual time:
 Both run the same workers, speeds, seeds, H and token budget, with the server's default
 outer optimizer (Delayed Nesterov, DyLU) on the flat server and on every regional one,
 replies not grouped (``grouping="off"``: transfers, not windows, decide when a worker
-resumes). The global server of the tier applies each Δ_region with SGD, lr 1: it adds up
-the regional servers' outer steps (the sum of what the flat server would apply), as the
-central synchronizer of Decoupled DiLoCo (arXiv 2604.21428) and HALoS's global server
+resumes). The global server of the tier runs the server's defaults too; the regional
+servers join it with the region role, so it averages each Δ_region in as
+θ ← θ − s(τ)·Δ_region/R over the R = 2 regions (ps/apply.py; outer.py ``average_in``), as
+the central synchronizer of Decoupled DiLoCo (arXiv 2604.21428) and HALoS's global server
 (arXiv 2506.04531, Sec. 3) combine their groups. The model is evaluated on the server the
 workers' progress reaches (flat: the server; tier: the global one), every
 ``eval_every_steps`` inner steps applied there.
@@ -91,8 +92,9 @@ class TierSimConfig:
     )
     #: The flat and regional servers' outer optimizer (the server's default).
     outer: OuterConfig = ASYNC_OUTER
-    #: The tier's global server: SGD, lr 1/2 (the mean of the two regions' outer steps).
-    global_outer: OuterConfig = OuterConfig(optimizer="sgd", lr=0.5, momentum=0.0)
+    #: The tier's global server's outer optimizer (the server's default: it averages the
+    #: regions' pushes in whatever it is; it would step a direct worker's).
+    global_outer: OuterConfig = ASYNC_OUTER
 
     def __post_init__(self) -> None:
         if self.method not in TIER_METHODS:
@@ -193,7 +195,7 @@ class _Run:
             self.top = self._server(top, theta0)
             self.regions = []
             for r in range(2):
-                wid = self.top.join(self.manifest, f"region-{r}")[0]
+                wid = self.top.join_worker(self.manifest, f"region-{r}", region=True).worker_id
                 self.regions.append(_Region(self._server(cfg.server_config(), theta0), theta0, wid))
             self.server_of = [self.regions[self.where[i]].state for i in range(len(self.speeds))]
         self.ids = [

@@ -24,7 +24,14 @@ import dataclasses
 
 import torch
 
-from asyncdiloco.algo.outer import BlockDelta, BlockHook, DelayedNesterov, PseudoGradientMonitor, staleness_weight
+from asyncdiloco.algo.outer import (
+    BlockDelta,
+    BlockHook,
+    DelayedNesterov,
+    PseudoGradientMonitor,
+    average_in,
+    staleness_weight,
+)
 from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import InvalidPayloadError, NotInitializedError, StalePushError, UnknownVersionError
 from asyncdiloco.ps.intake import check_values
@@ -204,11 +211,13 @@ class PseudoGradient:
                 if order is None:
                     tau, weight, version_after = self.staleness(header)
                     expected = _live_workers(parts, header.worker_id)
-                    num_workers = len(expected)
+                    num_workers = parts.registry.live_regions() if rec.region else len(expected)
                 else:  # a follower: shard 0's τ, s(τ), version and N
                     tau, weight, version_after = self._follow(order)
                     expected, num_workers = {header.worker_id}, order.num_workers
-                applied = AppliedAs(tau=tau, weight=weight, version_after=version_after, num_workers=num_workers)
+                applied = AppliedAs(
+                    tau=tau, weight=weight, version_after=version_after, num_workers=num_workers, region=rec.region
+                )
                 parts.journal.log_push(header, payload, applied)
             # the tensor math, books free meanwhile; pulls meanwhile get θ as it was before
             in_payload = isinstance(delta, torch.Tensor) and delta.data_ptr() == payload.data_ptr()
@@ -365,7 +374,13 @@ class PseudoGradient:
 
     def _step(self, delta: torch.Tensor | BlockDelta, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
         """The outer step of one push; the step making version V + 1 is applied at V (η's
-        schedule). ``on_block``: called after each block of θ is updated (outer.py)."""
+        schedule). ``on_block``: called after each block of θ is updated (outer.py). A
+        regional server's push is averaged in instead: θ ← θ − s(τ)·Δ/R (outer.py
+        ``average_in``; R = ``applied.num_workers``, the live regions)."""
+        if applied.region:
+            scale = applied.weight / max(1, applied.num_workers)
+            average_in(self.parts.model.theta, delta, scale, on_block=on_block)
+            return
         self.parts.model.optimizer.step(
             delta,
             applied.weight,

@@ -59,8 +59,12 @@ class AppliedAs:
     weight: float
     #: The version the apply produced (η's schedule is keyed by version_after − 1).
     version_after: int
-    #: Live workers at the apply: Delayed Nesterov's N (Liu et al. 2024, Alg. 3).
+    #: Live workers at the apply: Delayed Nesterov's N (Liu et al. 2024, Alg. 3); for a
+    #: regional server's push (``region``), R, the live regional servers.
     num_workers: int
+    #: A regional server's push, averaged in as θ ← θ − s·Δ/R instead of going through the
+    #: outer optimizer (apply.py ``REGION``).
+    region: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +100,8 @@ class LoggedJoin:
     named: bool | None = None
     #: When it joined, wall-clock seconds (None in older logs: at the replay).
     seen_unix_s: float | None = None
+    #: It joined as a regional server (a lower tier's ``UpstreamLink``).
+    region: bool = False
 
     @property
     def gave_name(self) -> bool:
@@ -135,6 +141,9 @@ class WorkerRecord:
     session: int = 0
     #: Processes of the current session's torchrun group (``JoinRequest.ranks``; 1 alone).
     ranks: int = 1
+    #: A regional server (it joined with the ``adl-role: region`` metadata): its
+    #: pseudo-gradients are averaged in over the live regions, not outer-optimized again.
+    region: bool = False
     #: The highest push_id applied for this id, in any session (0: none). A worker numbers
     #: its pushes upwards, so a push at or below it is a replay and is never applied again,
     #: also once its outcome is no longer remembered (like Kafka's idempotent producer).

@@ -106,7 +106,9 @@ class WorkerRegistry:
         self._told_wait_s: dict[int, float] = {}
 
     # ------------------------------------------------------------ joins and leases
-    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1) -> Joined:
+    def join(
+        self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
+    ) -> Joined:
         """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
         v_w it measured, steps/s, for DyLU); logged before it is answered.
 
@@ -122,6 +124,7 @@ class WorkerRegistry:
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
             ConfigError: ``worker_name`` is not a valid name (wire/names.py).
             InvalidPayloadError: ``steps_per_s`` is NaN, infinite or negative (``check_rate``).
+        ``region``: a regional server joins (its pushes are averaged in: apply.py).
         """
         if manifest.total_bytes > self.config.max_payload_bytes:
             raise PayloadTooLargeError(
@@ -146,11 +149,11 @@ class WorkerRegistry:
         name = worker_name or f"worker-{worker_id}"
         named = bool(worker_name)
         self.journal.log_join(
-            LoggedJoin(worker_id, name, initialize, manifest if replace else None, named, self.wall_clock())
+            LoggedJoin(worker_id, name, initialize, manifest if replace else None, named, self.wall_clock(), region)
         )
         if old is not None:
             self.rates.forget(worker_id)  # the new session's rate is measured afresh
-        self.register(worker_id, name, initialize, manifest if replace else None, now, named=named)
+        self.register(worker_id, name, initialize, manifest if replace else None, now, named=named, region=region)
         self.rates.report(worker_id, steps_per_s)
         self.workers[worker_id].ranks = max(1, ranks)  # not logged: the next Join says it again
         last_push_id = old.last_push_id if old is not None else 0
@@ -187,6 +190,7 @@ class WorkerRegistry:
         *,
         named: bool = False,
         silent_s: float = 0.0,
+        region: bool = False,
     ) -> None:
         """Start a session of a worker (a Join, or its replay): a new record, or a new
         session of a known id (a resumed Join: its counters and outcomes stay).
@@ -208,6 +212,7 @@ class WorkerRegistry:
         else:
             rec.name, rec.named, rec.alive, rec.left = name, named, True, False
             rec.joined_at = rec.last_seen = seen
+        rec.region = region
         rec.session += 1  # a replayed Join counts too, so a restart gives the same sessions
         if named:
             self.names[name] = worker_id
@@ -227,6 +232,7 @@ class WorkerRegistry:
             self.clock(),
             named=join.gave_name,
             silent_s=silent_s,
+            region=join.region,
         )
 
     def replay_seen(self, worker_id: int, seen_unix_s: float) -> None:
@@ -310,6 +316,10 @@ class WorkerRegistry:
         """Ids of the workers whose lease is current."""
         self.expire(self.clock())
         return {w for w, r in self.workers.items() if r.alive}
+
+    def live_regions(self) -> int:
+        """R: regional servers whose lease is current (at least 1)."""
+        return max(1, sum(1 for r in self.workers.values() if r.alive and r.region))
 
     # ------------------------------------------------------------- initializer
     def initializer_gone(self) -> bool:
@@ -477,6 +487,7 @@ class WorkerRegistry:
                 "worker_id": r.worker_id,
                 "name": r.name,
                 "named": r.named,
+                "region": r.region,
                 "alive": r.alive,
                 "last_seen_unix_s": wall_now - (now - r.last_seen),
                 "applied_pushes": r.applied_pushes,
@@ -519,6 +530,7 @@ class WorkerRegistry:
                     applied, False, version, tau, weight, steps, num_workers=n[0] if n else 0
                 )
             rec.push_high_water = w.get("push_high_water", rec.last_push_id)  # older: the newest remembered
+            rec.region = w.get("region", False)
             self.workers[rec.worker_id] = rec
             if named:
                 self.names[rec.name] = rec.worker_id

@@ -19,6 +19,7 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import is_chunk
+from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             manifest = Manifest.from_proto(request.manifest)
-            joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s, request.ranks)
+            region = (ROLE_KEY, ROLE_REGION) in tuple(context.invocation_metadata() or ())
+            joined = self.state.join_worker(manifest, request.worker_name, request.steps_per_s, request.ranks, region)
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", quoted(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)
+        if region:  # this server averages a region's pushes in (a regional server checks for it)
+            context.set_trailing_metadata(((ROLE_KEY, REGION_AVERAGED),))
         return pb.JoinReply(
             worker_id=joined.worker_id,
             run_config=self.state.run_config(joined.worker_id, joining=True),

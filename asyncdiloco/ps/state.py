@@ -223,16 +223,17 @@ class ParameterServerState:
         return joined.worker_id, joined.initialize, joined.version
 
     def join_worker(
-        self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1
+        self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
     ) -> Joined:
         """``join`` with everything ``JoinReply`` says: a non-empty ``worker_name`` of a
         registered worker (alive, left or expired) resumes it under its old id, with its
         counters and remembered push outcomes; the old session ends at once (the groups,
         Delayed Nesterov's N and sync mode's rounds stop waiting for it) and the new one
         is a fresh join (rate, grouping). ``ranks``: the processes of its torchrun group
-        (informational, shown by Status). Raises as ``join``."""
+        (informational, shown by Status). ``region``: a regional server joins (its pushes
+        are averaged in over the live regions: apply.py). Raises as ``join``."""
         with self.locks.books:
-            joined = self.registry.join(manifest, worker_name, steps_per_s, ranks)
+            joined = self.registry.join(manifest, worker_name, steps_per_s, ranks, region)
             expected = self.registry.expected(self._clock()) if joined.resumed else set()
         if joined.resumed:  # as after a Leave of the old session
             self.groups.recheck(expected)

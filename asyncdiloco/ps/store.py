@@ -279,6 +279,8 @@ class DurableStore:
             meta["manifest"] = manifest_to_json(join.manifest)
         if join.named is not None:
             meta["named"] = join.named
+        if join.region:
+            meta["region"] = True
         if join.seen_unix_s is not None:
             meta["seen_unix_s"] = join.seen_unix_s
         self._append(JOIN, meta)

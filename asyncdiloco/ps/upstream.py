@@ -229,29 +229,32 @@ class UpstreamLink:
     def _join(self) -> None:
         assert self._client is not None and self.state.manifest is not None
         name = self.config.name or f"region-{id(self):x}"
-        reply = self._client.join(self.state.manifest, worker_name=name)
+        reply = self._client.join(self.state.manifest, worker_name=name, region=True)
         self.worker_id, self._joined = reply.worker_id, True
         self._next_push_id = max(self._next_push_id, reply.last_push_id + 1)
         self._codec = codec_for(reply.run_config, self.state.manifest)
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
         self._must_initialize = reply.initialize
-        self._check_parent_outer(reply.run_config)
+        self._check_parent_outer(reply.run_config, self._client.parent_averages_regions)
 
-    def _check_parent_outer(self, rc: pb.RunConfig) -> None:
-        """A parent of regional servers should average the regions' pseudo-gradients (SGD, no
-        momentum, lr 1/R for R regions): each is already the result of a region's outer
-        optimizer, and a second outer optimizer with momentum on top diverged in the suite's
-        two-region runs (docs/algorithms.md). Said once, loudly, at the first join; the
-        link goes on (the parent is the operator's to restart)."""
-        if self._warned_outer or (rc.outer_optimizer == "sgd" and rc.outer_momentum == 0):
+    def _check_parent_outer(self, rc: pb.RunConfig, averaged: bool) -> None:
+        """A parent of regional servers must average the regions' pseudo-gradients in
+        (θ ← θ − s(τ)·Δ/R): each is already the result of a region's outer optimizer, and a
+        second outer optimizer with momentum on top diverged in the suite's two-region runs
+        (docs/algorithms.md). A parent of this version does so by itself (``averaged``: it
+        answered the regional Join so, wire/roles.py); an older one applies its own outer
+        optimizer, which works only as SGD without momentum, lr 1/R. Said once, loudly, at
+        the first join; the link goes on (the parent is the operator's to restart)."""
+        if self._warned_outer or averaged or (rc.outer_optimizer == "sgd" and rc.outer_momentum == 0):
             return
         self._warned_outer = True
         log.error(
-            "the parent %s runs outer optimizer %s (momentum %g): it applies each region's pseudo-gradient, "
-            "already the result of this region's outer optimizer, through a second one, which diverged in the "
-            "suite's two-region runs; start the parent with --outer-optimizer sgd --outer-momentum 0 "
-            "--outer-lr 1/R (R regions, e.g. 0.5 for two)",
+            "the parent %s runs outer optimizer %s (momentum %g) and does not average regional pushes in (an "
+            "older asyncdiloco): it applies each region's pseudo-gradient, already the result of this region's "
+            "outer optimizer, through a second one, which diverged in the suite's two-region runs; upgrade the "
+            "parent, or start it with --outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R (R regions, e.g. "
+            "0.5 for two)",
             self.config.parent,
             rc.outer_optimizer,
             rc.outer_momentum,

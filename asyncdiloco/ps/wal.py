@@ -171,6 +171,7 @@ def push_meta(header: pb.PushHeader, applied: AppliedAs, codec: str) -> dict:
         "version_after": applied.version_after,
         "num_workers": applied.num_workers,
         "codec": codec,
+        **({"region": True} if applied.region else {}),
     }
 
 
@@ -186,7 +187,15 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
     if rec.kind == JOIN:
         manifest = manifest_from_json(m["manifest"]) if "manifest" in m else None
         state.replay_join(
-            LoggedJoin(m["worker_id"], m["name"], m["initialize"], manifest, m.get("named"), m.get("seen_unix_s"))
+            LoggedJoin(
+                m["worker_id"],
+                m["name"],
+                m["initialize"],
+                manifest,
+                m.get("named"),
+                m.get("seen_unix_s"),
+                m.get("region", False),
+            )
         )
         return
     if rec.kind != PUSH:
@@ -202,7 +211,11 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
         )
     payload = torch.frombuffer(bytearray(rec.payload), dtype=torch.uint8)
     applied = AppliedAs(
-        tau=m["tau"], weight=m["weight"], version_after=m["version_after"], num_workers=m["num_workers"]
+        tau=m["tau"],
+        weight=m["weight"],
+        version_after=m["version_after"],
+        num_workers=m["num_workers"],
+        region=m.get("region", False),
     )
     state.replay_push(header, payload, applied)
     if "seen_unix_s" in m:

@@ -49,6 +49,7 @@ from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.codec import wire_bytes_for
 from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
 from asyncdiloco.wire.header_crc import check_header, seal
+from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
@@ -146,6 +147,7 @@ class ParameterServerClient:
         #: JoinReply.session_id per worker id joined through this client: sent with its
         #: pushes, heartbeats and Leave (the server refuses a superseded session's calls).
         self._sessions: dict[int, int] = {}
+        self.parent_averages_regions = False  # set by a regional join (``join``)
         self._bulk: BulkChannel | None = None
         creds = channel_credentials(security)
         if creds is None:
@@ -222,14 +224,20 @@ class ParameterServerClient:
             raise from_rpc_error(err) from None
 
     # ---------------------------------------------------------------- calls
-    def join(self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1) -> pb.JoinReply:
+    def join(
+        self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
+    ) -> pb.JoinReply:
         """Register (``ranks``: processes training this replica together, a torchrun
         group's world size); raises ManifestMismatchError, ServerUnavailableError, ...;
-        the reply's session goes with this worker id's later calls through this client."""
-        reply = self._call(
-            self._stub.Join,
-            pb.JoinRequest(manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s, ranks=ranks),
+        the reply's session goes with this worker id's later calls through this client.
+        ``region``: a regional server joins its parent (wire/roles.py); whether the
+        parent averages its pushes in is then ``parent_averages_regions``."""
+        request = pb.JoinRequest(
+            manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s, ranks=ranks
         )
+        role = ((ROLE_KEY, ROLE_REGION),) if region else ()
+        reply, call = self._call(self._stub.Join.with_call, request, extra_metadata=role)
+        self.parent_averages_regions = (ROLE_KEY, REGION_AVERAGED) in tuple(call.trailing_metadata() or ())
         self._sessions[reply.worker_id] = reply.session_id
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
         self._told(reply.run_config.group_max_wait_s, reply.worker_id)
