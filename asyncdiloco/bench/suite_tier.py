@@ -114,7 +114,8 @@ def tier_markdown(records: list[dict], cfg) -> str:
         "latency plus bytes ÷ bandwidth; workers wait for their push and pull). Flat: one server in A, so "
         "each B push and pull crosses the slow link. Tier: a regional server per region (the server's default "
         "outer optimizer), pushing every K regional pushes to a global server (the server's defaults too; it "
-        "averages each region's push in over the two regions) that sits next to A's, so only B's every-K push and pull cross it. Same "
+        "averages each region's push in over the two regions) that sits next to A's, so only B's every-K "
+        "push and pull cross it. Same "
         f"workers, speeds, seeds {list(cfg.seeds)}, H = {cfg.local_steps} and budget ({cfg.total_steps} inner "
         f"steps); replies not grouped. Target = the flat server's final loss + {cfg.target_margin * 100:.0f}%. "
         "Slow-link MB: payload bytes over it, both directions. Raw runs: regions.jsonl.",
