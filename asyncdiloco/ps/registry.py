@@ -487,7 +487,7 @@ class WorkerRegistry:
                 "worker_id": r.worker_id,
                 "name": r.name,
                 "named": r.named,
-                "region": r.region,
+                **({"region": True} if r.region else {}),  # a regional server (older checkpoints: none)
                 "alive": r.alive,
                 "last_seen_unix_s": wall_now - (now - r.last_seen),
                 "applied_pushes": r.applied_pushes,
