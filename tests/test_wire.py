@@ -19,6 +19,7 @@ from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.channel import MAX_FRAME_BYTES, grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import (
     WireChunk,
     _handlers,
@@ -277,3 +278,11 @@ def test_the_pool_ignores_buffers_it_did_not_hand_out_or_already_took_back():
     pool.release(a)
     pool.release(a)  # twice: the second is ignored
     assert pool._in_use == 0 and pool._in_use_bytes == 0
+
+
+def test_both_ends_take_http2_frames_of_a_mebibyte():
+    """A 4 MB chunk crosses HTTP/2 in 4 frames, not 256 of 16 KiB (wire/channel.py); gRPC
+    accepts frames of 16 KiB up to 16 MiB - 1."""
+    options = dict(grpc_channel_options(4 << 20))
+    assert options["grpc.http2.max_frame_size"] == MAX_FRAME_BYTES == 1 << 20
+    assert 16 * 1024 <= MAX_FRAME_BYTES <= (1 << 24) - 1

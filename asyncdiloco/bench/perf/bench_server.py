@@ -11,10 +11,13 @@
   (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
   ≥ 500 over the bulk channel), on three paths: ``grpc-one`` (each 4 MB push one PushOne
   message, as clients send it), ``grpc-stream`` (the same pushes as Push streams, as to a
-  server without PushOne) and ``bulk-tcp``. Targets: targets.py.
+  server without PushOne) and ``bulk-tcp``; each row also gives the server process's CPU
+  time per applied push (``server_cpu_ms_per_push``, all its threads), which the other
+  jobs on shared cores disturb less than the rate. Targets: targets.py.
 
     python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
         [--only push_rate --address HOST:PORT]   (a server started by hand, e.g. under py-spy)
+        [--only push_rate --push-workers 1x1]     (one pusher: the latency of a push)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.bench.perf._harness import (
     MIB,
+    cpu_seconds,
     emit,
     median_seconds,
     parse_sizes,
@@ -139,11 +143,19 @@ def bench_push_rate(
     flags += ("--bulk-port", "0") if bulk else ()
     if address is not None:
         return _push_rate_at(address, numel, procs, threads, seconds, one_message)
-    with server_process(*flags) as (_, started):
-        return _push_rate_at(started, numel, procs, threads, seconds, one_message)
+    with server_process(*flags) as (proc, started):
+        return _push_rate_at(started, numel, procs, threads, seconds, one_message, proc.pid)
 
 
-def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: float, one_message: bool) -> dict:
+def _push_rate_at(
+    address: str,
+    numel: int,
+    procs: int,
+    threads: int,
+    seconds: float,
+    one_message: bool,
+    server_pid: int | None = None,
+) -> dict:
     ctx = mp.get_context("spawn")
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
     client, _ = _join_and_init(address, manifest, f"init-{os.getpid()}")
@@ -154,10 +166,12 @@ def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: f
         p.start()
     time.sleep(5.0)  # let every client join (spawned interpreters import torch)
     v0 = client.status().version
+    cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
     t0 = time.monotonic()
     start_evt.set()
     applied = sum(q.get(timeout=seconds + 120) for _ in ps)
     wall = time.monotonic() - t0
+    cpu1 = cpu_seconds(server_pid) if server_pid else 0.0
     v1 = client.status().version
     for p in ps:
         p.join(timeout=30)
@@ -167,6 +181,8 @@ def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: f
         "versions": v1 - v0,
         "wall_s": wall,
         "pushes_per_s": (v1 - v0) / wall,
+        # the server process's CPU (all its threads: handlers, gRPC's poller and I/O) per applied push
+        "server_cpu_ms_per_push": 1e3 * (cpu1 - cpu0) / max(1, v1 - v0) if server_pid else None,
     }
 
 
@@ -228,6 +244,11 @@ def main() -> None:
     p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
+    p.add_argument(
+        "--push-workers",
+        default="2x8",
+        help="push_rate's pushers, PROCESSESxTHREADS (default 2x8, the target's 16; 1x1: one push at a time)",
+    )
     p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument(
@@ -268,11 +289,12 @@ def main() -> None:
                 )
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
+        procs, threads = (int(n) for n in args.push_workers.lower().split("x"))
         for path, bulk, one_message in PATHS[:2] if args.address else PATHS:
             r = bench_push_rate(
                 1_000_000,
-                procs=2,
-                threads=8,
+                procs=procs,
+                threads=threads,
                 seconds=args.push_seconds,
                 bulk=bulk,
                 address=args.address,
@@ -280,7 +302,8 @@ def main() -> None:
             )
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
+                f"here {procs * threads} clients ({procs} processes) and the server share the same "
+                f"{os.cpu_count()} cores"
             )
             emit(
                 {
@@ -288,7 +311,8 @@ def main() -> None:
                     "measure": PUSH_RATE,
                     "model_mib": 4e6 / MIB,
                     "path": path,
-                    "target": target_for(PUSH_RATE, path),
+                    "workers": procs * threads,
+                    "target": target_for(PUSH_RATE, path) if procs * threads == 16 else None,
                     "in_process_pushes_per_s": alone,
                     "note": note,
                     **r,
