@@ -350,7 +350,13 @@ def test_a_bad_push_in_one_message_is_refused_as_the_stream_refuses_it(make_serv
     assert in_one[0] == code and needle in in_one[1] and in_one[2] == reason
     assert_same(before, fingerprint(srv))
     header, chunks = good_push(srv, manifest, wid, good, push_id=3)
-    assert one_push(srv, header, chunks).applied  # a good one still goes through afterwards
+    first = one_push(srv, header, chunks)
+    assert first.applied and not first.duplicate  # a good one still goes through afterwards
+    after = fingerprint(srv)
+    for retry in (one_push, raw_push):  # its retry, either way: the original outcome, nothing applied
+        again = retry(srv, header, chunks)
+        assert again.duplicate and again.applied and again.version == first.version
+    assert_same(after, fingerprint(srv))  # θ, momentum, version, counters, records
 
 
 def test_one_message_pushes_out_of_shape_are_refused_and_change_nothing(make_server):
