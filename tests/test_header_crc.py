@@ -117,14 +117,34 @@ class _FlippingPush:
         return self._real.with_call(flipped(), **kw)
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
-def test_a_flipped_push_id_is_resent_and_the_worker_goes_on(start_server, monkeypatch, bulk):
+class _FlippingPushOne:
+    """Wraps the client's PushOne callable: the next ``left["n"]`` pseudo-gradient pushes
+    arrive with push_id ^ 64."""
+
+    def __init__(self, real, left: dict) -> None:
+        self._real, self._left = real, left
+
+    def with_call(self, request: bytes, **kw):
+        parsed = pb.PushRequest.FromString(request)
+        if parsed.header.kind == pb.PUSH_KIND_PSEUDO_GRADIENT and self._left["n"] > 0:
+            self._left["n"] -= 1
+            parsed.header.push_id ^= 64
+            request = parsed.SerializeToString()
+        return self._real.with_call(request, **kw)
+
+
+@pytest.mark.parametrize("path", ["bulk", "grpc-stream", "grpc-one"])
+def test_a_flipped_push_id_is_resent_and_the_worker_goes_on(start_server, monkeypatch, path):
+    bulk = path == "bulk"
     srv, model, opt, worker = _worker(start_server, bulk)
     left = {"n": 0}
     if bulk:
         _flip_push_id_over_bulk(monkeypatch, left)
-    else:
+    elif path == "grpc-stream":
+        worker.client._push_one = None  # noqa: SLF001 - as for a server without PushOne
         worker.client._push = _FlippingPush(worker.client._push, left)  # noqa: SLF001
+    else:
+        worker.client._push_one = _FlippingPushOne(worker.client._push_one, left)  # noqa: SLF001
     with worker:
         assert (worker.client.bulk_port > 0) == bulk
         _steps(model, opt, 4 * H)

@@ -56,9 +56,10 @@ def initialized(srv, **client_args) -> tuple[ParameterServerClient, int]:
     return client, wid
 
 
-def test_counts_after_three_pushes_a_stale_one_and_a_pull(start_server):
+@pytest.mark.parametrize("one_message", [False, True], ids=["Push", "PushOne"])
+def test_counts_after_three_pushes_a_stale_one_and_a_pull(start_server, one_message):
     srv = start_server(metrics_port=0, grouping="off", dylu=False)
-    client, wid = initialized(srv)
+    client, wid = initialized(srv, one_message_pushes=one_message)
     delta = MANIFEST.pack([torch.full((8,), 0.01)])
     for push_id in (2, 3, 4):
         client.push(delta, worker_id=wid, push_id=push_id, base_version=srv.state.version, num_tokens=10)
@@ -79,12 +80,17 @@ def test_counts_after_three_pushes_a_stale_one_and_a_pull(start_server):
     assert value(m, "asyncdiloco_workers_live") == 1
     assert value(m, "asyncdiloco_workers", state="training") == 1
     # The gRPC conventions: the initial push and three pseudo-gradients OK, the one from the future refused.
-    assert value(m, "grpc_server_handled_total", **rpc("Push", "OK", "CLIENT_STREAM")) == 4
-    assert value(m, "grpc_server_handled_total", **rpc("Push", "INVALID_ARGUMENT", "CLIENT_STREAM")) == 1
-    push_labels = {k: v for k, v in rpc("Push", kind="CLIENT_STREAM").items() if k != "grpc_code"}
+    method, kind = ("PushOne", "UNARY") if one_message else ("Push", "CLIENT_STREAM")
+    other = ("Push", "CLIENT_STREAM") if one_message else ("PushOne", "UNARY")
+    assert value(m, "grpc_server_handled_total", **rpc(method, "OK", kind)) == 4
+    assert value(m, "grpc_server_handled_total", **rpc(method, "INVALID_ARGUMENT", kind)) == 1
+    push_labels = {k: v for k, v in rpc(method, kind=kind).items() if k != "grpc_code"}
     assert value(m, "grpc_server_started_total", **push_labels) == 5
     assert value(m, "grpc_server_handling_seconds_count", **push_labels) == 5
-    assert value(m, "grpc_server_msg_received_total", **push_labels) >= 10  # a header and a chunk each
+    other_labels = {k: v for k, v in rpc(other[0], kind=other[1]).items() if k != "grpc_code"}
+    assert value(m, "grpc_server_started_total", **other_labels) == 0
+    if not one_message:
+        assert value(m, "grpc_server_msg_received_total", **push_labels) >= 10  # a header and a chunk each
     # A server stream is handled once its stream ended; its chunks are counted as sent.
     assert value(m, "grpc_server_handled_total", **rpc("Pull", "OK", "SERVER_STREAM")) == 1
     pull_labels = {k: v for k, v in rpc("Pull", kind="SERVER_STREAM").items() if k != "grpc_code"}
@@ -102,6 +108,7 @@ def test_refusals_on_the_bulk_channel_are_counted_by_reason(start_server):
     m = scrape(srv)
     assert value(m, "asyncdiloco_pushes_refused_total", reason="unknown_version") == 1
     assert value(m, "grpc_server_handled_total", **rpc("Push", "INVALID_ARGUMENT", "CLIENT_STREAM")) == 0
+    assert value(m, "grpc_server_handled_total", **rpc("PushOne", "INVALID_ARGUMENT")) == 0
     client.close()
 
 

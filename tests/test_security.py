@@ -93,17 +93,29 @@ def serve(start_server):
     return lambda **security: start_server(security=ServerSecurityConfig(**security))
 
 
+def _streamed(client: ParameterServerClient, push):
+    """``push()`` as a Push stream (as for a server without PushOne)."""
+    one, client._push_one = client._push_one, None  # noqa: SLF001
+    try:
+        return push()
+    finally:
+        client._push_one = one  # noqa: SLF001
+
+
 def _every_rpc(client: ParameterServerClient) -> dict:
     """Call each RPC kind once; returns {name: exception or None}."""
     payload = MANIFEST.pack([torch.ones(4)])
+
+    def push():
+        return client.push(payload, worker_id=1, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+
     calls = {
         "Join (unary)": lambda: client.join(MANIFEST, "x"),
         "Status (unary)": client.status,
         "Heartbeat (unary)": lambda: client.heartbeat(1),
         "Pull (server streaming)": lambda: client.pull(MANIFEST, 1),
-        "Push (client streaming)": lambda: client.push(
-            payload, worker_id=1, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
-        ),
+        "Push (client streaming)": lambda: _streamed(client, push),
+        "PushOne (unary)": push,  # a payload within one chunk goes as one message
         "Leave (unary)": lambda: client.leave(1),
         "Quorum (unary)": lambda: client.quorum(worker_id=1, round=0, manifest_hash="x", timeout_s=1),
         "Commit (unary)": lambda: client.commit(worker_id=1, quorum_id=1, success=True, timeout_s=1),

@@ -17,6 +17,7 @@ from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
@@ -245,6 +246,166 @@ def test_retried_push_is_applied_once(make_server):
     assert again.applied and again.duplicate and again.version == first.version
     assert_same(after_first, fingerprint(srv))
     assert srv.state.status().duplicate_pushes == 1
+
+
+# ------------------------------------------------------- one-message pushes (PushOne)
+def one_push(srv, header: pb.PushHeader, chunks):
+    """``header`` and its payload's only chunk (or none) as one PushOne message, encoded
+    by the generated code."""
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    assert len(chunks) <= 1
+    return stub.PushOne(pb.PushRequest(header=header, chunk=chunks[0] if chunks else None), timeout=10)
+
+
+class _CountingPushOne:
+    """Wraps a client's PushOne callable and counts the calls made through it."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, 0
+
+    def with_call(self, request, **kw):
+        self.calls += 1
+        return self.real.with_call(request, **kw)
+
+
+def test_a_push_in_one_message_is_applied_bit_identically_to_a_stream(make_server):
+    servers = []
+    for one_message in (False, True):
+        srv = make_server(outer=OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9), grouping="off")
+        _, manifest, _ = init_server(srv, make_model(seed=3))
+        client = ParameterServerClient(srv.address, one_message_pushes=one_message)
+        wid = client.join(manifest, "w").worker_id
+        client._push_one = counting = _CountingPushOne(client._push_one) if one_message else None  # noqa: SLF001
+        gen = torch.Generator().manual_seed(1)
+        for push_id in range(1, 5):
+            payload = manifest.pack([torch.randn(1, 4, generator=gen), torch.randn(1, generator=gen)])
+            reply = client.push(payload, worker_id=wid, push_id=push_id, base_version=max(0, srv.state.version - 1))
+            assert reply.applied and not reply.duplicate
+        again = client.push(payload, worker_id=wid, push_id=4, base_version=0)  # a retry: the original outcome
+        assert again.duplicate and again.version == reply.version
+        if counting is not None:
+            assert counting.calls == 5
+        servers.append(srv)
+        client.close()
+    stream, one = servers
+    assert one.state.version == stream.state.version == 4
+    assert_same(fingerprint(stream), fingerprint(one))  # θ, momentum, counters, records
+    assert stream.state.status().duplicate_pushes == one.state.status().duplicate_pushes == 1
+
+
+def _refused(call) -> tuple:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    err = info.value
+    return err.code(), err.details(), dict(err.trailing_metadata()).get(REASON_METADATA_KEY)
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "reason", "needle"),
+    [
+        ("nan", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "non-finite values (NaN/Inf)"),
+        ("future", grpc.StatusCode.INVALID_ARGUMENT, "unknown_version", "base_version 5 was never served"),
+        ("stale", grpc.StatusCode.FAILED_PRECONDITION, "stale_push", "exceeds max_staleness=0"),
+        ("unknown_worker", grpc.StatusCode.NOT_FOUND, "unknown_worker", "worker_id 99 is unknown"),
+        ("wrong_size", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "total_bytes is 4"),
+        ("oversized", grpc.StatusCode.RESOURCE_EXHAUSTED, "payload_too_large", "max_payload_bytes=4096"),
+        ("bad_crc", grpc.StatusCode.INVALID_ARGUMENT, "payload_corrupted", "CRC-32"),
+        ("header_crc", grpc.StatusCode.INVALID_ARGUMENT, "payload_corrupted", "corrupted in transit"),
+        ("push_id_0", grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload", "push_id is 0"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v and v.islower() else None,
+)
+def test_a_bad_push_in_one_message_is_refused_as_the_stream_refuses_it(make_server, case, code, reason, needle):
+    srv = make_server(chunk_bytes=1024, max_payload_bytes=4096, outer=OuterConfig(max_staleness=0))
+    model = nn.Linear(100, 1)  # 404 bytes: one chunk
+    client, manifest, wid = init_server(srv, model)
+    good = manifest.pack([torch.full_like(p, 0.01) for p in model.parameters()])
+    client.push(good, worker_id=wid, push_id=2, base_version=0)  # version 1, momentum ≠ 0
+    before = fingerprint(srv)
+    delta = [torch.full_like(p, 0.01) for p in model.parameters()]
+    if case == "nan":
+        delta[0][0, 7] = float("nan")
+    header, chunks = good_push(srv, manifest, wid, manifest.pack(delta), push_id=3)
+    assert len(chunks) == 1
+    if case == "future":
+        header.base_version = 5
+    elif case == "stale":
+        header.base_version = 0
+    elif case == "unknown_worker":
+        header.worker_id = 99
+    elif case == "wrong_size":
+        header.total_bytes = 4
+    elif case == "oversized":
+        header.total_bytes = 5000
+    elif case == "bad_crc":
+        header.crc32 ^= 1
+    elif case == "push_id_0":
+        header.push_id = 0
+    elif case == "header_crc":
+        seal(header)
+        header.push_id ^= 64  # push 3 arrives as push 67: the header's own CRC-32 catches it
+    streamed = _refused(lambda: raw_push(srv, header, chunks))
+    in_one = _refused(lambda: one_push(srv, header, chunks))
+    assert in_one == streamed  # the same status code, message and reason
+    assert in_one[0] == code and needle in in_one[1] and in_one[2] == reason
+    assert_same(before, fingerprint(srv))
+    header, chunks = good_push(srv, manifest, wid, good, push_id=3)
+    first = one_push(srv, header, chunks)
+    assert first.applied and not first.duplicate  # a good one still goes through afterwards
+    after = fingerprint(srv)
+    for retry in (one_push, raw_push):  # its retry, either way: the original outcome, nothing applied
+        again = retry(srv, header, chunks)
+        assert again.duplicate and again.applied and again.version == first.version
+    assert_same(after, fingerprint(srv))  # θ, momentum, version, counters, records
+
+
+def test_one_message_pushes_out_of_shape_are_refused_and_change_nothing(make_server):
+    srv = make_server(chunk_bytes=1024)
+    big = nn.Linear(600, 1)  # 2,404 bytes: three chunks of 1 KiB
+    client, manifest, wid = init_server(srv, big)
+    before = fingerprint(srv)
+    header, chunks = good_push(srv, manifest, wid, manifest.pack([torch.zeros_like(p) for p in big.parameters()]))
+    code, details, reason = _refused(lambda: one_push(srv, header, chunks[:1]))
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload")
+    assert "carries one chunk, but num_chunks is 3" in details and "as a Push stream" in details
+    code, details, reason = _refused(lambda: _no_header(srv))
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_payload") and "no PushHeader" in details
+    assert_same(before, fingerprint(srv))
+    # the client itself streams a payload of more than one chunk
+    client._push_one = counting = _CountingPushOne(client._push_one)  # noqa: SLF001
+    payload = manifest.pack([torch.full_like(p, 0.01) for p in big.parameters()])
+    assert client.push(payload, worker_id=wid, push_id=2, base_version=srv.state.version).applied
+    assert counting.calls == 0
+
+
+def _no_header(srv):
+    stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
+    return stub.PushOne(pb.PushRequest(chunk=pb.PayloadChunk(data=b"abcd")), timeout=10)
+
+
+def test_a_client_streams_to_a_server_without_push_one_and_remembers(make_server, monkeypatch):
+    """A server from before PushOne answers it UNIMPLEMENTED: the client pushes as a stream,
+    and from then on streams without asking again."""
+    from asyncdiloco.wire import grpc_chunks
+
+    real = grpc_chunks._handlers  # noqa: SLF001
+
+    def without_push_one(servicer):
+        handlers = real(servicer)
+        del handlers["PushOne"]
+        return handlers
+
+    monkeypatch.setattr(grpc_chunks, "_handlers", without_push_one)
+    srv = make_server(grouping="off")
+    with pytest.raises(grpc.RpcError) as info:
+        one_push(srv, pb.PushHeader(worker_id=1, push_id=1), [])
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    client, manifest, wid = init_server(srv, make_model())  # the initial push already fell back
+    assert client._push_one is None  # noqa: SLF001
+    payload = manifest.pack([torch.full((1, 4), 0.1), torch.full((1,), 0.1)])
+    for push_id in (2, 3):
+        assert client.push(payload, worker_id=wid, push_id=push_id, base_version=srv.state.version).applied
+    assert srv.state.version == 2 and srv.state.status().rejected_pushes == 0
 
 
 # --------------------------------------------------------------------- big models

@@ -19,12 +19,16 @@ from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.channel import MAX_FRAME_BYTES, grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import (
     WireChunk,
     _handlers,
     decode_pull_message,
     decode_push_message,
+    decode_push_request,
     encode_chunk,
+    encode_push_request,
+    push_request_bytes,
     serialize_message,
 )
 from asyncdiloco.wire.tensors import Manifest, crc32_of
@@ -73,6 +77,54 @@ def test_headers_and_odd_messages_go_through_protobuf():
         decode_push_message(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
     with pytest.raises(DecodeError):
         pb.PushMessage.FromString(encode_chunk(1, 4, memoryview(b"abcdef"))[:-3])
+
+
+_headers = st.builds(
+    pb.PushHeader,
+    worker_id=int64s,
+    push_id=int64s,
+    base_version=int64s,
+    total_bytes=int64s,
+    num_chunks=int64s,
+    crc32=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from([0, 1, 2, 3]),
+    compute_s=st.floats(allow_nan=False),
+    last=st.booleans(),
+    header_crc32=st.integers(0, 2**32 - 1),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=_headers, data=st.binary(max_size=300))
+def test_a_push_request_is_byte_identical_to_protobuf_and_decodes_to_a_view(header, data):
+    chunk = pb.PayloadChunk(index=0, offset=0, data=data) if data else None
+    expected = pb.PushRequest(header=header, chunk=chunk).SerializeToString()
+    raw = encode_push_request(header, memoryview(data))
+    assert raw == expected
+    got = decode_push_request(raw)
+    assert got.header == header
+    if data:
+        assert isinstance(got.chunk, WireChunk) and (got.chunk.index, got.chunk.offset) == (0, 0)
+        assert bytes(got.chunk.data) == data and got.chunk.data.obj is raw  # a view, not a copy
+    else:
+        assert got.chunk is None
+
+
+def test_a_push_request_from_a_tensor_and_odd_requests_go_through_protobuf():
+    payload = torch.arange(10, dtype=torch.uint8)
+    header = pb.PushHeader(worker_id=2, push_id=5, total_bytes=10, num_chunks=1)
+    raw = push_request_bytes(header, payload)
+    assert raw == pb.PushRequest(header=header, chunk=pb.PayloadChunk(data=bytes(range(10)))).SerializeToString()
+    # the chunk before the header, an unknown field, no header: protobuf parses them
+    swapped = pb.PayloadChunk(data=b"ab").SerializeToString()
+    odd = b"\x12" + bytes([len(swapped)]) + swapped + pb.PushRequest(header=header).SerializeToString()
+    got = decode_push_request(odd)
+    assert got.header == header and bytes(got.chunk.data) == b"ab" and not isinstance(got.chunk, WireChunk)
+    got = decode_push_request(raw + b"\x18\x01")
+    assert got.header == header and bytes(got.chunk.data) == bytes(range(10))
+    assert decode_push_request(pb.PushRequest(chunk=pb.PayloadChunk(data=b"a")).SerializeToString()).header is None
+    with pytest.raises(DecodeError):
+        decode_push_request(raw[:-3])
 
 
 def test_serializer_passes_bytes_and_serializes_messages():
@@ -254,3 +306,11 @@ def test_the_pool_ignores_buffers_it_did_not_hand_out_or_already_took_back():
     pool.release(a)
     pool.release(a)  # twice: the second is ignored
     assert pool._in_use == 0 and pool._in_use_bytes == 0
+
+
+def test_both_ends_take_http2_frames_of_a_mebibyte():
+    """A 4 MB chunk crosses HTTP/2 in 4 frames, not 256 of 16 KiB (wire/channel.py); gRPC
+    accepts frames of 16 KiB up to 16 MiB - 1."""
+    options = dict(grpc_channel_options(4 << 20))
+    assert options["grpc.http2.max_frame_size"] == MAX_FRAME_BYTES == 1 << 20
+    assert 16 * 1024 <= MAX_FRAME_BYTES <= (1 << 24) - 1

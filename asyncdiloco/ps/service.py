@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import cast
 
 import grpc
 
@@ -18,9 +20,9 @@ from asyncdiloco.ps.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.wire.grpc_chunks import is_chunk
+from asyncdiloco.wire.grpc_chunks import WirePushRequest, is_chunk
 from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
-from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.wire.tensors import Manifest, PayloadAssembler
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ def _abort(context: grpc.ServicerContext, exc: AsyncDiLoCoError) -> None:
     trailing metadata (errors.py): the client raises the same exception from it."""
     context.set_trailing_metadata(reason_metadata(exc))
     context.abort(exc.grpc_code, str(exc))
+
+
+def _nothing() -> None:
+    """A PushOne retry's drain: its payload came in the one message, nothing is left."""
 
 
 class ParameterServerService(pb_grpc.ParameterServerServicer):
@@ -85,7 +91,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             self.state.close_pull(source)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
-        worker_id = 0
+        """A push streamed as a header, then its chunks (several hand-offs from gRPC's poller)."""
 
         def fill(assembler) -> None:
             for msg in request_iterator:
@@ -101,17 +107,55 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             for _ in request_iterator:
                 pass
 
-        try:
+        def first_header() -> pb.PushHeader:
             first = next(request_iterator, None)
             if first is None or is_chunk(first) or first.WhichOneof("body") != "header":
                 raise InvalidPayloadError(
                     "the first PushMessage must carry a PushHeader; send the header, then the chunks"
                 )
-            worker_id, hold = first.header.worker_id, not first.header.last  # a last push is not held
+            return first.header
+
+        return self._push(first_header, fill, drain, context)
+
+    def PushOne(self, request: WirePushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        """A push whose payload fits in one chunk, header and chunk in one message: the
+        same checks, refusals and apply as ``Push``."""
+
+        def fill(assembler: PayloadAssembler) -> None:
+            if assembler.num_chunks > 1:  # after the header's checks: its CRC vouches for num_chunks
+                raise InvalidPayloadError(
+                    f"a PushOne message carries one chunk, but num_chunks is {assembler.num_chunks} "
+                    f"(total_bytes {assembler.total_bytes} over chunk_bytes={assembler.chunk_bytes}); "
+                    f"send a payload of more than one chunk as a Push stream"
+                )
+            if request.chunk is not None:
+                assembler.add(cast(pb.PayloadChunk, request.chunk))  # a WireChunk quacks like one
+
+        def header() -> pb.PushHeader:
+            if request.header is None:
+                raise InvalidPayloadError("the PushRequest carries no PushHeader; send the header with the chunk")
+            return request.header
+
+        return self._push(header, fill, _nothing, context)
+
+    def _push(
+        self,
+        first_header: Callable[[], pb.PushHeader],
+        fill: Callable[[PayloadAssembler], None],
+        drain: Callable[[], None],
+        context: grpc.ServicerContext,
+    ) -> pb.PushReply:
+        """One push, whatever the RPC that carried it (intake.py ``receive``), its
+        refusal or reply; ``first_header`` reads the header, ``fill`` the payload,
+        ``drain`` what a retry's payload left unread."""
+        worker_id = 0
+        try:
+            header = first_header()
+            worker_id, hold = header.worker_id, not header.last  # a last push is not held
             follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
             token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
             try:
-                outcome = self.state.receive_push(first.header, fill, drain, is_active=context.is_active)
+                outcome = self.state.receive_push(header, fill, drain, is_active=context.is_active)
             finally:
                 CURRENT.reset(token)
         except AsyncDiLoCoError as exc:

@@ -2,8 +2,9 @@
 
 The .proto stays the single description of the protocol; this module only writes and
 reads two of its messages faster than the generated code can, byte for byte the same:
-``PushMessage{chunk: PayloadChunk}`` (client → server) and ``PullMessage{chunk:
-PayloadChunk}`` (server → client). Every other message, and any chunk message this
+``PushMessage{chunk: PayloadChunk}`` (client → server), ``PullMessage{chunk:
+PayloadChunk}`` (server → client), and ``PushRequest{header, chunk}`` (PushOne: a push
+whose payload fits in one chunk, client → server). Every other message, and any chunk message this
 parser does not recognise, goes through the generated protobuf classes.
 
 Why: the generated protobuf code costs about four full copies of a payload chunk
@@ -16,10 +17,11 @@ copies straight into its place.
 Wire format (protobuf encoding, https://protobuf.dev/programming-guides/encoding/):
 ``0x12 varint(len(body)) body`` with ``body = [0x08 varint(index)] [0x10 varint(offset)]
 [0x1a varint(len(data)) data]``; proto3 omits a field equal to its default (0 or empty).
+A ``PushRequest`` is ``0x0a varint(len(header)) header`` followed by that chunk field.
 
 ``add_parameter_server(servicer, server)`` registers the service with these codecs in
-place of the generated ``add_ParameterServerServicer_to_server``; ``push_callable`` and
-``pull_callable`` are the client's counterparts.
+place of the generated ``add_ParameterServerServicer_to_server``; ``push_callable``,
+``push_one_callable`` and ``pull_callable`` are the client's counterparts.
 """
 
 from __future__ import annotations
@@ -114,14 +116,15 @@ def _as_int64(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
 
 
-def _decode_chunk(data: bytes) -> WireChunk | None:
-    """The chunk in a serialised ``Push``/``PullMessage``, or None when the message is
-    anything else (a header, unknown fields, malformed bytes): the caller then lets
-    protobuf parse it, so the outcome for odd input is exactly protobuf's."""
-    if not data or data[0] != _CHUNK_TAG:
+def _decode_chunk(data: bytes, start: int = 0) -> WireChunk | None:
+    """The chunk in a serialised ``Push``/``PullMessage`` (or the chunk field that makes
+    up ``data[start:]`` of a ``PushRequest``), or None when the bytes are anything else (a
+    header, unknown fields, malformed bytes): the caller then lets protobuf parse them,
+    so the outcome for odd input is exactly protobuf's."""
+    if len(data) <= start or data[start] != _CHUNK_TAG:
         return None
     try:
-        length, pos = _read_varint(data, 1)
+        length, pos = _read_varint(data, start + 1)
         end = pos + length
         if end != len(data):
             return None
@@ -160,6 +163,63 @@ def decode_pull_message(data: bytes) -> WireChunk | pb.PullMessage:
     return chunk if chunk is not None else pb.PullMessage.FromString(data)
 
 
+@dataclasses.dataclass(frozen=True)
+class WirePushRequest:
+    """A decoded ``PushRequest`` (PushOne): the header, and the payload's only chunk
+    (None for an empty payload; a ``WireChunk`` viewing the received bytes when the
+    request is in the canonical layout, else protobuf's ``PayloadChunk``)."""
+
+    header: pb.PushHeader | None
+    chunk: WireChunk | pb.PayloadChunk | None
+
+
+_HEADER_TAG = 0x0A  # PushRequest field 1 (header), wire type 2
+
+
+def encode_push_request(header: pb.PushHeader, data: memoryview) -> bytes:
+    """Serialise ``PushRequest(header, chunk=PayloadChunk(0, 0, data))``, byte-identical
+    to the generated code (deterministic: field 1, then field 2), copying ``data`` once.
+
+    Args:
+        header: the push's header, sealed (num_chunks and header_crc32 set).
+        data: the whole payload (a C-contiguous buffer of at most chunk_bytes bytes; empty:
+            no chunk field, as protobuf writes an empty sub-message it was not given).
+    """
+    head = header.SerializeToString(deterministic=True)
+    parts = [b"\x0a" + _varint(len(head)), head]
+    n = data.nbytes
+    if n:
+        parts += (chunk_prefix(0, 0, n), data)
+    return b"".join(parts)
+
+
+def push_request_bytes(header: pb.PushHeader, payload: torch.Tensor) -> bytes:
+    """``encode_push_request`` of a uint8 CPU payload (1-D, contiguous)."""
+    return encode_push_request(header, payload.numpy().data)  # a view of the tensor's storage, no copy
+
+
+def decode_push_request(data: bytes) -> WirePushRequest:
+    """gRPC request deserializer of PushOne: the header parsed by protobuf (a few dozen
+    bytes), the chunk a zero-copy view; any other layout is parsed by protobuf whole
+    (raises ``DecodeError`` like protobuf on garbage)."""
+    if data and data[0] == _HEADER_TAG:
+        try:
+            length, pos = _read_varint(data, 1)
+        except ValueError:
+            length, pos = -1, 0
+        end = pos + length
+        if length >= 0 and end <= len(data):
+            chunk = _decode_chunk(data, end)
+            if chunk is not None or end == len(data):
+                header = pb.PushHeader.FromString(memoryview(data)[pos:end])
+                return WirePushRequest(header, chunk)
+    request = pb.PushRequest.FromString(data)
+    return WirePushRequest(
+        request.header if request.HasField("header") else None,
+        request.chunk if request.HasField("chunk") else None,
+    )
+
+
 def serialize_message(message: bytes | pb.PushMessage | pb.PullMessage) -> bytes:
     """gRPC serializer for Push requests and Pull responses: bytes from ``encode_chunk``
     pass through untouched; protobuf messages are serialised."""
@@ -192,6 +252,9 @@ def _handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
         servicer.Push, request_deserializer=decode_push_message, response_serializer=pb.PushReply.SerializeToString
     )
+    handlers["PushOne"] = unary(
+        servicer.PushOne, request_deserializer=decode_push_request, response_serializer=pb.PushReply.SerializeToString
+    )
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
         servicer.Pull, request_deserializer=pb.PullRequest.FromString, response_serializer=serialize_message
     )
@@ -210,6 +273,17 @@ def push_callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
     return channel.stream_unary(
         f"/{SERVICE}/Push", request_serializer=serialize_message, response_deserializer=pb.PushReply.FromString
     )
+
+
+def push_one_callable(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """Client side of PushOne: the request is ``push_request_bytes``'s, sent as it is."""
+    return channel.unary_unary(
+        f"/{SERVICE}/PushOne", request_serializer=_passthrough, response_deserializer=pb.PushReply.FromString
+    )
+
+
+def _passthrough(message: bytes) -> bytes:
+    return message
 
 
 def pull_callable(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:

@@ -7,6 +7,9 @@ PushReply, HeartbeatReply, PullHeader). The server holds a reply at most as long
 worker's previous PushReply (or JoinReply) said, and waits for nothing else longer than
 a call's deadline allows, so a deadline expires only when the server or the network
 fails (then a retry with the same push id is answered with the push's outcome).
+A push whose payload fits in one chunk travels over gRPC as one PushOne message (header
+and payload together); a larger one, or any push to a server that answered PushOne
+UNIMPLEMENTED (from before it), as a Push stream.
 A ``grpc.RpcError`` is re-raised as the library exception
 for its status code (errors.py), with the server's message. Retrying is the caller's
 policy (the Worker retries with backoff), with one exception: a payload or header
@@ -47,7 +50,14 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.codec import wire_bytes_for
-from asyncdiloco.wire.grpc_chunks import chunk_messages, is_chunk, pull_callable, push_callable
+from asyncdiloco.wire.grpc_chunks import (
+    chunk_messages,
+    is_chunk,
+    pull_callable,
+    push_callable,
+    push_one_callable,
+    push_request_bytes,
+)
 from asyncdiloco.wire.header_crc import check_header, seal
 from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.security import (
@@ -99,6 +109,8 @@ class ParameterServerClient:
         bulk_channel: use the server's bulk data channel for push/pull when it offers one.
         corrupted_resends: times a corrupted push or pull is sent again (module docstring).
         resend_backoff_s: seconds before the first such resend; doubles with each.
+        one_message_pushes: send a push whose payload fits in one chunk as one PushOne
+            message (False: always a Push stream, as for a server without PushOne).
     Raises:
         ConfigError: a token or PEM file cannot be read.
     """
@@ -114,6 +126,7 @@ class ParameterServerClient:
         bulk_channel: bool = True,
         corrupted_resends: int = CORRUPTED_RESENDS,
         resend_backoff_s: float = RESEND_BACKOFF_S,
+        one_message_pushes: bool = True,
     ) -> None:
         self.address = address
         self.corrupted_resends = corrupted_resends
@@ -160,6 +173,11 @@ class ParameterServerClient:
         # Push and Pull carry the payload: their chunk messages are (de)serialised by
         # hand with one copy each (wire/grpc_chunks.py); the other calls use the generated stub.
         self._push = push_callable(self._channel)
+        #: PushOne, for a push whose payload fits in one chunk (header and payload in one
+        #: message); None once the server answered it UNIMPLEMENTED (an older server).
+        self._push_one: grpc.UnaryUnaryMultiCallable | None = (
+            push_one_callable(self._channel) if one_message_pushes else None
+        )
         self._pull_stream = pull_callable(self._channel)
 
     def close(self) -> None:
@@ -356,7 +374,8 @@ class ParameterServerClient:
         last: bool = False,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> pb.PushReply:
-        """Stream one payload (pseudo-gradient or initial parameters).
+        """Send one payload (pseudo-gradient or initial parameters): over the bulk channel
+        when there is one, else one PushOne message when it fits one chunk, else a Push stream.
 
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
@@ -457,14 +476,38 @@ class ParameterServerClient:
                 self._told(reply.group_max_wait_s, header.worker_id)
                 return reply
 
-        def messages():
-            yield pb.PushMessage(header=header)
-            yield from chunk_messages(payload, self.chunk_bytes)
+        answered = self._push_in_one(payload, header, timeout_s, metadata) if header.num_chunks <= 1 else None
+        if answered is not None:
+            reply, call = answered
+        else:  # more than one chunk, or a server without PushOne
 
-        reply, call = self._call(self._push.with_call, messages(), timeout_s, metadata)
+            def messages():
+                yield pb.PushMessage(header=header)
+                yield from chunk_messages(payload, self.chunk_bytes)
+
+            reply, call = self._call(self._push.with_call, messages(), timeout_s, metadata)
         self.last_push_trailer = tuple(call.trailing_metadata() or ())
         self._told(reply.group_max_wait_s, header.worker_id)
         return reply
+
+    def _push_in_one(
+        self, payload: torch.Tensor, header: pb.PushHeader, timeout_s: float, metadata: tuple
+    ) -> tuple[pb.PushReply, grpc.Call] | None:
+        """The push as one PushOne message: ``(reply, call)``, or None when the server has
+        no PushOne (UNIMPLEMENTED: a server from before it), which this client then never
+        asks again."""
+        push_one = self._push_one
+        if push_one is None:
+            return None
+        metadata = (*self._metadata, *metadata) if metadata else self._metadata
+        try:
+            return push_one.with_call(push_request_bytes(header, payload), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise from_rpc_error(err) from None
+        log.info("the server at %s has no PushOne (an older server); pushing as a stream from now on", self.address)
+        self._push_one = None
+        return None
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
         """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker

@@ -78,6 +78,12 @@ def server_process(*flags: str, env: dict | None = None) -> Iterator[tuple[subpr
                 proc.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process used so far, user + system, all its threads (Linux /proc), seconds."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     """Resident set size (``VmRSS``) or its peak (``VmHWM``) of a process, in bytes."""
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -12,10 +12,15 @@
   --pull-snapshots encoded versions.
 - ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
   (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
-  ≥ 500 over the bulk channel). Targets: targets.py.
+  ≥ 500 over the bulk channel), on three paths: ``grpc-one`` (each 4 MB push one PushOne
+  message, as clients send it), ``grpc-stream`` (the same pushes as Push streams, as to a
+  server without PushOne) and ``bulk-tcp``; each row also gives the server process's CPU
+  time per applied push (``server_cpu_ms_per_push``, all its threads), which the other
+  jobs on shared cores disturb less than the rate. Targets: targets.py.
 
     python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
         [--only push_rate --address HOST:PORT]   (a server started by hand, e.g. under py-spy)
+        [--only push_rate --push-workers 1x1]     (one pusher: the latency of a push)
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import OuterOptimizer
 from asyncdiloco.bench.perf._harness import (
     MIB,
+    cpu_seconds,
     emit,
     median_seconds,
     parse_sizes,
@@ -61,8 +67,14 @@ def bench_outer_step(n_bytes: int, repeats: int) -> dict:
     return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused, "ours_gb_s": n_bytes / t_ours / 1e9}
 
 
-def _join_and_init(address: str, manifest: Manifest, name: str) -> tuple[ParameterServerClient, int]:
-    client = ParameterServerClient(address, timeout_s_per_mib=4.0)
+#: push_rate's paths: (row name, bulk channel, PushOne).
+PATHS = (("grpc-one", False, True), ("grpc-stream", False, False), ("bulk-tcp", True, True))
+
+
+def _join_and_init(
+    address: str, manifest: Manifest, name: str, one_message: bool = True
+) -> tuple[ParameterServerClient, int]:
+    client = ParameterServerClient(address, timeout_s_per_mib=4.0, one_message_pushes=one_message)
     reply = client.join(manifest, name)
     if reply.initialize:
         payload = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
@@ -70,7 +82,9 @@ def _join_and_init(address: str, manifest: Manifest, name: str) -> tuple[Paramet
     return client, reply.worker_id
 
 
-def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt, count_q) -> None:
+def _push_loop(
+    address: str, numel: int, threads: int, seconds: float, start_evt, count_q, one_message: bool = True
+) -> None:
     torch.set_num_threads(1)
     keep_large_blocks()  # as the worker CLI does
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
@@ -78,7 +92,7 @@ def _push_loop(address: str, numel: int, threads: int, seconds: float, start_evt
     counts = []
 
     def run(k: int) -> None:
-        client, wid = _join_and_init(address, manifest, f"pusher-{os.getpid()}-{k}")  # one name per worker
+        client, wid = _join_and_init(address, manifest, f"pusher-{os.getpid()}-{k}", one_message)  # a name each
         start_evt.wait()
         deadline = time.monotonic() + seconds
         n, push_id, version = 0, 2, client.status().version
@@ -115,44 +129,63 @@ def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
 
 
 def bench_push_rate(
-    numel: int, procs: int, threads: int, seconds: float, bulk: bool = False, address: str | None = None
+    numel: int,
+    procs: int,
+    threads: int,
+    seconds: float,
+    bulk: bool = False,
+    address: str | None = None,
+    one_message: bool = True,
 ) -> dict:
     """Pushes applied per second by ``procs`` × ``threads`` workers pushing for ``seconds``,
     against a server started here, or against ``address`` (a server started by hand,
-    e.g. under a profiler; its flags then decide the path)."""
+    e.g. under a profiler; its flags then decide whether the bulk channel is used).
+    ``one_message``: pushes within one chunk go as PushOne (False: Push streams)."""
     # --grouping off: the rate of the server itself, replies not held for push groups (schedule.py)
     flags: tuple[str, ...] = ("--outer-optimizer", "nesterov", "--max-staleness", "1000", "--grouping", "off")
     flags += ("--bulk-port", "0") if bulk else ()
     if address is not None:
-        return _push_rate_at(address, numel, procs, threads, seconds, bulk)
-    with server_process(*flags) as (_, started):
-        return _push_rate_at(started, numel, procs, threads, seconds, bulk)
+        return _push_rate_at(address, numel, procs, threads, seconds, one_message)
+    with server_process(*flags) as (proc, started):
+        return _push_rate_at(started, numel, procs, threads, seconds, one_message, proc.pid)
 
 
-def _push_rate_at(address: str, numel: int, procs: int, threads: int, seconds: float, bulk: bool) -> dict:
+def _push_rate_at(
+    address: str,
+    numel: int,
+    procs: int,
+    threads: int,
+    seconds: float,
+    one_message: bool,
+    server_pid: int | None = None,
+) -> dict:
     ctx = mp.get_context("spawn")
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
     client, _ = _join_and_init(address, manifest, f"init-{os.getpid()}")
     start_evt, q = ctx.Event(), ctx.Queue()
-    ps = [ctx.Process(target=_push_loop, args=(address, numel, threads, seconds, start_evt, q)) for _ in range(procs)]
+    args = (address, numel, threads, seconds, start_evt, q, one_message)
+    ps = [ctx.Process(target=_push_loop, args=args) for _ in range(procs)]
     for p in ps:
         p.start()
     time.sleep(5.0)  # let every client join (spawned interpreters import torch)
     v0 = client.status().version
+    cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
     t0 = time.monotonic()
     start_evt.set()
     applied = sum(q.get(timeout=seconds + 120) for _ in ps)
     wall = time.monotonic() - t0
+    cpu1 = cpu_seconds(server_pid) if server_pid else 0.0
     v1 = client.status().version
     for p in ps:
         p.join(timeout=30)
     client.close()
     return {
-        "path": "bulk-tcp" if bulk else "grpc-stream",
         "pushes_applied": applied,
         "versions": v1 - v0,
         "wall_s": wall,
         "pushes_per_s": (v1 - v0) / wall,
+        # the server process's CPU (all its threads: handlers, gRPC's poller and I/O) per applied push
+        "server_cpu_ms_per_push": 1e3 * (cpu1 - cpu0) / max(1, v1 - v0) if server_pid else None,
     }
 
 
@@ -220,11 +253,16 @@ def main() -> None:
     p.add_argument("--sizes", default="4,64,256", help="model sizes in MiB (default 4,64,256)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--push-seconds", type=float, default=10.0, help="duration of the push-rate run")
+    p.add_argument(
+        "--push-workers",
+        default="2x8",
+        help="push_rate's pushers, PROCESSESxTHREADS (default 2x8, the target's 16; 1x1: one push at a time)",
+    )
     p.add_argument("--only", choices=["outer_step", "peak_rss", "push_rate"], help="run one measure")
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument(
         "--address",
-        help="push_rate against this running server (HOST:PORT; e.g. one under a profiler), gRPC path only",
+        help="push_rate against this running server (HOST:PORT; e.g. one under a profiler), gRPC paths only",
     )
     args = p.parse_args()
     torch.set_num_threads(1)  # as the server runs
@@ -259,20 +297,30 @@ def main() -> None:
                 )
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
-        for bulk in (False,) if args.address else (False, True):
+        procs, threads = (int(n) for n in args.push_workers.lower().split("x"))
+        for path, bulk, one_message in PATHS[:2] if args.address else PATHS:
             r = bench_push_rate(
-                1_000_000, procs=2, threads=8, seconds=args.push_seconds, bulk=bulk, address=args.address
+                1_000_000,
+                procs=procs,
+                threads=threads,
+                seconds=args.push_seconds,
+                bulk=bulk,
+                address=args.address,
+                one_message=one_message,
             )
             note = (
                 f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                f"here 16 clients (2 processes) and the server share the same {os.cpu_count()} cores"
+                f"here {procs * threads} clients ({procs} processes) and the server share the same "
+                f"{os.cpu_count()} cores"
             )
             emit(
                 {
                     "bench": "server",
                     "measure": PUSH_RATE,
                     "model_mib": 4e6 / MIB,
-                    "target": target_for(PUSH_RATE, "bulk-tcp" if bulk else "grpc-stream"),
+                    "path": path,
+                    "workers": procs * threads,
+                    "target": target_for(PUSH_RATE, path) if procs * threads == 16 else None,
                     "in_process_pushes_per_s": alone,
                     "note": note,
                     **r,

@@ -32,6 +32,7 @@ _TARGETS = {
     (TRANSPORT, "bulk-tcp"): 0.9,
     (OUTER_STEP, ""): 1.1,
     (PEAK_RSS, ""): 1.8,
+    (PUSH_RATE, "grpc-one"): 300.0,
     (PUSH_RATE, "grpc-stream"): 300.0,
     (PUSH_RATE, "bulk-tcp"): 500.0,
     (OVERLAP, ""): 0.05,
@@ -45,7 +46,7 @@ PEAK_RSS_FROM_MIB = 64.0
 
 def target_for(measure: str, path: str = "", model_mib: float = 0.0) -> float | None:
     """The target of one row: ``measure`` (one of the constants above), its ``path``
-    ("grpc-stream", "bulk-tcp" or ""), its model size in MiB; None where the row has none.
+    ("grpc-one", "grpc-stream", "bulk-tcp" or ""), its model size in MiB; None where the row has none.
 
     Raises:
         KeyError: ``measure`` is not one of the suite's measures.

@@ -234,6 +234,14 @@ class PushMessage(_message.Message):
     chunk: PayloadChunk
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
 
+class PushRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: PayloadChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[PayloadChunk, _Mapping]] = ...) -> None: ...
+
 class PushReply(_message.Message):
     __slots__ = ("applied", "duplicate", "version", "staleness", "staleness_weight", "local_steps", "held_s", "group_max_wait_s")
     APPLIED_FIELD_NUMBER: _ClassVar[int]

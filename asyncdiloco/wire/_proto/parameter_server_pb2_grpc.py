@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushMessage.SerializeToString,
                 response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushOne = channel.unary_unary(
+                '/asyncdiloco.v1.ParameterServer/PushOne',
+                request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
+                response_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/asyncdiloco.v1.ParameterServer/Heartbeat',
                 request_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.HeartbeatRequest.SerializeToString,
@@ -108,6 +113,16 @@ class ParameterServerServicer:
         """Stream one pseudo-gradient (or the initial parameters): one PushMessage with a
         header, then the payload chunks in order. Applied only when the whole stream
         arrived intact.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushOne(self, request, context):
+        """One push whose whole payload fits in one chunk (total_bytes <= chunk_bytes), header
+        and payload in one message: checked, refused and applied exactly as Push, without
+        the stream's per-message hand-offs. A client falls back to Push for a larger payload,
+        and for good when a server answers UNIMPLEMENTED (one from before this RPC).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -189,6 +204,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushMessage.FromString,
+                    response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
+            ),
+            'PushOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushOne,
+                    request_deserializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushRequest.FromString,
                     response_serializer=asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -307,6 +327,33 @@ class ParameterServer:
             target,
             '/asyncdiloco.v1.ParameterServer/Push',
             asyncdiloco_dot_v1_dot_parameter__server__pb2.PushMessage.SerializeToString,
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncdiloco.v1.ParameterServer/PushOne',
+            asyncdiloco_dot_v1_dot_parameter__server__pb2.PushRequest.SerializeToString,
             asyncdiloco_dot_v1_dot_parameter__server__pb2.PushReply.FromString,
             options,
             channel_credentials,
