@@ -46,6 +46,20 @@ def median_seconds(fn, repeats: int) -> float:
     return median(times)
 
 
+def median_seconds_interleaved(fns, repeats: int) -> list[float]:
+    """``median_seconds`` of each of ``fns``, their calls interleaved (a, b, a, b, ...)
+    so that the machine's drift over the run (other jobs, clock speed) falls on all alike."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [median(t) for t in times]
+
+
 def parse_sizes(text: str) -> list[int]:
     """ "4,64,256" (MiB) -> byte counts."""
     return [int(float(s) * MIB) for s in text.split(",") if s]

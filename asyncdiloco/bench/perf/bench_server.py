@@ -40,7 +40,7 @@ from asyncdiloco.bench.perf._harness import (
     MIB,
     cpu_seconds,
     emit,
-    median_seconds,
+    median_seconds_interleaved,
     parse_sizes,
     reset_peak_rss,
     rss_bytes,
@@ -62,8 +62,8 @@ def bench_outer_step(n_bytes: int, repeats: int) -> dict:
     param.grad = delta.clone()
     fused = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True, fused=True)
 
-    t_ours = median_seconds(lambda: ours.step(delta, 1.0, version=0), repeats)
-    t_fused = median_seconds(fused.step, repeats)  # the warm-up call allocates torch's momentum buffer
+    # interleaved, after one warm-up call each (it allocates torch's momentum buffer)
+    t_ours, t_fused = median_seconds_interleaved([lambda: ours.step(delta, 1.0, version=0), fused.step], repeats)
     return {"ours_s": t_ours, "fused_sgd_s": t_fused, "ratio": t_ours / t_fused, "ours_gb_s": n_bytes / t_ours / 1e9}
 
 
@@ -223,7 +223,7 @@ def bench_peak_rss(n_bytes: int, pushers: int, then_pull: bool, codec: str = "ra
         for c, _ in clients:
             c.close()
     state = 2 * n_bytes  # parameters + momentum, fp32
-    pattern = ("push, then pull" if then_pull else "push") + ("" if codec == "raw" else f", {codec} codec")
+    pattern = "push, then pull" if then_pull else "push"  # the codec is its own field (the summary's variant)
     wire = n_bytes if codec == "raw" else n_bytes // 2
     budget = max(64 * MIB, wire)
     if codec == "raw":

@@ -214,7 +214,7 @@ def main() -> None:
                 f"the bytes alone (a retried push the server drains + a pull of an unchanged version) reach "
                 f"{transfer_only:.2f} of raw "
                 f"TCP; the server's own work without network (CRC-32 both sides, copies into place, validation, "
-                f"outer step, snapshot encoding) is {work / (g['push_s'] + g['pull_s']):.0%} of push+pull time"
+                f"outer step, the pull's copy out of θ) is {work / (g['push_s'] + g['pull_s']):.0%} of push+pull time"
             )
             if bulk:
                 record["grpc_fallbacks"] = g["fallbacks"]
