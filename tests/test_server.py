@@ -158,6 +158,25 @@ def good_push(srv, manifest, wid, payload, **over):
 _AT_WEIGHT_0_7 = "the first at parameter #0 'weight', index (0, 7)"
 
 
+def _header_crc_flip(header: pb.PushHeader) -> None:
+    seal(header)
+    header.push_id ^= 64  # push 3 arrives as push 67: the header's own CRC-32 catches it
+
+
+#: How the refusal tests spoil a good push's header, by case (both RPCs inject the same).
+_HEADER_FAULTS = {
+    "future": lambda h: setattr(h, "base_version", 5),
+    "negative": lambda h: setattr(h, "base_version", -1),
+    "stale": lambda h: setattr(h, "base_version", 0),
+    "unknown_worker": lambda h: setattr(h, "worker_id", 99),
+    "wrong_size": lambda h: setattr(h, "total_bytes", 4),
+    "oversized": lambda h: setattr(h, "total_bytes", 5000),
+    "bad_crc": lambda h: setattr(h, "crc32", h.crc32 ^ 1),
+    "push_id_0": lambda h: setattr(h, "push_id", 0),
+    "header_crc": _header_crc_flip,
+}
+
+
 @pytest.mark.parametrize(
     ("case", "code", "reason", "needle"),
     [
@@ -204,22 +223,12 @@ def test_bad_pushes_refused_and_state_bit_identical(make_server, case, code, rea
         bad = [d.clone() for d in delta]
         bad[0][0, 7] = {"nan": float("nan"), "inf": float("inf"), "huge": 3e38}[case]
         header, chunks = good_push(srv, manifest, wid, manifest.pack(bad), push_id=3)
-    elif case == "future":
-        header.base_version = 5
-    elif case == "negative":
-        header.base_version = -1
-    elif case == "stale":
-        header.base_version = 0
-    elif case == "unknown_worker":
-        header.worker_id = 99
-    elif case == "wrong_size":
-        header.total_bytes = 4
+    elif case in _HEADER_FAULTS:
+        _HEADER_FAULTS[case](header)
     elif case == "out_of_order":
         chunks = [chunks[1], chunks[0], chunks[2]]
     elif case == "missing_chunk":
         chunks = chunks[:-1]
-    elif case == "bad_crc":
-        header.crc32 ^= 1
     with pytest.raises(grpc.RpcError) as info:
         if case == "no_header":
             stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
@@ -327,23 +336,8 @@ def test_a_bad_push_in_one_message_is_refused_as_the_stream_refuses_it(make_serv
         delta[0][0, 7] = float("nan")
     header, chunks = good_push(srv, manifest, wid, manifest.pack(delta), push_id=3)
     assert len(chunks) == 1
-    if case == "future":
-        header.base_version = 5
-    elif case == "stale":
-        header.base_version = 0
-    elif case == "unknown_worker":
-        header.worker_id = 99
-    elif case == "wrong_size":
-        header.total_bytes = 4
-    elif case == "oversized":
-        header.total_bytes = 5000
-    elif case == "bad_crc":
-        header.crc32 ^= 1
-    elif case == "push_id_0":
-        header.push_id = 0
-    elif case == "header_crc":
-        seal(header)
-        header.push_id ^= 64  # push 3 arrives as push 67: the header's own CRC-32 catches it
+    if case in _HEADER_FAULTS:
+        _HEADER_FAULTS[case](header)
     streamed = _refused(lambda: raw_push(srv, header, chunks))
     in_one = _refused(lambda: one_push(srv, header, chunks))
     assert in_one == streamed  # the same status code, message and reason
