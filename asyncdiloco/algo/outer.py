@@ -64,8 +64,8 @@ BlockHook = Callable[[int, int], None]
 
 class BlockDelta:
     """A pseudo-gradient Δ decoded block by block as the step reads it, instead of into
-    a whole fp32 (N,) vector first (the server's bf16 payloads: wire/codec.py
-    ``Bf16Codec.blocks``): the step then needs one block of scratch, not 4·N bytes.
+    a whole fp32 (N,) vector first (the server's bf16 payloads: ps/model.py
+    ``pseudo_gradient_blocks``): the step then needs one block of scratch, not 4·N bytes.
 
     Args:
         numel: N, elements of Δ.

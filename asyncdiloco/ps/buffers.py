@@ -349,15 +349,6 @@ class PullSnapshots:
         with self._cond:
             return self._make_room_locked()
 
-    def has_spare_room(self) -> bool:
-        """True when one more snapshot fits beside every one alive now (being read, or
-        published), none dropped: a snapshot built while the published one still serves
-        pulls (during an outer step) stays within ``max_snapshots``."""
-        with self._cond:
-            pub = self._published
-            unread = pub is not None and not self._readers.get(pub.version)
-            return self._reading_versions() + unread + 1 <= self.max_snapshots
-
     def wait_for_room(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds until ``has_room``; False if it never came."""
         with self._cond:

@@ -116,12 +116,17 @@ class WireCodec:
                 f"flat vector has dtype {flat.dtype}, shape {tuple(flat.shape)}; the {self.describe()} codec "
                 f"expects a contiguous float32 ({self.numel},)"
             )
+        if flat.is_cuda:
+            raise InvalidPayloadError("wire codecs work on CPU tensors; copy to the (pinned) CPU buffer first")
+        self._check_payload(payload)
+
+    def _check_payload(self, payload: torch.Tensor) -> None:
         if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != self.wire_bytes:
             raise InvalidPayloadError(
                 f"payload has dtype {payload.dtype} and shape {tuple(payload.shape)}; the {self.describe()} codec "
                 f"expects uint8 ({self.wire_bytes},)"
             )
-        if flat.is_cuda or payload.is_cuda:
+        if payload.is_cuda:
             raise InvalidPayloadError("wire codecs work on CPU tensors; copy to the (pinned) CPU buffer first")
 
     def _non_finite(self, flat: torch.Tensor) -> InvalidPayloadError:
@@ -205,7 +210,7 @@ class Bf16Codec(WireCodec):
     def values(self, payload: torch.Tensor) -> torch.Tensor:
         """The payload's values as they are, bfloat16 (N,), a view (what a decode would
         give, exactly: for the value check without decoding)."""
-        self._check(torch.empty(self.numel), payload)
+        self._check_payload(payload)
         return payload.view(torch.bfloat16)
 
 

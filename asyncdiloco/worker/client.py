@@ -230,13 +230,17 @@ class ParameterServerClient:
         if worker_id:
             self._push_wait_s[worker_id] = wait_s
 
+    def _metadata_with(self, extra: tuple) -> tuple:
+        """This client's call metadata (the token), with ``extra`` after it."""
+        return (*self._metadata, *extra) if extra else self._metadata
+
     def _call(self, method, request, timeout_s: float | None = None, extra_metadata: tuple = ()):
         """Invoke an RPC with a deadline; a failure becomes the library's exception."""
         try:
             return method(
                 request,
                 timeout=self.rpc_timeout_s if timeout_s is None else timeout_s,
-                metadata=(*self._metadata, *extra_metadata) if extra_metadata else self._metadata,
+                metadata=self._metadata_with(extra_metadata),
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
@@ -499,9 +503,10 @@ class ParameterServerClient:
         push_one = self._push_one
         if push_one is None:
             return None
-        metadata = (*self._metadata, *metadata) if metadata else self._metadata
         try:
-            return push_one.with_call(push_request_bytes(header, payload), timeout=timeout_s, metadata=metadata)
+            return push_one.with_call(
+                push_request_bytes(header, payload), timeout=timeout_s, metadata=self._metadata_with(metadata)
+            )
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise from_rpc_error(err) from None

@@ -37,13 +37,7 @@ def median(xs: list[float]) -> float:
 def median_seconds(fn, repeats: int) -> float:
     """Median wall seconds of ``repeats`` calls of ``fn()``, after one untimed call that
     warms it up (first touch of buffers, lazily allocated state)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
+    return median_seconds_interleaved([fn], repeats)[0]
 
 
 def median_seconds_interleaved(fns, repeats: int) -> list[float]:
