@@ -26,7 +26,7 @@ from asyncdiloco.flags.settings import (
 )
 from asyncdiloco.flags.table import FlagTable, all_fields
 from asyncdiloco.job.config import JobConfig
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
+from asyncdiloco.ps.config import DEFAULT_SYNC_LOCAL_STEPS, SYNC_LOCAL_STEPS, DurabilityConfig, ServerConfig, SyncConfig
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
@@ -89,11 +89,15 @@ def _async_server(files) -> ServerConfig:
     )
 
 
+#: --sync-local-steps other than its default, whichever that is (so the round trip writes it).
+_NOT_DEFAULT_SYNC_LOCAL_STEPS = next(v for v in SYNC_LOCAL_STEPS if v != DEFAULT_SYNC_LOCAL_STEPS)
+
+
 def _sync_server() -> ServerConfig:
     return ServerConfig(
         mode="sync",
         outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
-        sync=SyncConfig(min_workers=3, join_timeout_s=30.0),
+        sync=SyncConfig(min_workers=3, join_timeout_s=30.0, local_steps=_NOT_DEFAULT_SYNC_LOCAL_STEPS),
         grouping="off",
     )
 

@@ -82,6 +82,8 @@ class Vote:
     num_local_steps: int = 0
     #: Why the round failed here, when ``success`` is False.
     reason: str = ""
+    #: Seconds of the member's own compute over ``num_local_steps`` (0: not measured).
+    compute_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,9 @@ class WorkerRegistry:
         #: Worker id → the ``group_max_wait_s`` the server told it in its newest JoinReply
         #: or PushReply (``told_wait_s``), seconds.
         self._told_wait_s: dict[int, float] = {}
+        #: Sync mode: member id → the H_w its newest round's decision handed it
+        #: (``plan_sync_round``), until its session ends.
+        self._sync_steps: dict[int, int] = {}
 
     # ------------------------------------------------------------ joins and leases
     def join(
@@ -153,6 +156,7 @@ class WorkerRegistry:
         )
         if old is not None:
             self.rates.forget(worker_id)  # the new session's rate is measured afresh
+            self._sync_steps.pop(worker_id, None)
         self.register(worker_id, name, initialize, manifest if replace else None, now, named=named, region=region)
         self.rates.report(worker_id, steps_per_s)
         self.workers[worker_id].ranks = max(1, ranks)  # not logged: the next Join says it again
@@ -305,6 +309,7 @@ class WorkerRegistry:
         if rec is not None:
             rec.alive, rec.left = False, rec.left or rec.alive  # a lapsed lease stays "expired"
             self.rates.forget(worker_id)
+            self._sync_steps.pop(worker_id, None)
             log.info("worker %d (%s) left", worker_id, rec.name)
         return rec is not None
 
@@ -354,10 +359,38 @@ class WorkerRegistry:
 
     def local_steps(self, worker_id: int) -> int:
         """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates; H
-        when DyLU is off or the worker's rate is unknown."""
-        if not self.config.dylu:
+        when DyLU is off or the worker's rate is unknown. Sync mode: H with
+        ``--sync-local-steps fixed``; with ``adaptive`` the H_w its newest round's
+        decision handed it (``plan_sync_round``), or, before its first round (a joiner),
+        DyLU over the live workers' rates."""
+        if self.config.mode == "sync":
+            if self.config.sync.local_steps != "adaptive":
+                return self.config.local_steps
+            told = self._sync_steps.get(worker_id)
+            if told is not None:
+                return told
+        elif not self.config.dylu:
             return self.config.local_steps
         return dylu_local_steps(self.live_rates(), self.config.local_steps).get(worker_id, self.config.local_steps)
+
+    def plan_sync_round(self, members: tuple[int, ...]) -> dict[int, int]:
+        """Sync mode, at a round's decision: each member's H_w for its next round, and
+        remember it (``local_steps``, Status). ``fixed``: H. ``adaptive``: DyLU inside the
+        round, H_w = max(1, ⌊v_w / max v · H⌋) with the maximum over the members whose
+        lease is current and whose rate is known (Liu et al. 2024, Eq. 6, the rule the
+        simulator's ``sync_diloco_adaptive`` uses); a member whose rate is unknown runs H.
+        So the members of a round, which start it together, finish their steps about
+        together, and every member's H_w comes from one computation."""
+        local_steps = self.config.local_steps
+        if self.config.sync.local_steps != "adaptive":
+            planned = dict.fromkeys(members, local_steps)
+        else:
+            live = [w for w in members if w in self.workers and self.workers[w].alive]
+            rates = {w: self.rates.rates[w] for w in live if w in self.rates.rates}
+            known = dylu_local_steps(rates, local_steps)
+            planned = {w: known.get(w, local_steps) for w in members}
+        self._sync_steps.update(planned)
+        return planned
 
     def rounds_s(self) -> dict[int, float]:
         """Seconds of a round of each live worker with a known rate: H_w / v_w."""
@@ -410,7 +443,10 @@ class WorkerRegistry:
         """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
         those that pushed within two of their own rounds (H_w / v_w) plus the window, or
         joined since. A worker that stopped pushing without leaving (killed, hung) stops
-        holding groups after that, long before its lease lapses."""
+        holding groups after that, long before its lease lapses. Sync mode has no push
+        groups (its quorums wait for their members themselves): every live worker."""
+        if self.config.mode == "sync":
+            return {w for w, rec in self.workers.items() if rec.alive}
         window = self.group_window_s()
         rounds = self.rounds_s()
         unknown_s = max(rounds.values(), default=math.inf)  # no rate yet: the longest known round
@@ -436,6 +472,7 @@ class WorkerRegistry:
             join_timeout_s=sync.join_timeout_s,
             round_timeout_s=sync.round_timeout_s,
             sync_weighting=sync.weighting,
+            sync_local_steps=sync.local_steps if self.config.mode == "sync" else "",
             outer_optimizer=outer.optimizer,
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,

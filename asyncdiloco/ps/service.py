@@ -254,13 +254,20 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 timeout_s=request.timeout_s,
                 poll=request.poll,
                 call=self._watch(context),
+                compute_s=request.compute_s,
             )
         except AsyncDiLoCoError as exc:
             log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)
             _abort(context, exc)
         if decision is None:
             return pb.CommitReply(decided=False)
-        return pb.CommitReply(decided=True, committed=decision.committed, round=decision.round, reason=decision.reason)
+        return pb.CommitReply(
+            decided=True,
+            committed=decision.committed,
+            round=decision.round,
+            reason=decision.reason,
+            local_steps=decision.local_steps.get(request.worker_id, 0),
+        )
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreReply:
         try:

@@ -467,10 +467,13 @@ class ParameterServerState:
         timeout_s: float,
         poll: bool = False,
         call: CallWatch = NO_WATCH,
+        compute_s: float = 0.0,
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
-        not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
-        vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
+        not decided yet; ask again); ``compute_s``: seconds of the member's own compute over
+        its ``num_local_steps`` (0: not measured). Raises as ``request_quorum``, or
+        RoundRefusedError."""
+        vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason, compute_s)
         return self.mode.commit(vote, timeout_s, poll, call)
 
     def store(self, request: pb.StoreRequest) -> pb.StoreReply:

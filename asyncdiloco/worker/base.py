@@ -435,7 +435,7 @@ class WorkerBase(GroupMember):
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
         self._grouped = reply.run_config.grouping not in ("", "off")
-        self._rate_known = self.mode != "async" or not reply.run_config.dylu
+        self._rate_known = not self._wants_rate(reply.run_config)
         self._rate_t0 = None
         if reply.resumed:
             log.info(
@@ -445,6 +445,12 @@ class WorkerBase(GroupMember):
                 reply.last_push_id,
             )
         return reply
+
+    def _wants_rate(self, run_config: pb.RunConfig) -> bool:
+        """Whether the server sizes H_w by this worker's rate, so it must time its first
+        inner steps and report them (``_report_rate``): async DyLU (``RunConfig.dylu``);
+        the sync worker overrides it."""
+        return run_config.dylu
 
     def _mode_mismatch_message(self, server_mode: str) -> str:
         """Refusal of a server of the other mode, in the command line's words (both the

@@ -551,9 +551,12 @@ class ParameterServerClient:
         num_local_steps: int = 0,
         reason: str = "",
         timeout_s: float = 10.0,
+        compute_s: float = 0.0,
     ) -> pb.CommitReply:
         """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
-        decision (``decided`` is False when it is not there yet). A long poll
+        decision (``decided`` is False when it is not there yet; ``local_steps``, once
+        decided, is this member's H_w for its next round). ``compute_s``: seconds of this
+        member's own compute over its ``num_local_steps`` (0: not measured). A long poll
         (long_poll.py): the same vote is sent again until decided; it counts once."""
 
         def ask(left_s: float) -> pb.CommitReply:
@@ -567,6 +570,7 @@ class ParameterServerClient:
                 reason=reason[:1000],
                 timeout_s=left_s,
                 poll=True,
+                compute_s=compute_s,
             )
             return self._call(self._stub.Commit, request, left_s + self.rpc_timeout_s)
 

@@ -29,6 +29,14 @@ describes each step, its timeouts and its failures once, for both sides.
 with the reason this member votes failure with; the collectives themselves (agreement,
 then sum) are the ``_allreduce`` seam.
 
+Uneven machines: with a server started ``--sync-local-steps adaptive`` each member runs
+its own H_w (DyLU inside a round, Liu et al. 2024, arXiv 2401.09135, Eq. 6): it times its
+first inner steps and reports the rate by heartbeat (base.py ``_report_rate``) until its
+first vote, and every vote carries the round's steps and their compute seconds; the
+decision of each round hands each member its H_w for the next one, computed over that
+round's members, so the members of a round finish their steps about together and the
+fastest no longer waits for the slowest (docs/protocol.md, "The sync round").
+
 With ``WorkerConfig.state_dir`` the worker saves its name, inner optimizer and the
 caller's ``extra`` (base.py ``state_dict``) after its join and every decided round, and
 a worker built on that folder loads them; the model itself always comes from the server
@@ -174,6 +182,11 @@ class SyncDiLoCoWorker(WorkerBase):
         self.sync_config = sync or SyncWorkerConfig()
         self.stats = SyncWorkerStats()
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull (rank 0's)
+        #: Seconds of the inner steps since the last decided round (every stretch of steps
+        #: before a sync point, the waits at sync points left out): the vote's ``compute_s``.
+        self._compute_s = 0.0
+        #: A sync point since the last decided round asked for a round (a decision resets it).
+        self._tried = False
         if self.follower:  # it mirrors rank 0: no θ_base, no buffers, no quorum collectives
             return
         n = self._numel = self.manifest.numel
@@ -232,18 +245,35 @@ class SyncDiLoCoWorker(WorkerBase):
     def _sync_due(self) -> bool:
         """A sync point every H inner steps since the last round: one that got no round
         (no quorum, or the server unreachable) is tried again H steps later, not at every
-        step after it. A rejoin is due at once (it drops the steps trained meanwhile)."""
+        step after it. A rejoin is due at once (it drops the steps trained meanwhile), and
+        so is the first sync point of a round whose H_w was lowered below the steps
+        already trained (a rate report's reply, ``_report_rate``)."""
         h = self.local_steps
-        return self._steps_since_sync >= h and (self._needs_rejoin or self._steps_since_sync % h == 0)
+        steps = self._steps_since_sync
+        return steps >= h and (self._needs_rejoin or not self._tried or steps % h == 0)
+
+    def _wants_rate(self, run_config: pb.RunConfig) -> bool:
+        """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``):
+        time the first inner steps and report them until the first vote carries a rate."""
+        return run_config.sync_local_steps == "adaptive"
 
     def _sync_once(self) -> bool:
         """One round: quorum, allreduce, commit vote. True when it committed; False when
         it was aborted (the model restarts from the last committed θ_base) or no quorum
         formed (training goes on; the next sync point, H steps on, asks again)."""
+        self._compute_s += time.monotonic() - self._steps_began_at
+        self._tried = True
         try:
             return self._round()
         finally:
             self._steps_began_at = time.monotonic()
+
+    def _round_compute_s(self, steps: int) -> float:
+        """Seconds of this member's own compute over the ``steps`` inner steps of its round
+        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): the stretches
+        of training before each sync point since the last decided round, without the waits
+        at those sync points."""
+        return self._compute_s
 
     def _round(self) -> bool:
         """One round in four phases (module docstring): quorum → heal or weigh Δ →
@@ -253,6 +283,7 @@ class SyncDiLoCoWorker(WorkerBase):
         votes (failure, with the reason), so the others are not left waiting.
         """
         steps, tokens = self._steps_since_sync, self._tokens_since_sync
+        compute_s = self._round_compute_s(steps) if steps else 0.0
         delta = self._take_pseudo_gradient()
         started = time.monotonic()
         q = self._wait_for_quorum()
@@ -264,14 +295,16 @@ class SyncDiLoCoWorker(WorkerBase):
         allreduce_s = time.monotonic() - started
         started = time.monotonic()
         try:
-            decision = self._vote(q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps)
+            decision = self._vote(
+                q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps, compute_s=compute_s
+            )
         finally:
             self._collectives.end_round()  # the quorum's rendezvous store closes with its round
         commit_wait_s = time.monotonic() - started
         self.stats.allreduce_s += allreduce_s
         self.stats.idle_s += allreduce_s + commit_wait_s
         self._apply_decision(q, decision, delta, vote.total_weight)
-        self._record_round(q, decision, quorum_wait_s, allreduce_s, commit_wait_s)
+        self._record_round(q, decision, steps, quorum_wait_s, allreduce_s, commit_wait_s)
         self._count_dropped(q, decision.committed, steps)
         return decision.committed
 
@@ -303,6 +336,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self,
         q: pb.QuorumReply,
         decision: pb.CommitReply,
+        steps: int,
         quorum_wait_s: float,
         allreduce_s: float,
         commit_wait_s: float,
@@ -317,6 +351,8 @@ class SyncDiLoCoWorker(WorkerBase):
                 "committed": decision.committed,
                 "heal": q.heal,
                 "world_size": q.world_size,
+                "local_steps": steps,
+                "next_local_steps": self.local_steps,
                 "rank": q.rank,
                 "quorum_wait_s": round(quorum_wait_s, 4),
                 "allreduce_s": round(allreduce_s, 4),
@@ -569,11 +605,15 @@ class SyncDiLoCoWorker(WorkerBase):
             ) from exc
         self.stats.bytes_pushed += self._numel * 4
 
-    def _vote(self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int) -> pb.CommitReply:
-        """Phase 4: vote, and wait for the server's decision (commit or abort). A vote the
-        server refuses (it does not know the quorum: it restarted mid-round) is an abort:
-        the member restarts from θ_base, and the next quorum tells it to heal if the
-        server's committed round differs."""
+    def _vote(
+        self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int, compute_s: float = 0.0
+    ) -> pb.CommitReply:
+        """Phase 4: vote (with this member's steps and the seconds they took, its rate for
+        the server), and wait for the server's decision (commit or abort, with this
+        member's H_w for its next round). A vote the server refuses (it does not know the
+        quorum: it restarted mid-round) is an abort: the member restarts from θ_base and
+        keeps its H_w, and the next quorum tells it to heal if the server's committed
+        round differs."""
         while True:
             try:
                 reply = self.client.commit(
@@ -585,10 +625,13 @@ class SyncDiLoCoWorker(WorkerBase):
                     num_local_steps=steps,
                     reason=vote.reason,
                     timeout_s=max(1.0, q.round_deadline_s + 1.0),
+                    compute_s=compute_s if steps else 0.0,
                 )
             except RoundRefusedError as exc:
                 return pb.CommitReply(decided=True, committed=False, round=self.round, reason=str(exc))
             if reply.decided:
+                if steps and compute_s > 0:
+                    self._rate_known = True  # each vote carries the rate from now on: no more probes
                 return reply
 
     def _apply_decision(
@@ -613,10 +656,25 @@ class SyncDiLoCoWorker(WorkerBase):
                 decision.reason,
                 self.round,
             )
+        if decision.local_steps and decision.local_steps != self.local_steps:
+            log.info(
+                "worker %d: H_w %d -> %d from round %d's decision (the server's --sync-local-steps)",
+                self.worker_id,
+                self.local_steps,
+                decision.local_steps,
+                decision.round,
+            )
+            self.local_steps = decision.local_steps
         self.flat.load(self._base)
+        self._restart_round()
+        self._save_state()
+
+    def _restart_round(self) -> None:
+        """The model holds θ_base again: the next round's steps, tokens and compute time start from 0."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        self._save_state()
+        self._compute_s = 0.0
+        self._tried = False
 
     # ------------------------------------------------------------- internals
     def _server_run(self) -> pb.RunConfig:
@@ -655,8 +713,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.round = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self.flat.load(self._base)
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
+        self._restart_round()
         self.stats.heals += 1
         self.stats.bytes_pulled += pulled.payload.numel()
 
