@@ -11,6 +11,12 @@ step to θ and m that every member applies to its θ_base, and the version becom
 committed-round count. So the server always holds the committed θ and m, and a joining
 or healing member pulls both (``sync_state``) before its first round.
 
+Per-member local steps (``--sync-local-steps``): at each decision ``next_local_steps``
+folds the votes' rates (``num_local_steps / compute_s``) into the worker table's
+``StepRateMeter`` and asks the table for every member's H_w for its next round
+(registry.py ``plan_sync_round``: H, or DyLU over the round's members), which the
+decision carries to each member's Commit reply.
+
 Durable rounds: with a journal attached (store.py), a committed round is logged (a
 ``PUSH`` record of kind ``ROUND_RESULT``: Δ̄ as float32 bytes, the round it made) before
 it is applied or any member learns the decision, and replayed at start-up like a

@@ -91,8 +91,9 @@ class SyncWorkerStats:
     ``idle_s`` is the time spent waiting for the quorum, in the collective, uploading
     and waiting for the commit decision (what a faster worker loses to a slower one).
     ``rounds`` has one entry per quorum taken part in: ``round`` (committed rounds
-    after it), ``committed``, ``heal``, ``world_size``, the time parts in seconds and
-    ``checksum`` (CRC-32 of θ_base's float32 bytes after it).
+    after it), ``committed``, ``heal``, ``world_size``, ``local_steps`` (the inner steps
+    this member trained for it) and ``next_local_steps`` (its H_w after the decision), the
+    time parts in seconds and ``checksum`` (CRC-32 of θ_base's float32 bytes after it).
     """
 
     inner_steps: int = 0
