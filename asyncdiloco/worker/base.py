@@ -221,7 +221,8 @@ class WorkerBase(GroupMember):
             )
         if self.group is not None and not self.follower:
             try:
-                self._join_with_retries()
+                with self.group.leading():  # the followers wait through keep-alives while it retries
+                    self._join_with_retries()
             except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
                 self._share_join(error=exc)
                 raise
