@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from asyncdiloco import AsyncDiLoCoWorker, SyncDiLoCoWorker, WorkerConfig
+from asyncdiloco import AsyncDiLoCoWorker, SyncDiLoCoWorker, SyncWorkerConfig, WorkerConfig
 
 
 def crc(model: nn.Module) -> int:
@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, default=-1, help="the last rank requests a stop before this step (0-based)")
     p.add_argument("--last-rank-raises", action="store_true", help="the last rank leaves its with block raising")
     p.add_argument("--state-dir", default="", help="the worker's state folder (rank 0 keeps it)")
+    p.add_argument("--quorum-timeout-s", type=float, default=60.0, help="sync mode: the wait for a quorum")
     p.add_argument(
         "--group-timeout-s",
         type=float,
@@ -85,8 +86,9 @@ def main() -> None:
     )
     tokens = 16 * (args.rank + 1)  # distinct per rank: the server must count the sum
     if args.mode == "sync":
+        sync = SyncWorkerConfig(quorum_timeout_s=args.quorum_timeout_s)
         worker: AsyncDiLoCoWorker | SyncDiLoCoWorker = SyncDiLoCoWorker(
-            model, opt, cfg, tokens_per_step=tokens, process_group=group
+            model, opt, cfg, sync=sync, tokens_per_step=tokens, process_group=group
         )
     else:
         worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=tokens, process_group=group)
@@ -140,7 +142,7 @@ def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.
 
 def _syncs(worker: AsyncDiLoCoWorker | SyncDiLoCoWorker) -> int:
     if isinstance(worker, SyncDiLoCoWorker):
-        return worker.stats.rounds_committed
+        return worker.stats.rounds_committed + worker.stats.rounds_skipped
     return worker.stats.pulls
 
 

@@ -606,12 +606,12 @@ class WorkerBase(GroupMember):
         if self.follower:
             self._follow_step()
             return
+        if self.group is not None:
+            self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
+            return
         if not self._rate_known:
             self._report_rate()
-        if self.group is None:
-            self._after_step_events()
-        else:
-            self._lead_step()
+        self._after_step_events()
 
     def _sync_due(self) -> bool:
         return self._steps_since_sync >= (self._round_steps or self.local_steps)

@@ -41,7 +41,12 @@ class GroupMember:
     _group_broken: bool
     _in_shared: bool
 
+    _rate_known: bool
+
     def _events_due(self) -> bool:
+        raise NotImplementedError
+
+    def _report_rate(self) -> None:
         raise NotImplementedError
 
     def _after_step_events(self) -> None:
@@ -115,13 +120,22 @@ class GroupMember:
 
     def _lead_step(self) -> None:
         """Rank 0's step exchange: the followers' tokens arrive before the sync point, so
-        the push carries them; then the due step runs and every rank takes its outcome."""
-        due = self._events_due()
+        the push carries them; then the due step runs and every rank takes its outcome.
+        Until the first push (DyLU) every step is due: its rate report is a heartbeat to
+        the server, which the followers wait for through rank 0's keep-alives too."""
+        due = self._events_due() or not self._rate_known
         totals = self._exchange(tokens=0, due=due)
         self._tokens_since_sync += totals.tokens
         self.stats.tokens += totals.tokens
         if due:
-            self._shared(self._after_step_events)
+            self._shared(self._due_step)
+
+    def _due_step(self) -> None:
+        """Rank 0's due step: the rate report before the first push (may change H_w), then
+        the step's events (a sync point, a merge)."""
+        if not self._rate_known:
+            self._report_rate()
+        self._after_step_events()
 
     def _follow_step(self) -> None:
         """A follower's step exchange: send the tokens since the last one; mirror a due step."""
