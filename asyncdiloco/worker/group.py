@@ -19,6 +19,12 @@ workers (base.py) keep it one:
   broadcast of one int64): unchanged; changed, followed by a ``dist.broadcast`` of every
   parameter from rank 0; or raised, followed by the exception (``broadcast_object``),
   which every follower raises too, so no rank is left waiting in a collective.
+- **Waits on the server** (a push reply the grouping window holds, retries with
+  backoff, a restarting server, a sync round's quorum, the join's retries, the DyLU
+  rate report before the first push) may outlast the group's collective timeout. Rank 0
+  runs them inside ``leading``: a thread broadcasts a ``WAITING`` code every
+  ``keep_alive_s`` = min(timeout / 4, 5 s) (the timeout read from the process group),
+  and the followers loop on that broadcast until the outcome's code arrives.
 - **Join**: rank 0 joins (pull, initialize, or resume from the state folder), then
   broadcasts the parameters, the inner optimizer's ``state_dict()`` (restored Adam
   moments must reach the followers, or the ranks drift apart) and its
@@ -35,8 +41,10 @@ step's exchange, before rank 0's sync point, so each push carries the whole grou
 tokens of its steps and the server's total is the sum over ranks, exactly.
 
 Cost: one all_reduce of 24 bytes per inner step (DDP's gradient allreduce of the whole
-model runs in the same step), plus on a due step (every H_w steps) a broadcast of one
-int64 and, when the model changed, one broadcast per parameter. docs/operations.md ("A
+model runs in the same step), plus on a due step (every H_w steps; every step before the
+first push under DyLU) a broadcast of one int64, rank 0's keep-alive thread (started and
+joined: 0.1-0.25 ms), one more int64 broadcast per ``keep_alive_s`` of waiting, and,
+when the model changed, one broadcast per parameter. docs/operations.md ("A
 torchrun group as one worker") has the measured step-time ratio and its command
 (benchmarks/group_step_cost.py).
 
