@@ -6,6 +6,8 @@ an AsyncDiLoCoWorker (or, with ``--mode sync``, a SyncDiLoCoWorker) on this rank
 data. After every inner step it records the CRC-32 of its parameters (and on rank 0 the
 worker's H_w and sync counters); it writes them as JSON to OUT once the worker closed.
 With ``--expect-join-error`` the join must raise: the exception's class name is written.
+With ``--group-timeout-s T`` the worker trains in a group of the same ranks whose
+collective timeout is T (``dist.new_group``; DDP keeps the default group).
 """
 
 from __future__ import annotations
