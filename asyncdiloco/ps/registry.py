@@ -8,7 +8,10 @@ derives what the server dictates per worker: H_w by Dynamic Local Updates (Liu e
 the expected-workers rule a push group (and Delayed Nesterov's N) waits for.
 
 Leases run on the server's monotonic clock: a worker silent for longer than
-``ServerConfig.lease_s`` is no longer registered (it calls Join again). A worker that
+``ServerConfig.lease_s`` is no longer registered (it calls Join again). A push in
+progress (its payload arriving, being applied, or its reply held for a group, however
+long the window) is no silence: its worker's lease does not lapse meanwhile and runs
+afresh from the push's end (``begin_call`` / ``end_call``). A worker that
 joins under the name it gave before gets its id back (it resumes: counters and the
 outcomes of its pushes stay, so a retried push is answered as before). Checkpoints and
 the log date each worker's last contact on the wall clock, so that after a restart a
@@ -107,6 +110,8 @@ class WorkerRegistry:
         #: Sync mode: member id → the H_w its newest round's decision handed it
         #: (``plan_sync_round``), until its session ends.
         self._sync_steps: dict[int, int] = {}
+        #: Worker id → its pushes in progress (``begin_call``): no lease lapses during one.
+        self._in_call: dict[int, int] = {}
 
     # ------------------------------------------------------------ joins and leases
     def join(
@@ -250,10 +255,28 @@ class WorkerRegistry:
         wall clock went back."""
         return 0.0 if seen_unix_s is None else max(0.0, self.wall_clock() - seen_unix_s)
 
+    def begin_call(self, worker_id: int) -> None:
+        """A push of ``worker_id`` is in progress (received, applied or held): its lease
+        does not lapse until the matching ``end_call``."""
+        self._in_call[worker_id] = self._in_call.get(worker_id, 0) + 1
+
+    def end_call(self, worker_id: int) -> None:
+        """A push that ``begin_call`` announced ended (whatever its outcome): a live
+        worker's lease runs afresh from now."""
+        left = self._in_call.get(worker_id, 0) - 1
+        if left > 0:
+            self._in_call[worker_id] = left
+        else:
+            self._in_call.pop(worker_id, None)
+        rec = self.workers.get(worker_id)
+        if rec is not None and rec.alive:
+            rec.last_seen = max(rec.last_seen, self.clock())
+
     def expire(self, now: float) -> None:
-        """End the lease of every worker silent for longer than ``lease_s`` seconds."""
+        """End the lease of every worker silent for longer than ``lease_s`` seconds (a
+        worker with a push in progress is not silent: ``begin_call``)."""
         for rec in self.workers.values():
-            if rec.alive and now - rec.last_seen > self.config.lease_s:
+            if rec.alive and now - rec.last_seen > self.config.lease_s and rec.worker_id not in self._in_call:
                 rec.alive = False
                 log.warning(
                     "worker %d (%s): lease expired after %.1f s of silence",

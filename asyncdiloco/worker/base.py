@@ -221,7 +221,8 @@ class WorkerBase(GroupMember):
             )
         if self.group is not None and not self.follower:
             try:
-                self._join_with_retries()
+                with self.group.leading():  # the followers wait through keep-alives while it retries
+                    self._join_with_retries()
             except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
                 self._share_join(error=exc)
                 raise
@@ -611,12 +612,12 @@ class WorkerBase(GroupMember):
         if self.follower:
             self._follow_step()
             return
+        if self.group is not None:
+            self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
+            return
         if not self._rate_known:
             self._report_rate()
-        if self.group is None:
-            self._after_step_events()
-        else:
-            self._lead_step()
+        self._after_step_events()
 
     def _sync_due(self) -> bool:
         return self._steps_since_sync >= (self._round_steps or self.local_steps)
