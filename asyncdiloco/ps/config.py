@@ -14,7 +14,7 @@ from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER
 from asyncdiloco.algo.schedule import GROUPINGS
 from asyncdiloco.errors import ConfigError, require
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
-from asyncdiloco.wire.security import ServerSecurityConfig
+from asyncdiloco.wire.security import ServerSecurityConfig, check_server_transport
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES
 
 MODES = ("async", "sync")
@@ -173,6 +173,7 @@ class ServerConfig:
         self._check_limits()
         self._check_grouping()
         self._check_codec()
+        check_server_transport(self.host, self.security)  # a token goes over TLS or stays on the loopback
 
     def _check_shards(self) -> None:
         require(self.shard_count >= 1, "shard_count", self.shard_count, "must be >= 1 (1 = unsharded)")

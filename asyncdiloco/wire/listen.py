@@ -137,16 +137,17 @@ def _cannot_bind(
     flag: str,
 ) -> ConfigError:
     where = address.with_port(port)
-    also = ""
+    also = one = ""
     if len(addresses) > 1:
         also = (
             f" (--host {host} resolves to {', '.join(a.host for a in addresses)}, and every one of them is "
             f"served: a client may connect to any)"
         )
+        one = ", or give --host one address (e.g. 127.0.0.1)"
     if exc.errno == errno.EADDRINUSE:
         return ConfigError(
             f"cannot listen on {where} for {what}: port in use (another process holds it){also}; stop that "
-            f"process, or choose another {flag} (0 picks a free one), or give --host one address (e.g. 127.0.0.1)"
+            f"process, or choose another {flag} (0 picks a free one){one}"
         )
     return ConfigError(
         f"cannot listen on {where} for {what} ({exc.strerror or exc}){also}: it is not an address of this "
