@@ -223,3 +223,29 @@ def test_every_listener_serves_every_address_of_localhost(two_address_localhost)
 def test_a_host_that_does_not_resolve_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"--host 'no-such-host\.invalid' does not resolve"):
         ParameterServer(ServerConfig(host="no-such-host.invalid", port=0)).start()
+
+
+def test_the_server_command_on_localhost_refuses_when_a_neighbour_holds_its_ipv6_port(
+    two_address_localhost, cli_exit, monkeypatch
+):
+    """``asyncdiloco server --host localhost --port P`` in this process, [::1]:P held. (A
+    server that started anyway stops at once instead of waiting for a signal.)"""
+    import threading
+    import types
+
+    import asyncdiloco.cli.server as server_cli
+
+    class StopAtOnce(threading.Event):
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(server_cli, "threading", types.SimpleNamespace(Event=StopAtOnce))  # this command's only
+    held = _hold_ipv6_loopback()
+    port = held.getsockname()[1]
+    try:
+        code, err = cli_exit(["server", "--host", "localhost", "--port", str(port), "--drain-s", "0"])
+    finally:
+        held.close()
+    assert code == 2, err
+    assert f"cannot listen on [::1]:{port} for the gRPC port: port in use" in err, err
+    assert len(err.strip().splitlines()) == 1, err
