@@ -260,8 +260,9 @@ SERVER_SECURITY = FlagTable.of(
             flag="--insecure-trusted-network",
             field="security.insecure_trusted_network",
             action="set",
-            help="accept the --token-file over plaintext on a --host beyond the loopback, on a network you trust "
-            "end to end (without it such a server refuses to start: give --tls-cert/--tls-key)",
+            help="accept the --token-file over plaintext on a --host beyond the loopback (and send the "
+            "--parent-token-file so to a --parent beyond it), on a network you trust end to end (without it such "
+            "a server refuses to start: give --tls-cert/--tls-key, --parent-tls-ca)",
         ),
     ),
 )

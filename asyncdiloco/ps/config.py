@@ -89,7 +89,13 @@ class SyncConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """The parameter server process: address, run config it dictates, limits."""
+    """The parameter server process: address, run config it dictates, limits.
+
+    Raises:
+        ConfigError: a value is invalid, or a token would be served over plaintext on a
+            host beyond the loopback without ``security.insecure_trusted_network``
+            (wire/security.py ``check_server_transport``).
+    """
 
     #: Interface to bind. 127.0.0.1 by default; "0.0.0.0" (all interfaces) is an explicit choice.
     host: str = "127.0.0.1"
