@@ -180,7 +180,7 @@ def check_client_transport(
     raise ConfigError(
         f"{token_flag} without TLS to {address_flag} {address.strip()}, which is not a loopback address: the token "
         f"would cross the network in clear, and whoever reads it can push to the model. Give {tls_flag} (the CA of "
-        f"the server's --tls-cert), or, on a network you trust end to end, add {TRUSTED_NETWORK_FLAG}"
+        f"that server's --tls-cert), or, on a network you trust end to end, add {TRUSTED_NETWORK_FLAG}"
     )
 
 
