@@ -81,7 +81,11 @@ def _async_server(files) -> ServerConfig:
             checkpoint_dir=files("ckpt"), checkpoint_every=7, fallback_to_previous=True, fsync=False
         ),
         security=ServerSecurityConfig(
-            token_file=files("token"), tls_cert=files("cert"), tls_key=files("key"), tls_client_ca=files("ca")
+            token_file=files("token"),
+            tls_cert=files("cert"),
+            tls_key=files("key"),
+            tls_client_ca=files("ca"),
+            insecure_trusted_network=True,
         ),
         sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens", store_port=12345),
         wire_codec="int8",
@@ -158,6 +162,7 @@ def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):
             tls_cert=files("cert"),
             tls_key=files("key"),
             tls_server_name="localhost",
+            insecure_trusted_network=True,
         ),
     )
     sync = SyncWorkerConfig(allreduce_timeout_s=2.5, quorum_timeout_s=11.0, collective_host="127.0.0.2")

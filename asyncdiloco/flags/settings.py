@@ -264,6 +264,14 @@ SERVER_SECURITY = FlagTable.of(
             help="PEM CA that client certificates must chain to (mutual TLS)",
             default_means="no client certificates",
         ),
+        Flag(
+            flag="--insecure-trusted-network",
+            field="security.insecure_trusted_network",
+            action="set",
+            help="accept the --token-file over plaintext on a --host beyond the loopback (and send the "
+            "--parent-token-file so to a --parent beyond it), on a network you trust end to end (without it such "
+            "a server refuses to start: give --tls-cert/--tls-key, --parent-tls-ca)",
+        ),
     ),
 )
 
@@ -365,6 +373,13 @@ WORKER = FlagTable.of(
             field="security.tls_server_name",
             help="name expected in the server's certificate",
             default_means="the host in --server",
+        ),
+        Flag(
+            flag="--insecure-trusted-network",
+            field="security.insecure_trusted_network",
+            action="set",
+            help="send the --token-file over plaintext to a --server beyond the loopback, on a network you trust "
+            "end to end (without it the worker refuses to connect: give --tls-ca)",
         ),
     ),
 )

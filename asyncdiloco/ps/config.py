@@ -14,7 +14,7 @@ from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER
 from asyncdiloco.algo.schedule import GROUPINGS
 from asyncdiloco.errors import ConfigError, require
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
-from asyncdiloco.wire.security import ServerSecurityConfig
+from asyncdiloco.wire.security import ServerSecurityConfig, check_server_transport
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES
 
 MODES = ("async", "sync")
@@ -107,7 +107,13 @@ class SyncConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """The parameter server process: address, run config it dictates, limits."""
+    """The parameter server process: address, run config it dictates, limits.
+
+    Raises:
+        ConfigError: a value is invalid, or a token would be served over plaintext on a
+            host beyond the loopback without ``security.insecure_trusted_network``
+            (wire/security.py ``check_server_transport``).
+    """
 
     #: Interface to bind. 127.0.0.1 by default; "0.0.0.0" (all interfaces) is an explicit choice.
     host: str = "127.0.0.1"
@@ -191,6 +197,7 @@ class ServerConfig:
         self._check_limits()
         self._check_grouping()
         self._check_codec()
+        check_server_transport(self.host, self.security)  # a token goes over TLS or stays on the loopback
 
     def _check_shards(self) -> None:
         require(self.shard_count >= 1, "shard_count", self.shard_count, "must be >= 1 (1 = unsharded)")

@@ -64,6 +64,7 @@ from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
     channel_credentials,
+    check_client_transport,
     client_ssl_context,
     client_token,
 )
@@ -112,7 +113,9 @@ class ParameterServerClient:
         one_message_pushes: send a push whose payload fits in one chunk as one PushOne
             message (False: always a Push stream, as for a server without PushOne).
     Raises:
-        ConfigError: a token or PEM file cannot be read.
+        ConfigError: a token or PEM file cannot be read, or a token would go over
+            plaintext to a server beyond the loopback without
+            ``security.insecure_trusted_network`` (security.py ``check_client_transport``).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class ParameterServerClient:
         resend_backoff_s: float = RESEND_BACKOFF_S,
         one_message_pushes: bool = True,
     ) -> None:
+        check_client_transport(address, security)  # before any connection: no token in clear beyond the loopback
         self.address = address
         self.corrupted_resends = corrupted_resends
         self.resend_backoff_s = resend_backoff_s

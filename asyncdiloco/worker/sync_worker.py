@@ -433,9 +433,11 @@ class SyncDiLoCoWorker(WorkerBase):
             self._largest = 0.0 if q.heal or steps == 0 else _largest_magnitude(delta)
             self._weigh(delta, 0.0 if q.heal else self._weight_of(steps, tokens))
             total_weight = self._allreduce_weighted(q, started)
+            if not math.isfinite(total_weight):  # the weights' sum: finite weights never make it so
+                raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
             if total_weight > 0:
                 delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
-                self._check_mean(q, delta)
+                self._check_mean(q, delta, total_weight)
                 if q.rank == 0:
                     self._upload(q, delta)
         except _RoundFailed as exc:
@@ -571,18 +573,15 @@ class SyncDiLoCoWorker(WorkerBase):
         rank = max(range(len(self._largest_by_rank)), key=self._largest_by_rank.__getitem__)
         return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
 
-    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
-        """Δ̄ must be finite (finite Δs can still overflow float32 in the sum); every
-        member holds the same bits, so every member decides alike.
+    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor, total_weight: float) -> None:
+        """Δ̄ must be finite; every member holds the same bits, so every member decides
+        alike (``non_finite_sum_reason`` says why it is not).
 
         Raises:
             _RoundFailed: Δ̄ holds a NaN or ±inf.
         """
         if not math.isfinite(_largest_magnitude(mean_delta)):
-            raise _RoundFailed(
-                f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
-                f"pseudo-gradient was {self._largest_member(q)}: lower that worker's inner learning rate"
-            )
+            raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
 
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
         """Rank 0: send Δ̄ to the server (applied there only if the round commits).
@@ -721,6 +720,42 @@ class SyncDiLoCoWorker(WorkerBase):
     def checksum(self) -> int:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
         return zlib.crc32(self._base.numpy().data.cast("B")) & 0xFFFFFFFF
+
+
+#: The largest finite float32, the sum's overflow threshold.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
+    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
+    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
+    finite, or the agreement would have skipped the round) and Σ w.
+
+    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
+    below float32's overflow threshold (half of it leaves room for the rounding of the
+    float32 products and sums), members whose contributions are what they announced cannot
+    make the sum overflow: a contribution did not match its announcement (a faulty or
+    altered member, memory corrupted between the agreement and the sum), and no honest
+    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
+    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
+    mismatch too: the weights are finite by construction.
+    """
+    largest = max(announced, default=0.0)
+    rank = announced.index(largest) if announced else 0
+    bound = total_weight * largest
+    if not math.isfinite(total_weight) or bound <= _FLOAT32_MAX / 2:
+        return (
+            f"the round's sum is not finite although every member announced a finite pseudo-gradient (Σw = "
+            f"{total_weight:.6g}, largest ‖Δ‖∞ announced {largest:.3g}, so the sum is at most {bound:.3g}, far from "
+            f"float32's overflow at {_FLOAT32_MAX:.3g}): a member's contribution did not match its announcement; "
+            f"every member skips the round and restarts from round {q.round}. Check that every member runs the same "
+            f"asyncdiloco version, and the members' memory and hardware"
+        )
+    who = f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {largest:.3g})" if announced else "unknown"
+    return (
+        f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
+        f"pseudo-gradient was {who}: lower that worker's inner learning rate"
+    )
 
 
 def _largest_magnitude(x: torch.Tensor) -> float:
