@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.outer import DelayedNesterov, make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.parts import CoreParts
@@ -116,6 +116,7 @@ class Durability:
             result = while_locked() if while_locked is not None else 0
             meta = {
                 "outer_arrivals": getattr(model.outer, "arrivals", 0),
+                "outer_last_n": getattr(model.outer, "last_n", 0),
                 "version": model.version,
                 "initialized": model.initialized,
                 "manifest": manifest_to_json(model.manifest) if model.manifest is not None else None,
@@ -158,7 +159,7 @@ class Durability:
             now = self.clock()
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
-                self._load_tensors(tensors, int(meta.get("outer_arrivals", 0)))
+                self._load_tensors(tensors, int(meta.get("outer_arrivals", 0)), int(meta.get("outer_last_n", 0)))
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
@@ -168,7 +169,7 @@ class Durability:
         if self.rounds is not None:
             self.rounds.resume()
 
-    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int) -> None:
+    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int, last_n: int = 0) -> None:
         model = self.model
         config = model.config.outer
         model.params = self._named_to_flat(tensors, "param")
@@ -183,8 +184,9 @@ class Durability:
                 f"{config.optimizer} (momentum {config.momentum:g}) does not use; "
                 f"restart with the checkpoint's outer-optimizer settings"
             )
-        if hasattr(model.outer, "arrivals"):
+        if isinstance(model.outer, DelayedNesterov):
             model.outer.arrivals = arrivals
+            model.outer.last_n = last_n  # N for closing pushes (outer.py ``closing_workers``)
 
     def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
         """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
