@@ -4,7 +4,9 @@ direct term alone, divided by the N the workers trained under (algo/outer.py
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import time
 
 import pytest
 import torch
@@ -128,3 +130,72 @@ def test_the_closing_pushes_of_a_runs_end_do_not_set_the_model_back():
     assert [n for *_, n in plain.closing] == [4, 3, 2, 1]
     assert plain.tokens == ruled.tokens  # the same pushes, the same accounting
     assert plain.final_loss > ruled.final_loss
+
+
+# ------------------------------------------------------------ the demo's stop
+class _Popen:
+    def __init__(self) -> None:
+        self.terminated = False
+
+    def poll(self):
+        return 0 if self.terminated else None
+
+    def terminate(self) -> None:
+        self.terminated = True
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.popen = _Popen()
+
+
+class _Evaluator:
+    """The demo's evaluator, without a server: a status with ``tokens``, one evaluation."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.evaluations = tokens, 0
+        self.client = self
+
+    def status(self) -> pb.StatusReply:
+        return pb.StatusReply(initialized=True, version=12, tokens=self.tokens)
+
+    def evaluate_global(self):
+        self.evaluations += 1
+        return EvalResult(version=12, loss=2.5)
+
+
+@dataclasses.dataclass
+class EvalResult:
+    version: int
+    loss: float
+
+
+@pytest.mark.parametrize(("tokens", "started_s_ago", "why"), [(1000, 1.0, "tokens"), (10, 100.0, "time")])
+def test_the_demo_evaluates_then_stops_every_worker_at_its_budget_or_cap(tmp_path, tokens, started_s_ago, why):
+    from asyncdiloco.bench.demo import DemoConfig, _Watch
+    from asyncdiloco.bench.demo_report import _stop_fields, _stop_text
+
+    cfg = DemoConfig(num_workers=2, out_dir=str(tmp_path), token_budget=1000, max_seconds=60.0)
+    ev, workers = _Evaluator(tokens), [_Worker(), _Worker()]
+    watch = _Watch(cfg, ev, workers, time.monotonic(), initial_loss=4.2)
+    watch.training_since = time.monotonic() - started_s_ago  # an injected start: no waiting
+    assert watch.poll() is None  # the run ends here
+    assert ev.evaluations == 1 and all(w.popen.terminated for w in workers)
+    info = watch.stop_info()
+    assert (info["reason"], info["eval_loss"], info["version"], info["tokens"]) == (why, 2.5, 12, tokens)
+    report = {**_stop_fields(info), "final_eval_loss": 2.4, "version": 16}
+    assert report["stop"] == why and report["max_tokens"] == 1000 and report["max_seconds"] == 60.0
+    text = _stop_text(report)
+    assert f"stopped on {why}" in text
+    assert "at the stop 2.500 (version 12), after the closing pushes 2.400 (version 16)" in text
+
+
+def test_the_demo_trains_on_below_its_budget_and_cap(tmp_path):
+    from asyncdiloco.bench.demo import DemoConfig, _Watch
+
+    cfg = DemoConfig(num_workers=1, out_dir=str(tmp_path), token_budget=1000, max_seconds=60.0, eval_every_s=1e9)
+    ev, workers = _Evaluator(999), [_Worker()]
+    watch = _Watch(cfg, ev, workers, time.monotonic(), initial_loss=4.2)
+    watch.training_since = time.monotonic()
+    assert watch.poll() is not None and not workers[0].popen.terminated and ev.evaluations == 0
+    assert watch.stop_info()["reason"] == "workers"  # were they all to exit now
