@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.outer import DelayedNesterov, make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.parts import CoreParts
@@ -173,6 +173,7 @@ class Durability:
             result = while_locked() if while_locked is not None else 0
             meta = {
                 "outer_arrivals": getattr(model.outer, "arrivals", 0),
+                "outer_last_n": getattr(model.outer, "last_n", 0),
                 "version": model.version,
                 "initialized": model.initialized,
                 "manifest": manifest_to_json(model.manifest) if model.manifest is not None else None,
@@ -216,7 +217,9 @@ class Durability:
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
                 source = f"checkpoint tensors {meta.get('tensor_file', '(unnamed)')}"
-                self._load_tensors(tensors, int(meta.get("outer_arrivals", 0)), source)
+                self._load_tensors(
+                    tensors, int(meta.get("outer_arrivals", 0)), source, int(meta.get("outer_last_n", 0))
+                )
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
@@ -226,7 +229,7 @@ class Durability:
         if self.rounds is not None:
             self.rounds.resume()
 
-    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int, source: str) -> None:
+    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int, source: str, last_n: int = 0) -> None:
         model = self.model
         manifest = model.known_manifest
         model.params = torch.zeros(manifest.numel)  # filled below, once the tensors are checked
@@ -236,8 +239,9 @@ class Durability:
         model.params.copy_(self._named_to_flat(tensors, "param"))
         for kind, vec in buffers.items():
             vec.copy_(self._named_to_flat(tensors, kind))
-        if hasattr(model.outer, "arrivals"):
+        if isinstance(model.outer, DelayedNesterov):
             model.outer.arrivals = arrivals
+            model.outer.last_n = last_n  # N for closing pushes (outer.py ``closing_workers``)
 
     def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
         """Concatenate ``"<kind>/<name>"`` tensors in manifest order (checked beforehand)."""

@@ -172,7 +172,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
         reply = self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
         if self.state.config.shard_count > 1 and outcome.applied and outcome.num_workers:
-            order = ShardOrder(outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers)
+            order = ShardOrder(
+                outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers, outcome.closing
+            )
             context.set_trailing_metadata(((METADATA_KEY, order.encode()),))  # for the other shards
         return reply
 

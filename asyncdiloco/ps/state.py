@@ -342,6 +342,7 @@ class ParameterServerState:
         kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         compute_s: float = 0.0,
         session_id: int = 0,
+        last: bool = False,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut
         into chunks exactly as the wire carries it, with every check the servicer applies.
@@ -349,7 +350,8 @@ class ParameterServerState:
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout (or the wire codec's).
             worker_id, push_id, base_version, num_local_steps, num_tokens, kind,
-            compute_s, session_id: the ``PushHeader`` fields (compute_s in seconds).
+            compute_s, session_id, last: the ``PushHeader`` fields (compute_s in seconds;
+            ``last``: the worker's closing push, outer.py ``step_closing``).
         Returns:
             The outcome (``duplicate`` for a retried push_id).
         Raises:
@@ -364,6 +366,7 @@ class ParameterServerState:
             kind=kind,
             compute_s=compute_s,
             session_id=session_id,
+            last=last,
         )
         return self.intake.receive_in_process(header, payload)
 
