@@ -124,6 +124,11 @@ class SimConfig:
     grace_s: float | None = None
     #: Evaluate the global model every this many inner steps (summed over workers).
     eval_every_steps: int = 100
+    #: Score the final model on the whole validation split (``JobConfig.split_set``)
+    #: instead of the curve's ``eval_set``: ``final_eval_loss`` then has no sampling
+    #: noise of its own (the curve keeps the cheaper set; its last point is the final
+    #: model on that set).
+    final_on_split: bool = False
     #: Speed changes: (virtual time s, worker index, new seconds per step).
     speed_changes: tuple[tuple[float, int, float], ...] = ()
     #: A worker that leaves and rejoins: (worker index, leave at s, rejoin at s).
@@ -261,7 +266,11 @@ def _simulate(cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResu
     eval_set = cfg.job.eval_set(corpus)
     replicas = [_Replica(cfg, corpus, i) for i in range(len(cfg.speeds_s_per_step))]
     run = _sync if cfg.method in SYNC_METHODS else _async
-    return run(cfg, replicas, evaluator, eval_set, progress or (lambda _: None))
+    result = run(cfg, replicas, evaluator, eval_set, progress or (lambda _: None))
+    if not cfg.final_on_split:
+        return result
+    assert result.curve[-1]["steps"] == result.steps  # the last curve point loaded the final model into evaluator
+    return dataclasses.replace(result, final_eval_loss=evaluate(evaluator, cfg.job.split_set(corpus)))
 
 
 def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, version) -> dict:

@@ -1,0 +1,719 @@
+"""The sync-vs-async suite's report: what every method measured, and the claims it shows.
+
+Works on the records of either clock (suite.py's virtual clock, suite_real.py's real
+processes): one dict per run with ``profile``, ``method`` (the report's row), ``seed``,
+``final_eval_loss``, ``virtual_wall_s`` (seconds of training on the run's clock),
+``curve`` (evaluations ``{steps, tokens, time_s, version, eval_loss}``), ``utilisation``,
+``updates``, the histograms and bytes; optionally ``sim_method`` (the simulator method a
+row runs), ``tuned``, ``outer_lr``/``outer_momentum``, ``outer_steps``, ``comm_s`` and the
+true staleness (versions between a push's base and its apply).
+
+What the report measures, per profile and row (docs/algorithms.md, "Reading the report"):
+
+- **final loss**: the held-out loss of the final model, at the token budget every row
+  shares (equal tokens). The curve's evaluations may use a smaller set than the final one
+  (the virtual clock: 16 k characters during training, the whole validation split at the
+  end); every time below reads the curve, and compares it with curve values only.
+- **loss at equal wall time**: each row's curve read at T, the earliest time by which some
+  row has finished its budget on every seed (min over rows of the max over seeds of the
+  last evaluation's time); the curve's value at T is its last evaluation at or before T.
+- **time to a baseline's final loss** (no margin): L_b = the mean over the baseline's
+  seeds of its curve's last value; a row's time = the first evaluation at or below L_b,
+  mean over seeds (undefined unless every seed gets there). The baseline's own time: each
+  of its seeds' first evaluation at or below that seed's own last value.
+  **speed-up** = the baseline's own time ÷ the row's time.
+- **wall ratio at equal tokens** = the baseline's mean wall ÷ the row's mean wall.
+
+The claim rule (``CLAIM_RULE``): a claim is shown only when it still holds with twice the
+seed spread counted against it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import statistics
+from typing import TYPE_CHECKING
+
+from asyncdiloco.bench.plots import pyplot
+from asyncdiloco.bench.sim import METHODS
+
+if TYPE_CHECKING:
+    from asyncdiloco.bench.suite import SuiteConfig
+
+#: The async default (what ``asyncdiloco server`` runs with no flags).
+DEFAULT_METHOD = "async_dn_dylu"
+#: Methods beyond the paper, each judged against the default (``beyond`` in claims.json).
+BEYOND_METHODS = ("async_dn_dylu_overlap", "async_dn_dylu_blockcheck")
+#: Standard synchronous DiLoCo with its paper's outer step (η 0.7, μ 0.9): claims (a), (b).
+STANDARD = "sync_diloco"
+#: The tuned copy of sync DiLoCo (suite.py names a tuned method that is also a reference row so).
+TUNED_SUFFIX = "_tuned"
+LOCALSGD = "sync_localsgd"
+NAIVE_ASYNC = "async_nesterov"
+
+#: The claims' thresholds: Liu et al. 2024 (arXiv 2401.09135), Table 1, for (a)-(c); issue 25 for the rest.
+CLAIM_A_MIN_GAIN = 0.01  # (a) sync DiLoCo at least 1 % below sync LocalSGD
+CLAIM_B_MIN_GAP = 0.05  # (b) naive async Nesterov at least 5 % above sync DiLoCo
+CLAIM_C_MAX_GAP = 0.01  # (c) the default within 1 % of (tuned) sync DiLoCo, or lower ...
+CLAIM_C_MIN_SPEEDUP = 2.7  # ... and at least 2.7x sooner to its final loss
+CLAIM_C_PROFILES = ("uneven", "slow_link")  # where (c) is a target
+STRONGEST_MAX_GAP = 0.01  # the default within 1 % of the best tuned sync method ...
+STRONGEST_MIN_SPEEDUP = 1.3  # ... and at least 1.3x sooner to its final loss
+STRONGEST_PROFILES = ("jittery", "slow_link")  # where "strongest" is a target
+UTILISATION_TARGET = 0.93
+#: How many seed spreads a gap must clear to be shown.
+SPREAD_FACTOR = 2.0
+
+CLAIM_RULE = (
+    "A claim is **shown** only when it holds with twice the seed spread counted against it. "
+    "Loss: g = (mean_m − mean_b) / mean_b, the relative gap of row m over baseline b, and "
+    "s = max(std_m, std_b) / mean_b, the larger seed standard deviation of the two final losses; "
+    "'m within X of b (or lower)' is shown when g + 2s ≤ X, 'm at least X above b' when g − 2s ≥ X, "
+    "'m beats b' when g + 2s < 0. A run whose final loss is not finite or above its initial loss "
+    "has diverged and counts as infinitely worse. Speed-up: the row must reach the baseline's final "
+    "loss on every seed, and the pessimistic ratio (t_b − 2·std t_b) / (t_m + 2·std t_m) (times over "
+    "seeds) must reach the target."
+)
+
+
+def _mean_std(xs: list[float | None]) -> tuple[float, float]:
+    ys = [x for x in xs if x is not None and not math.isnan(x)]
+    if not ys:
+        return math.nan, math.nan
+    return statistics.mean(ys), (statistics.stdev(ys) if len(ys) > 1 else 0.0)
+
+
+def _first_time_at(curve: list[dict], loss: float) -> float | None:
+    """The first evaluation's time with held-out loss <= ``loss`` (None: never)."""
+    return next((p["time_s"] for p in curve if p["eval_loss"] <= loss), None)
+
+
+def _loss_at(curve: list[dict], t: float) -> float:
+    """The curve's value at time t: its last evaluation at or before t."""
+    value = curve[0]["eval_loss"]
+    for p in curve:
+        if p["time_s"] > t * (1 + 1e-12):
+            break
+        value = p["eval_loss"]
+    return value
+
+
+def _diverged(r: dict) -> bool:
+    loss = r["final_eval_loss"]
+    return not math.isfinite(loss) or loss > r["curve"][0]["eval_loss"]
+
+
+def row_mode(r: dict) -> str:
+    """'sync' or 'async': the mode of the simulator method a record ran."""
+    spec = METHODS.get(r.get("sim_method", r["method"]))
+    return spec.mode if spec is not None else "async"
+
+
+def _row_stats(rs: list[dict]) -> dict:
+    opt = lambda key: _mean_std([r.get(key) for r in rs])  # noqa: E731 (keys only some clocks record)
+    first = rs[0]
+    return {
+        "seeds": len(rs),
+        "loss": _mean_std([r["final_eval_loss"] for r in rs]),
+        "losses": [r["final_eval_loss"] for r in rs],
+        "diverged": sum(_diverged(r) for r in rs),
+        "curve_final": _mean_std([r["curve"][-1]["eval_loss"] for r in rs]),
+        "wall": _mean_std([r["virtual_wall_s"] for r in rs]),
+        "end_s": max(r["curve"][-1]["time_s"] for r in rs),
+        "own_time": _mean_std([_first_time_at(r["curve"], r["curve"][-1]["eval_loss"]) for r in rs]),
+        "util": _mean_std([r["utilisation"] for r in rs]),
+        "outer_steps": _mean_std([r.get("outer_steps", r["updates"]) for r in rs]),
+        "true_staleness": opt("mean_true_staleness"),
+        "staleness": _mean_std([r["mean_staleness"] for r in rs]),
+        "bytes": _mean_std([r["bytes_up"] + r["bytes_down"] for r in rs]),
+        "comm_s": opt("comm_s"),
+        "staleness_hist": _sum_histograms([r["staleness_histogram"] for r in rs]),
+        "true_staleness_hist": _sum_histograms([r.get("true_staleness_histogram") or [] for r in rs]),
+        "group_hist": _sum_histograms([r.get("group_size_histogram") or [] for r in rs]),
+        "mode": row_mode(first),
+        "tuned": bool(first.get("tuned", False)),
+        "sim_method": first.get("sim_method", first["method"]),
+        "outer": (first["outer_lr"], first["outer_momentum"]) if "outer_lr" in first else None,
+    }
+
+
+def _sum_histograms(hists: list[list[int]]) -> list[int]:
+    """Element-wise sum, trailing zeros dropped."""
+    out = [0] * max((len(h) for h in hists), default=0)
+    for h in hists:
+        for i, n in enumerate(h):
+            out[i] += n
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+def baseline_c(rows: dict[str, dict]) -> str | None:
+    """Claim (c)'s baseline: the tuned copy of sync DiLoCo, else standard sync DiLoCo."""
+    for name in (STANDARD + TUNED_SUFFIX, STANDARD):
+        if name in rows:
+            return name
+    return None
+
+
+def strongest_sync(rows: dict[str, dict]) -> tuple[str | None, bool]:
+    """The best-tuned synchronous row (lowest mean final loss among the tuned sync rows;
+    among all sync rows when none was tuned) and whether it was tuned."""
+    for tuned in (True, False):
+        pool = [n for n, s in rows.items() if s["mode"] == "sync" and (s["tuned"] or not tuned)]
+        pool = [n for n in pool if not math.isnan(rows[n]["loss"][0])]
+        if pool:
+            return min(pool, key=lambda n: rows[n]["loss"][0]), tuned
+    return None, False
+
+
+def _speed(row: dict, rs: list[dict], base: dict) -> dict:
+    """Time of ``rs`` (a row's runs) to ``base``'s mean final curve loss, and the speed-up."""
+    target = base["curve_final"][0]
+    times = [_first_time_at(r["curve"], target) for r in rs]
+    reached = sum(t is not None for t in times)
+    out: dict = {"target": target, "reached": f"{reached}/{len(rs)}", "time": (math.nan, math.nan)}
+    out.update(speedup=None, speedup_low=None, wall_ratio=None)
+    wb, wm = base["wall"][0], row["wall"][0]
+    if wm > 0 and not math.isnan(wb + wm):
+        out["wall_ratio"] = wb / wm
+    if reached < len(rs):
+        return out
+    tm, sm = _mean_std(times)
+    tb, sb = base["own_time"]
+    out["time"] = (tm, sm)
+    if tm > 0 and not math.isnan(tb):
+        out["speedup"] = tb / tm
+        out["speedup_low"] = (tb - SPREAD_FACTOR * sb) / (tm + SPREAD_FACTOR * sm)
+    return out
+
+
+def _own_speed(row: dict) -> dict:
+    """A baseline against itself: its own time to its final loss, speed-up and wall ratio 1."""
+    return {
+        "target": row["curve_final"][0],
+        "reached": f"{row['seeds']}/{row['seeds']}",
+        "time": row["own_time"],
+        "speedup": 1.0,
+        "speedup_low": None,
+        "wall_ratio": 1.0,
+    }
+
+
+def summarize(records: list[dict]) -> dict[str, dict]:
+    """Per profile: ``rows`` (row name -> its statistics over seeds, in the records'
+    order, each with ``vs``: its speed against the baselines), ``equal_wall_s`` (T),
+    ``baseline_c`` (claim (c)'s baseline), ``strongest`` (the best tuned sync row) and
+    ``strongest_tuned``."""
+    out: dict[str, dict] = {}
+    for profile in dict.fromkeys(r["profile"] for r in records):
+        runs: dict[str, list[dict]] = {}
+        for r in records:
+            if r["profile"] == profile:
+                runs.setdefault(r["method"], []).append(r)
+        rows = {name: _row_stats(rs) for name, rs in runs.items()}
+        equal_wall = min(s["end_s"] for s in rows.values())
+        c_base = baseline_c(rows)
+        strongest, strongest_tuned = strongest_sync(rows)
+        baselines = [b for b in dict.fromkeys((c_base, strongest, DEFAULT_METHOD)) if b is not None and b in rows]
+        for name, s in rows.items():
+            s["loss_at_equal_wall"] = _mean_std([_loss_at(r["curve"], equal_wall) for r in runs[name]])
+            s["vs"] = {b: _speed(s, runs[name], rows[b]) if b != name else _own_speed(s) for b in baselines}
+        out[profile] = {
+            "rows": rows,
+            "equal_wall_s": equal_wall,
+            "baseline_c": c_base,
+            "strongest": strongest,
+            "strongest_tuned": strongest_tuned,
+        }
+    return out
+
+
+def loss_gap(m: dict, b: dict) -> tuple[float, float]:
+    """(g, s): the relative gap of row m's mean final loss over b's, and the larger seed
+    std of the two relative to b's mean; g = ±inf when one of them diverged (m: +inf)."""
+    if m["diverged"] and not b["diverged"]:
+        return math.inf, 0.0
+    if b["diverged"] and not m["diverged"]:
+        return -math.inf, 0.0
+    (mm, sm), (mb, sb) = m["loss"], b["loss"]
+    if math.isnan(mm + mb) or mb == 0:
+        return math.nan, math.nan
+    return (mm - mb) / mb, max(sm, sb) / mb
+
+
+def within(g: float, s: float, x: float) -> bool:
+    """'m within x of b, or lower': g + 2s <= x."""
+    return bool(g + SPREAD_FACTOR * s <= x) if not math.isnan(g) else False
+
+
+def at_least(g: float, s: float, x: float) -> bool:
+    """'m at least x above b': g - 2s >= x."""
+    return bool(g - SPREAD_FACTOR * s >= x) if not math.isnan(g) else False
+
+
+def beats(g: float, s: float) -> bool:
+    """'m beats b': g + 2s < 0."""
+    return bool(g + SPREAD_FACTOR * s < 0) if not math.isnan(g) else False
+
+
+def speed_shown(v: dict, target: float) -> bool:
+    return v["speedup_low"] is not None and v["speedup_low"] >= target
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def _gap_fields(g: float, s: float) -> dict:
+    """``value`` (None when a side diverged: ``diverged`` is then True) and ``spread``."""
+    return {"value": _num(g), "spread": _num(s), "diverged": math.isinf(g)}
+
+
+def _gap_text(v: dict, key: str = "value") -> str:
+    if v.get("diverged"):
+        return "diverged"
+    return f"{_pct(v[key])} (spread {_pct(v['spread'], '')})"
+
+
+def _against(p: dict, m: str, b: str | None, max_gap: float, min_speedup: float) -> dict | None:
+    """Row m against baseline b: within ``max_gap`` at equal tokens and ``min_speedup`` sooner."""
+    rows = p["rows"]
+    if b is None or m not in rows or b not in rows:
+        return None
+    g, s = loss_gap(rows[m], rows[b])
+    v = rows[m]["vs"][b]
+    loss_ok, speed_ok = within(g, s, max_gap), speed_shown(v, min_speedup)
+    return {
+        "baseline": b,
+        "shown": loss_ok and speed_ok,
+        "loss_shown": loss_ok,
+        "speed_shown": speed_ok,
+        "loss_gap": _num(g),
+        "spread": _num(s),
+        "diverged": math.isinf(g),
+        "speedup": _num(v["speedup"]),
+        "speedup_low": _num(v["speedup_low"]),
+        "reached": v["reached"],
+        "wall_ratio": _num(v["wall_ratio"]),
+        "target": f"gap + 2·spread <= {max_gap:.0%} and pessimistic speed-up >= {min_speedup}x",
+        m: _num(rows[m]["loss"][0]),
+        b: _num(rows[b]["loss"][0]),
+    }
+
+
+def claims_json(summary: dict[str, dict]) -> dict:
+    """Per profile: claims (a), (b), (c), ``strongest``, ``utilisation`` and ``beyond``
+    (one entry per method beyond the paper that ran), each with ``shown`` by the rule
+    ``CLAIM_RULE``; a claim whose rows did not run is left out. (c) and ``strongest``
+    say whether the profile is one of the issue's targets for them (``applies``)."""
+    out: dict = {}
+    for profile, p in summary.items():
+        rows, claim = p["rows"], {}
+        if STANDARD in rows and LOCALSGD in rows:
+            g, s = loss_gap(rows[STANDARD], rows[LOCALSGD])
+            claim["a"] = {
+                "shown": within(g, s, -CLAIM_A_MIN_GAIN),
+                **_gap_fields(-g, s),
+                "what": "relative loss gain of sync DiLoCo (η 0.7, μ 0.9) over sync LocalSGD",
+                "target": f"gain - 2·spread >= {CLAIM_A_MIN_GAIN:.0%}",
+                STANDARD: _num(rows[STANDARD]["loss"][0]),
+                LOCALSGD: _num(rows[LOCALSGD]["loss"][0]),
+            }
+        if NAIVE_ASYNC in rows and STANDARD in rows:
+            g, s = loss_gap(rows[NAIVE_ASYNC], rows[STANDARD])
+            claim["b"] = {
+                "shown": at_least(g, s, CLAIM_B_MIN_GAP),
+                **_gap_fields(g, s),
+                "what": "relative loss gap of naive async Nesterov over sync DiLoCo (η 0.7, μ 0.9)",
+                "target": f"gap - 2·spread >= {CLAIM_B_MIN_GAP:.0%}",
+                NAIVE_ASYNC: _num(rows[NAIVE_ASYNC]["loss"][0]),
+            }
+        c = _against(p, DEFAULT_METHOD, p["baseline_c"], CLAIM_C_MAX_GAP, CLAIM_C_MIN_SPEEDUP)
+        if c is not None:
+            c.update(value=c["loss_gap"], applies=profile in CLAIM_C_PROFILES)
+            c["what"] = (
+                f"{DEFAULT_METHOD} against {p['baseline_c']}: loss gap at equal tokens, speed-up to its final loss"
+            )
+            claim["c"] = c
+        st = _against(p, DEFAULT_METHOD, p["strongest"], STRONGEST_MAX_GAP, STRONGEST_MIN_SPEEDUP)
+        if st is not None:
+            st.update(tuned=p["strongest_tuned"], applies=profile in STRONGEST_PROFILES)
+            st["what"] = f"{DEFAULT_METHOD} against the best-tuned synchronous method"
+            claim["strongest"] = st
+        if DEFAULT_METHOD in rows:
+            u = rows[DEFAULT_METHOD]["util"][0]
+            claim["utilisation"] = {
+                "shown": bool(u >= UTILISATION_TARGET),
+                "value": _num(u),
+                "target": f">= {UTILISATION_TARGET}",
+            }
+            beyond = {}
+            for m in BEYOND_METHODS:
+                if m in rows:
+                    g, s = loss_gap(rows[m], rows[DEFAULT_METHOD])
+                    beyond[m] = {
+                        "shown": beats(g, s),
+                        **_gap_fields(g, s),
+                        "speedup": _num(rows[m]["vs"][DEFAULT_METHOD]["speedup"]),
+                        "what": f"relative loss of {m} against {DEFAULT_METHOD} (negative: it wins)",
+                        "target": "gap + 2·spread < 0",
+                        m: _num(rows[m]["loss"][0]),
+                    }
+            if beyond:
+                claim["beyond"] = beyond
+        out[profile] = claim
+    return out
+
+
+def _pct(x: float | None, sign: str = "+") -> str:
+    if x is None:
+        return "—"
+    return f"{'+' if x > 0 else '-'}inf (diverged)" if math.isinf(x) else f"{x * 100:{sign}.2f}%"
+
+
+def _fmt(ms: tuple[float, float], digits: int = 3) -> str:
+    m, s = ms
+    return "—" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def _verdict(ok: bool) -> str:
+    return "**shown**" if ok else "**NOT shown**"
+
+
+def claim_lines(summary: dict[str, dict]) -> list[str]:
+    """The claims as report lines, each shown or not by the numbers and the rule."""
+    lines = []
+    for p, c in claims_json(summary).items():
+        if "a" in c:
+            a = c["a"]
+            lines.append(
+                f"- (a) [{p}] sync DiLoCo {a[STANDARD]:.3f} vs sync LocalSGD {a[LOCALSGD]:.3f}: gain "
+                f"{_gap_text(a)} (target {a['target']}): {_verdict(a['shown'])}."
+            )
+        if "b" in c:
+            b = c["b"]
+            lines.append(
+                f"- (b) [{p}] naive async Nesterov {b[NAIVE_ASYNC]:.3f} vs sync DiLoCo: {_gap_text(b)} "
+                f"(target {b['target']}): {_verdict(b['shown'])}."
+            )
+        for key, label in (("c", "(c)"), ("strongest", "strongest")):
+            if key in c:
+                v = c[key]
+                sp = (
+                    f"reached its final loss on {v['reached']} seeds"
+                    if v["speedup"] is None
+                    else f"{_x(v['speedup'])} sooner to its final loss (pessimistic {_x(v['speedup_low'])})"
+                )
+                where = " (a target of issue 25 on this profile)" if v["applies"] else ""
+                lines.append(
+                    f"- {label} [{p}] {DEFAULT_METHOD} {v[DEFAULT_METHOD]:.3f} vs `{v['baseline']}` "
+                    f"{v[v['baseline']]:.3f}: {_gap_text(v, 'loss_gap')}; {sp}; wall ratio at "
+                    f"equal tokens {_x(v['wall_ratio'])} (target {v['target']}): {_verdict(v['shown'])}{where}."
+                )
+        if "utilisation" in c:
+            u = c["utilisation"]
+            lines.append(
+                f"- utilisation [{p}] of {DEFAULT_METHOD}: {u['value']:.3f} (target {u['target']}): "
+                f"{_verdict(u['shown'])}."
+            )
+        for m, y in c.get("beyond", {}).items():
+            lines.append(
+                f"- beyond the paper [{p}] {m} {y[m]:.3f}: {_gap_text(y)} vs {DEFAULT_METHOD}, "
+                f"speed-up to its final loss {_x(y['speedup'])}: "
+                f"{'beats it' if y['shown'] else 'does not beat it by more than twice the spread'}."
+            )
+    return lines
+
+
+def target_lines(summary: dict[str, dict]) -> list[str]:
+    """The issue's targets, one line each: met or not, on which profiles."""
+    cj = claims_json(summary)
+    lines = []
+    for key, profiles, what in (
+        (
+            "c",
+            CLAIM_C_PROFILES,
+            f"(c) within {CLAIM_C_MAX_GAP:.0%} of tuned sync DiLoCo, ≥ {CLAIM_C_MIN_SPEEDUP}× sooner",
+        ),
+        (
+            "strongest",
+            STRONGEST_PROFILES,
+            f"strongest: within {STRONGEST_MAX_GAP:.0%} of the best sync method, ≥ {STRONGEST_MIN_SPEEDUP}× sooner",
+        ),
+    ):
+        for p in profiles:
+            v = cj.get(p, {}).get(key)
+            state = "not run" if v is None else ("met" if v["shown"] else "**not met**")
+            lines.append(f"- {what} on {p}: {state}.")
+    wins = [(p, m) for p, c in cj.items() for m, y in c.get("beyond", {}).items() if y["shown"]]
+    if wins:
+        lines.append("- beyond the paper beats the default on: " + ", ".join(f"{p} ({m})" for p, m in wins) + ".")
+    elif any("beyond" in c for c in cj.values()):
+        gaps = "; ".join(
+            f"{m} on {p}: {_pct(y['value'])} (2·spread {_pct(None if y['spread'] is None else 2 * y['spread'], '')})"
+            for p, c in cj.items()
+            for m, y in c.get("beyond", {}).items()
+        )
+        lines.append(
+            "- beyond the paper: **no method beyond the paper beat the default by more than twice the seed spread "
+            f"on any profile** ({gaps})."
+        )
+    return lines
+
+
+def tuning_markdown(tuning: dict) -> list[str]:
+    """The tuning stage's section: the grid, every cell's final loss, each method's pick."""
+    cells = [(lr, mom) for lr in tuning["lrs"] for mom in tuning["momenta"]]
+    lines = [
+        "## Tuning the outer step",
+        "",
+        f"Every tuned method ran each (η, μ) of the grid η ∈ {tuning['lrs']} × μ ∈ {tuning['momenta']} on the "
+        f"`{tuning['profile']}` profile, seed {tuning['seed']} (not an evaluation seed), with the evaluation's "
+        "budget; its pick is the cell of lowest final loss (ties: the earlier cell). The evaluation then runs "
+        "each tuned method with its pick on every profile and seed.",
+        "",
+        "| method | " + " | ".join(f"η {lr:g}, μ {mom:g}" for lr, mom in cells) + " | pick | method's own |",
+        "|---|" + "---|" * (len(cells) + 2),
+    ]
+    for method, losses in tuning["cells"].items():
+        pick = tuple(tuning["picks"][method])
+        own = tuning["own"].get(method)
+        row = []
+        for cell in cells:
+            loss = losses.get(_cell_key(cell))
+            text = "—" if loss is None else f"{loss:.4f}"
+            row.append(f"**{text}**" if cell == pick else text)
+        own_text = "—" if own is None else f"η {own[0]:g}, μ {own[1]:g}"
+        lines.append(f"| {method} | " + " | ".join(row) + f" | η {pick[0]:g}, μ {pick[1]:g} | {own_text} |")
+    lines.append("")
+    for method, pick in tuning["picks"].items():
+        own = tuning["own"].get(method)
+        if method == DEFAULT_METHOD and own is not None and tuple(pick) != tuple(own):
+            lines += [
+                f"**The default's pick (η {pick[0]:g}, μ {pick[1]:g}) is not the server's default outer step "
+                f"(η {own[0]:g}, μ {own[1]:g})**: the `{DEFAULT_METHOD}` rows below run the pick, which "
+                "`asyncdiloco server` runs only with `--outer-lr`/`--outer-momentum` until its default is changed.",
+                "",
+            ]
+    return lines
+
+
+def _cell_key(cell: tuple[float, float]) -> str:
+    return f"{cell[0]:g},{cell[1]:g}"
+
+
+def _profile_heading(profile: str, rows: dict[str, dict], records: list[dict]) -> str:
+    r = next(r for r in records if r["profile"] == profile)
+    return f"## {profile}: {r['workers']} workers, seconds/step {r['speeds_s_per_step']}"
+
+
+def _row_doc(name: str, s: dict) -> str:
+    spec = METHODS.get(s["sim_method"])
+    doc = spec.doc if spec is not None else ""
+    if s["outer"] is not None and s["sim_method"] != LOCALSGD:
+        how = "tuned" if s["tuned"] else "its own"
+        doc += f" (outer η {s['outer'][0]:g}, μ {s['outer'][1]:g}: {how})"
+    return f"`{name}`: {doc}"
+
+
+def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual", tuning: dict | None = None) -> str:
+    """The suite's report.md: setup and definitions, the tuning grid, two tables per
+    profile (loss and time; what it cost), the claims and the issue's targets."""
+    summary = summarize(records)
+    time_is = (
+        "virtual seconds (workers scheduled by their seconds per step)"
+        if clock == "virtual"
+        else "real seconds of training (server and worker processes on 127.0.0.1; speeds emulated by per-step "
+        "delays relative to the fastest worker)"
+    )
+    split = clock == "virtual" and getattr(cfg, "final_on_split", False)
+    held_out = (
+        f"the final model on the whole validation split ({_split_chars(cfg)} characters), the curve every "
+        f"{cfg.eval_every_steps} inner steps on {cfg.job.eval_batches * cfg.job.tokens_per_step:,} fixed characters "
+        "drawn from it"
+        if split
+        else f"{cfg.job.eval_batches * cfg.job.tokens_per_step:,} fixed held-out characters"
+    )
+    lines = [
+        f"# Sync vs async DiLoCo — benchmark report ({clock} clock)",
+        "",
+        f"Every row trains the same model and data to the same token budget ({cfg.total_steps} inner steps summed "
+        f"over workers, exactly: the round that would exceed it is cut to what remains), seeds {list(cfg.seeds)}, "
+        f"H = {cfg.local_steps}; mean ± std over the seeds. Held-out loss (nats/char): {held_out}. "
+        f"Time is {time_is}.",
+        "",
+        "Columns: **final loss** at equal tokens; **loss at T**: each row's curve at T, the earliest time by which "
+        "some row has finished its budget on every seed (its last evaluation at or before T); **time to X's final "
+        "loss**: the first evaluation at or below X's mean final curve loss (no margin), mean over seeds, '—' "
+        "unless every seed gets there, with the **speed-up** = X's own time to its final loss ÷ that time; "
+        "**wall ratio** = the baseline's wall ÷ the row's wall at equal tokens. **true τ**: versions between a "
+        "push's base and its apply; group sizes: pushes per outer step (sync: members per round).",
+        "",
+        CLAIM_RULE,
+        "",
+    ]
+    if tuning:
+        lines += tuning_markdown(tuning)
+    for profile, p in summary.items():
+        rows = p["rows"]
+        bases = [b for b in dict.fromkeys((p["baseline_c"], p["strongest"])) if b is not None]
+        lines += [
+            _profile_heading(profile, rows, records),
+            "",
+            "Rows: " + "; ".join(_row_doc(n, s) for n, s in rows.items()) + ".",
+            "",
+            f"T = {p['equal_wall_s']:.0f} s. Baselines: claim (c) `{p['baseline_c']}`; strongest synchronous "
+            f"`{p['strongest']}`" + ("" if p["strongest_tuned"] else " (no sync row was tuned)") + ".",
+            "",
+            "| row | final loss | loss at T | "
+            + " | ".join(f"time to {b}'s final loss (s) | speed-up" for b in bases)
+            + " | wall (s) | "
+            + " | ".join(f"wall ratio vs {b}" for b in bases)
+            + " |",
+            "|---|---|---|" + "---|---|" * len(bases) + "---|" + "---|" * len(bases),
+        ]
+        for name, s in rows.items():
+            cells = [name if not s["diverged"] else f"{name} (diverged {s['diverged']}/{s['seeds']})"]
+            cells += [_fmt(s["loss"]), _fmt(s["loss_at_equal_wall"])]
+            for b in bases:
+                v = s["vs"][b]
+                t = _fmt(v["time"], 0) if v["speedup"] is not None else f"never on {_unreached(v['reached'])}"
+                cells += [t, _x(v["speedup"])]
+            cells.append(_fmt(s["wall"], 0))
+            cells += [_x(s["vs"][b]["wall_ratio"]) for b in bases]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "| row | outer steps | MB moved | comm (s) | utilisation | true τ (mean) | true τ histogram | "
+            "group sizes | arrival counter τ (mean) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, s in rows.items():
+            mb = (s["bytes"][0] / 1e6, s["bytes"][1] / 1e6)
+            lines.append(
+                f"| {name} | {_fmt(s['outer_steps'], 0)} | {_fmt(mb, 1)} | {_fmt(s['comm_s'], 0)} | "
+                f"{_fmt(s['util'], 2)} | {_fmt(s['true_staleness'], 2)} | {s['true_staleness_hist'] or '—'} | "
+                f"{s['group_hist'] or '—'} | {_fmt(s['staleness'], 2)} |"
+            )
+        lines.append("")
+    lines += [
+        "Histograms are summed over the seeds: true τ `[n(τ=0), n(τ=1), …]`; group sizes `[n(1 push), n(2), …]`. "
+        "The arrival counter is the server's in-group τ (the k-th push of a group counts k − 1), not versions.",
+        "",
+        "## Claims",
+        "",
+        "(a), (b): Liu et al. 2024 (arXiv 2401.09135), Table 1, against sync DiLoCo with its paper's η 0.7, μ 0.9. "
+        "(c): the default against tuned sync DiLoCo. strongest: the default against the best-tuned synchronous "
+        "row. beyond: each method beyond the paper against the default.",
+        "",
+        *claim_lines(summary),
+        "",
+        "## Targets (issue 25)",
+        "",
+        *target_lines(summary),
+        "",
+        "Machine-readable: claims.json" + (", tuning.json" if tuning else "") + ". Plots: loss_vs_tokens.png, "
+        "loss_vs_time.png, utilisation.png, staleness.png. Raw runs: runs.jsonl.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _unreached(reached: str) -> str:
+    k, n = (int(x) for x in reached.split("/"))
+    return f"{n - k}/{n} seeds"
+
+
+def _split_chars(cfg: SuiteConfig) -> str:
+    from asyncdiloco.job.dataset import CharCorpus
+
+    return f"{sum(y.numel() for _, y in cfg.job.split_set(CharCorpus.default())):,}"
+
+
+def write_outputs(
+    records: list[dict], cfg: SuiteConfig, out: pathlib.Path, clock: str, extra: str = "", tuning: dict | None = None
+) -> None:
+    """runs.jsonl, report.md, claims.json (and tuning.json) and the plots of a finished suite."""
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(records)
+    (out / "claims.json").write_text(json.dumps(claims_json(summary), indent=2) + "\n")
+    if tuning:
+        (out / "tuning.json").write_text(json.dumps(tuning, indent=2) + "\n")
+    (out / "report.md").write_text(report_markdown(records, cfg, clock, tuning) + extra)
+    plot(records, out)
+
+
+def add_targets(records: list[dict], margin: float = 0.0) -> None:
+    """Per profile, ``target_loss`` = claim (c)'s baseline's mean final curve loss
+    × (1 + margin) on every record, and ``time_to_target_s`` (None: never reached)."""
+    for profile, p in summarize(records).items():
+        base = p["baseline_c"]
+        target = p["rows"][base]["curve_final"][0] * (1 + margin) if base else math.nan
+        for r in records:
+            if r["profile"] == profile:
+                r["target_loss"] = target
+                r["time_to_target_s"] = _first_time_at(r["curve"], target)
+
+
+def plot(records: list[dict], out: pathlib.Path) -> None:
+    """loss_vs_tokens.png and loss_vs_time.png (one panel per profile, the mean curve
+    over seeds per row), utilisation.png and staleness.png (bars per row and profile)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    summary = summarize(records)
+    profiles = list(summary)
+    rows = list(dict.fromkeys(r["method"] for r in records))
+    for key, xlabel, name in (
+        ("tokens", "tokens (characters)", "loss_vs_tokens.png"),
+        ("time_s", "time (s)", "loss_vs_time.png"),
+    ):
+        fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
+        for ax, p in zip(axes[0], profiles):
+            lowest = math.inf
+            for m in rows:
+                rs = [r for r in records if r["profile"] == p and r["method"] == m]
+                if not rs:
+                    continue
+                n = min(len(r["curve"]) for r in rs)
+                xs = [statistics.mean(r["curve"][i][key] for r in rs) for i in range(n)]
+                ys = [statistics.mean(r["curve"][i]["eval_loss"] for r in rs) for i in range(n)]
+                ax.plot(xs, ys, marker=".", markersize=3, label=m)
+                lowest = min([lowest, *(y for y in ys if math.isfinite(y))])
+            ax.set_title(p)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out loss (nats/char)")
+            ax.set_ylim(max(0.0, lowest - 0.2), 5.0)  # diverged runs leave the top of the plot
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+    for metric, label, name in (
+        ("util", "utilisation (busy ÷ wall)", "utilisation.png"),
+        ("true_staleness", "mean true staleness (versions)", "staleness.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(max(8, len(rows)), 4))
+        width = 0.8 / max(1, len(profiles))
+        for j, p in enumerate(profiles):
+            vals = []
+            for m in rows:
+                s = summary[p]["rows"].get(m)
+                v = math.nan if s is None else s[metric][0]
+                if metric == "true_staleness" and s is not None and math.isnan(v):
+                    v = s["staleness"][0]  # records without the true staleness: the arrival counter
+                vals.append(0.0 if math.isnan(v) else v)
+            ax.bar([i + j * width for i in range(len(rows))], vals, width, label=p)
+        ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(rows))], rows, rotation=20, fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
