@@ -26,6 +26,7 @@ runs start as soon as its grid is done.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,6 +34,7 @@ import multiprocessing
 import os
 import pathlib
 import time
+from typing import NamedTuple
 
 from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
 from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
@@ -227,9 +229,53 @@ def tuning_summary(cfg: SuiteConfig, losses: dict[str, dict[tuple[float, float],
     }
 
 
-def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dict]:
+class Run(NamedTuple):
+    """One simulator run of the suite."""
+
+    profile: str
+    #: The report's row (a tuning run: its method).
+    row: str
+    method: str
+    seed: int
+    #: (η, μ) of a tuned method; None: the method's own outer step.
+    cell: tuple[float, float] | None
+    #: A run of the tuning grid (its record goes to tuning.jsonl, not runs.jsonl).
+    tuning: bool
+
+
+def tuning_runs(cfg: SuiteConfig) -> list[Run]:
+    """The grid: every tuned method × (η, μ) on the tuning profile and seed."""
+    return [Run(cfg.tune.profile, m, m, cfg.tune.seed, cell, True) for m in cfg.tuned for cell in cfg.tune.cells()]
+
+
+def reference_runs(cfg: SuiteConfig) -> list[Run]:
+    """Every profile × reference row × evaluation seed, each method with its own outer step."""
+    return [
+        Run(p, row, m, s, None, False) for p in cfg.profiles for row, m, t in cfg.rows() if not t for s in cfg.seeds
+    ]
+
+
+def tuned_runs(cfg: SuiteConfig, method: str, cell: tuple[float, float]) -> list[Run]:
+    """Every profile × evaluation seed of a tuned method, with its pick ``cell``."""
+    return [
+        Run(p, row, m, s, cell, False)
+        for p in cfg.profiles
+        for row, m, t in cfg.rows()
+        if t and m == method
+        for s in cfg.seeds
+    ]
+
+
+def run_suite(
+    cfg: SuiteConfig, out_dir: str, progress: bool = True, pool: concurrent.futures.Executor | None = None
+) -> list[dict]:
     """Tune, then run every (profile, row, seed); write runs.jsonl, tuning.jsonl,
-    tuning.json, report.md, claims.json and plots."""
+    tuning.json, report.md, claims.json and plots.
+
+    Args:
+        pool: where the runs go (``submit(_run_one, (profile, SimConfig))``); None: a pool
+            of ``cfg.processes`` spawned processes.
+    """
     from tqdm import tqdm
 
     out = pathlib.Path(out_dir)
@@ -241,57 +287,47 @@ def run_suite(cfg: SuiteConfig, out_dir: str, progress: bool = True) -> list[dic
         return []
     for name in ("runs.jsonl", "tuning.jsonl"):
         (out / name).unlink(missing_ok=True)
-    rows = cfg.rows()
-    grid = cfg.tune.cells()
+    rows, grid = cfg.rows(), cfg.tune.cells()
     n_runs = len(cfg.tuned) * len(grid) + len(cfg.profiles) * len(rows) * len(cfg.seeds)
-    processes = min(n_runs, cfg.processes or os.cpu_count() or 1)
     losses: dict[str, dict[tuple[float, float], float]] = {m: {} for m in cfg.tuned}
     records: list[dict] = []
-    with (
-        tqdm(total=n_runs, disable=not progress, unit="run", dynamic_ncols=True) as bar,
-        concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool,
-    ):
-        jobs: dict[concurrent.futures.Future, tuple] = {}
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=n_runs, disable=not progress, unit="run", dynamic_ncols=True))
+        if pool is None:
+            processes = min(n_runs, cfg.processes or os.cpu_count() or 1)
+            spawn = multiprocessing.get_context("spawn")
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn))
+        jobs: dict[concurrent.futures.Future, Run] = {}
 
-        def submit(profile: str, row: str, method: str, seed: int, cell: tuple[float, float] | None, tuning: bool):
-            fut = pool.submit(_run_one, (profile, _sim(cfg, profile, method, seed, cell)))
-            jobs[fut] = (profile, row, method, seed, cell, tuning)
+        def submit(runs: list[Run]) -> None:
+            for run in runs:
+                jobs[pool.submit(_run_one, (run.profile, _sim(cfg, run.profile, run.method, run.seed, run.cell)))] = run
 
-        for m in cfg.tuned:  # the grid first: the tuned rows wait for it
-            for cell in grid:
-                submit(cfg.tune.profile, m, m, cfg.tune.seed, cell, True)
-        for p in cfg.profiles:
-            for row, m, tuned in rows:
-                if not tuned:
-                    for s in cfg.seeds:
-                        submit(p, row, m, s, None, False)
+        submit(tuning_runs(cfg))  # the grid first: the tuned rows wait for it
+        submit(reference_runs(cfg))
         while jobs:
             done, _ = concurrent.futures.wait(jobs, return_when=concurrent.futures.FIRST_COMPLETED)
             for fut in done:
-                profile, row, method, seed, cell, tuning = jobs.pop(fut)
+                run = jobs.pop(fut)
                 rec = fut.result()
-                rec.update(method=row, sim_method=method, tuned=cell is not None)
-                outer = _sim(cfg, profile, method, seed, cell).outer()
-                rec.update(outer_lr=outer.lr, outer_momentum=outer.momentum)
-                bar.set_postfix_str(f"{profile} {row} seed {seed}: {rec['final_eval_loss']:.3f}")
+                outer = _sim(cfg, run.profile, run.method, run.seed, run.cell).outer()
+                rec.update(method=run.row, sim_method=run.method, mode=METHODS[run.method].mode)
+                rec.update(tuned=run.cell is not None, outer_lr=outer.lr, outer_momentum=outer.momentum)
+                bar.set_postfix_str(f"{run.profile} {run.row} seed {run.seed}: {rec['final_eval_loss']:.3f}")
                 bar.update(1)
-                if tuning:
+                if run.tuning:
+                    assert run.cell is not None  # every grid run has its (η, μ)
                     rec["tuning"] = True
-                    losses[method][cell] = rec["final_eval_loss"]
+                    losses[run.method][run.cell] = rec["final_eval_loss"]
                     with open(out / "tuning.jsonl", "a") as f:
                         f.write(json.dumps(rec) + "\n")
-                    if len(losses[method]) == len(grid):  # its grid is done: evaluate its pick
-                        best = pick(losses[method])
-                        for p in cfg.profiles:
-                            for row_name, m, tuned in rows:
-                                if tuned and m == method:
-                                    for s in cfg.seeds:
-                                        submit(p, row_name, m, s, best, False)
+                    if len(losses[run.method]) == len(grid):  # its grid is done: evaluate its pick
+                        submit(tuned_runs(cfg, run.method, pick(losses[run.method])))
                     continue
                 records.append(rec)
                 with open(out / "runs.jsonl", "a") as f:  # as they finish; rewritten in order at the end
                     f.write(json.dumps(rec) + "\n")
-    order = {(p, row): i for i, (p, row) in enumerate((p, r[0]) for p in cfg.profiles for r in rows)}
+    order = {(p, row[0]): i for i, (p, row) in enumerate((p, r) for p in cfg.profiles for r in rows)}
     records.sort(key=lambda r: (order[r["profile"], r["method"]], cfg.seeds.index(r["seed"])))
     add_targets(records, cfg.target_margin)
     tuning = tuning_summary(cfg, {m: {c: losses[m][c] for c in grid} for m in cfg.tuned}) if cfg.tuned else None

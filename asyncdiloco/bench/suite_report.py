@@ -106,7 +106,9 @@ def _diverged(r: dict) -> bool:
 
 
 def row_mode(r: dict) -> str:
-    """'sync' or 'async': the mode of the simulator method a record ran."""
+    """'sync' or 'async': the record's ``mode``, else that of the simulator method it ran."""
+    if "mode" in r:
+        return r["mode"]
     spec = METHODS.get(r.get("sim_method", r["method"]))
     return spec.mode if spec is not None else "async"
 
