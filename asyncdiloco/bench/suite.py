@@ -28,18 +28,10 @@ import time
 
 from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
 from asyncdiloco.bench.plots import pyplot
+from asyncdiloco.bench.profiles import PROFILES
 from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
-
-#: name -> (seconds per inner step per worker, speed changes, leave/rejoin)
-PROFILES: dict[str, dict] = {
-    "homogeneous": {"speeds": (1.0, 1.0, 1.0, 1.0)},
-    "uneven": {"speeds": (0.58, 0.75, 1.51, 3.33)},  # the authors' notebook
-    "straggler": {"speeds": (1.0, 1.0, 1.0, 10.0)},
-    "changing": {"speeds": (0.58, 0.75, 1.51, 3.33), "changes": ((100.0, 0, 3.33), (100.0, 3, 0.58))},
-    "leave_rejoin": {"speeds": (1.0, 1.0, 1.0, 1.0), "leave_rejoin": (3, 60.0, 200.0)},
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,17 +82,21 @@ SUITES = {
 
 
 def sim_config(cfg: SuiteConfig, profile: str, method: str, seed: int) -> SimConfig:
-    """The simulator run of (profile, method, seed) in suite ``cfg``."""
+    """The simulator run of (profile, method, seed) in suite ``cfg`` (profiles.py)."""
     prof = PROFILES[profile]
     return SimConfig(
         method=method,
-        speeds_s_per_step=prof["speeds"],
+        speeds_s_per_step=prof.speeds_s_per_step,
         total_steps=cfg.total_steps,
         local_steps=cfg.local_steps,
         seed=seed,
         eval_every_steps=cfg.eval_every_steps,
-        speed_changes=prof.get("changes", ()),
-        leave_rejoin=prof.get("leave_rejoin"),
+        speed_changes=prof.speed_changes,
+        leave_rejoin=prof.leave_rejoin,
+        links=prof.links,
+        noise=prof.noise,
+        non_iid=prof.non_iid,
+        wire_params=prof.wire_params,
         job=cfg.job,
     )
 
@@ -221,6 +217,12 @@ def _record(profile: str, r: SimResult, real_s: float) -> dict:
         "steps": r.steps,
         "bytes_up": r.bytes_up,
         "bytes_down": r.bytes_down,
+        "true_staleness_histogram": r.true_staleness_histogram,
+        "mean_true_staleness": r.mean_true_staleness,
+        "outer_steps": r.outer_steps,
+        "comm_s": r.comm_s,
+        "local_steps_log": r.local_steps_log,
+        "estimated_rates": r.estimated_rates,
         "curve": r.curve,
         "real_s": real_s,
     }
@@ -433,15 +435,8 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
         "",
     ]
     for profile in cfg.profiles:
-        prof = PROFILES[profile]
         lines += [
-            f"## {profile}: seconds/step {list(prof['speeds'])}"
-            + (f", speed changes {list(prof['changes'])}" if "changes" in prof else "")
-            + (
-                f", worker {prof['leave_rejoin'][0]} away {prof['leave_rejoin'][1]:g}–{prof['leave_rejoin'][2]:g} s"
-                if "leave_rejoin" in prof
-                else ""
-            ),
+            f"## {profile}: {PROFILES[profile].describe()}",
             "",
             "| method | final loss | time to target (s) | reached | wall (s) | utilisation | updates "
             "| mean staleness | MB moved |",
