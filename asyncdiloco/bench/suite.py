@@ -37,6 +37,7 @@ import time
 from typing import NamedTuple
 
 from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
+from asyncdiloco.bench.profiles import PROFILES
 from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
 from asyncdiloco.bench.suite_report import (
     BEYOND_METHODS,
@@ -51,15 +52,6 @@ from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 
 __all__ = ["PROFILES", "SUITES", "SuiteConfig", "TuneGrid", "claims_json", "run_suite", "summarize", "write_outputs"]
-
-#: name -> (seconds per inner step per worker, speed changes, leave/rejoin)
-PROFILES: dict[str, dict] = {
-    "homogeneous": {"speeds": (1.0, 1.0, 1.0, 1.0)},
-    "uneven": {"speeds": (0.58, 0.75, 1.51, 3.33)},  # the authors' notebook
-    "straggler": {"speeds": (1.0, 1.0, 1.0, 10.0)},
-    "changing": {"speeds": (0.58, 0.75, 1.51, 3.33), "changes": ((100.0, 0, 3.33), (100.0, 3, 0.58))},
-    "leave_rejoin": {"speeds": (1.0, 1.0, 1.0, 1.0), "leave_rejoin": (3, 60.0, 200.0)},
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,26 +141,20 @@ class SuiteConfig:
         return refs + [(m + TUNED_SUFFIX if m in self.methods else m, m, True) for m in self.tuned]
 
 
-def _known(*methods: str) -> tuple[str, ...]:
-    """The methods of ``methods`` the simulator has (sync_diloco_adaptive lands with the sim branch)."""
-    return tuple(m for m in methods if m in METHODS)
-
-
 #: The references every suite runs with their own outer step: claims (a) and (b).
 REFERENCES = ("sync_localsgd", "sync_diloco", "async_nesterov")
 #: The tuned methods: sync DiLoCo (the tuned copy), sync DiLoCo with speed-proportional
-#: local steps, the default and the methods beyond the paper.
-TUNED = _known("sync_diloco", "sync_diloco_adaptive", DEFAULT_METHOD, BEYOND_METHODS[0])
-QUICK_PROFILES = tuple(p for p in ("uneven", "jittery", "slow_link", "non_iid") if p in PROFILES)
+#: local steps, the default and the first method beyond the paper (``full``: all of them).
+TUNED = ("sync_diloco", "sync_diloco_adaptive", DEFAULT_METHOD, BEYOND_METHODS[0])
 
 SUITES = {
     #: 4 profiles × 7 rows × 3 seeds, after 4 methods × 6 cells of tuning: 108 runs.
-    "quick": SuiteConfig(profiles=QUICK_PROFILES, methods=REFERENCES, tuned=TUNED),
+    "quick": SuiteConfig(profiles=("uneven", "jittery", "slow_link", "non_iid"), methods=REFERENCES, tuned=TUNED),
     #: Every profile, the other methods of the paper as references, and the two-region section.
     "full": SuiteConfig(
         profiles=tuple(PROFILES),
-        methods=(*REFERENCES, *_known("async_nesterov_poly", "async_dn", "async_dn_dylu_barrier")),
-        tuned=_known(*TUNED, *BEYOND_METHODS),
+        methods=(*REFERENCES, "async_nesterov_poly", "async_dn", "async_dn_dylu_barrier"),
+        tuned=(*TUNED[:-1], *BEYOND_METHODS),
         regions=("two_region",),
     ),
     #: Only the two-region section (flat server vs hierarchical tier).
@@ -177,17 +163,21 @@ SUITES = {
 
 
 def sim_config(cfg: SuiteConfig, profile: str, method: str, seed: int) -> SimConfig:
-    """The simulator run of (profile, method, seed) in suite ``cfg``."""
+    """The simulator run of (profile, method, seed) in suite ``cfg`` (profiles.py)."""
     prof = PROFILES[profile]
     return SimConfig(
         method=method,
-        speeds_s_per_step=prof["speeds"],
+        speeds_s_per_step=prof.speeds_s_per_step,
         total_steps=cfg.total_steps,
         local_steps=cfg.local_steps,
         seed=seed,
         eval_every_steps=cfg.eval_every_steps,
-        speed_changes=prof.get("changes", ()),
-        leave_rejoin=prof.get("leave_rejoin"),
+        speed_changes=prof.speed_changes,
+        leave_rejoin=prof.leave_rejoin,
+        links=prof.links,
+        noise=prof.noise,
+        non_iid=prof.non_iid,
+        wire_params=prof.wire_params,
         job=cfg.job,
     )
 
@@ -408,6 +398,12 @@ def _record(profile: str, r: SimResult, real_s: float) -> dict:
         "steps": r.steps,
         "bytes_up": r.bytes_up,
         "bytes_down": r.bytes_down,
+        "true_staleness_histogram": r.true_staleness_histogram,
+        "mean_true_staleness": r.mean_true_staleness,
+        "outer_steps": r.outer_steps,
+        "comm_s": r.comm_s,
+        "local_steps_log": r.local_steps_log,
+        "estimated_rates": r.estimated_rates,
         "curve": r.curve,
         "real_s": real_s,
     }

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 #: The async default (what ``asyncdiloco server`` runs with no flags).
 DEFAULT_METHOD = "async_dn_dylu"
 #: Methods beyond the paper, each judged against the default (``beyond`` in claims.json).
-BEYOND_METHODS = ("async_dn_dylu_overlap", "async_dn_dylu_blockcheck")
+BEYOND_METHODS = ("async_dn_dylu_lookahead", "async_dn_dylu_overlap", "async_dn_dylu_blockcheck")
 #: Standard synchronous DiLoCo with its paper's outer step (η 0.7, μ 0.9): claims (a), (b).
 STANDARD = "sync_diloco"
 #: The tuned copy of sync DiLoCo (suite.py names a tuned method that is also a reference row so).
@@ -511,7 +511,11 @@ def _cell_key(cell: tuple[float, float]) -> str:
     return f"{cell[0]:g},{cell[1]:g}"
 
 
-def _profile_heading(profile: str, rows: dict[str, dict], records: list[dict]) -> str:
+def _profile_heading(profile: str, records: list[dict]) -> str:
+    from asyncdiloco.bench.profiles import PROFILES
+
+    if profile in PROFILES:
+        return f"## {profile}: {PROFILES[profile].describe()}"
     r = next(r for r in records if r["profile"] == profile)
     return f"## {profile}: {r['workers']} workers, seconds/step {r['speeds_s_per_step']}"
 
@@ -567,7 +571,7 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
         rows = p["rows"]
         bases = [b for b in dict.fromkeys((p["baseline_c"], p["strongest"])) if b is not None]
         lines += [
-            _profile_heading(profile, rows, records),
+            _profile_heading(profile, records),
             "",
             "Rows: " + "; ".join(_row_doc(n, s) for n, s in rows.items()) + ".",
             "",
