@@ -559,8 +559,10 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
         "some row has finished its budget on every seed (its last evaluation at or before T); **time to X's final "
         "loss**: the first evaluation at or below X's mean final curve loss (no margin), mean over seeds, '—' "
         "unless every seed gets there, with the **speed-up** = X's own time to its final loss ÷ that time; "
-        "**wall ratio** = the baseline's wall ÷ the row's wall at equal tokens. **true τ**: versions between a "
-        "push's base and its apply; group sizes: pushes per outer step (sync: members per round).",
+        "**wall ratio** = the baseline's wall ÷ the row's wall at equal tokens. **outer steps**: momentum updates "
+        "(sync rounds, completed Delayed Nesterov groups); **MB moved**: the bytes the links were charged for; "
+        "**comm**: seconds in transfers, summed over workers; **true τ**: outer steps between the model a push "
+        "started from and its apply; group sizes: pushes per outer step (sync: members per round).",
         "",
         CLAIM_RULE,
         "",
@@ -604,7 +606,7 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
         for name, s in rows.items():
             mb = (s["bytes"][0] / 1e6, s["bytes"][1] / 1e6)
             lines.append(
-                f"| {name} | {_fmt(s['outer_steps'], 0)} | {_fmt(mb, 1)} | {_fmt(s['comm_s'], 0)} | "
+                f"| {name} | {_fmt(s['outer_steps'], 0)} | {_fmt(mb, 1)} | {_fmt(s['comm_s'], 1)} | "
                 f"{_fmt(s['util'], 2)} | {_fmt(s['true_staleness'], 2)} | {s['true_staleness_hist'] or '—'} | "
                 f"{s['group_hist'] or '—'} | {_fmt(s['staleness'], 2)} |"
             )
