@@ -216,6 +216,9 @@ def test_a_push_costs_latency_plus_bytes_over_bandwidth():
     assert paid.wall_s == pytest.approx(3 + 5 + 3 + 3 + 5 + 3)  # pull, round, push, pull, round, push
     assert paid.bytes_up == 2 * 2000 and paid.comm_s == pytest.approx(5 * 3.0)  # 2 pushes, 3 pulls
     assert losses(paid) == losses(free)  # the clock changes, the training does not
+    bf16 = simulate(SimConfig(method="async_dn_dylu", links=paid.config.links, wire_codec="bf16", **kw))
+    assert bf16.wall_s == pytest.approx(2 + 5 + 2 + 2 + 5 + 2) and bf16.bytes_up == 2 * 1000
+    assert losses(bf16) != losses(free) and losses(bf16) == pytest.approx(losses(free), abs=1e-3)  # values via bf16
 
 
 def test_a_sync_round_pays_a_quorum_round_trip_and_a_ring_allreduce():
