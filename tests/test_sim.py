@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -316,3 +317,19 @@ def test_true_staleness_counts_outer_steps_between_pull_and_apply():
     assert naive.true_staleness_histogram == naive.staleness_histogram[: len(naive.true_staleness_histogram)]
     assert naive.mean_true_staleness > 0
     assert naive.outer_steps == naive.updates
+
+
+def test_look_ahead_point_is_theta_minus_lambda_eta_mu_m():
+    import torch
+
+    from asyncdiloco.algo.config import ASYNC_OUTER
+    from asyncdiloco.algo.outer import look_ahead_point, make_outer_optimizer
+
+    theta = torch.tensor([1.0, 2.0])
+    outer = make_outer_optimizer(theta, dataclasses.replace(ASYNC_OUTER, look_ahead=2.0, dn_buffer=1))
+    outer.step(torch.tensor([0.5, -1.0]), version=0)  # m = Δ
+    assert outer.momentum_steps == 1
+    out = look_ahead_point(outer, 1, torch.empty(2))
+    assert torch.allclose(out, theta - 2.0 * 0.7 * 0.6 * torch.tensor([0.5, -1.0]))
+    with pytest.raises(ConfigError, match="look_ahead"):
+        dataclasses.replace(ASYNC_OUTER, look_ahead=-1.0)
