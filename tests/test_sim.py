@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -216,6 +217,9 @@ def test_a_push_costs_latency_plus_bytes_over_bandwidth():
     assert paid.wall_s == pytest.approx(3 + 5 + 3 + 3 + 5 + 3)  # pull, round, push, pull, round, push
     assert paid.bytes_up == 2 * 2000 and paid.comm_s == pytest.approx(5 * 3.0)  # 2 pushes, 3 pulls
     assert losses(paid) == losses(free)  # the clock changes, the training does not
+    bf16 = simulate(SimConfig(method="async_dn_dylu", links=paid.config.links, wire_codec="bf16", **kw))
+    assert bf16.wall_s == pytest.approx(2 + 5 + 2 + 2 + 5 + 2) and bf16.bytes_up == 2 * 1000
+    assert losses(bf16) != losses(free) and losses(bf16) == pytest.approx(losses(free), abs=1e-3)  # values via bf16
 
 
 def test_a_sync_round_pays_a_quorum_round_trip_and_a_ring_allreduce():
@@ -313,3 +317,19 @@ def test_true_staleness_counts_outer_steps_between_pull_and_apply():
     assert naive.true_staleness_histogram == naive.staleness_histogram[: len(naive.true_staleness_histogram)]
     assert naive.mean_true_staleness > 0
     assert naive.outer_steps == naive.updates
+
+
+def test_look_ahead_point_is_theta_minus_lambda_eta_mu_m():
+    import torch
+
+    from asyncdiloco.algo.config import ASYNC_OUTER
+    from asyncdiloco.algo.outer import look_ahead_point, make_outer_optimizer
+
+    theta = torch.tensor([1.0, 2.0])
+    outer = make_outer_optimizer(theta, dataclasses.replace(ASYNC_OUTER, look_ahead=2.0, dn_buffer=1))
+    outer.step(torch.tensor([0.5, -1.0]), version=0)  # m = Δ
+    assert outer.momentum_steps == 1
+    out = look_ahead_point(outer, 1, torch.empty(2))
+    assert torch.allclose(out, theta - 2.0 * 0.7 * 0.6 * torch.tensor([0.5, -1.0]))
+    with pytest.raises(ConfigError, match="look_ahead"):
+        dataclasses.replace(ASYNC_OUTER, look_ahead=-1.0)

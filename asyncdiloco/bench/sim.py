@@ -21,7 +21,7 @@ Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and beyond it)
 ``sync_localsgd``, ``sync_diloco``, ``sync_diloco_adaptive``, ``async_nesterov``,
 ``async_nesterov_poly``, ``async_dn``, ``async_dn_dylu`` (the server's default),
 ``async_dn_dylu_barrier``, ``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``,
-``async_dn_dylu_lookahead``.
+``async_dn_dylu_stream``, ``async_dn_dylu_lookahead``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ class Method:
     #: Workers sync in the background and train on while their reply is held (the
     #: worker's ``--overlap``; merge rule in overlap.py).
     overlap: bool = False
+    #: With ``overlap``: the next round's H_w counts from the push, the steps run while
+    #: the group formed and the pull travelled included (instead of H_w more after the
+    #: merge), so a worker pushes every H_w steps whatever the link costs: its
+    #: communication hides behind its next round (Streaming DiLoCo's overlap, Douillard
+    #: et al. 2025, arXiv 2501.18512; simulator only so far).
+    rounds_from_push: bool = False
     #: Sync only: member w runs H_w = DyLU's ⌊v_w / max v · H⌋ (``dylu_local_steps``)
     #: over the members' estimated rates, so the members of a round finish together.
     adaptive: bool = False
@@ -111,6 +117,15 @@ METHODS: dict[str, Method] = {
         grouping="window",
         doc="beyond the paper: the default, each tensor of a "
         "pseudo-gradient that opposes the outer momentum damped by 1 + cos",
+    ),
+    "async_dn_dylu_stream": Method(
+        outer=ASYNC_OUTER,
+        dylu=True,
+        grouping="window",
+        overlap=True,
+        rounds_from_push=True,
+        doc="beyond the paper: the default with overlapping workers whose rounds count H_w from their "
+        "push, so pushes, holds and pulls hide behind the next round",
     ),
     "async_dn_dylu_lookahead": Method(
         outer=dataclasses.replace(ASYNC_OUTER, look_ahead=1.0),
@@ -169,8 +184,9 @@ class SimConfig:
     #: profile sets this to say "the virtual clock stands for a model of P parameters".
     #: Every byte count the run reports is of this size (the charged bytes).
     wire_params: int | None = None
-    #: The async run's wire codec for pushes and pulls ("raw", "bf16", "int8"): it sets
-    #: the charged bytes (the simulated values travel raw). Sync rounds are always raw.
+    #: The async run's wire codec for pushes and pulls ("raw", "bf16", "int8"): the
+    #: server's ``--wire-codec``; pseudo-gradients and pulled models go through it, and it
+    #: sets the charged bytes. Sync rounds are always raw.
     wire_codec: str = "raw"
 
     def __post_init__(self) -> None:
@@ -215,6 +231,7 @@ class SimConfig:
             dylu=spec.dylu,
             grouping=spec.grouping,
             grace_s=self.grace_s,
+            wire_codec=self.wire_codec if spec.mode == "async" else "raw",
             lease_s=86400,
             histogram_buckets=64,
         )

@@ -16,7 +16,8 @@ A worker's round (``run_async``):
    feed the server's ``StepRateMeter``) and holds the reply until its group is released
    (``schedule.GroupWindow``). The worker then pulls: latency + bytes / bandwidth, and
    starts its next round. The default worker idles from its push to its pull's end; the
-   overlap worker (``--overlap``) trains on and merges (overlap.py).
+   overlap worker (``--overlap``) trains on and merges (overlap.py), then runs H_w more
+   steps (``rounds_from_push``: H_w in all, counted from its push).
 
 The run's wall time ends when the last push is applied.
 """
@@ -45,6 +46,7 @@ from asyncdiloco.bench.sim import (
 from asyncdiloco.bench.sim_costs import RATE_PROBE, RateProbe, StepTimer, wire_bytes
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.codec import make_codec
 from asyncdiloco.wire.tensors import Manifest
 
 # Event kinds, in the order ties at one instant are handled.
@@ -69,6 +71,17 @@ class _Pull:
     params: torch.Tensor
     version: int
     outer_steps: int
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The run's counters."""
+
+    comm_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    steps: int = 0
+    last_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -108,6 +121,8 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     numel = wire_numel(cfg, manifest.numel)
     push_bytes, pull_bytes = wire_bytes(cfg.wire_codec, numel), wire_bytes(cfg.wire_codec, numel)
     spec = METHODS[cfg.method]
+    codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
+    wire = torch.empty(codec.wire_bytes, dtype=torch.uint8)
     workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
     ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]  # no rate: each measures its own
     state.push(
@@ -123,7 +138,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     unallotted = [cfg.total_steps]
     true_hist: list[int] = []
     log: list[list[int]] = []
-    acct = {"comm_s": 0.0, "bytes_up": 0, "bytes_down": 0, "steps": 0, "last_s": 0.0}
+    acct = _Tally()
 
     def at(t: float, kind: int, i: int, data: object = None) -> None:
         heapq.heappush(events, (t, kind, next(seq), i, data))
@@ -135,17 +150,21 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
 
     def pull(i: int, t: float) -> None:
         """Worker i reads the model at the server at ``t``; it has it a transfer later."""
+        theta = state.params
+        assert theta is not None
         if spec.outer.look_ahead > 0:
-            params = look_ahead_point(outer, state.version, torch.empty_like(state.params))
+            params = look_ahead_point(outer, state.version, torch.empty_like(theta))
         else:
-            params = state.params.clone()
+            params = theta.clone()
+        if cfg.wire_codec != "raw":
+            codec.decode(codec.encode(params, wire), params)
         cost = cfg.link(i).transfer_s(pull_bytes)
-        acct["comm_s"] += cost
-        acct["bytes_down"] += pull_bytes
+        acct.comm_s += cost
+        acct.bytes_down += pull_bytes
         at(t + cost, _PULLED, i, _Pull(params, state.version, outer.momentum_steps))
 
-    def plan(i: int) -> None:
-        """Schedule worker i's next event: a rate report, or the end of its round."""
+    def plan(i: int, now: float) -> None:
+        """Schedule worker i's next event (not before ``now``): a rate report, or the end of its round."""
         w = workers[i]
         while w.probe is not None and w.fed < w.target:
             w.fed += 1
@@ -153,7 +172,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
             if rate is not None:
                 at(w.end_of(w.fed), _PROBE, i, rate)
                 return
-        at(w.end_of(w.target), _FINISH, i)
+        at(max(now, w.end_of(w.target)), _FINISH, i)
 
     def start(i: int, t: float, got: _Pull) -> None:
         """Worker i's pull completed at ``t``: it starts a round (or leaves, if away)."""
@@ -161,6 +180,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         if not _present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
             state.leave(ids[i])
             w.pushed_at = w.snapshot = None
+            assert cfg.leave_rejoin is not None  # only a leave makes a worker absent
             at(cfg.leave_rejoin[2], _REJOIN, i)
             return
         h_w = state.local_steps_for(ids[i])
@@ -179,11 +199,13 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
             r.load(got.params, got.version)
         w.base_outer_steps = got.outer_steps
         w.trained = ahead
-        w.target = ahead + allot(h_w)  # H_w more after the merge: the round ends with the group's next one
+        # H_w more after the merge (the round ends with the group's next one), or H_w in all
+        # from the push (``rounds_from_push``: the wait's steps count toward it)
+        w.target = ahead + allot(h_w - ahead if spec.rounds_from_push else h_w)
         w.fed = ahead
         if w.target == 0:  # the budget is spent: this worker is done (it stays registered, so
             return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
-        plan(i)
+        plan(i, t)
 
     def on_probe(i: int, t: float, rate: float) -> None:
         """Worker i reports a measured rate (heartbeat) and takes its H_w from the reply."""
@@ -195,7 +217,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
             w.target = want
         elif want > w.target:
             w.target += allot(want - w.target)
-        plan(i)
+        plan(i, t)
 
     def finish(i: int, t: float) -> None:
         """Worker i ran its round's last step at ``t``: its push leaves."""
@@ -209,8 +231,8 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         if spec.overlap:
             w.pushed_at, w.snapshot = t, local
         cost = cfg.link(i).transfer_s(push_bytes)
-        acct["comm_s"] += cost
-        acct["bytes_up"] += push_bytes
+        acct.comm_s += cost
+        acct.bytes_up += push_bytes
         at(t + cost, _ARRIVE, i, push)
 
     def arrive(i: int, t: float, push: _Push) -> None:
@@ -219,7 +241,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         true_hist.extend([0] * (gap + 1 - len(true_hist)))
         true_hist[gap] += 1
         outcome = state.push(
-            manifest.pack_flat(push.delta),
+            codec.encode(push.delta, wire),
             worker_id=ids[i],
             push_id=push_ids[i],
             base_version=push.base_version,
@@ -229,12 +251,12 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         push_ids[i] += 1
         log.append([i, push.steps])
         held.hold(outcome.group_id, i)
-        acct["steps"] += push.steps
-        acct["last_s"] = t
-        progress(acct["steps"])
-        if acct["steps"] >= next_eval[0] or acct["steps"] >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, state.params, acct["steps"], tps, t, state.version))
-            next_eval[0] = (acct["steps"] // cfg.eval_every_steps + 1) * cfg.eval_every_steps
+        acct.steps += push.steps
+        acct.last_s = t
+        progress(acct.steps)
+        if acct.steps >= next_eval[0] or acct.steps >= cfg.total_steps:
+            curve.append(_eval_point(evaluator, eval_set, state.params, acct.steps, tps, t, state.version))
+            next_eval[0] = (acct.steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
 
     def rejoin(i: int, t: float) -> None:
         """Worker i is back: a new registration (no rate: it probes again), then a pull."""
@@ -276,17 +298,17 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         cfg,
         curve,
         curve[-1]["eval_loss"],
-        acct["last_s"],
+        acct.last_s,
         [r.busy_s for r in replicas],
         st.version,
         list(st.staleness_histogram),
-        acct["bytes_up"],
-        acct["bytes_down"],
-        acct["steps"],
+        acct.bytes_up,
+        acct.bytes_down,
+        acct.steps,
         list(st.group_size_histogram),
         true_staleness_histogram=true_hist,
         outer_steps=outer.momentum_steps,
-        comm_s=acct["comm_s"],
+        comm_s=acct.comm_s,
         local_steps_log=log,
         estimated_rates=[rates.get(w) for w in ids],
     )

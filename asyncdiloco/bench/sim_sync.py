@@ -79,6 +79,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     while steps < cfg.total_steps:
         members = [r for r in replicas if _present(cfg, r.index, t)]
         if not members:  # everyone away: the round starts when the worker is back
+            assert cfg.leave_rejoin is not None  # only a leave empties a round
             t = cfg.leave_rejoin[2]
             continue
         probed: dict[int, list[float]] = {}
