@@ -45,7 +45,12 @@ if TYPE_CHECKING:
 #: The async default (what ``asyncdiloco server`` runs with no flags).
 DEFAULT_METHOD = "async_dn_dylu"
 #: Methods beyond the paper, each judged against the default (``beyond`` in claims.json).
-BEYOND_METHODS = ("async_dn_dylu_lookahead", "async_dn_dylu_overlap", "async_dn_dylu_blockcheck")
+BEYOND_METHODS = (
+    "async_dn_dylu_lookahead",
+    "async_dn_dylu_stream",
+    "async_dn_dylu_overlap",
+    "async_dn_dylu_blockcheck",
+)
 #: Standard synchronous DiLoCo with its paper's outer step (η 0.7, μ 0.9): claims (a), (b).
 STANDARD = "sync_diloco"
 #: The tuned copy of sync DiLoCo (suite.py names a tuned method that is also a reference row so).
@@ -360,6 +365,9 @@ def claims_json(summary: dict[str, dict]) -> dict:
                         "shown": beats(g, s),
                         **_gap_fields(g, s),
                         "speedup": _num(rows[m]["vs"][DEFAULT_METHOD]["speedup"]),
+                        "wall_ratio": _num(rows[m]["vs"][DEFAULT_METHOD]["wall_ratio"]),
+                        "loss_at_equal_wall": _num(rows[m]["loss_at_equal_wall"][0]),
+                        f"{DEFAULT_METHOD}_at_equal_wall": _num(rows[DEFAULT_METHOD]["loss_at_equal_wall"][0]),
                         "what": f"relative loss of {m} against {DEFAULT_METHOD} (negative: it wins)",
                         "target": "gap + 2·spread < 0",
                         m: _num(rows[m]["loss"][0]),
@@ -379,6 +387,10 @@ def _pct(x: float | None, sign: str = "+") -> str:
 def _fmt(ms: tuple[float, float], digits: int = 3) -> str:
     m, s = ms
     return "—" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _loss(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
 
 
 def _x(x: float | None) -> str:
@@ -428,7 +440,8 @@ def claim_lines(summary: dict[str, dict]) -> list[str]:
         for m, y in c.get("beyond", {}).items():
             lines.append(
                 f"- beyond the paper [{p}] {m} {y[m]:.3f}: {_gap_text(y)} vs {DEFAULT_METHOD}, "
-                f"speed-up to its final loss {_x(y['speedup'])}: "
+                f"speed-up to its final loss {_x(y['speedup'])}, wall ratio {_x(y['wall_ratio'])}, loss at T "
+                f"{_loss(y['loss_at_equal_wall'])} vs {_loss(y[DEFAULT_METHOD + '_at_equal_wall'])}: "
                 f"{'beats it' if y['shown'] else 'does not beat it by more than twice the spread'}."
             )
     return lines
