@@ -590,8 +590,10 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
             "",
             "Rows: " + "; ".join(_row_doc(n, s) for n, s in rows.items()) + ".",
             "",
-            f"T = {p['equal_wall_s']:.0f} s. Baselines: claim (c) `{p['baseline_c']}`; strongest synchronous "
-            f"`{p['strongest']}`" + ("" if p["strongest_tuned"] else " (no sync row was tuned)") + ".",
+            f"T = {p['equal_wall_s']:.0f} s. Baselines: claim (c) `{p['baseline_c'] or 'not run'}`; strongest "
+            f"synchronous `{p['strongest'] or 'not run'}`"
+            + ("" if p["strongest_tuned"] or p["strongest"] is None else " (no sync row was tuned)")
+            + ".",
             "",
             "| row | final loss | loss at T | "
             + " | ".join(f"time to {b}'s final loss (s) | speed-up" for b in bases)
