@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from asyncdiloco.bench import suite, suite_report
+from asyncdiloco.bench import suite, suite_markdown
 from asyncdiloco.bench.suite import SuiteConfig, TuneGrid, pick
 from asyncdiloco.bench.suite_report import claims_json, summarize
 from asyncdiloco.errors import ConfigError
@@ -173,7 +173,7 @@ def _fake_run(args):
 
 def test_the_tuning_stage_picks_per_method_on_its_own_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(suite, "_run_one", _fake_run)
-    monkeypatch.setattr(suite_report, "plot", lambda records, out: None)
+    monkeypatch.setattr(suite_markdown, "plot_suite", lambda records, summary, out: None)
     cfg = SuiteConfig(
         profiles=("uneven", "straggler"),
         methods=("sync_localsgd", "sync_diloco"),

@@ -2,7 +2,7 @@
 
 Runs every method (sim.METHODS) on worker-speed profiles with the same model, data,
 token budget and seeds, and writes ``runs.jsonl`` (one line per run), ``report.md``
-(suite_report.py: two tables per profile, mean ± std over seeds, the claims of Liu et al.
+(suite_report.py and suite_markdown.py: two tables per profile, mean ± std over seeds, the claims of Liu et al.
 2024, arXiv 2401.09135, and issue 25's against the best-tuned synchronous baseline),
 ``claims.json`` (the same claims, machine-readable), ``tuning.json`` and PNG plots.
 
@@ -39,6 +39,7 @@ from typing import NamedTuple
 from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
 from asyncdiloco.bench.profiles import PROFILES
 from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
+from asyncdiloco.bench.suite_markdown import write_outputs
 from asyncdiloco.bench.suite_report import (
     BEYOND_METHODS,
     DEFAULT_METHOD,
@@ -46,7 +47,6 @@ from asyncdiloco.bench.suite_report import (
     add_targets,
     claims_json,
     summarize,
-    write_outputs,
 )
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
