@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from asyncdiloco.job.dataset import BatchStream, CharCorpus, eval_batches, load_text, sample_batch
+from asyncdiloco.job.dataset import BatchStream, CharCorpus, eval_batches, load_text, sample_batch, split_batches
 from asyncdiloco.job.models import CharTransformerConfig, build_model, evaluate, lm_loss
 
 B, T = 4, 16  # small batches for the shape tests
@@ -115,6 +115,17 @@ def test_eval_batches_fixed_and_from_val(corpus):
     val_text = corpus.decode(corpus.val)
     assert all(corpus.decode(row) in val_text for x, _ in first for row in x)
     assert not torch.equal(first[0][0], eval_batches(corpus, B, T, 1, seed=1)[0][0])
+
+
+def test_split_batches_cover_the_validation_split_in_order(corpus):
+    batches = split_batches(corpus, B, T)
+    windows = (corpus.val.numel() - 1) // T
+    assert len(batches) == windows // B and all(x.shape == y.shape == (B, T) for x, y in batches)
+    x = torch.cat([x.reshape(-1) for x, _ in batches])  # every window, in order, none twice
+    assert torch.equal(x, corpus.val[: x.numel()]) and x.numel() > corpus.val.numel() - B * T - T
+    assert torch.equal(torch.cat([y.reshape(-1) for _, y in batches]), corpus.val[1 : x.numel() + 1])
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        split_batches(corpus, corpus.val.numel(), 2)
 
 
 # ---------------------------------------------------------------------------- model

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncdiloco.bench.profiles import PROFILES, Profile
 from asyncdiloco.bench.sim import SimConfig
-from asyncdiloco.bench.suite import PROFILES
 from asyncdiloco.bench.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
 from asyncdiloco.errors import ConfigError
 
@@ -32,7 +32,7 @@ def test_leave_rejoin_profile_maps_both_times():
 
 
 def test_the_fastest_speed_counts_changed_speeds_too():
-    sched = real_schedule({"speeds": (2.0, 4.0), "changes": ((10.0, 1, 1.0),)}, 0.1)
+    sched = real_schedule(Profile(speeds_s_per_step=(2.0, 4.0), speed_changes=((10.0, 1, 1.0),)), 0.1)
     assert sched.slowdowns == (2.0, 4.0)  # relative to 1.0, the fastest speed anyone reaches
     assert sched.slowdown_changes == ((), ((1.0, 1.0),))
 
@@ -56,7 +56,7 @@ def test_full_real_suite_covers_every_profile_and_quick_stays_uneven():
 def test_sync_quorum_does_not_wait_for_the_worker_that_is_away():
     prof = PROFILES["leave_rejoin"]
     cfg = SimConfig(
-        method="sync_diloco", speeds_s_per_step=prof["speeds"], total_steps=100, leave_rejoin=prof["leave_rejoin"]
+        method="sync_diloco", speeds_s_per_step=prof.speeds_s_per_step, total_steps=100, leave_rejoin=prof.leave_rejoin
     )
     _, flags, _ = server_flags(cfg)
     assert flags[flags.index("--min-workers") + 1] == "3"

@@ -178,6 +178,8 @@ class OuterOptimizer:
             (``momentum``).
     Attributes:
         momentum_buffer: m, float32 (N,), zero at start (allocated only when μ > 0).
+        momentum_steps: outer steps that updated the momentum so far (every step here;
+            Delayed Nesterov: one per completed buffer), for reports.
     """
 
     def __init__(self, params: torch.Tensor, config: OuterConfig) -> None:
@@ -189,6 +191,7 @@ class OuterOptimizer:
         self.config = config
         self.schedule = config.schedule()
         self.momentum_buffer = torch.zeros_like(params) if config.momentum > 0 else None
+        self.momentum_steps = 0
 
     def lr_at(self, version: int) -> float:
         """η_v = η · lr_factor(v): the outer learning rate of the update applied at
@@ -237,6 +240,7 @@ class OuterOptimizer:
         """
         self._check(delta)
         lr = self.lr_at(version)
+        self.momentum_steps += 1
         if on_block is None and not isinstance(delta, BlockDelta):
             if weight != 1.0:
                 delta.mul_(weight)  # s·Δ enters both the momentum and the direct term
@@ -415,6 +419,7 @@ class DelayedNesterov(OuterOptimizer):
         arrivals, self.arrivals = self.arrivals, 0 if complete else self.arrivals
         if complete:
             self.last_n = n
+        self.momentum_steps += complete
         for start, end in spans:
             d, m_s, b_s, p_s = _block_of(delta, start, end), m[start:end], b[start:end], self.params[start:end]
             if weight != 1.0:
@@ -461,6 +466,30 @@ def average_in(
         params[start:end].sub_(_block_of(delta, start, end), alpha=scale)
         if on_block is not None:
             on_block(start, end)
+
+
+@torch.no_grad()
+def look_ahead_point(outer: OuterOptimizer, version: int, out: torch.Tensor) -> torch.Tensor:
+    """The momentum look-ahead point θ̃ = θ − λ·η_v·μ·m into ``out`` (float32 (N,)), with
+    λ = ``outer.config.look_ahead``: where the outer momentum alone will carry θ over the
+    next λ outer steps, to first order (after "Momentum Look-Ahead for Asynchronous
+    Distributed Low-Communication Training", ICLR 2025 workshop). A worker that starts its
+    round there computes its pseudo-gradient near the model it will be applied to, not
+    the one it pulled; Δ is still taken against θ̃ (the worker's own start). Plain θ when
+    λ = 0 or there is no momentum.
+
+    Args:
+        outer: the server's outer optimizer (θ, m, η's schedule, μ, λ).
+        version: the current version (keys η_v).
+        out: float32 (N,) to write.
+    Returns:
+        ``out``.
+    """
+    out.copy_(outer.params)
+    lam, m = outer.config.look_ahead, outer.momentum_buffer
+    if lam > 0 and m is not None:
+        out.sub_(m, alpha=lam * outer.lr_at(version) * outer.config.momentum)
+    return out
 
 
 def make_outer_optimizer(

@@ -5,7 +5,9 @@ demo and writes their reports, only without the figures."""
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
+import statistics
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -100,3 +102,61 @@ def plot_scale(sim: dict, applies: list[dict], path: pathlib.Path) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def plot_suite(records: list[dict], summary: dict[str, dict], out: pathlib.Path) -> None:
+    """The benchmark suite's figures (bench/suite_markdown.py): loss_vs_tokens.png and
+    loss_vs_time.png (one panel per profile, the mean curve over seeds per row),
+    utilisation.png and staleness.png (bars per row and profile; ``summary`` is
+    suite_report.summarize's)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    profiles = list(summary)
+    rows = list(dict.fromkeys(r["method"] for r in records))
+    for key, xlabel, name in (
+        ("tokens", "tokens (characters)", "loss_vs_tokens.png"),
+        ("time_s", "time (s)", "loss_vs_time.png"),
+    ):
+        fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), squeeze=False)
+        for ax, p in zip(axes[0], profiles):
+            lowest = math.inf
+            for m in rows:
+                rs = [r for r in records if r["profile"] == p and r["method"] == m]
+                if not rs:
+                    continue
+                n = min(len(r["curve"]) for r in rs)
+                xs = [statistics.mean(r["curve"][i][key] for r in rs) for i in range(n)]
+                ys = [statistics.mean(r["curve"][i]["eval_loss"] for r in rs) for i in range(n)]
+                ax.plot(xs, ys, marker=".", markersize=3, label=m)
+                lowest = min([lowest, *(y for y in ys if math.isfinite(y))])
+            ax.set_title(p)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out loss (nats/char)")
+            ax.set_ylim(max(0.0, lowest - 0.2), 5.0)  # diverged runs leave the top of the plot
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+    for metric, label, name in (
+        ("util", "utilisation (busy ÷ wall)", "utilisation.png"),
+        ("true_staleness", "mean true staleness (versions)", "staleness.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(max(8, len(rows)), 4))
+        width = 0.8 / max(1, len(profiles))
+        for j, p in enumerate(profiles):
+            vals = []
+            for m in rows:
+                s = summary[p]["rows"].get(m)
+                v = math.nan if s is None else s[metric][0]
+                if metric == "true_staleness" and s is not None and math.isnan(v):
+                    v = s["staleness"][0]  # records without the true staleness: the arrival counter
+                vals.append(0.0 if math.isnan(v) else v)
+            ax.bar([i + j * width for i in range(len(rows))], vals, width, label=p)
+        ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(rows))], rows, rotation=20, fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)

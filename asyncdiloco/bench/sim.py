@@ -1,23 +1,33 @@
 """Virtual-clock simulator: asynchronous and synchronous DiLoCo in one process.
 
-Workers are scheduled on a virtual clock by their seconds per inner step, but every
-inner step is real training (the default job's model and data), and every algorithm is
-the server's own code: asynchronous pushes go through ``ParameterServerState`` (outer
-optimizer, staleness weights, Delayed Nesterov, DyLU's rates, the grouping of replies by
+Workers are scheduled on a virtual clock, but every inner step is real training (the
+default job's model and data), and every algorithm is the server's own code:
+asynchronous pushes go through ``ParameterServerState`` (outer optimizer, staleness
+weights, Delayed Nesterov, DyLU's rates, the grouping of replies by
 ``schedule.GroupWindow``, push accounting) with the virtual clock injected; synchronous
-rounds apply the mean pseudo-gradient with the same ``OuterOptimizer``. Runs are
-deterministic for a given seed, and noise-free in time.
+rounds apply the mean pseudo-gradient with the same ``OuterOptimizer``.
 
-Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and two beyond it):
-``sync_localsgd``, ``sync_diloco``, ``async_nesterov``, ``async_nesterov_poly``,
-``async_dn``, ``async_dn_dylu`` (the server's default), ``async_dn_dylu_barrier``,
-``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``.
+What the clock charges (``sim_costs.py``): each inner step's duration is drawn from the
+worker's own RNG around its seconds per step (``Noise``: heavy-tailed jitter, stalls,
+drift); each push and pull costs its link's latency + bytes / bandwidth, and a sync
+round a quorum round trip plus a ring allreduce (``SimConfig.links``), for payloads of
+``wire_params`` parameters under the run's wire codec. DyLU's rates are never handed
+over: a worker times its first inner steps and reports the rate as the real worker does
+(``sim_costs.RATE_PROBE``), and every push carries the summed durations of its steps as
+``compute_s``. Runs are deterministic for a given seed. The loops live in
+``sim_async.py`` and ``sim_sync.py``.
+
+Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and beyond it):
+``sync_localsgd``, ``sync_diloco``, ``sync_diloco_adaptive``, ``async_nesterov``,
+``async_nesterov_poly``, ``async_dn``, ``async_dn_dylu`` (the server's default),
+``async_dn_dylu_barrier``, ``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``,
+``async_dn_dylu_stream``, ``async_dn_dylu_lookahead``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import functools
 import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -25,16 +35,14 @@ from typing import Generic, TypeVar
 import torch
 
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig
-from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.algo.schedule import GroupWindow
+from asyncdiloco.bench.sim_costs import FREE_LINK, NO_NOISE, Link, Noise, StepTimer
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import evaluate, lm_loss
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.tensors import Manifest
+from asyncdiloco.wire.codec import WIRE_CODECS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +56,15 @@ class Method:
     #: Workers sync in the background and train on while their reply is held (the
     #: worker's ``--overlap``; merge rule in overlap.py).
     overlap: bool = False
+    #: With ``overlap``: the next round's H_w counts from the push, the steps run while
+    #: the group formed and the pull travelled included (instead of H_w more after the
+    #: merge), so a worker pushes every H_w steps whatever the link costs: its
+    #: communication hides behind its next round (Streaming DiLoCo's overlap, Douillard
+    #: et al. 2025, arXiv 2501.18512; simulator only so far).
+    rounds_from_push: bool = False
+    #: Sync only: member w runs H_w = DyLU's ⌊v_w / max v · H⌋ (``dylu_local_steps``)
+    #: over the members' estimated rates, so the members of a round finish together.
+    adaptive: bool = False
     #: One line for reports.
     doc: str = ""
 
@@ -63,6 +80,12 @@ METHODS: dict[str, Method] = {
         mode="sync", outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), doc="synchronous rounds, plain averaging"
     ),
     "sync_diloco": Method(mode="sync", outer=SYNC_OUTER, doc="synchronous rounds, Nesterov outer step"),
+    "sync_diloco_adaptive": Method(
+        mode="sync",
+        outer=SYNC_OUTER,
+        adaptive=True,
+        doc="synchronous rounds, member w runs DyLU's H_w (proportional to its measured rate), Nesterov outer step",
+    ),
     "async_nesterov": Method(outer=SYNC_OUTER, doc="every push applied on arrival with DiLoCo's outer step"),
     "async_nesterov_poly": Method(
         outer=dataclasses.replace(SYNC_OUTER, staleness="polynomial"), doc="the same, pushes weighted (1+tau)^-0.5"
@@ -95,6 +118,22 @@ METHODS: dict[str, Method] = {
         doc="beyond the paper: the default, each tensor of a "
         "pseudo-gradient that opposes the outer momentum damped by 1 + cos",
     ),
+    "async_dn_dylu_stream": Method(
+        outer=ASYNC_OUTER,
+        dylu=True,
+        grouping="window",
+        overlap=True,
+        rounds_from_push=True,
+        doc="beyond the paper: the default with overlapping workers whose rounds count H_w from their "
+        "push, so pushes, holds and pulls hide behind the next round",
+    ),
+    "async_dn_dylu_lookahead": Method(
+        outer=dataclasses.replace(ASYNC_OUTER, look_ahead=1.0),
+        dylu=True,
+        grouping="window",
+        doc="beyond the paper: the default, workers start their rounds from the momentum "
+        "look-ahead point θ − η·μ·m (`--look-ahead`; algo/outer.py ``look_ahead_point``)",
+    ),
 }
 SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
 ASYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "async")
@@ -124,10 +163,31 @@ class SimConfig:
     grace_s: float | None = None
     #: Evaluate the global model every this many inner steps (summed over workers).
     eval_every_steps: int = 100
+    #: Score the final model on the whole validation split (``JobConfig.split_set``)
+    #: instead of the curve's ``eval_set``: ``final_eval_loss`` then has no sampling
+    #: noise of its own (the curve keeps the cheaper set; its last point is the final
+    #: model on that set).
+    final_on_split: bool = False
     #: Speed changes: (virtual time s, worker index, new seconds per step).
     speed_changes: tuple[tuple[float, int, float], ...] = ()
     #: A worker that leaves and rejoins: (worker index, leave at s, rejoin at s).
     leave_rejoin: tuple[int, float, float] | None = None
+    #: One link per worker (sim_costs.Link), or () for free communication.
+    links: tuple[Link, ...] = ()
+    #: Per-step time noise of every worker (drawn per worker from (seed, worker)).
+    noise: Noise = NO_NOISE
+    #: Non-IID data: worker i draws its batches from slice i of the training split
+    #: (``BatchStream`` shards); the held-out set stays the common one.
+    non_iid: bool = False
+    #: Parameters whose bytes the links are charged for (None: the trained model's).
+    #: The trained model is tiny (~60 k parameters), so its transfers would be free; a
+    #: profile sets this to say "the virtual clock stands for a model of P parameters".
+    #: Every byte count the run reports is of this size (the charged bytes).
+    wire_params: int | None = None
+    #: The async run's wire codec for pushes and pulls ("raw", "bf16", "int8"): the
+    #: server's ``--wire-codec``; pseudo-gradients and pulled models go through it, and it
+    #: sets the charged bytes. Sync rounds are always raw.
+    wire_codec: str = "raw"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -136,6 +196,19 @@ class SimConfig:
             raise ConfigError(f"speeds_s_per_step={self.speeds_s_per_step} is invalid: one positive value per worker")
         if self.total_steps < len(self.speeds_s_per_step):
             raise ConfigError(f"total_steps={self.total_steps} is invalid: must be >= the number of workers")
+        if self.links and len(self.links) != len(self.speeds_s_per_step):
+            raise ConfigError(
+                f"links has {len(self.links)} entries for {len(self.speeds_s_per_step)} workers: give one per worker, "
+                "or () for free links"
+            )
+        if self.wire_params is not None and self.wire_params < 1:
+            raise ConfigError(f"wire_params={self.wire_params} is invalid: give a parameter count >= 1, or None")
+        if self.wire_codec not in WIRE_CODECS:
+            raise ConfigError(f"wire_codec={self.wire_codec!r} is invalid: choose one of {WIRE_CODECS}")
+
+    def link(self, worker: int) -> Link:
+        """Worker ``worker``'s link (free when ``links`` is empty)."""
+        return self.links[worker] if self.links else FREE_LINK
 
     def outer(self) -> OuterConfig:
         o = METHODS[self.method].outer
@@ -158,6 +231,7 @@ class SimConfig:
             dylu=spec.dylu,
             grouping=spec.grouping,
             grace_s=self.grace_s,
+            wire_codec=self.wire_codec if spec.mode == "async" else "raw",
             lease_s=86400,
             histogram_buckets=64,
         )
@@ -165,7 +239,12 @@ class SimConfig:
 
 @dataclasses.dataclass
 class SimResult:
-    """Curves and counters of one run (times on the virtual clock, seconds)."""
+    """Curves and counters of one run (times on the virtual clock, seconds).
+
+    Byte counts are the charged ones: payloads of ``config.wire_params`` parameters
+    under the run's wire codec (async pushes and pulls; sync: what each member sends and
+    receives in the ring allreduce, raw).
+    """
 
     config: SimConfig
     curve: list[dict]  # {steps, tokens, time_s, version, eval_loss}
@@ -180,6 +259,27 @@ class SimResult:
     steps: int = 0
     #: group_size_histogram[k]: outer steps (sync rounds) / released push groups of k + 1 pushes.
     group_size_histogram: list[int] = dataclasses.field(default_factory=list)
+    #: true_staleness_histogram[k]: pushes whose pseudo-gradient was applied k outer
+    #: (momentum) steps after the model it started from was pulled. Outer steps, not
+    #: versions: the pushes of one Delayed Nesterov group (c = 0) each bump the version,
+    #: but they all start from one model and apply as one synchronous step (0 here),
+    #: while a push that missed its group counts the groups it missed. Sync: all 0.
+    true_staleness_histogram: list[int] = dataclasses.field(default_factory=list)
+    #: Outer steps that updated the momentum: sync rounds; async: the outer optimizer's
+    #: (Delayed Nesterov: completed buffers; other optimizers: every push).
+    outer_steps: int = 0
+    #: Seconds the workers spent in transfers (pushes, pulls; sync: quorum and
+    #: allreduce), summed over workers.
+    comm_s: float = 0.0
+    #: H_w as run: sync, one list per round (the members' steps, by worker index, 0 for
+    #: absent ones); async, one [worker, steps] per push.
+    local_steps_log: list[list[int]] = dataclasses.field(default_factory=list)
+    #: The rates DyLU used at the end, inner steps/s by worker index (None: unknown).
+    estimated_rates: list[float | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def mean_true_staleness(self) -> float:
+        return staleness_mean(self.true_staleness_histogram)
 
     @property
     def utilisation(self) -> float:
@@ -199,7 +299,10 @@ class _Replica:
         self.model = cfg.job.build(corpus)
         self.params = list(self.model.parameters())
         self.inner, self.inner_lr = cfg.job.build_inner(self.params)  # the CLI worker's, keyed by this replica's step
-        self.batches = BatchStream(corpus, cfg.job.batch_size, cfg.job.context_len, cfg.seed, index)
+        shards = len(cfg.speeds_s_per_step) if cfg.non_iid else 1
+        self.batches = BatchStream(
+            corpus, cfg.job.batch_size, cfg.job.context_len, cfg.seed, index, shard=index % shards, num_shards=shards
+        )
         self.base = torch.zeros(sum(p.numel() for p in self.params))
         self.base_version = 0
         self.busy_s = 0.0
@@ -260,8 +363,28 @@ def _simulate(cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResu
     evaluator = cfg.job.build(corpus)
     eval_set = cfg.job.eval_set(corpus)
     replicas = [_Replica(cfg, corpus, i) for i in range(len(cfg.speeds_s_per_step))]
-    run = _sync if cfg.method in SYNC_METHODS else _async
-    return run(cfg, replicas, evaluator, eval_set, progress or (lambda _: None))
+    if cfg.method in SYNC_METHODS:
+        from asyncdiloco.bench.sim_sync import run_sync as run
+    else:
+        from asyncdiloco.bench.sim_async import run_async as run
+    result = run(cfg, replicas, evaluator, eval_set, progress or (lambda _: None))
+    if not cfg.final_on_split:
+        return result
+    assert result.curve[-1]["steps"] == result.steps  # the last curve point loaded the final model into evaluator
+    return dataclasses.replace(result, final_eval_loss=evaluate(evaluator, cfg.job.split_set(corpus)))
+
+
+def step_timers(cfg: SimConfig) -> list[StepTimer]:
+    """Each worker's step timer: its seconds per step (with ``speed_changes``) and the
+    run's noise, drawn from the worker's own RNG seeded by (seed, worker)."""
+    return [
+        StepTimer(cfg.noise, cfg.seed, i, functools.partial(_speed, cfg, i)) for i in range(len(cfg.speeds_s_per_step))
+    ]
+
+
+def wire_numel(cfg: SimConfig, numel: int) -> int:
+    """Parameters the links are charged for: ``cfg.wire_params``, else the model's ``numel``."""
+    return numel if cfg.wire_params is None else cfg.wire_params
 
 
 def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, version) -> dict:
@@ -277,60 +400,6 @@ def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, versi
         "version": version,
         "eval_loss": evaluate(evaluator, eval_set),
     }
-
-
-def _sync(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
-    """Synchronous rounds: every member runs H steps from θ, the mean Δ takes one outer step."""
-    theta = replicas[0].flat().clone()
-    outer = make_outer_optimizer(theta, cfg.outer())
-    tps = cfg.job.tokens_per_step
-    curve = [_eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
-    t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
-    n_bytes = theta.numel() * 4
-    bytes_up = bytes_down = 0
-    groups: list[int] = []
-    while steps < cfg.total_steps:
-        members = [r for r in replicas if _present(cfg, r.index, t)]
-        if not members:  # everyone away: the round starts when the worker is back
-            t = cfg.leave_rejoin[2]
-            continue
-        allotted = min(cfg.local_steps * len(members), cfg.total_steps - steps)
-        deltas = torch.zeros_like(theta)
-        round_s = 0.0
-        for k, r in enumerate(members):
-            h = allotted // len(members) + (1 if k < allotted % len(members) else 0)
-            r.load(theta)
-            r.train(h)
-            compute = h * _speed(cfg, r.index, t)
-            r.busy_s += compute
-            round_s = max(round_s, compute)
-            deltas.add_(r.base - r.flat())
-        outer.step(deltas.div_(len(members)), version=rounds)  # mean pseudo-gradient, the server's outer code
-        t += round_s
-        steps += allotted
-        rounds += 1
-        pushes += len(members)
-        groups += [0] * (len(members) - len(groups))
-        groups[len(members) - 1] += 1
-        bytes_up += n_bytes * len(members)
-        bytes_down += n_bytes * len(members)
-        progress(steps)
-        if steps >= next_eval or steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
-            next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
-    return SimResult(
-        cfg,
-        curve,
-        curve[-1]["eval_loss"],
-        t,
-        [r.busy_s for r in replicas],
-        rounds,
-        [pushes],
-        bytes_up,
-        bytes_down,
-        steps,
-        groups,
-    )
 
 
 def _present(cfg: SimConfig, worker: int, t: float) -> bool:
@@ -392,123 +461,6 @@ class HeldReplies(Generic[T]):
             self.clock.t = max(self.clock.t, when)
             for reply in self._held.pop(g):
                 resume(reply, when)
-
-
-def _async(cfg, replicas, evaluator, eval_set, progress) -> SimResult:
-    """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock.
-
-    Every push goes through ``ParameterServerState.push`` (outer step, staleness, DyLU,
-    grouping) with the virtual clock injected. A worker reports its inner-step rate when
-    it joins (what a real worker measures over its first steps) and each push carries
-    its compute time; its reply is held until the push's group is released
-    (``schedule.GroupWindow``, the server's own), then the worker pulls and starts its
-    next round with the H_w the server gives it.
-    """
-    clock = VirtualClock()
-    state = ParameterServerState(cfg.server_config(), clock=clock)
-    held: HeldReplies[int] = HeldReplies(state.groups.window, clock)  # replies (workers) waiting for a release
-    manifest = Manifest.from_module(replicas[0].model)
-    ids = [state.join(manifest, f"worker-{r.index}", 1.0 / _speed(cfg, r.index, 0.0))[0] for r in replicas]
-    state.push(
-        manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
-    )
-    push_ids = [2] * len(replicas)
-    tps = cfg.job.tokens_per_step
-    curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
-    # (push time, worker, steps still to train, their compute s, steps in the push; 0 = a rejoin)
-    events: list[tuple[float, int, int, float, int]] = []
-    pushed_at: dict[int, float] = {}  # overlap: when a held worker pushed
-    snapshots: dict[int, torch.Tensor] = {}  # overlap: θ_local when it pushed
-    unallotted = [cfg.total_steps]
-    overlap = METHODS[cfg.method].overlap
-
-    def allot(h: int) -> int:
-        h = min(h, unallotted[0])
-        unallotted[0] -= h
-        return h
-
-    def start(i: int, t: float) -> None:
-        """Worker i's reply (or join) arrives at ``t``: it pulls and starts a round."""
-        r, s = replicas[i], _speed(cfg, i, t)
-        if not _present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
-            state.leave(ids[i])
-            pushed_at.pop(i, None)
-            snapshots.pop(i, None)
-            heapq.heappush(events, (cfg.leave_rejoin[2], i, 0, 0.0, 0))
-            return
-        h_w = state.local_steps_for(ids[i])
-        ahead, began = 0, t
-        if overlap and i in pushed_at:  # it trained on while its group formed, then merges
-            began = pushed_at.pop(i)  # its round began at its push: the wait's steps (and the
-            ahead = allot(min(h_w, math.floor((t - began) / s + 1e-9)))  # one in progress) count
-            r.train(ahead)
-            r.merge(state.params, state.version, snapshots.pop(i))
-        else:
-            r.load(state.params, state.version)
-        rest = allot(h_w)  # H_w more after the merge: the round ends with the group's next one
-        if ahead + rest == 0:  # the budget is spent: this worker is done (it stays registered, so
-            return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
-        finish = max(t, began + (ahead + rest) * s)  # it trains on from its push: no step is idle
-        r.busy_s += (ahead + rest) * s
-        heapq.heappush(events, (finish, i, rest, 0.0, ahead + rest))
-
-    for i in range(len(replicas)):
-        start(i, 0.0)
-    steps, next_eval, last_push_s = 0, cfg.eval_every_steps, 0.0
-    while events or held:
-        deadline = held.next_deadline()
-        if not events or deadline < events[0][0]:
-            clock.t = max(clock.t, deadline)
-            held.release_due(deadline, start)
-            continue
-        finish, i, h, compute, h_push = heapq.heappop(events)
-        clock.t = max(clock.t, finish)
-        if h_push == 0:  # a rejoin: a new registration that reports its rate, then a pull
-            joined = state.join_worker(manifest, f"worker-{i}", 1.0 / _speed(cfg, i, finish))
-            ids[i] = joined.worker_id  # resumed under its name: its id, numbering pushes on
-            push_ids[i] = max(2, joined.last_push_id + 1)
-            start(i, finish)
-            continue
-        r = replicas[i]
-        r.train(h)
-        local = r.flat()
-        delta = r.base - local  # Δ = θ_base − θ_local, (N,)
-        outcome = state.push(
-            manifest.pack_flat(delta),
-            worker_id=ids[i],
-            push_id=push_ids[i],
-            base_version=r.base_version,
-            num_local_steps=h_push,
-            compute_s=h_push * _speed(cfg, i, finish),
-        )
-        push_ids[i] += 1
-        held.hold(outcome.group_id, i)
-        h = h_push
-        if overlap:
-            pushed_at[i], snapshots[i] = finish, local
-        steps += h
-        last_push_s = finish
-        held.release_due(finish, start)
-        progress(steps)
-        if steps >= next_eval or steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, state.params, steps, tps, clock.t, state.version))
-            next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
-    st = state.status()
-    n_bytes = manifest.total_bytes
-    # The run's wall time ends with its last push: the budget is then applied.
-    return SimResult(
-        cfg,
-        curve,
-        curve[-1]["eval_loss"],
-        last_push_s,
-        [r.busy_s for r in replicas],
-        st.version,
-        list(st.staleness_histogram),
-        st.bytes_pushed,
-        (st.applied_pushes + len(replicas)) * n_bytes,
-        steps,
-        list(st.group_size_histogram),
-    )
 
 
 def staleness_mean(hist: list[int]) -> float:

@@ -7,7 +7,8 @@ budget, so every method trains on the same number of tokens and the protocol, qu
 and staleness are real. Records have the fields of the virtual-clock suite (suite.py),
 so ``report.md`` and the plots are made by the same code.
 
-Every profile of ``suite.PROFILES`` runs, including the two with events in time
+The profiles of ``REAL_PROFILES`` run (the virtual suite's links, noise and non-IID
+data are not emulated on the real clock), including the two with events in time
 (``real_schedule``): a speed change becomes the worker's ``--slowdown-changes``, a leave
 and rejoin the demo's ``leave_rejoin``. Virtual seconds are mapped onto real seconds of
 training by the same scale that maps the speeds::
@@ -43,8 +44,9 @@ import pathlib
 import time
 
 from asyncdiloco.bench.demo import DemoConfig, run_demo
+from asyncdiloco.bench.profiles import PROFILES, Profile
 from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
-from asyncdiloco.bench.suite import PROFILES, SuiteConfig, _add_targets, peer_section, write_outputs
+from asyncdiloco.bench.suite import SuiteConfig, _add_targets, peer_section, write_outputs
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
@@ -53,12 +55,13 @@ from asyncdiloco.ps.config import ServerConfig, SyncConfig
 #: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
 #: of a server and four worker processes.
 REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
+#: The profiles the real clock emulates (speeds, speed changes, a leave and rejoin).
+REAL_PROFILES = ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")
 #: Real-clock suites: ``quick`` runs the one profile the claims are about, so it fits in
-#: about 10 minutes; ``full`` runs all five (homogeneous, uneven, straggler, changing,
-#: leave_rejoin). The budget is the virtual suite's.
+#: about 10 minutes; ``full`` runs all of ``REAL_PROFILES``. The budget is the virtual suite's.
 REAL_SUITES = {
     "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
-    "full": SuiteConfig(profiles=tuple(PROFILES), methods=("sync_localsgd", *REAL_METHODS)),
+    "full": SuiteConfig(profiles=REAL_PROFILES, methods=("sync_localsgd", *REAL_METHODS)),
 }
 #: Seconds between the demo's evaluations of the global model: fine enough that the time
 #: to the target resolves a 3x speed-up of runs that train for tens of seconds.
@@ -85,28 +88,28 @@ class RealSchedule:
     real_s_per_virtual_s: float
 
 
-def real_schedule(profile: dict, real_s_per_step: float) -> RealSchedule:
+def real_schedule(profile: Profile, real_s_per_step: float) -> RealSchedule:
     """Map a ``suite.PROFILES`` entry onto the real clock: speeds become slowdowns
     relative to v_min (the fastest speed, initial or changed), virtual times t become
     t × real_s_per_step / v_min.
 
     Args:
-        profile: ``{"speeds": (v_i s/step, ...), "changes": ((t, worker, v), ...),
-            "leave_rejoin": (worker, leave t, rejoin t)}``, virtual seconds.
+        profile: its ``speeds_s_per_step``, ``speed_changes`` ((t, worker, v), ...) and
+            ``leave_rejoin`` ((worker, leave t, rejoin t)), virtual seconds.
         real_s_per_step: r, real seconds per inner step of a worker at ``--slowdown 1``.
     Raises:
         ConfigError: r is not a positive number.
     """
     if not (math.isfinite(real_s_per_step) and real_s_per_step > 0):
         raise ConfigError(f"real_s_per_step={real_s_per_step} is invalid: give the measured seconds per step, > 0")
-    speeds = tuple(profile["speeds"])
-    changes = tuple(profile.get("changes", ()))
+    speeds = tuple(profile.speeds_s_per_step)
+    changes = tuple(profile.speed_changes)
     v_min = min(speeds + tuple(v for _, _, v in changes))
     scale = real_s_per_step / v_min
     per_worker: list[list[tuple[float, float]]] = [[] for _ in speeds]
     for t, w, v in sorted(changes):
         per_worker[w].append((t * scale, v / v_min))
-    lr = profile.get("leave_rejoin")
+    lr = profile.leave_rejoin
     return RealSchedule(
         slowdowns=tuple(v / v_min for v in speeds),
         slowdown_changes=tuple(tuple(c) for c in per_worker),
@@ -123,7 +126,7 @@ def calibrate_real_s_per_step(profile: str, cfg: SuiteConfig, out_dir: pathlib.P
     """r: real seconds per inner step at ``--slowdown 1``, measured by a short demo of
     ``profile``'s initial speeds (``CALIBRATION_METHOD``, ``CALIBRATION_STEPS``) on this
     machine, pooled over its workers: Σ (wall − blocked) ÷ Σ inner steps × slowdown."""
-    speeds = PROFILES[profile]["speeds"]
+    speeds = PROFILES[profile].speeds_s_per_step
     sim_cfg = SimConfig(
         method=CALIBRATION_METHOD,
         speeds_s_per_step=speeds,
@@ -204,10 +207,10 @@ def run_real_suite(
     schedules: dict[str, tuple[RealSchedule, float, str]] = {}  # profile -> (schedule, r, where r came from)
     for k, (profile, method, seed) in enumerate(runs, 1):
         prof = PROFILES[profile]
-        speeds = prof["speeds"]
+        speeds = prof.speeds_s_per_step
         if profile not in schedules:
             r, source = real_s_per_step, "given"
-            if r is None and ("changes" in prof or "leave_rejoin" in prof):
+            if r is None and (prof.speed_changes or prof.leave_rejoin is not None):
                 if progress:
                     print(f"calibrating {profile}: real seconds per step at slowdown 1", flush=True)
                 r, source = (
@@ -225,8 +228,8 @@ def run_real_suite(
             local_steps=cfg.local_steps,
             seed=seed,
             job=cfg.job,
-            speed_changes=prof.get("changes", ()),
-            leave_rejoin=prof.get("leave_rejoin"),
+            speed_changes=prof.speed_changes,
+            leave_rejoin=prof.leave_rejoin,
         )
         mode, flags, worker_args = server_flags(sim_cfg)
         job = dataclasses.replace(cfg.job, seed=seed)

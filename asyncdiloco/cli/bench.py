@@ -25,8 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--suite",
         choices=["quick", "full", "tier", "perf", "scale"],
         default="quick",
-        help="quick/full: sync vs async methods on speed profiles, and a flat server vs the hierarchical "
-        "tier on two regions; tier: only the latter; "
+        help="quick: the outer η, μ of each compared method tuned on one grid, then sync vs async methods on "
+        "the uneven, jittery, slow_link and non_iid profiles, 3 seeds; full: every profile, more methods, and a "
+        "flat server vs the hierarchical tier on two regions; tier: only the latter; "
         "perf: transport, server and overlap micro-benchmarks; "
         "scale: --workers simulated workers on the virtual clock against the server's state code, "
         "with the shards they need (default %(default)s)",

@@ -16,7 +16,7 @@ import torch
 
 from asyncdiloco.algo.lr_schedule import LRSchedule, lr_factor
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.job.dataset import CharCorpus, eval_batches
+from asyncdiloco.job.dataset import CharCorpus, eval_batches, split_batches
 from asyncdiloco.job.models import CharTransformer, CharTransformerConfig, build_model
 
 log = logging.getLogger(__name__)
@@ -108,4 +108,13 @@ class JobConfig:
         return build_model(self.model_config(corpus.vocab_size), seed=self.seed)
 
     def eval_set(self, corpus: CharCorpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out batches evaluated during training: ``eval_batches`` fixed random
+        validation batches of (batch_size, context_len), the same in every process."""
         return eval_batches(corpus, self.batch_size, self.context_len, self.eval_batches)
+
+    def split_set(self, corpus: CharCorpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The whole validation split in (batch_size, context_len) batches of
+        non-overlapping windows (``dataset.split_batches``): the final model's held-out
+        set in the benchmark suite, large enough that its own noise is well below the
+        gaps between methods."""
+        return split_batches(corpus, self.batch_size, self.context_len)

@@ -10,10 +10,13 @@ This module owns the text the demo trains on and how it is cut into batches:
   is the held-out validation split.
 - ``sample_batch`` draws random windows (x, y) with y = x shifted by one.
 - ``BatchStream`` is one worker's infinite stream of training batches; each
-  worker index has its own reproducible order.
+  worker index has its own reproducible order, over the whole training split or
+  (non-IID data) over its own contiguous shard of it.
 - ``eval_batches`` is a fixed set of validation batches, identical across calls
   and processes, so that held-out losses measured at different times (and by
   different processes) are comparable.
+- ``split_batches`` is the whole validation split in non-overlapping windows: no
+  sampling, for a final loss whose noise is the model's only.
 
 All ids are int64 (``torch.long``) on the CPU.
 """
@@ -247,19 +250,39 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         context_len: T, ids per window, >= 1 and < len(corpus.train).
         seed: Run seed, >= 0.
         worker_index: This worker's index, >= 0.
+        shard, num_shards: draw every window from shard ``shard`` of ``num_shards``
+            contiguous, equal slices of the training split (non-IID data: each worker
+            sees its own part of the text; windows never cross a slice's end). The
+            default (0 of 1) is the whole split.
 
     Raises:
-        ValueError: an argument is out of range (see ``sample_batch``).
+        ValueError: an argument is out of range (see ``sample_batch``), or the shard is
+            not in [0, num_shards).
 
     Yields:
         (x, y), each of shape (B, T), int64, y = x shifted by one.
     """
 
-    def __init__(self, corpus: CharCorpus, batch_size: int, context_len: int, seed: int, worker_index: int) -> None:
+    def __init__(
+        self,
+        corpus: CharCorpus,
+        batch_size: int,
+        context_len: int,
+        seed: int,
+        worker_index: int,
+        *,
+        shard: int = 0,
+        num_shards: int = 1,
+    ) -> None:
         _check_non_negative("seed", seed)
         _check_non_negative("worker_index", worker_index)
-        if batch_size < 1 or context_len < 1 or corpus.train.numel() <= context_len:
-            sample_batch(corpus.train, batch_size, context_len, torch.Generator())  # raises the clear error
+        if not (num_shards >= 1 and 0 <= shard < num_shards):
+            raise ConfigError(f"shard={shard} of num_shards={num_shards} is invalid: give 0 <= shard < num_shards")
+        n = corpus.train.numel()
+        self.data = corpus.train[shard * n // num_shards : (shard + 1) * n // num_shards]  # (N_shard,) view
+        if batch_size < 1 or context_len < 1 or self.data.numel() <= context_len:
+            sample_batch(self.data, batch_size, context_len, torch.Generator())  # raises the clear error
+        self.shard, self.num_shards = shard, num_shards
         self.corpus = corpus
         self.batch_size = batch_size
         self.context_len = context_len
@@ -271,7 +294,7 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.num_batches_drawn += 1
-        return sample_batch(self.corpus.train, self.batch_size, self.context_len, self._generator)
+        return sample_batch(self.data, self.batch_size, self.context_len, self._generator)
 
     @property
     def position(self) -> int:
@@ -289,6 +312,8 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
             "worker_index": self.worker_index,
             "batch_size": self.batch_size,
             "context_len": self.context_len,
+            "shard": self.shard,
+            "num_shards": self.num_shards,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -299,10 +324,12 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
             ConfigError: the state is of another stream (seed, worker index, batch size
                 or context length differ).
         """
-        for name in ("seed", "worker_index", "batch_size", "context_len"):
-            if state[name] != getattr(self, name):
+        defaults = {"shard": 0, "num_shards": 1}  # states saved before shards existed
+        for name in ("seed", "worker_index", "batch_size", "context_len", "shard", "num_shards"):
+            saved = state.get(name, defaults.get(name))
+            if saved != getattr(self, name):
                 raise ConfigError(
-                    f"the saved data position is of a stream with {name}={state[name]}, this one has "
+                    f"the saved data position is of a stream with {name}={saved}, this one has "
                     f"{getattr(self, name)}; start with the same --{name.replace('_', '-')} (or another --state-dir)"
                 )
         self._generator.set_state(state["generator"])
@@ -342,3 +369,40 @@ def eval_batches(
     generator = torch.Generator()
     generator.manual_seed(seed)
     return [sample_batch(corpus.val, batch_size, context_len, generator) for _ in range(num_batches)]
+
+
+def split_batches(corpus: CharCorpus, batch_size: int, context_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole validation split as batches: every non-overlapping window of
+    ``context_len`` characters, in order, ``batch_size`` windows a batch.
+
+    No window is drawn at random, so the loss depends on the model only: on Tiny
+    Shakespeare's 111,540-character split this is 111,104 characters at B = 16, T = 32,
+    where ``eval_batches``'s 4,096 characters put a 0.4-0.5 % seed-to-seed spread on the
+    final loss of the benchmark suite's runs (docs/algorithms.md, "The held-out set").
+
+    Args:
+        corpus: The corpus; windows come from ``corpus.val``.
+        batch_size: B, windows per batch, >= 1.
+        context_len: T, ids per window, >= 1.
+
+    Returns:
+        Pairs (x, y), each of shape (B, T), int64, y = x shifted by one; the last,
+        partial batch is dropped, so every batch has the same shape and ``evaluate``'s
+        mean is the per-character mean.
+
+    Raises:
+        ConfigError: the split holds fewer than ``batch_size`` windows, or an argument is < 1.
+    """
+    if batch_size < 1 or context_len < 1:
+        raise ConfigError(f"batch_size={batch_size} and context_len={context_len} must both be >= 1.")
+    windows = (corpus.val.numel() - 1) // context_len
+    batches = windows // batch_size
+    if batches < 1:
+        raise ConfigError(
+            f"the validation split ({corpus.val.numel()} ids) holds {windows} windows of context_len={context_len}, "
+            f"fewer than batch_size={batch_size}; use a smaller batch or a longer text."
+        )
+    n = batches * batch_size * context_len
+    x = corpus.val[:n].view(batches, batch_size, context_len)  # (batches, B, T)
+    y = corpus.val[1 : n + 1].view(batches, batch_size, context_len)  # (batches, B, T)
+    return [(x[i], y[i]) for i in range(batches)]

@@ -1,0 +1,126 @@
+"""The benchmark suite's worker profiles: speeds, links, noise and data per worker.
+
+Each ``Profile`` says what the virtual clock charges in one setting (sim_costs.py has
+the formulas): seconds per inner step per worker (with changes over time, and a worker
+that leaves and rejoins), one link per worker, per-step time noise, whether each worker
+draws its batches from its own slice of the corpus, and the model size the links are
+charged for.
+
+    uneven      Liu et al.'s notebook speeds, datacenter links, mild noise
+    jittery     the same mean speeds, heavy-tailed per-step noise and transient stalls
+    slow_link   DiLoCo's setting: 1 Gbit/s, 50–100 ms to the server, a 150 M-parameter model
+    non_iid     uneven speeds, each worker its own contiguous slice of the training text
+    homogeneous, straggler, changing, leave_rejoin: the full suite's earlier profiles
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from asyncdiloco.bench.sim_costs import GBIT_S, NO_NOISE, Link, Noise
+
+#: A datacenter link: 0.5 ms one way, 10 Gbit/s.
+DATACENTER = Link(latency_s=0.5e-3, bandwidth_Bps=10 * GBIT_S)
+#: Mild noise: ±10 % log-normal jitter per step, 5 % slow drift, no stalls.
+MILD = Noise(sigma=0.1, drift_sigma=0.05)
+#: Liu et al. 2024's notebook speeds, seconds per inner step.
+UNEVEN_SPEEDS = (0.58, 0.75, 1.51, 3.33)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """One benchmark setting (virtual seconds; see the module docstring).
+
+    Attributes:
+        speeds_s_per_step: mean seconds per inner step of each worker; the worker count.
+        speed_changes: (virtual time s, worker, new seconds per step), in any order.
+        leave_rejoin: (worker, leave at s, rejoin at s), or None.
+        links: one ``Link`` per worker (() = free communication).
+        noise: per-step time noise of every worker.
+        non_iid: worker i draws its batches from slice i of the training split.
+        wire_params: parameters whose bytes the links are charged for (None: the
+            trained model's ~60 k).
+        doc: one line for reports.
+    """
+
+    speeds_s_per_step: tuple[float, ...]
+    speed_changes: tuple[tuple[float, int, float], ...] = ()
+    leave_rejoin: tuple[int, float, float] | None = None
+    links: tuple[Link, ...] = ()
+    noise: Noise = NO_NOISE
+    non_iid: bool = False
+    wire_params: int | None = None
+    doc: str = ""
+
+    def describe(self) -> str:
+        """One line: speeds, events, links, noise, data."""
+        parts = [f"seconds/step {list(self.speeds_s_per_step)}"]
+        if self.speed_changes:
+            parts.append(f"speed changes {list(self.speed_changes)}")
+        if self.leave_rejoin is not None:
+            w, leave, back = self.leave_rejoin
+            parts.append(f"worker {w} away {leave:g}–{back:g} s")
+        if self.links:
+            lat = sorted({round(link.latency_s * 1e3, 3) for link in self.links})
+            bw = sorted({link.bandwidth_Bps / GBIT_S for link in self.links})
+            parts.append(f"links {'/'.join(f'{x:g}' for x in lat)} ms, {'/'.join(f'{x:g}' for x in bw)} Gbit/s")
+        if self.wire_params is not None:
+            parts.append(f"charged as {self.wire_params / 1e6:g} M parameters")
+        n = self.noise
+        if not n.quiet:
+            noise = f"noise σ {n.sigma:g}, drift {n.drift_sigma:g}"
+            if n.stall_prob:
+                noise += f", stalls p {n.stall_prob:g}/step of {n.stall_s:g} s mean"
+            parts.append(noise)
+        if self.non_iid:
+            parts.append("non-IID data (one slice of the text per worker)")
+        return ", ".join(parts)
+
+
+def _dc(n: int) -> tuple[Link, ...]:
+    return (DATACENTER,) * n
+
+
+PROFILES: dict[str, Profile] = {
+    "homogeneous": Profile(speeds_s_per_step=(1.0, 1.0, 1.0, 1.0), links=_dc(4), noise=MILD, doc="four equal workers"),
+    "uneven": Profile(
+        speeds_s_per_step=UNEVEN_SPEEDS, links=_dc(4), noise=MILD, doc="Liu et al.'s notebook speeds, datacenter links"
+    ),
+    "jittery": Profile(
+        speeds_s_per_step=UNEVEN_SPEEDS,
+        links=_dc(4),
+        noise=Noise(sigma=0.5, stall_prob=0.005, stall_s=20.0, drift_sigma=0.1),
+        doc="uneven mean speeds, heavy-tailed per-step noise and transient stalls of 20 s mean",
+    ),
+    "slow_link": Profile(
+        speeds_s_per_step=UNEVEN_SPEEDS,
+        links=tuple(Link(latency_s=ms / 1e3, bandwidth_Bps=GBIT_S) for ms in (50.0, 65.0, 80.0, 100.0)),
+        noise=MILD,
+        wire_params=150_000_000,  # a 600 MB fp32 push: 4.8 s at 1 Gbit/s, vs the fastest round 20 × 0.58 s
+        doc="DiLoCo's setting: 1 Gbit/s and 50–100 ms to the server, links charged for a 150 M-parameter model",
+    ),
+    "non_iid": Profile(
+        speeds_s_per_step=UNEVEN_SPEEDS,
+        links=_dc(4),
+        noise=MILD,
+        non_iid=True,
+        doc="uneven speeds, each worker draws its batches from its own quarter of the training text",
+    ),
+    "straggler": Profile(
+        speeds_s_per_step=(1.0, 1.0, 1.0, 10.0), links=_dc(4), noise=MILD, doc="one worker 10x slower"
+    ),
+    "changing": Profile(
+        speeds_s_per_step=UNEVEN_SPEEDS,
+        speed_changes=((100.0, 0, 3.33), (100.0, 3, 0.58)),
+        links=_dc(4),
+        noise=MILD,
+        doc="the fastest and the slowest worker swap speeds at 100 s",
+    ),
+    "leave_rejoin": Profile(
+        speeds_s_per_step=(1.0, 1.0, 1.0, 1.0),
+        leave_rejoin=(3, 60.0, 200.0),
+        links=_dc(4),
+        noise=MILD,
+        doc="worker 3 leaves at 60 s and rejoins at 200 s",
+    ),
+}

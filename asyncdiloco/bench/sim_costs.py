@@ -1,0 +1,220 @@
+"""What the virtual-clock simulator charges: links, payload bytes, step-time noise, and
+the workers' own rate estimates.
+
+- ``Link``: one worker's connection, one-way latency and bandwidth. A push or a pull of
+  B bytes costs ``latency_s + B / bandwidth_Bps`` (``Link.transfer_s``).
+- ``sync_round_comm_s``: synchronous DiLoCo's communication per round: a quorum round
+  trip to the server, then a ring allreduce over the members' links.
+- ``wire_bytes``: the bytes of one push or pull of P fp32 parameters under a wire codec
+  (``wire/codec.py``'s own arithmetic).
+- ``Noise`` and ``StepTimer``: each worker's inner-step durations, drawn from a per-worker
+  RNG seeded by (seed, worker): heavy-tailed multiplicative noise, transient stalls and
+  slow drift around the profile's seconds per step.
+- ``RateProbe``: the rate a worker reports before its first push, timed exactly as the
+  real worker times it (``worker/base.py`` ``_report_rate``). The simulator builds one
+  per registration through ``RATE_PROBE`` (swap that name to change the estimator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.wire.codec import make_codec
+from asyncdiloco.wire.tensors import Manifest, TensorSpec
+
+#: 1 Gbit/s in bytes per second.
+GBIT_S = 1e9 / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A worker's link to the server (and to its ring neighbours in sync mode).
+
+    Attributes:
+        latency_s: one-way latency, seconds (≥ 0).
+        bandwidth_Bps: bytes per second (> 0; ``math.inf``: transfers cost latency only).
+    """
+
+    latency_s: float = 0.0
+    bandwidth_Bps: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ConfigError(f"latency_s={self.latency_s} is invalid: give one-way seconds >= 0")
+        if not self.bandwidth_Bps > 0:
+            raise ConfigError(f"bandwidth_Bps={self.bandwidth_Bps} is invalid: give bytes per second > 0")
+
+    def transfer_s(self, n_bytes: float) -> float:
+        """Seconds to move ``n_bytes`` one way: latency_s + n_bytes / bandwidth_Bps."""
+        return self.latency_s + n_bytes / self.bandwidth_Bps
+
+
+#: A link that costs nothing (the simulator's default: no communication charged).
+FREE_LINK = Link()
+
+
+def ring_allreduce_s(links: Sequence[Link], n_bytes: float) -> float:
+    """Seconds of a ring allreduce of ``n_bytes`` over members with ``links``.
+
+    A ring over N members runs 2(N − 1) steps (N − 1 of reduce-scatter, N − 1 of
+    all-gather), each moving B/N bytes from every member to its neighbour at once, so
+    each step is paced by the slowest link in the ring:
+    ``2(N − 1) · (max latency + (B / N) / min bandwidth)``; 0 for N ≤ 1.
+    """
+    n = len(links)
+    if n <= 1:
+        return 0.0
+    latency = max(link.latency_s for link in links)
+    bandwidth = min(link.bandwidth_Bps for link in links)
+    return 2 * (n - 1) * (latency + (n_bytes / n) / bandwidth)
+
+
+def ring_allreduce_bytes(members: int, n_bytes: float) -> float:
+    """Bytes each member sends (and receives) in a ring allreduce: 2(N − 1) · B/N."""
+    return 2 * (members - 1) * n_bytes / members if members > 1 else 0.0
+
+
+def sync_round_comm_s(links: Sequence[Link], n_bytes: float) -> float:
+    """Seconds of one synchronous round's communication after the slowest member's last
+    inner step: the quorum round trip to the server (2 × the largest member latency: the
+    round starts when the last member's request is answered), then the ring allreduce
+    of the pseudo-gradients (``ring_allreduce_s``). Sync mode's pseudo-gradients travel
+    raw (fp32)."""
+    if not links:
+        return 0.0
+    return 2 * max(link.latency_s for link in links) + ring_allreduce_s(links, n_bytes)
+
+
+def wire_bytes(codec: str, numel: int) -> int:
+    """Bytes of one push (or pull) of ``numel`` fp32 elements under wire codec ``codec``
+    ("raw": 4·N; "bf16": 2·N; "int8": 4·⌈N/4096⌉ + N), from ``wire/codec.py`` itself."""
+    manifest = Manifest((TensorSpec("flat", (numel,), torch.float32),))
+    return make_codec(codec, manifest).wire_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Noise:
+    """Per-step time noise of a worker (all multiplicative factors have mean 1).
+
+    A step that starts at a base of s seconds (the profile's, after speed changes) takes
+    ``s · drift · jitter (+ a stall)`` seconds:
+
+    - jitter: log-normal, exp(σZ − σ²/2) with Z ~ N(0, 1) (heavy right tail; mean 1);
+    - drift: exp(x) with x a slow Ornstein–Uhlenbeck walk per step,
+      x ← (1 − 1/drift_steps)·x + drift_sigma·√(2/drift_steps)·Z (stationary std
+      ``drift_sigma``, correlated over about ``drift_steps`` steps);
+    - stall: with probability ``stall_prob`` per step, an extra pause drawn exponential
+      with mean ``stall_s`` seconds (a preempted host, a stuck data loader, GC).
+
+    Attributes:
+        sigma: σ of the log-normal jitter (0: none).
+        stall_prob: probability of a stall per step, in [0, 1).
+        stall_s: mean stall, seconds.
+        drift_sigma: stationary std of log-speed drift (0: none).
+        drift_steps: correlation length of the drift, steps.
+    """
+
+    sigma: float = 0.0
+    stall_prob: float = 0.0
+    stall_s: float = 0.0
+    drift_sigma: float = 0.0
+    drift_steps: float = 500.0
+
+    def __post_init__(self) -> None:
+        if self.sigma < 0 or self.drift_sigma < 0 or self.stall_s < 0:
+            raise ConfigError(f"noise {self} is invalid: sigma, drift_sigma and stall_s must be >= 0")
+        if not 0 <= self.stall_prob < 1:
+            raise ConfigError(f"stall_prob={self.stall_prob} is invalid: give a probability in [0, 1)")
+        if not self.drift_steps >= 1:
+            raise ConfigError(f"drift_steps={self.drift_steps} is invalid: give >= 1 step")
+
+    @property
+    def quiet(self) -> bool:
+        return self.sigma == 0 and self.drift_sigma == 0 and (self.stall_prob == 0 or self.stall_s == 0)
+
+
+NO_NOISE = Noise()
+
+
+class StepTimer:
+    """One worker's inner-step durations, deterministic per (seed, worker).
+
+    Args:
+        noise: the noise spec.
+        seed, worker: seed the worker's own RNG (draws do not depend on other workers).
+        base_s: ``t -> seconds per step`` of this worker at virtual time t (speed changes).
+    """
+
+    def __init__(self, noise: Noise, seed: int, worker: int, base_s: Callable[[float], float]) -> None:
+        self.noise = noise
+        self.base_s = base_s
+        self._rng = random.Random(f"asyncdiloco-sim-steps:{seed}:{worker}")
+        self._drift = 0.0
+
+    def step_s(self, t: float) -> float:
+        """Duration of one inner step that starts at virtual time ``t``, seconds."""
+        s = self.base_s(t)
+        n = self.noise
+        if n.quiet:
+            return s
+        rng = self._rng
+        if n.drift_sigma > 0:
+            k = 1.0 / n.drift_steps
+            self._drift = (1 - k) * self._drift + n.drift_sigma * math.sqrt(2 * k) * rng.gauss(0.0, 1.0)
+            s *= math.exp(self._drift)
+        if n.sigma > 0:
+            s *= math.exp(n.sigma * rng.gauss(0.0, 1.0) - n.sigma**2 / 2)
+        if n.stall_prob > 0 and rng.random() < n.stall_prob:
+            s += rng.expovariate(1.0 / n.stall_s) if n.stall_s > 0 else 0.0
+        return s
+
+    def steps_s(self, t: float, count: int) -> list[float]:
+        """Durations of ``count`` consecutive steps, the first starting at ``t``."""
+        out = []
+        for _ in range(count):
+            d = self.step_s(t)
+            out.append(d)
+            t += d
+        return out
+
+
+class RateProbe:
+    """The rate a worker reports before its first push, as the real worker measures it
+    (``worker/base.py`` ``_report_rate``): its first inner step is untimed (one-off
+    costs); from that step's end it times its steps and reports steps / seconds every
+    ``probe_steps`` steps, until its first push.
+
+    Feed ``after_step(now)`` the end time of every inner step of the round; it returns the
+    rate to report (inner steps per second) or None.
+    """
+
+    #: worker/base.py ``RATE_PROBE_STEPS``.
+    probe_steps = 2
+
+    def __init__(self) -> None:
+        self._t0: float | None = None
+        self._steps = 0
+
+    def after_step(self, now: float) -> float | None:
+        if self._t0 is None:
+            self._t0, self._steps = now, 0
+            return None
+        self._steps += 1
+        if self._steps % self.probe_steps or now <= self._t0:
+            return None
+        return self._steps / (now - self._t0)
+
+    @property
+    def steps_to_first_report(self) -> int:
+        """Inner steps from the round's start to the first report."""
+        return 1 + self.probe_steps
+
+
+#: The estimator a simulated worker uses for its first reports (swap to change it).
+RATE_PROBE: Callable[[], RateProbe] = RateProbe

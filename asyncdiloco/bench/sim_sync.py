@@ -1,0 +1,150 @@
+"""The simulator's synchronous loop: DiLoCo / LocalSGD rounds on a virtual clock.
+
+Every round, the members present at its start each run their local steps from the
+global model θ (durations from their ``StepTimer``), then meet at a quorum and a ring
+allreduce of their pseudo-gradients; the mean Δ takes one outer step with the server's
+own ``OuterOptimizer``. A round lasts
+
+    max_w (Σ of member w's step durations) + sync_round_comm_s(members' links, B)
+
+with B the raw fp32 bytes of ``wire_params`` parameters (sim_costs.py: quorum round
+trip 2 × max latency, ring 2(N − 1)·(max latency + (B/N)/min bandwidth)).
+
+Local steps per member:
+
+- ``sync_diloco``, ``sync_localsgd``: H each.
+- ``sync_diloco_adaptive``: H_w = DyLU's rule (``dylu_local_steps``) over the members'
+  *estimated* rates, H for the fastest, so the members finish at about the same time.
+  A member's rate is estimated as the async server does it (``StepRateMeter``): a
+  member without one times its first steps in its first round (``RATE_PROBE``: first
+  step untimed, then 2 timed) and runs at least those 3; after every round its steps
+  over their summed durations are folded in (moving average, weight 0.5).
+
+Budget: the round that would exceed ``total_steps`` is cut to what remains (plain: split
+evenly, the first members one step more; adaptive: in proportion to H_w).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.schedule import StepRateMeter, dylu_local_steps
+from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, _eval_point, _present, step_timers, wire_numel
+from asyncdiloco.bench.sim_costs import RATE_PROBE, ring_allreduce_bytes, sync_round_comm_s, wire_bytes
+
+
+def _probe(timer, t: float) -> tuple[list[float], float]:
+    """A member's first steps of its first round, timed as the real worker times them:
+    (their durations, the rate it reports)."""
+    probe, durations, rate = RATE_PROBE(), [], None
+    while rate is None:
+        d = timer.step_s(t)
+        durations.append(d)
+        t += d
+        rate = probe.after_step(t)
+    return durations, rate
+
+
+def _cut(h: dict[int, int], remaining: int, proportional: bool) -> dict[int, int]:
+    """Steps per member when the round would exceed the ``remaining`` budget."""
+    total = sum(h.values())
+    if total <= remaining:
+        return h
+    members = sorted(h)
+    if proportional:
+        out = {w: remaining * h[w] // total for w in members}
+    else:
+        out = {w: remaining // len(members) for w in members}
+    for w in members[: remaining - sum(out.values())]:
+        out[w] += 1
+    return out
+
+
+def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
+    """Synchronous rounds (module docstring) until ``total_steps`` inner steps are done."""
+    adaptive = METHODS[cfg.method].adaptive
+    theta = replicas[0].flat().clone()
+    outer = make_outer_optimizer(theta, cfg.outer())
+    timers = step_timers(cfg)
+    meter = StepRateMeter()
+    tps = cfg.job.tokens_per_step
+    curve = [_eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
+    t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
+    n_bytes = wire_bytes("raw", wire_numel(cfg, theta.numel()))  # sync rounds travel raw
+    bytes_up = bytes_down = 0.0
+    comm_s = 0.0
+    groups: list[int] = []
+    log: list[list[int]] = []
+    while steps < cfg.total_steps:
+        members = [r for r in replicas if _present(cfg, r.index, t)]
+        if not members:  # everyone away: the round starts when the worker is back
+            assert cfg.leave_rejoin is not None  # only a leave empties a round
+            t = cfg.leave_rejoin[2]
+            continue
+        probed: dict[int, list[float]] = {}
+        if adaptive:
+            for r in members:
+                if r.index not in meter.rates:  # no rate yet: it times its first steps
+                    probed[r.index], rate = _probe(timers[r.index], t)
+                    meter.report(r.index, rate)
+            rates = {r.index: meter.rates[r.index] for r in members}
+            h = dylu_local_steps(rates, cfg.local_steps)
+            h = {w: max(n, len(probed.get(w, ()))) for w, n in h.items()}
+        else:
+            h = {r.index: cfg.local_steps for r in members}
+        h = _cut(h, cfg.total_steps - steps, proportional=adaptive)
+        deltas = torch.zeros_like(theta)
+        compute_end = t
+        ran = 0
+        for r in members:
+            n = h[r.index]
+            if n == 0:
+                continue
+            durations = probed.get(r.index, [])[:n]
+            now = t + sum(durations)
+            durations += timers[r.index].steps_s(now, n - len(durations))
+            r.load(theta)
+            r.train(n)
+            compute = sum(durations)
+            r.busy_s += compute
+            compute_end = max(compute_end, t + compute)
+            deltas.add_(r.base - r.flat())
+            meter.record(r.index, n, t + compute, compute)
+            ran += 1
+        outer.step(deltas.div_(ran), version=rounds)  # mean pseudo-gradient, the server's outer code
+        links = [cfg.link(r.index) for r in members if h[r.index] > 0]
+        comm = sync_round_comm_s(links, n_bytes)
+        t = compute_end + comm
+        comm_s += comm * ran
+        steps += sum(h.values())
+        rounds += 1
+        pushes += ran
+        groups += [0] * (ran - len(groups))
+        groups[ran - 1] += 1
+        per_member = ring_allreduce_bytes(ran, n_bytes)
+        bytes_up += per_member * ran
+        bytes_down += per_member * ran
+        log.append([h.get(i, 0) for i in range(len(replicas))])
+        progress(steps)
+        if steps >= next_eval or steps >= cfg.total_steps:
+            curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
+            next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
+    return SimResult(
+        cfg,
+        curve,
+        curve[-1]["eval_loss"],
+        t,
+        [r.busy_s for r in replicas],
+        rounds,
+        [pushes],
+        round(bytes_up),
+        round(bytes_down),
+        steps,
+        groups,
+        true_staleness_histogram=[pushes],
+        outer_steps=rounds,
+        comm_s=comm_s,
+        local_steps_log=log,
+        estimated_rates=[meter.rates.get(i) for i in range(len(replicas))] if adaptive else [],
+    )
