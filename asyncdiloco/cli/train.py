@@ -55,8 +55,9 @@ def run_worker(
         worker_config: server address and client settings.
         job: model, data and inner optimizer settings.
         worker_index: selects this worker's batch order.
-        slowdown: F ≥ 1; after each inner step the worker sleeps (F − 1) × the step's
-            compute time, so it runs F times slower (emulates a weaker machine).
+        slowdown: F ≥ 1; inside each inner step (before the optimizer step) the worker
+            sleeps (F − 1) × a step's compute time, so its steps take F times longer
+            (emulates a weaker machine; ``_Pace``).
         slowdown_changes: ((t_s, F), ...): from t_s seconds after the worker began
             training (joined and holds the global model) it runs F times slower instead;
             times strictly increasing, each F ≥ 1 (``slowdown_at``).
@@ -241,20 +242,35 @@ def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | N
 
 
 class _Pace:
-    """The emulated slowdown: after an inner step that computed for c seconds, sleep
-    (F − 1)·c, F the factor in force at that time of training (``slowdown_at``)."""
+    """The emulated slowdown, inside the inner step as a slower machine's compute would
+    be: between the backward pass and the optimizer step it sleeps (F − 1)·c, F the factor
+    in force at that time of training (``slowdown_at``) and c the previous step's compute
+    at full speed (forward, backward and optimizer step; for the first step, its own
+    forward and backward). The step then takes about F·c, and the worker's rate
+    (algo/rates.py), timed over the step, sees it; a sleep after the step would count as
+    the loop's own work between steps, which the rate leaves out."""
 
     def __init__(self, slowdown: float, changes: SlowdownChanges) -> None:
         self.slowdown, self.changes, self.factor = slowdown, changes, slowdown
+        self.full_speed_s: float | None = None  # c of the previous step
+        self.slept_s = 0.0  # in the current step
 
-    def after_step(self, step: int, train_s: float, compute_s: float) -> None:
+    def in_step(self, step: int, train_s: float, so_far_s: float) -> None:
+        """Before the optimizer step: ``so_far_s`` seconds of this step's compute so far."""
         if self.changes:
             factor = slowdown_at(train_s, self.slowdown, self.changes)
             if factor != self.factor:
                 log.info("step %d, %.1f s: slowdown %g -> %g", step, train_s, self.factor, factor)
                 self.factor = factor
-        if self.factor > 1.0:
-            time.sleep((self.factor - 1.0) * max(compute_s, 0.0))
+        c = self.full_speed_s if self.full_speed_s is not None else so_far_s
+        self.slept_s = (self.factor - 1.0) * max(c, 0.0) if self.factor > 1.0 else 0.0
+        if self.slept_s > 0:
+            time.sleep(self.slept_s)
+
+    def after_step(self, compute_s: float) -> None:
+        """The step took ``compute_s`` seconds of compute, the sleep included."""
+        self.full_speed_s = max(compute_s - self.slept_s, 0.0)
+        self.slept_s = 0.0
 
 
 class _Loop:
@@ -265,6 +281,7 @@ class _Loop:
         self.worker, self.model, self.inner, self.inner_lr = worker, model, inner, inner_lr
         self.batches, self.pace, self.tlog, self.device = batches, pace, tlog, torch.device(device)
         self.step = 0
+        self._started = self._t0 = time.monotonic()  # run()'s start, the current step's start
         self._in_step = False  # inside inner.step(), where the worker syncs (and saves)
         #: The data position before the current step drew its batch, until the step is done:
         #: a step cut short before ``inner.step()`` (a rank of the group died in DDP's
@@ -321,9 +338,10 @@ class _Loop:
             if self.worker.should_stop:
                 break
             t0, blocked0 = time.monotonic(), self.worker.stats.blocked_s
+            self._started, self._t0 = started, t0
             loss = self.inner_step()
             compute_s = time.monotonic() - t0 - (self.worker.stats.blocked_s - blocked0)  # the sync is not slowed
-            self.pace.after_step(self.step, time.monotonic() - started, compute_s)
+            self.pace.after_step(compute_s)
             self.tlog.after_step(self.step, loss)
             if on_step is not None:
                 on_step(self.step, loss.item())
@@ -334,6 +352,8 @@ class _Loop:
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T) int64 each
         loss = lm_loss(self.model(x), y)
         loss.backward()
+        now = time.monotonic()
+        self.pace.in_step(self.step, now - self._started, now - self._t0)
         self._in_step = True
         try:
             self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)

@@ -1,0 +1,117 @@
+"""A worker's inner-step rate v_w, measured over the time spent in its inner steps.
+
+DyLU (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv
+2401.09135, Eq. 6) gives worker w H_w = ⌊v_w / max v · H⌋ local steps per round, so the
+rates must be those of the workers' compute: a rate that also counts the time a reply was
+held, a transfer, a save, an evaluation or the user's own work between steps makes a
+worker look slower than it computes, and it is given too few steps (or, when the fastest
+worker's rate is lowered, everybody else too many).
+
+``InnerStepRate`` is the estimator the worker runs (worker/base.py feeds it from hooks on
+the model and the inner optimizer) and the virtual-clock simulator runs on its simulated
+step times (``record``), so both clocks estimate rates the same way:
+
+- A step is timed from its start (``begin``: the first forward pass with gradients
+  enabled since the previous step ended) to its end (``end``: the inner optimizer's step
+  returned, before any sync the library runs there). Without a ``begin`` (a loop whose
+  forward does not go through the hooked module) the step is timed from ``resume``, the
+  moment the library handed control back after the previous step, so the sync is still
+  left out but the loop's own work between steps is not.
+- Warm-up: the first ``skip`` steps are not timed (they carry one-off costs: allocation,
+  kernel selection, compilation), and the estimate is the median over the last
+  ``window`` timed steps, so a few slow steps at the start (or a stall later) do not move
+  it while fewer than half the window are slow.
+- A speed change is followed once more than half the window holds steps at the new
+  speed: after ``window // 2 + 1`` steps (9 with the default 16), with the next report.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+#: Timed steps the median is taken over.
+RATE_WINDOW = 16
+#: Steps of a new estimator that are not timed (warm-up).
+RATE_SKIP_STEPS = 1
+
+
+class InnerStepRate:
+    """Inner steps per second of compute, from per-step durations (see the module docstring).
+
+    Args:
+        clock: monotonic seconds (``time.monotonic``; a test or the simulator passes its own).
+        window: timed steps the median is taken over (≥ 1).
+        skip: first steps not timed (≥ 0).
+    Raises:
+        ValueError: ``window`` < 1 or ``skip`` < 0.
+
+    Not thread-safe: the training thread calls it (the heartbeat thread does not).
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, window: int = RATE_WINDOW, skip: int = RATE_SKIP_STEPS
+    ) -> None:
+        if window < 1 or skip < 0:
+            raise ValueError(f"window={window} and skip={skip} are invalid: window >= 1 step, skip >= 0 steps")
+        self._clock = clock
+        self._skip = skip
+        self._durations: collections.deque[float] = collections.deque(maxlen=window)
+        self._begun: float | None = None  # the current step's start (a forward pass)
+        self._resumed: float | None = None  # when the library handed back control after the previous step
+        #: Steps ended (timed or not), timed steps, and seconds of compute of the timed ones.
+        self.steps = 0
+        self.timed_steps = 0
+        self.compute_s = 0.0
+
+    def begin(self) -> None:
+        """A step's compute starts now (the first call since the previous ``end`` counts;
+        later ones, e.g. the forward passes of gradient accumulation, are part of it)."""
+        if self._begun is None:
+            self._begun = self._clock()
+
+    def end(self) -> float | None:
+        """The step's compute ended now (its optimizer step returned).
+
+        Returns:
+            The step's duration in seconds, or None when it was not timed (a warm-up
+            step, or no start known: neither ``begin`` nor ``resume`` since the last end).
+        """
+        now = self._clock()
+        start = self._begun if self._begun is not None else self._resumed
+        self._begun = self._resumed = None
+        self.steps += 1
+        if start is None or self.steps <= self._skip or not now >= start:
+            return None
+        self.record(now - start)
+        return now - start
+
+    def resume(self) -> None:
+        """The library's work after a step (a sync, a rate report) is over: a step that
+        has no ``begin`` is timed from here."""
+        self._resumed = self._clock()
+        self._begun = None
+
+    def record(self, duration_s: float) -> None:
+        """One timed step of ``duration_s`` seconds of compute (ignored unless finite and ≥ 0)."""
+        if math.isfinite(duration_s) and duration_s >= 0:
+            self._durations.append(duration_s)
+            self.timed_steps += 1
+            self.compute_s += duration_s
+
+    @property
+    def steps_per_s(self) -> float:
+        """v_w = 1 / the median duration of the last ``window`` timed steps, inner steps
+        per second; 0.0 while no step was timed (or the median is 0)."""
+        if not self._durations:
+            return 0.0
+        median = statistics.median(self._durations)
+        return 1.0 / median if median > 0 else 0.0
+
+    def seconds_for(self, steps: int) -> float:
+        """The compute seconds ``steps`` inner steps take at ``steps_per_s`` (0.0 while unknown)."""
+        rate = self.steps_per_s
+        return steps / rate if rate > 0 else 0.0
