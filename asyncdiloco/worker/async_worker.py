@@ -163,11 +163,12 @@ class WorkerStats:
     held_s: float = 0.0
     #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
     wall_s: float = 0.0
-    #: Seconds in the timed inner steps (algo/rates.py: first forward pass to the end of
-    #: the optimizer step), and at close v_w, the rate this worker last reported (inner
-    #: steps per second of compute; 0: none timed), and H_w, the steps per round the
-    #: server last told it before it closed.
+    #: Seconds in the inner steps that were timed, and how many (algo/rates.py: first
+    #: forward pass to the end of the optimizer step; the first step is not timed); at
+    #: close, v_w, the rate this worker reported last (inner steps per second of compute;
+    #: 0: none timed), and H_w, the steps per round the server told it last.
     compute_s: float = 0.0
+    timed_steps: int = 0
     steps_per_s: float = 0.0
     local_steps_per_round: int = 0
     #: What became of the push ``close`` sent: "applied", "refused", "dropped" (Δ was not
@@ -392,7 +393,11 @@ class AsyncDiLoCoWorker(WorkerBase):
         the last sync (if ``push_on_close``: an unacknowledged push first, then the
         residual), leave, release."""
         rate = self.step_rate
-        self.stats.compute_s, self.stats.steps_per_s = rate.compute_s, rate.steps_per_s
+        self.stats.compute_s, self.stats.timed_steps, self.stats.steps_per_s = (
+            rate.compute_s,
+            rate.timed_steps,
+            rate.steps_per_s,
+        )
         self.stats.local_steps_per_round = self.local_steps
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
