@@ -75,7 +75,7 @@ class StepRateMeter:
     heartbeat before its first push or a Join) or a push of ``num_local_steps`` steps
     that took ``compute_s`` seconds of its compute (``record``; the library's worker sends
     num_local_steps / its estimate, algo/rates.py ``InnerStepRate``). The worker's own
-    estimate is already a median over its recent steps, so such a sample replaces the
+    estimate is already an average over its recent steps, so such a sample replaces the
     previous rate (no second smoothing, no lag added). A push without ``compute_s``
     falls back to the time since the worker's previous push on the server's clock
     (which includes communication and waiting, so it is used only when nothing better

@@ -644,14 +644,14 @@ class WorkerBase(GroupMember):
             self._sync_point()
 
     #: Before the first push, the rate is reported every this many timed inner steps (the
-    #: first step is not timed: it carries one-off costs; the median of 3 leaves out one
-    #: more slow one, so the first report is not a warm-up's).
+    #: first step is not timed: it carries one-off costs; of 3 the longest is left out,
+    #: so the first report is not a warm-up's).
     RATE_PROBE_STEPS = 3
 
     def _round_compute_s(self, steps: int) -> float:
         """A push's ``compute_s`` for ``steps`` inner steps: the seconds they take at v_w
         (``step_rate``), so the rate the server derives, steps / compute_s, is this
-        worker's estimate (median step, warm-up left out); 0.0 while no step was timed
+        worker's estimate (mean step without the longest, warm-up left out); 0.0 while no step was timed
         (the server then falls back to the interval between pushes)."""
         return self.step_rate.seconds_for(steps)
 
