@@ -2,10 +2,13 @@
 
 Each run is ``asyncdiloco demo`` (demo.py) on 127.0.0.1 with the method's server flags,
 the profile's speeds as per-step slowdowns (``--slowdown``, relative to the fastest
-worker) and a token budget: the workers are stopped once the server has applied the
-budget, so every method trains on the same number of tokens and the protocol, queuing
-and staleness are real. Records have the fields of the virtual-clock suite (suite.py),
-so ``report.md`` and the plots are made by the same code.
+worker) of steps padded to ``REAL_STEP_S`` at full speed (``--step-s``) and a token
+budget: the workers are stopped once the server has applied the budget, so every method
+trains on the same number of tokens and the protocol, queuing and staleness are real.
+Records have the fields of the virtual-clock suite (suite.py), so ``report.md`` and the
+plots are made by the same code; each async record also has ``rates`` (``rate_figures``:
+per worker its measured compute rate, the rate DyLU used, H_w and the ratio errors), and
+report.md a table of them (``rate_section``).
 
 Every profile of ``suite.PROFILES`` runs, including the two with events in time
 (``real_schedule``): a speed change becomes the worker's ``--slowdown-changes``, a leave
@@ -53,9 +56,10 @@ from asyncdiloco.ps.config import ServerConfig, SyncConfig
 #: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
 #: of a server and four worker processes.
 REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
-#: Real-clock suites: ``quick`` runs the one profile the claims are about, so it fits in
-#: about 10 minutes; ``full`` runs all five (homogeneous, uneven, straggler, changing,
-#: leave_rejoin). The budget is the virtual suite's.
+#: Real-clock suites: ``quick`` runs the one profile the claims are about (estimated 30
+#: minutes with ``REAL_STEP_S`` 0.05; 8 min 40 s before steps were padded); ``full`` runs
+#: all five (homogeneous, uneven, straggler, changing, leave_rejoin). The budget is the
+#: virtual suite's.
 REAL_SUITES = {
     "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
     "full": SuiteConfig(profiles=tuple(PROFILES), methods=("sync_localsgd", *REAL_METHODS)),
