@@ -84,6 +84,15 @@ def test_a_speed_change_is_followed_within_the_window():
     assert rate.seconds_for(5) == pytest.approx(2.0)
 
 
+def test_simulated_step_times_are_estimated_as_timed_ones():
+    rate = InnerStepRate(clock=lambda: 0.0)
+    assert rate.step_took(9.0) is None  # the first step: warm-up, not timed
+    for d in (0.2, 0.2, 0.2, None):  # None: a step whose time is unknown
+        rate.step_took(d)
+    assert rate.steps == 5 and rate.timed_steps == 3
+    assert rate.steps_per_s == pytest.approx(5.0) and rate.seconds_for(10) == pytest.approx(2.0)
+
+
 def test_the_estimator_refuses_a_bad_window():
     with pytest.raises(ValueError, match="window"):
         InnerStepRate(window=0)

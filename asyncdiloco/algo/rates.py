@@ -9,7 +9,7 @@ worker's rate is lowered, everybody else too many).
 
 ``InnerStepRate`` is the estimator the worker runs (worker/base.py feeds it from hooks on
 the model and the inner optimizer) and the virtual-clock simulator runs on its simulated
-step times (``record``), so both clocks estimate rates the same way:
+step times (``step_took``), so both clocks estimate rates the same way:
 
 - A step is timed from its start (``begin``: the first forward pass with gradients
   enabled since the previous step ended) to its end (``end``: the inner optimizer's step
@@ -85,11 +85,21 @@ class InnerStepRate:
         now = self._clock()
         start = self._begun if self._begun is not None else self._resumed
         self._begun = self._resumed = None
+        return self.step_took(None if start is None or not now >= start else now - start)
+
+    def step_took(self, duration_s: float | None) -> float | None:
+        """One inner step ended that computed for ``duration_s`` seconds (None: unknown).
+        ``end`` calls it with the step it timed; the virtual-clock simulator calls it with
+        each simulated step's time. The first ``skip`` steps are not timed.
+
+        Returns:
+            ``duration_s`` when it was recorded, else None.
+        """
         self.steps += 1
-        if start is None or self.steps <= self._skip or not now >= start:
+        if duration_s is None or self.steps <= self._skip:
             return None
-        self.record(now - start)
-        return now - start
+        self.record(duration_s)
+        return duration_s
 
     def resume(self) -> None:
         """The library's work after a step (a sync, a rate report) is over: a step that
