@@ -205,7 +205,7 @@ class WorkerBase(GroupMember):
         self._step_hook: RemovableHandle | None = None
         #: Marks the start of an inner step's compute (rank 0 or alone: followers report nothing).
         self._forward_hook: RemovableHandle | None = (
-            None if self.follower else core.register_forward_pre_hook(lambda *_: self._step_begins())
+            None if self.follower else core.register_forward_pre_hook(self._step_begins)
         )
         #: Joins before the first inner step when nobody called ``join`` (no ``with``).
         self._join_hook: RemovableHandle | None = inner_optimizer.register_step_pre_hook(
@@ -605,7 +605,8 @@ class WorkerBase(GroupMember):
         self._tokens_since_sync += num_tokens
         self.stats.tokens += num_tokens
 
-    def _step_begins(self) -> None:
+    @torch.compiler.disable  # a compiled model runs it as it is (no graph break warning)
+    def _step_begins(self, *_: object) -> None:
         """Forward pre-hook on the model: a forward pass with gradients enabled starts an
         inner step's compute (a ``torch.no_grad()`` evaluation does not)."""
         if torch.is_grad_enabled():
