@@ -8,7 +8,9 @@ own batches, and times ``--steps`` inner steps of two kinds in alternating block
 consecutive steps (so a busy machine slows both alike): plain DDP steps, and DDP steps
 followed by the group's exchange (``LocalGroup.exchange``: the all_reduce of 3 int64
 every grouped worker does after each inner step). Prints one JSON line from rank 0: the
-median per-step time of each kind's blocks, their ratio, and the exchange alone.
+median per-step time of each kind's blocks, their ratio, the exchange alone, and a due
+step's outcome (``share_outcome`` with the model unchanged) without and with rank 0's
+keep-alive thread around the (here empty) sync (``LocalGroup.leading``).
 Measures, asserts nothing.
 """
 
@@ -68,6 +70,7 @@ def _rank(rank: int, world: int, init_file: str, steps: int, default_job: bool) 
     if rank == 0:
         ddp, grouped = statistics.median(times["ddp"]), statistics.median(times["ddp+exchange"])
         exchange = _exchange_alone(group)
+        outcome, kept_alive = _outcome_alone(group, leading=False), _outcome_alone(group, leading=True)
         print(
             json.dumps(
                 {
@@ -81,12 +84,16 @@ def _rank(rank: int, world: int, init_file: str, steps: int, default_job: bool) 
                     "ddp_plus_exchange_step_ms": round(1e3 * grouped, 3),
                     "ratio": round(grouped / ddp, 4),
                     "exchange_alone_ms": round(1e3 * exchange, 4),
+                    "due_outcome_ms": round(1e3 * outcome, 4),
+                    "due_outcome_with_keep_alive_ms": round(1e3 * kept_alive, 4),
                 }
             ),
             flush=True,
         )
     else:
         _exchange_alone(group)
+        _outcome_alone(group, leading=False)
+        _outcome_alone(group, leading=True)
     dist.destroy_process_group()
 
 
@@ -97,6 +104,22 @@ def _exchange_alone(group: LocalGroup, n: int = 200) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         group.exchange(tokens=1, stop=False, due=False)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _outcome_alone(group: LocalGroup, leading: bool, n: int = 200) -> float:
+    """Median seconds of a due step's outcome (unchanged model) with nothing else
+    running; ``leading``: rank 0 first starts and joins its keep-alive thread, as around
+    every sync (the sync itself is empty here, so no keep-alive is sent)."""
+    samples = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if group.is_leader and leading:
+            with group.leading():
+                pass
+        group.share_outcome([])
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 

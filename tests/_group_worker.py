@@ -6,11 +6,14 @@ an AsyncDiLoCoWorker (or, with ``--mode sync``, a SyncDiLoCoWorker) on this rank
 data. After every inner step it records the CRC-32 of its parameters (and on rank 0 the
 worker's H_w and sync counters); it writes them as JSON to OUT once the worker closed.
 With ``--expect-join-error`` the join must raise: the exception's class name is written.
+With ``--group-timeout-s T`` the worker trains in a group of the same ranks whose
+collective timeout is T (``dist.new_group``; DDP keeps the default group).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import time
 import zlib
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from asyncdiloco import AsyncDiLoCoWorker, SyncDiLoCoWorker, WorkerConfig
+from asyncdiloco import AsyncDiLoCoWorker, SyncDiLoCoWorker, SyncWorkerConfig, WorkerConfig
 
 
 def crc(model: nn.Module) -> int:
@@ -58,12 +61,22 @@ def main() -> None:
     p.add_argument("--stop-at", type=int, default=-1, help="the last rank requests a stop before this step (0-based)")
     p.add_argument("--last-rank-raises", action="store_true", help="the last rank leaves its with block raising")
     p.add_argument("--state-dir", default="", help="the worker's state folder (rank 0 keeps it)")
+    p.add_argument("--quorum-timeout-s", type=float, default=60.0, help="sync mode: the wait for a quorum")
+    p.add_argument(
+        "--group-timeout-s",
+        type=float,
+        default=0.0,
+        help="train in a group of the same ranks with this collective timeout (0: the default group)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank, world_size=args.world)
     torch.manual_seed(args.rank)  # different initial parameters: the join must make them rank 0's (DDP does too)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    group: object = "auto"
+    if args.group_timeout_s:  # built after DDP's broadcast: the ranks reach it together
+        group = dist.new_group(timeout=datetime.timedelta(seconds=args.group_timeout_s))
     cfg = WorkerConfig(
         server=args.server,
         worker_name=args.name,
@@ -75,9 +88,12 @@ def main() -> None:
     )
     tokens = 16 * (args.rank + 1)  # distinct per rank: the server must count the sum
     if args.mode == "sync":
-        worker: AsyncDiLoCoWorker | SyncDiLoCoWorker = SyncDiLoCoWorker(model, opt, cfg, tokens_per_step=tokens)
+        sync = SyncWorkerConfig(quorum_timeout_s=args.quorum_timeout_s)
+        worker: AsyncDiLoCoWorker | SyncDiLoCoWorker = SyncDiLoCoWorker(
+            model, opt, cfg, sync=sync, tokens_per_step=tokens, process_group=group
+        )
     else:
-        worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=tokens)
+        worker = AsyncDiLoCoWorker(model, opt, cfg, tokens_per_step=tokens, process_group=group)
     out: dict = {"rank": args.rank, "steps": []}
     try:
         _train(args, worker, model, opt, out)  # with worker: joins (and raises a failed join) first
@@ -92,6 +108,8 @@ def main() -> None:
         out["final_crc"] = crc(model)
         out["tokens"] = worker.stats.tokens
         out["module_names"] = [n for n, _ in model.module.named_parameters()]
+        out["held_s"] = getattr(worker.stats, "held_s", 0.0)  # rank 0 of an async worker: its replies' holds
+        out["keep_alives"] = worker.group.keep_alives if worker.group is not None else 0
     with open(args.out, "w") as f:
         json.dump(out, f)
     if not args.last_rank_raises:  # every rank ended in order: wait for the others before the teardown
@@ -112,9 +130,9 @@ def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.
             x = torch.randn(16, 8, generator=gen)  # (B, 8)
             loss = nn.functional.mse_loss(model(x), torch.tanh(x @ w_true))
             loss.backward()
+            time.sleep(args.step_sleep_s)  # inside the step: slower compute, which DyLU's rate counts
             opt.step()
             opt.zero_grad()
-            time.sleep(args.step_sleep_s)
             rec = {"crc": crc(model), "loss": loss.item(), "opt_crc": opt_crc(opt), "opt_steps": opt_steps(opt)}
             if args.rank == 0:
                 rec["local_steps"] = worker.local_steps
@@ -126,7 +144,7 @@ def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.
 
 def _syncs(worker: AsyncDiLoCoWorker | SyncDiLoCoWorker) -> int:
     if isinstance(worker, SyncDiLoCoWorker):
-        return worker.stats.rounds_committed
+        return worker.stats.rounds_committed + worker.stats.rounds_skipped
     return worker.stats.pulls
 
 

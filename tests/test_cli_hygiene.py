@@ -94,7 +94,7 @@ def test_the_old_spellings_still_work_and_warn_once(caplog, argv, old, new, buil
 def test_a_port_in_use_is_one_clear_error_without_grpcs_raw_log_line(start_server, capfd):
     taken = start_server().port
     capfd.readouterr()
-    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{taken}: the port is already in use"):
+    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{taken} for the gRPC port: port in use"):
         ParameterServer(ServerConfig(port=taken)).start()
     err = capfd.readouterr().err
     assert "add_port.cc" not in err and "Failed to add port" not in err

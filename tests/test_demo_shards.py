@@ -122,8 +122,13 @@ def test_demo_cli_passes_shards_and_token_budget(monkeypatch, tmp_path):
     argv = ["demo", "--shards", "2", "--token-budget", "800000", "--out", str(tmp_path), "--no-progress"]
     assert demo.run(app.build_parser().parse_args(argv)) == 0
     assert (seen["cfg"].shards, seen["cfg"].token_budget) == (2, 800000)
+    argv = ["demo", "--max-tokens", "0", "--max-seconds", "30", "--out", str(tmp_path), "--no-progress"]
+    assert demo.run(app.build_parser().parse_args(argv)) == 0
+    assert (seen["cfg"].token_budget, seen["cfg"].max_seconds) == (None, 30.0)  # 0: only the cap
     default = app.build_parser().parse_args(["demo"])
-    assert (default.shards, default.token_budget) == (1, None)  # one unsharded server, no budget
+    assert demo.run(default) == 0  # one unsharded server, the default budget and cap
+    assert (seen["cfg"].shards, seen["cfg"].token_budget) == (1, bench_demo.DEFAULT_TOKEN_BUDGET)
+    assert seen["cfg"].max_seconds == bench_demo.DEFAULT_MAX_SECONDS
 
 
 def test_demo_cli_refuses_shards_in_sync_mode(cli_exit):

@@ -26,7 +26,7 @@ from asyncdiloco.flags.settings import (
 )
 from asyncdiloco.flags.table import FlagTable, all_fields
 from asyncdiloco.job.config import JobConfig
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig, SyncConfig
+from asyncdiloco.ps.config import DEFAULT_SYNC_LOCAL_STEPS, SYNC_LOCAL_STEPS, DurabilityConfig, ServerConfig, SyncConfig
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
@@ -81,7 +81,11 @@ def _async_server(files) -> ServerConfig:
             checkpoint_dir=files("ckpt"), checkpoint_every=7, fallback_to_previous=True, fsync=False
         ),
         security=ServerSecurityConfig(
-            token_file=files("token"), tls_cert=files("cert"), tls_key=files("key"), tls_client_ca=files("ca")
+            token_file=files("token"),
+            tls_cert=files("cert"),
+            tls_key=files("key"),
+            tls_client_ca=files("ca"),
+            insecure_trusted_network=True,
         ),
         sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens", store_port=12345),
         wire_codec="int8",
@@ -89,11 +93,15 @@ def _async_server(files) -> ServerConfig:
     )
 
 
+#: --sync-local-steps other than its default, whichever that is (so the round trip writes it).
+_NOT_DEFAULT_SYNC_LOCAL_STEPS = next(v for v in SYNC_LOCAL_STEPS if v != DEFAULT_SYNC_LOCAL_STEPS)
+
+
 def _sync_server() -> ServerConfig:
     return ServerConfig(
         mode="sync",
         outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0),
-        sync=SyncConfig(min_workers=3, join_timeout_s=30.0),
+        sync=SyncConfig(min_workers=3, join_timeout_s=30.0, local_steps=_NOT_DEFAULT_SYNC_LOCAL_STEPS),
         grouping="off",
     )
 
@@ -154,6 +162,7 @@ def test_worker_sync_worker_and_job_configs_survive_the_round_trip(files):
             tls_cert=files("cert"),
             tls_key=files("key"),
             tls_server_name="localhost",
+            insecure_trusted_network=True,
         ),
     )
     sync = SyncWorkerConfig(allreduce_timeout_s=2.5, quorum_timeout_s=11.0, collective_host="127.0.0.2")

@@ -108,7 +108,7 @@ def test_the_launch_flags_build_the_fleet(tmp_path):
     token.write_text("s3cret\n")
     argv = ["launch", "--address", "head:6379", "--group", "big:4:8:8", "--group", "small:8:2:2:1.5"]
     argv += ["--token-file", str(token), "--max-restarts", "1", "--local-steps", "7", "--n-layer", "1"]
-    argv += ["--worker-args", "--overlap --log-every 5"]
+    argv += ["--worker-args", "--overlap --log-every 5", "--insecure-trusted-network"]
     spec = launch_cli.spec(app.build_parser().parse_args(argv))
     assert [(g.name, g.count, g.num_cpus, g.num_gpus, g.slowdown) for g in spec.groups] == [
         ("big", 4, 8.0, 8.0, 1.0),
@@ -119,6 +119,17 @@ def test_the_launch_flags_build_the_fleet(tmp_path):
     assert (spec.token, spec.max_restarts, spec.job.n_layer, spec.num_workers) == ("s3cret", 1, 1, 12)
     local = launch_cli.spec(app.build_parser().parse_args(["launch", "--workers", "2"]))
     assert (local.server.host, [(g.name, g.count) for g in local.groups]) == ("127.0.0.1", [("cpu", 2)])
+
+
+def test_a_fleet_beyond_the_loopback_needs_the_trusted_network_opt_in():
+    """The fleet has no TLS: its token crosses the cluster's network in clear only when the
+    operator says that network is trusted (issue 32)."""
+    argv = ["launch", "--address", "head:6379", "--workers", "2"]
+    with pytest.raises(ConfigError, match="add --insecure-trusted-network") as info:
+        launch_cli.spec(app.build_parser().parse_args(argv))
+    assert "a fleet's server on 0.0.0.0 (not a loopback address)" in str(info.value)
+    spec = launch_cli.spec(app.build_parser().parse_args([*argv, "--insecure-trusted-network"]))
+    assert spec.insecure_trusted_network
 
 
 def test_the_workers_flags_are_the_worker_commands_own(tmp_path):
@@ -135,6 +146,11 @@ def test_the_workers_flags_are_the_worker_commands_own(tmp_path):
     cfg = worker_cli.configs(args)
     assert (cfg.job, cfg.worker.server, cfg.worker.overlap, cfg.device) == (job, "127.0.0.1:1", True, "cpu")
     assert (args.worker_index, args.slowdown, args.max_seconds, args.max_steps) == (5, 2.0, 12.5, 40)
+    assert cfg.worker.security is None  # the actor adds the token; a loopback fleet needs no opt-in
+    fleet.spec = FleetSpec(job=job, max_steps=40, server=ServerConfig(host="0.0.0.0"), insecure_trusted_network=True)
+    fleet.address = "10.0.0.7:1"
+    args = app.build_parser().parse_args(["worker", *fleet.worker_argv(w, 12.5), "--worker-name", "cpu-0"])
+    assert worker_cli.configs(args).worker.security.insecure_trusted_network  # the fleet's opt-in reaches it
 
 
 # ------------------------------------------------------------------ resources, deadlines, the end
@@ -177,7 +193,19 @@ def test_an_address_where_no_ray_listens_is_one_line_and_exit_1(capsys):
     with socket.socket() as s:  # a port of 127.0.0.1 that nothing listens on once closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code, _ = app._run(["launch", "--address", f"127.0.0.1:{port}", "--max-seconds", "5", "--out", "/nonexistent/x"])
+    code, _ = app._run(
+        [
+            "launch",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--server-host",
+            "127.0.0.1",
+            "--max-seconds",
+            "5",
+            "--out",
+            "/nonexistent/x",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1, err
     assert err == (

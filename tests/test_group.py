@@ -80,6 +80,10 @@ def _loss_falls(rank: dict) -> None:
     assert sum(losses[-k:]) / k < 0.7 * sum(losses[:k]) / k, losses
 
 
+def _only_worker_named(srv, name: str):
+    return next(w for w in srv.state.registry.workers.values() if w.name == name)
+
+
 def _only_worker(srv):
     workers = list(srv.state.registry.workers.values())
     assert len(workers) == 1, [w.name for w in workers]
@@ -139,6 +143,57 @@ def test_h_w_changes_between_syncs_on_rank_0_alone_and_the_ranks_stay_identical(
     assert len(set(h_ws)) > 1 and min(h_ws) < 8, h_ws
     group = next(w for w in srv.state.registry.workers.values() if w.name == "group")
     assert group.ranks == 2 and group.tokens == 32 * 48
+
+
+#: The group's collective timeout in the tests of long waits on the server, and the wait (seconds).
+GROUP_TIMEOUT_S, HOLD_S = 2.0, 4.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_followers_outlast_a_held_push_reply_longer_than_the_groups_timeout(start_server, tmp_path):
+    """The server holds the group's push reply for its grouping window (``grace_s``): a
+    second worker is expected in every group (it reported a slow rate) and never pushes.
+    Rank 1 waits out the hold in rank 0's keep-alive broadcasts, not in one collective
+    that would time out after ``GROUP_TIMEOUT_S``. (With overlap the same wait comes at
+    close, or 2 H steps after the push: the same ``_shared`` path.)"""
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+    from asyncdiloco.wire.tensors import Manifest
+    from asyncdiloco.worker.client import ParameterServerClient
+
+    srv = start_server(local_steps=5, lease_s=60.0, dylu=False, grouping="window", grace_s=HOLD_S)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))  # _group_worker.py's
+    manifest = Manifest.from_module(model)
+    idle = ParameterServerClient(f"127.0.0.1:{srv.port}")
+    try:
+        reply = idle.join(manifest, "idle", steps_per_s=1e-3)  # expected in every group for hours
+        assert reply.initialize
+        params = manifest.pack([p.detach() for p in model.parameters()])
+        idle.push(params, worker_id=reply.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        args = ["--steps", "5", "--group-timeout-s", str(GROUP_TIMEOUT_S)]
+        ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", *args)  # one push (H = 5), held
+    finally:
+        idle.close()
+    _check_identical(ranks)
+    assert ranks[0]["held_s"] > GROUP_TIMEOUT_S, "the server held the reply longer than the group's timeout"
+    assert ranks[1]["keep_alives"] >= 1 and ranks[0]["keep_alives"] == ranks[1]["keep_alives"]
+    assert _only_worker_named(srv, "group").applied_pushes == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_followers_outlast_a_quorum_wait_longer_than_the_groups_timeout(start_server, tmp_path):
+    """Sync mode: rank 0 waits ``HOLD_S`` for a quorum of 2 that never forms (the
+    group is the only worker); the round is skipped and the ranks train on together."""
+    from asyncdiloco.ps.config import SyncConfig
+
+    sync = SyncConfig(min_workers=2, join_timeout_s=HOLD_S - 1.0)  # the worker waits join_timeout_s + 1
+    srv = start_server(mode="sync", local_steps=5, lease_s=60.0, sync=sync)
+    args = ["--mode", "sync", "--steps", "7", "--quorum-timeout-s", "1", "--group-timeout-s", str(GROUP_TIMEOUT_S)]
+    ranks = _run_group(tmp_path, f"127.0.0.1:{srv.port}", *args)
+    _check_identical(ranks)
+    assert ranks[0]["steps"][-1]["syncs"] == 1  # one round asked for at step 5, skipped: no quorum
+    assert ranks[1]["keep_alives"] >= 1 and ranks[0]["keep_alives"] == ranks[1]["keep_alives"]
 
 
 @pytest.mark.multiprocess
@@ -206,14 +261,24 @@ def test_the_process_group_argument_is_checked():
 
 
 def test_an_fsdp2_model_is_refused_and_ddp_is_unwrapped(tmp_path, monkeypatch):
+    """Also: a group's keep-alive period follows its collective timeout."""
+    import datetime
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    from asyncdiloco.worker.group import KEEP_ALIVE_MAX_S, LocalGroup
+
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    timeout = datetime.timedelta(seconds=6)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timeout)
     try:
+        default = LocalGroup(None)
+        assert (default.timeout_s, default.keep_alive_s) == (6.0, 1.5)  # a quarter of the timeout
+        long = LocalGroup(dist.new_group(timeout=datetime.timedelta(minutes=30)))
+        assert (long.timeout_s, long.keep_alive_s) == (1800.0, KEEP_ALIVE_MAX_S)
         plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
         assert unwrap_model(DistributedDataParallel(plain)) is plain
         assert resolve_group("auto") is None  # one rank: no group

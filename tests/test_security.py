@@ -15,14 +15,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from asyncdiloco.cli import app
 from asyncdiloco.errors import ConfigError, ServerUnavailableError, UnauthenticatedError
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
-from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
+from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig, is_loopback_host
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
+from asyncdiloco.worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -340,3 +342,104 @@ def test_a_plaintext_cli_against_a_tls_server_is_told_to_give_the_ca(serve, pki,
         assert "if the server uses TLS, give --tls-ca" in err and len(err.strip().splitlines()) == 1, err
     code, err = cli_exit(["status", "--server", srv.address, "--tls-ca", pki["rogue_cert"]])
     assert code == 1 and "if the server uses TLS" not in err  # TLS given: the CA is the one to check
+
+
+# ------------------------------------------- a token over plaintext beyond the loopback
+# Addresses beyond the loopback are TEST-NET ones (192.0.2.0/24, RFC 5737); every refusal
+# below happens before a port is bound or a connection made, and ``no_channels`` fails a
+# test that would open one.
+_BEYOND = ("0.0.0.0", "192.0.2.10", "::", "2001:db8::1", "[2001:db8::1]", "ps-host.example", "")
+_LOOPBACK = ("127.0.0.1", "127.1.2.3", "localhost", "LOCALHOST", "::1", "[::1]", "::ffff:127.0.0.1")
+
+
+@pytest.fixture
+def no_channels(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a channel was opened: {args[:1]}")
+
+    monkeypatch.setattr(grpc, "insecure_channel", refuse)
+    monkeypatch.setattr(grpc, "secure_channel", refuse)
+
+
+@pytest.mark.parametrize("host", _LOOPBACK)
+def test_loopback_hosts_are_recognised(host):
+    assert is_loopback_host(host)
+
+
+@pytest.mark.parametrize("host", _BEYOND)
+def test_every_other_host_is_beyond_the_loopback(host):
+    assert not is_loopback_host(host)
+
+
+@pytest.mark.parametrize("host", _BEYOND)
+def test_a_server_with_a_token_and_no_tls_beyond_the_loopback_is_refused(pki, host):
+    with pytest.raises(ConfigError) as info:
+        ServerConfig(host=host, port=0, security=ServerSecurityConfig(token_file=pki["token"]))
+    message = str(info.value)
+    assert f"--token-file without TLS on --host {host}, which is not a loopback address" in message
+    assert "Give --tls-cert and --tls-key" in message and "add --insecure-trusted-network" in message
+
+
+@pytest.mark.parametrize("host", _BEYOND)
+def test_a_server_beyond_the_loopback_takes_a_token_with_tls_or_the_opt_in(pki, host):
+    ServerConfig(host=host, security=ServerSecurityConfig(token_file=pki["token"], insecure_trusted_network=True))
+    tls = {"tls_cert": pki["ca_server_cert"], "tls_key": pki["ca_server_key"]}
+    ServerConfig(host=host, security=ServerSecurityConfig(token_file=pki["token"], **tls))
+    ServerConfig(host=host)  # no token: nothing to protect (the start warns)
+
+
+@pytest.mark.parametrize("host", _LOOPBACK)
+def test_a_loopback_server_takes_a_token_over_plaintext_as_before(pki, host):
+    ServerConfig(host=host, security=ServerSecurityConfig(token_file=pki["token"]))
+
+
+@pytest.mark.parametrize("address", ["192.0.2.10:29500", "[2001:db8::1]:29500", "ps-host.example:29500"])
+def test_a_client_with_a_token_and_no_tls_beyond_the_loopback_is_refused_before_connecting(pki, no_channels, address):
+    token = ClientSecurityConfig(token_file=pki["token"])
+    for build in (
+        lambda: ParameterServerClient(address, security=token),
+        lambda: WorkerConfig(server=address, security=token),
+        lambda: WorkerConfig(server=f"127.0.0.1:1,{address}", security=token),  # one shard beyond is enough
+    ):
+        with pytest.raises(ConfigError) as info:
+            build()
+        message = str(info.value)
+        assert f"--token-file without TLS to --server {address}, which is not a loopback address" in message
+        assert "Give --tls-ca" in message and "add --insecure-trusted-network" in message
+    trusted = ClientSecurityConfig(token_file=pki["token"], insecure_trusted_network=True)
+    WorkerConfig(server=address, security=trusted)
+    WorkerConfig(server=address, security=ClientSecurityConfig(token_file=pki["token"], tls_ca=pki["ca_cert"]))
+
+
+def test_a_loopback_client_sends_a_token_over_plaintext_as_before(pki):
+    token = ClientSecurityConfig(token_file=pki["token"])
+    for address in ("127.0.0.1:1", "localhost:1", "[::1]:1"):
+        ParameterServerClient(address, security=token).close()  # a channel opens lazily: nothing is sent
+
+
+def test_the_commands_refuse_a_token_in_clear_beyond_the_loopback(pki, no_channels, cli_exit):
+    token = ["--token-file", pki["token"]]
+    code, err = cli_exit(["server", "--host", "0.0.0.0", "--port", "0", *token])
+    assert code == 2 and "--token-file without TLS on --host 0.0.0.0" in err and "--tls-cert" in err, err
+    for command in ("worker", "status", "eval"):
+        code, err = cli_exit([command, "--server", "192.0.2.10:29500", *token])
+        assert code == 2, (command, err)
+        assert "--token-file without TLS to --server 192.0.2.10:29500" in err and "--tls-ca" in err, err
+        assert "--insecure-trusted-network" in err and len(err.strip().splitlines()) == 1, err
+    code, err = cli_exit(["server", "--port", "0", "--parent", "192.0.2.10:29500", "--parent-token-file", pki["token"]])
+    assert code == 2 and "--parent-token-file without TLS to --parent 192.0.2.10:29500" in err, err
+    assert "Give --parent-tls-ca" in err, err
+
+
+def test_the_opt_in_flag_lets_the_commands_build_their_configs(pki):
+    from asyncdiloco.cli import server as server_cli
+    from asyncdiloco.cli import worker as worker_cli
+
+    parse = app.build_parser().parse_args
+    trusted = ["--token-file", pki["token"], "--insecure-trusted-network"]
+    cfg = server_cli.config(parse(["server", "--host", "0.0.0.0", *trusted]))
+    assert cfg.security.insecure_trusted_network and cfg.security.tls_cert is None
+    worker = worker_cli.configs(parse(["worker", "--server", "192.0.2.10:29500", "--max-steps", "1", *trusted])).worker
+    assert worker.security.insecure_trusted_network
+    args = parse(["server", "--parent", "192.0.2.10:29500", "--parent-token-file", pki["token"], *trusted[2:]])
+    assert server_cli.upstream(args).security.insecure_trusted_network  # the server's opt-in covers its parent link

@@ -440,7 +440,7 @@ def test_join_fails_with_a_clear_message_when_no_server():
 
 def test_port_in_use_is_a_clear_error(make_server):
     srv = make_server()
-    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{srv.port}: the port is already in use"):
+    with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{srv.port} for the gRPC port: port in use"):
         ParameterServer(ServerConfig(port=srv.port)).start()
 
 

@@ -137,3 +137,115 @@ def test_two_listeners_on_one_port_are_refused_at_config_time(fields, needle):
 def test_the_server_command_refuses_its_metrics_port_on_its_grpc_port(cli_exit):
     code, err = cli_exit(["server", "--port", "29500", "--metrics-port", "29500"])
     assert code == 2 and "metrics_port=29500 is invalid" in err and "give another --metrics-port" in err
+
+
+# ------------------------------------------------- every address of the host, or none
+def _ipv6_loopback_or_skip() -> None:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback (::1 cannot be bound), so localhost has one address here")
+
+
+@pytest.fixture
+def two_address_localhost(monkeypatch):
+    """``localhost`` resolving to 127.0.0.1 and ::1, as on most machines (where this
+    machine's resolver gives only 127.0.0.1, ::1 is added to Python's answer)."""
+    _ipv6_loopback_or_skip()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        infos = list(real(host, port, *args, **kwargs))
+        if host == "localhost" and not any(info[0] == socket.AF_INET6 for info in infos):
+            infos.append((socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port or 0, 0, 0)))
+        return infos
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def _hold_ipv6_loopback() -> socket.socket:
+    """A listening socket on [::1]:P, for a P free on 127.0.0.1 (a neighbour's port)."""
+    for _ in range(20):
+        held = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        held.bind(("::1", 0))
+        held.listen(1)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", held.getsockname()[1]))
+                return held
+            except OSError:
+                held.close()
+    raise AssertionError("no port free on 127.0.0.1 whose [::1] twin was free")
+
+
+@pytest.mark.parametrize(
+    "field, listener",
+    [("port", "the gRPC port"), ("bulk_port", "the bulk data channel"), ("metrics_port", "the metrics endpoint")],
+)
+def test_localhost_with_its_ipv6_address_taken_is_refused_naming_it(two_address_localhost, field, listener):
+    """Issue 32: a neighbour on [::1]:P must not get the token of the workers that resolve
+    ``localhost`` to ::1: the server listens on every address of the name, or not at all."""
+    held = _hold_ipv6_loopback()
+    port = held.getsockname()[1]
+    fields = {"port": 0, "bulk_port": None, "metrics_port": None} | {field: port}
+    try:
+        srv = ParameterServer(ServerConfig(host="localhost", **fields))
+        try:
+            srv.start()
+        except ConfigError as exc:
+            message = str(exc)
+        else:
+            srv.stop(None)
+            pytest.fail(f"the server started on localhost with [::1]:{port} held by another process")
+    finally:
+        held.close()
+    assert f"cannot listen on [::1]:{port} for {listener}: port in use" in message, message
+    assert "resolves to 127.0.0.1, ::1" in message, message
+    flag = "--" + field.replace("_", "-")
+    assert f"choose another {flag}" in message, message
+    with socket.socket() as s:  # the refused start gave 127.0.0.1:P back
+        s.bind(("127.0.0.1", port))
+
+
+def test_every_listener_serves_every_address_of_localhost(two_address_localhost):
+    srv = ParameterServer(ServerConfig(host="localhost", port=0, bulk_port=0, metrics_port=0)).start()
+    try:
+        for port in (srv.port, srv.bulk_port, srv.metrics_port):
+            for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.settimeout(10)
+                    s.connect((address, port))  # refused (ConnectionRefusedError) if nothing listens there
+    finally:
+        srv.stop(None)
+
+
+def test_a_host_that_does_not_resolve_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"--host 'no-such-host\.invalid' does not resolve"):
+        ParameterServer(ServerConfig(host="no-such-host.invalid", port=0)).start()
+
+
+def test_the_server_command_on_localhost_refuses_when_a_neighbour_holds_its_ipv6_port(
+    two_address_localhost, cli_exit, monkeypatch
+):
+    """``asyncdiloco server --host localhost --port P`` in this process, [::1]:P held. (A
+    server that started anyway stops at once instead of waiting for a signal.)"""
+    import threading
+    import types
+
+    import asyncdiloco.cli.server as server_cli
+
+    class StopAtOnce(threading.Event):
+        def wait(self, timeout=None):
+            return True
+
+    monkeypatch.setattr(server_cli, "threading", types.SimpleNamespace(Event=StopAtOnce))  # this command's only
+    held = _hold_ipv6_loopback()
+    port = held.getsockname()[1]
+    try:
+        code, err = cli_exit(["server", "--host", "localhost", "--port", str(port), "--drain-s", "0"])
+    finally:
+        held.close()
+    assert code == 2, err
+    assert f"cannot listen on [::1]:{port} for the gRPC port: port in use" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -254,9 +254,14 @@ def test_a_sync_run_is_told_in_rounds_and_member_contributions():
         rounds_failed=2,
         outer_optimizer="nesterov(lr=0.7, momentum=0.9)",
     )
-    st.run_config.CopyFrom(pb.RunConfig(mode="sync", local_steps=20, wire_codec="raw", dylu=True, max_staleness=8))
+    st.run_config.CopyFrom(
+        pb.RunConfig(
+            mode="sync", local_steps=20, wire_codec="raw", dylu=True, max_staleness=8, sync_local_steps="adaptive"
+        )
+    )
     text = render(status_dict(st))
     assert "65 rounds committed, 2 aborted" in text and "130 member contributions applied" in text
+    assert "H 20 | local steps adaptive |" in text  # each member's H_w is in the H_W column
     for async_only in ("pushes/s", "pushes applied", "dylu", "staleness weighting", "max_staleness", "staleness tau"):
         assert async_only not in text, async_only
     header = next(line for line in text.splitlines() if line.startswith("NAME"))

@@ -34,6 +34,7 @@ def make_server(start_server):
     def make(*, outer: OuterConfig, local_steps: int, **sync) -> ParameterServer:
         sync.setdefault("join_timeout_s", 5.0)
         sync.setdefault("round_timeout_s", 20.0)
+        sync.setdefault("local_steps", "fixed")  # these tests count H steps per member (test_sync_adaptive: H_w)
         return start_server(mode="sync", outer=outer, local_steps=local_steps, lease_s=30.0, sync=SyncConfig(**sync))
 
     return make

@@ -62,6 +62,22 @@ class PoisonedSyncWorker(SyncDiLoCoWorker):
         return super()._take_pseudo_gradient()
 
 
+class MismatchedSyncWorker(SyncDiLoCoWorker):
+    """A member whose contribution to round ``at_round`` differs from what it announced:
+    it agrees with its honest, finite ‖Δ‖∞, then puts ``value`` into its buffer before the
+    sum (a faulty or altered member, or memory corrupted between the two)."""
+
+    def __init__(self, *args, value: float, at_round: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.value, self.at_round, self.fired = value, at_round, False
+
+    def _agree(self, pg, q) -> None:
+        super()._agree(pg, q)
+        if not self.fired and q.round + 1 == self.at_round:
+            self.fired = True
+            self._buf[0] = self.value
+
+
 def _worker(srv, cls=SyncDiLoCoWorker, **kwargs) -> SyncDiLoCoWorker:
     model = make_model()
     sync = SyncWorkerConfig(allreduce_timeout_s=4.0, quorum_timeout_s=20.0)
@@ -96,6 +112,42 @@ def test_one_members_bad_pseudo_gradient_makes_every_member_skip_the_round_namin
     # the skipped round changed nothing: round 3 started from round 1's θ
     assert len({w.stats.rounds[0]["checksum"] for w in workers}) == 1
     assert len({w.stats.rounds[2]["checksum"] for w in workers}) == 1
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_contribution_that_differs_from_its_announcement_is_named_and_blames_no_honest_member(sgd_server, value):
+    """Issue 32: every member announced a finite ‖Δ‖∞, so the sum cannot overflow; the
+    abort says a contribution did not match its announcement instead of telling the
+    member with the largest honest ‖Δ‖∞ to lower its learning rate."""
+    H, R = 2, 3
+    srv = sgd_server(min_workers=2)
+    workers = [_worker(srv), _worker(srv, MismatchedSyncWorker, value=value, at_round=2)]
+    for w in workers:
+        w.join()
+    run_threads([lambda i=i, w=w: train(w, i, steps=H * R) for i, w in enumerate(workers)])
+    for w in workers:
+        w.close()
+    for w in workers:
+        assert [r["committed"] for r in w.stats.rounds] == [True, False, True], w.stats.rounds
+        reason = w.stats.rounds[1]["reason"]
+        assert "a member's contribution did not match its announcement" in reason, reason
+        assert "every member announced a finite pseudo-gradient" in reason, reason
+        assert "largest pseudo-gradient was" not in reason and "lower that worker's" not in reason, reason
+    assert srv.state.status().rounds_failed == 1 and srv.state.version == 2
+    assert len({w.stats.rounds[2]["checksum"] for w in workers}) == 1
+
+
+def test_a_non_finite_sum_of_huge_announced_values_is_still_an_overflow_naming_the_largest():
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+    from asyncdiloco.worker.sync_worker import non_finite_sum_reason
+
+    q = pb.QuorumReply(round=4, members=[3, 7, 9])
+    overflow = non_finite_sum_reason([1e3, 3e38, 2e38], 3.0, q)
+    assert "(the sum overflowed float32); the largest pseudo-gradient was worker 7's (‖Δ‖∞ = 3e+38)" in overflow
+    mismatch = non_finite_sum_reason([1e3, 2.5, 0.0], 3.0, q)
+    assert "a member's contribution did not match its announcement" in mismatch and "worker 3" not in mismatch
+    assert "restarts from round 4" in mismatch
+    assert "did not match" in non_finite_sum_reason([1.0, 1.0, 1.0], math.nan, q)  # the weights' sum
 
 
 @pytest.mark.multiprocess

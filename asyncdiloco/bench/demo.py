@@ -6,6 +6,16 @@ held-out text while they train, shows progress, and writes ``report.json`` and
 ``loss_curve.png`` to the output folder. Every child process is reaped on exit, also on
 errors and Ctrl-C.
 
+The run stops on a token budget (``token_budget``, by default ``DEFAULT_TOKEN_BUDGET``:
+about 2 minutes of training on a quiet 2-core machine), so its result does not depend on
+how fast the machine is, with ``max_seconds`` of training as the cap; whichever comes
+first, the demo evaluates the global model (the report's ``stop_eval_loss``, the last
+evaluation while training) and then stops every worker (SIGTERM: each pushes its partial
+round as its closing push and leaves; the server applies those as the outer step's
+direct term alone, algo/outer.py ``step_closing``). ``final_eval_loss`` is the model
+after the closing pushes; ``stop`` says which bound ended the run ("tokens", "time", or
+"workers": every worker exited on its own first).
+
 ``mode="sync"`` runs the same job (model, data, H, workers, speeds, time budget)
 through the synchronous quorum mode instead, so the two reports compare directly. The
 report then also carries ``rounds_committed``, ``rounds_failed``, ``round_time_s`` and,
@@ -62,6 +72,15 @@ from asyncdiloco.worker.sharded import ShardedClient
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOWDOWNS = (1.0, 1.5, 2.0, 3.0)
+#: The demo's default token budget: the server applied 5.59M tokens in 120 s of training
+#: with the default job and workers on a quiet 2-core machine (docs/algorithms.md, "The
+#: run's end"), so the demo still takes about 3 minutes there, and the same work elsewhere.
+DEFAULT_TOKEN_BUDGET = 5_500_000
+#: The default cap, seconds of training: a slow or loaded machine stops here instead.
+DEFAULT_MAX_SECONDS = 600.0
+#: Seconds the workers' own ``--max-seconds`` runs past the demo's cap: the demo stops them
+#: itself (after its evaluation at the stop); their own bound only ends a run whose demo hung.
+_WORKER_BACKSTOP_S = 60.0
 #: The most parameter-server shards the demo runs on one machine.
 MAX_SHARDS = 16
 
@@ -72,8 +91,9 @@ class DemoConfig:
 
     #: Worker processes.
     num_workers: int = 4
-    #: Seconds each worker trains.
-    max_seconds: float = 120.0
+    #: The cap, seconds of training (from ``train_start_s``): the demo evaluates and stops
+    #: every worker then if the token budget is not spent yet.
+    max_seconds: float = DEFAULT_MAX_SECONDS
     #: Folder for report.json, loss_curve.png and the processes' logs.
     out_dir: str = "demo-out"
     #: Speed factor per worker (≥ 1; 2 = twice as slow); None cycles 1, 1.5, 2, 3, 1, 1.5, ...
@@ -95,9 +115,9 @@ class DemoConfig:
     #: ``worker ...`` arguments follow it), e.g. a test script that installs a fault and
     #: then runs the CLI; missing or empty: ``python -m asyncdiloco``.
     per_worker_command: tuple[tuple[str, ...], ...] = ()
-    #: Stop every worker (SIGTERM) once the server has applied this many tokens, for
-    #: comparisons at equal tokens; None: each worker trains ``max_seconds``.
-    token_budget: int | None = None
+    #: Stop every worker (SIGTERM) once the server has applied this many tokens, so runs
+    #: compare at equal tokens on any machine; None: only ``max_seconds`` stops them.
+    token_budget: int | None = DEFAULT_TOKEN_BUDGET
     #: (worker index, leave at s, rejoin at s), seconds of training (from ``train_start_s``):
     #: that worker's process is stopped (SIGTERM: last push, then Leave) at the first time,
     #: or once it has joined if later, and a fresh process with the same index (started
@@ -239,6 +259,9 @@ class Outcome:
     train_start_unix_s: float | None
     #: The shards' addresses, shard 0 first; empty: one unsharded server.
     shard_addresses: Sequence[str] = ()
+    #: How training ended (``_Watch.stop_info``): which bound, the bounds, and the global
+    #: model's evaluation at the stop, before the closing pushes; None: not recorded.
+    stop: dict | None = None
 
 
 class _Processes:
@@ -274,7 +297,7 @@ class _Processes:
             i, _, rejoin_s = self.cfg.leave_rejoin
             go = self.out / f"{_file_stem(i, True)}.go"
             go.unlink(missing_ok=True)
-            max_s = max(1.0, self.cfg.max_seconds - rejoin_s)
+            max_s = max(1.0, self.cfg.max_seconds - rejoin_s) + _WORKER_BACKSTOP_S
             workers.append(self._start_worker(address, i, True, max_s, ("--join-when-file", str(go))))
         return workers
 
@@ -293,7 +316,7 @@ class _Processes:
             "--slowdown",
             str(self.speeds[i]),
             "--max-seconds",
-            str(cfg.max_seconds if max_seconds is None else max_seconds),
+            str(cfg.max_seconds + _WORKER_BACKSTOP_S if max_seconds is None else max_seconds),
             "--stats-file",
             str(self.out / f"{stem}.json"),
             "--worker-name",
@@ -352,7 +375,7 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
     evaluator = Evaluator(procs.client(address), cfg.job, name="demo")
     initial_loss = evaluator.held_out_loss()  # the seed's model = the server's version 0
     curve = [{"wall_s": 0.0, "version": 0, "tokens": 0, "eval_loss": initial_loss}]
-    watched, train_start_s, train_start_unix_s, run_config = _watch(
+    watched, train_start_s, train_start_unix_s, run_config, stop = _watch(
         cfg, evaluator, workers, started, progress, initial_loss
     )
     curve += watched
@@ -381,26 +404,30 @@ def _train(cfg: DemoConfig, procs: _Processes, progress: bool) -> Outcome:
         train_start_s=train_start_s,
         train_start_unix_s=train_start_unix_s,
         shard_addresses=procs.shard_addresses(),
+        stop=stop,
     )
 
 
 def _watch(
     cfg: DemoConfig, ev: Evaluator, workers: list[WorkerProcess], started: float, progress: bool, initial_loss: float
-) -> tuple[list[dict], float, float | None, pb.RunConfig | None]:
-    """Poll status every second, evaluate every ``eval_every_s`` (each loss reported to
+) -> tuple[list[dict], float, float | None, pb.RunConfig | None, dict]:
+    """Poll status every 0.25 s, evaluate every ``eval_every_s`` (each loss reported to
     the server), stop the ``leave_rejoin`` worker and release its fresh process (the last
-    in ``workers``), until workers exit (or the token budget is spent). Returns the eval
+    in ``workers``), until the token budget is spent or ``max_seconds`` of training have
+    passed (then evaluate and stop the workers) or every worker exited. Returns the eval
     curve, when training started (s since ``started``; and on the wall clock, None if it
-    never did) and the run config once every worker was live (None if never)."""
+    never did), the run config once every worker was live (None if never) and how
+    training ended (``_Watch.stop_info``)."""
     from tqdm import tqdm
 
     watch = _Watch(cfg, ev, workers, started, initial_loss)
-    bar = tqdm(
-        total=round(cfg.max_seconds),
-        unit="s",
+    budget = cfg.token_budget
+    bar = tqdm(  # in tokens against the budget (seconds against the cap in the text), else in seconds
+        total=budget if budget is not None else round(cfg.max_seconds),
+        unit="tokens" if budget is not None else "s",
         disable=not progress,
         dynamic_ncols=True,
-        bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} s{postfix}",
+        bar_format="{l_bar}{bar}| {n:,.0f}/{total:,.0f} " + ("tokens" if budget is not None else "s") + "{postfix}",
     )
     bar.set_postfix_str(_starting_text(len(workers)))
     try:
@@ -413,7 +440,7 @@ def _watch(
                     cfg.max_seconds,
                 )
                 break
-            time.sleep(1.0 if cfg.token_budget is None and cfg.leave_rejoin is None else 0.25)
+            time.sleep(0.25)
             try:
                 st = watch.poll()
             except AsyncDiLoCoError as exc:
@@ -425,7 +452,8 @@ def _watch(
     finally:
         bar.close()
     since = watch.training_since
-    return watch.curve, (since - started) if since is not None else 0.0, watch.training_since_unix, watch.run_config
+    train_start = (since - started) if since is not None else 0.0
+    return watch.curve, train_start, watch.training_since_unix, watch.run_config, watch.stop_info()
 
 
 class _Watch:
@@ -446,20 +474,30 @@ class _Watch:
         self.last_eval = time.monotonic()
         self.loss = initial_loss
         self.deadline = started + cfg.max_seconds + 120.0  # workers' start-up plus their training time
+        #: Which bound ended training: "tokens", "time", or "workers" (they all exited first).
+        self.stop = "workers"
+        #: The evaluation at the stop, before the workers' closing pushes (None: none made).
+        self.stop_point: dict | None = None
 
     def running(self) -> bool:
         return any(w.popen.poll() is None for w in self.workers) or (self.leaver is not None and not self.rejoined)
 
+    def train_s(self) -> float:
+        """Seconds of training so far (0 before the global model existed)."""
+        return time.monotonic() - self.training_since if self.training_since is not None else 0.0
+
     def poll(self) -> pb.StatusReply | None:
         """One poll: the status, the leave or rejoin when due, an evaluation when due.
-        None once the token budget is spent (the workers are then stopped)."""
+        None once the token budget is spent or ``max_seconds`` of training have passed
+        (the global model is then evaluated and the workers stopped: ``stop_workers``)."""
         cfg, st = self.cfg, self.ev.client.status()
         if sum(w.alive for w in st.workers) >= cfg.num_workers:  # the auto values need every rate
             self.run_config = st.run_config
         if cfg.token_budget is not None and st.tokens >= cfg.token_budget:
-            for w in self.workers:  # budget spent: workers stop (their final push may land)
-                if w.popen.poll() is None:
-                    w.popen.terminate()
+            self.stop_workers("tokens", st)
+            return None
+        if self.training_since is not None and self.train_s() >= cfg.max_seconds:
+            self.stop_workers("time", st)
             return None
         if self.leaver is not None and self.rejoiner is not None and self.training_since is not None:
             if not self.rejoined:
@@ -478,11 +516,52 @@ class _Watch:
             )
         return st
 
+    def stop_workers(self, why: str, st: pb.StatusReply) -> None:
+        """Training ends (``why``: "tokens" or "time"): evaluate the global model as it is
+        (the last evaluation while training, before the closing pushes), then stop every
+        worker (SIGTERM: each pushes its partial round and leaves)."""
+        self.stop = why
+        try:
+            result = self.ev.evaluate_global()
+        except AsyncDiLoCoError as exc:
+            log.info("the evaluation at the stop was skipped: %s", exc)
+        else:
+            self.loss, self.last_eval = result.loss, time.monotonic()
+            self.stop_point = {
+                "wall_s": self.last_eval - self.started,
+                "version": result.version,
+                "tokens": st.tokens,
+                "eval_loss": result.loss,
+            }
+            self.curve.append(dict(self.stop_point))
+        for w in self.workers:
+            if w.popen.poll() is None:
+                w.popen.terminate()
+
+    def stop_info(self) -> dict:
+        """How training ended, for the report: ``reason`` ("tokens", "time" or "workers"),
+        the bounds (``max_tokens``, ``max_seconds``), seconds of training at the stop and
+        the evaluation there (``eval_loss``, ``version``, ``tokens``; None without one)."""
+        point = self.stop_point or {}
+        return {
+            "reason": self.stop,
+            "max_tokens": self.cfg.token_budget,
+            "max_seconds": self.cfg.max_seconds,
+            "train_s": round(self.train_s(), 3),
+            "eval_loss": point.get("eval_loss"),
+            "version": point.get("version"),
+            "tokens": point.get("tokens"),
+        }
+
     def show(self, bar, st: pb.StatusReply) -> None:
-        """Note when training started; show the progress bar at seconds of training."""
+        """Note when training started; show the progress bar: tokens against the budget
+        (seconds of training against the cap in its text), or seconds without a budget."""
         if st.initialized and self.training_since is None:
             self.training_since, self.training_since_unix = time.monotonic(), time.time()
-        bar.n = min(bar.total, time.monotonic() - self.training_since) if self.training_since else 0
+        if self.cfg.token_budget is not None:
+            bar.n = min(bar.total, st.tokens)
+        else:
+            bar.n = min(bar.total, self.train_s()) if self.training_since else 0
         hist = list(st.staleness_histogram)
         mean_tau = sum(i * c for i, c in enumerate(hist)) / max(1, sum(hist))
         what = (
@@ -494,7 +573,8 @@ class _Watch:
         if not st.initialized:  # nothing trains yet: say what the demo waits for
             bar.set_postfix_str(_starting_text(len(self.workers)) if alive == 0 else "waiting for the initial model")
             return
-        bar.set_postfix_str(f"{what} | eval loss {self.loss:.3f} | workers {alive}")
+        clock = f" | {self.train_s():.0f}/{self.cfg.max_seconds:g} s" if self.cfg.token_budget is not None else ""
+        bar.set_postfix_str(f"{what} | eval loss {self.loss:.3f} | workers {alive}{clock}")
 
 
 def _starting_text(num_processes: int) -> str:

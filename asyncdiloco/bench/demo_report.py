@@ -89,6 +89,7 @@ def report(cfg: ReportedRun, out: pathlib.Path, o: Outcome) -> dict:
         "shard_addresses": list(o.shard_addresses),
         "initial_eval_loss": o.initial_loss,
         "final_eval_loss": o.final_loss,
+        **_stop_fields(o.stop),
         "eval_loss_unit": "nats/char on the held-out split",
         "ln_vocab": math.log(CharCorpus.default().vocab_size),
         **_server_counters(status),
@@ -101,6 +102,47 @@ def report(cfg: ReportedRun, out: pathlib.Path, o: Outcome) -> dict:
         "eval_curve": o.curve,
         "train_start_s": o.train_start_s,  # when the global model existed: training time is wall_s − this
     }
+
+
+def _stop_fields(stop: dict | None) -> dict:
+    """How training ended: ``stop`` ("tokens": the budget was spent, "time": the cap
+    passed, "workers": every worker exited first; None: not recorded), the bounds
+    (``max_tokens``, ``max_seconds``), ``stop_train_s``, and ``stop_eval_loss`` with
+    its ``stop_version`` and ``stop_tokens``: the global model evaluated when the workers
+    were stopped, the last evaluation while training, before their closing pushes
+    (``final_eval_loss`` is after them)."""
+    stop = stop or {}
+    return {
+        "stop": stop.get("reason"),
+        "max_tokens": stop.get("max_tokens"),
+        "max_seconds": stop.get("max_seconds"),
+        "stop_train_s": stop.get("train_s"),
+        "stop_eval_loss": stop.get("eval_loss"),
+        "stop_version": stop.get("version"),
+        "stop_tokens": stop.get("tokens"),
+    }
+
+
+def _stop_text(report: dict) -> str:
+    """The summary's line on how training ended (empty when the run did not record it)."""
+    why = report.get("stop")
+    if why is None:
+        return ""
+    cap = f"cap {report['max_seconds']:g} s"
+    budget = f"budget {report['max_tokens']:,} tokens" if report.get("max_tokens") is not None else "no token budget"
+    text = {
+        "tokens": f"  stopped on tokens: {report.get('stop_tokens') or 0:,} applied (the {budget}) after "
+        f"{report['stop_train_s']:.0f} s of training ({cap})\n",
+        "time": f"  stopped on time: {report['stop_train_s']:.0f} s of training (the {cap}), "
+        f"{report.get('stop_tokens') or 0:,} tokens applied ({budget})\n",
+        "workers": f"  every worker exited before the {budget} and the {cap}\n",
+    }[why]
+    if report.get("stop_eval_loss") is not None:
+        text += (
+            f"  held-out loss at the stop {report['stop_eval_loss']:.3f} (version {report['stop_version']}), "
+            f"after the closing pushes {report['final_eval_loss']:.3f} (version {report['version']})\n"
+        )
+    return text
 
 
 def _server_counters(status: pb.StatusReply) -> dict:
@@ -238,7 +280,8 @@ def print_summary(report: dict, out: pathlib.Path, title: str = "asyncdiloco dem
         f"\n{title}: {len(report['workers'])} worker{'s' if len(report['workers']) != 1 else ''}, "
         f"{report['wall_s']:.0f} s, {report['tokens']:,} tokens\n"
         f"  held-out loss {report['initial_eval_loss']:.3f} -> {report['final_eval_loss']:.3f} nats/char\n"
-        f"  version {report['version']}: {report['applied_pushes']} pushes applied, "
+        + _stop_text(report)
+        + f"  version {report['version']}: {report['applied_pushes']} pushes applied, "
         f"{report['rejected_pushes']} refused, "
         f"{stale} applied with staleness > 0 (histogram {hist})\n"
         f"  bytes pushed {report['bytes_pushed']:,}, pulled {report['bytes_pulled']:,}\n"

@@ -35,18 +35,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="server + N workers of different speeds on loopback, with a report",
-        description="A server and N worker processes of different speeds on 127.0.0.1 train the default job; "
-        "the held-out loss before and after, a report and its plots are written to --out.",
+        description="A server and N worker processes of different speeds on 127.0.0.1 train the default job "
+        "until the server has applied --max-tokens (or --max-seconds of training passed, whichever first); "
+        "the held-out loss before, at the stop and after the workers' closing pushes, a report and its plots "
+        "are written to --out.",
     )
     g = p.add_argument_group("the demo")
     g.add_argument(
         "--workers", type=int, default=d.num_workers, help="number of worker processes (default %(default)s)"
     )
     g.add_argument(
+        "--max-tokens",
+        "--token-budget",
+        dest="max_tokens",
+        type=int,
+        default=d.token_budget,
+        metavar="TOKENS",
+        help="stop the workers once the server has applied this many tokens, so the result does not depend on "
+        "the machine's speed; 0: no budget, only --max-seconds (default %(default)s: about 2 minutes of "
+        "training on a quiet 2-core machine)",
+    )
+    g.add_argument(
         "--max-seconds",
         type=float,
         default=d.max_seconds,
-        help="training time per worker, seconds (default %(default)g)",
+        help="the cap: stop the workers after this many seconds of training if the token budget is not spent "
+        "(default %(default)g)",
     )
     g.add_argument(
         "--out", default=d.out_dir, help="folder for report.json, loss_curve.png and logs (default %(default)s)"
@@ -72,14 +86,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run the server as S parameter-server shards (asyncdiloco server --shards S; async only); "
         "the evaluator assembles the model from every shard (default %(default)s: one unsharded server)",
     )
-    g.add_argument(
-        "--token-budget",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="stop the workers once the server has applied this many tokens, for comparisons at equal "
-        "tokens (default: none, each worker trains --max-seconds)",
-    )
     join = ", ".join(f"{mode} {s:g}" for mode, s in DEMO_JOIN_TIMEOUT_S.items())
     SERVER_RUN.add_to(p, default_means={"--quorum-wait-s": f"the demo's own: {join}"})
     JOB.add_to(p)
@@ -91,6 +97,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     given = SERVER_RUN.given(args)
     given.setdefault("sync.join_timeout_s", DEMO_JOIN_TIMEOUT_S[given.get("mode", ServerConfig.mode)])
     return SERVER_RUN.build(given, host="127.0.0.1", port=0)
+
+
+def _token_budget(tokens: int | None) -> int | None:
+    """``--max-tokens``: 0 (or none) means no budget.
+
+    Raises:
+        ConfigError: a negative number of tokens.
+    """
+    if tokens is not None and tokens < 0:
+        raise ConfigError(f"--max-tokens {tokens} is invalid: give tokens >= 1, or 0 for no budget (--max-seconds)")
+    return tokens or None
 
 
 def _slowdowns(text: str) -> tuple[float, ...] | None:
@@ -120,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         eval_every_s=args.eval_every,
         worker_args=("--overlap",) if args.overlap else (),
         shards=args.shards,
-        token_budget=args.token_budget,
+        token_budget=_token_budget(args.max_tokens),
     )
     _warn_if_overwriting(cfg.out_dir)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C

@@ -65,6 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the shared token (first line) for the server and every worker (default: a fresh random one)",
     )
+    g.add_argument(
+        "--insecure-trusted-network",
+        action="store_true",
+        help="the cluster's network is trusted end to end: send the fleet's token over plaintext to a server "
+        "beyond the loopback (the fleet has no TLS yet; without it a fleet with --address is refused)",
+    )
     g.add_argument("--out", default="fleet-out", help="folder for report.json, plot and logs (default %(default)s)")
     _add_placement_args(g)
     SERVER_RUN.add_to(p)
@@ -141,6 +147,7 @@ def spec(args: argparse.Namespace) -> FleetSpec:
         state_root=args.state_root,
         out_dir=args.out,
         eval_every_s=args.eval_every,
+        insecure_trusted_network=args.insecure_trusted_network,
     )
 
 

@@ -90,7 +90,8 @@ def upstream(args: argparse.Namespace) -> UpstreamConfig | None:
 
     Raises:
         ConfigError: a bad --parent, --parent-every < 1, a --parent-* flag without
-            --parent, or an unreadable token/CA file.
+            --parent, an unreadable token/CA file, or --parent-token-file without
+            --parent-tls-ca to a parent beyond the loopback (without --insecure-trusted-network).
     """
     if not args.parent:
         given = [
@@ -104,11 +105,18 @@ def upstream(args: argparse.Namespace) -> UpstreamConfig | None:
                 "add --parent HOST:PORT or drop them"
             )
         return None
-    from asyncdiloco.wire.security import ClientSecurityConfig
+    from asyncdiloco.wire.security import ClientSecurityConfig, check_client_transport
 
     security = None
     if args.parent_token_file or args.parent_tls_ca:
-        security = ClientSecurityConfig(token_file=args.parent_token_file, tls_ca=args.parent_tls_ca)
+        security = ClientSecurityConfig(
+            token_file=args.parent_token_file,
+            tls_ca=args.parent_tls_ca,
+            insecure_trusted_network=getattr(args, "insecure_trusted_network", False),  # the server's own opt-in
+        )
+    check_client_transport(
+        args.parent, security, token_flag="--parent-token-file", tls_flag="--parent-tls-ca", address_flag="--parent"
+    )
     return UpstreamConfig(parent=args.parent, every=args.parent_every, name=args.parent_name, security=security)
 
 

@@ -17,7 +17,7 @@ from asyncdiloco.algo.lr_schedule import LR_SCHEDULES
 from asyncdiloco.algo.schedule import GROUPINGS
 from asyncdiloco.flags.table import Flag, FlagTable
 from asyncdiloco.job.config import JobConfig
-from asyncdiloco.ps.config import MODES, SYNC_WEIGHTINGS, ServerConfig
+from asyncdiloco.ps.config import MODES, SYNC_LOCAL_STEPS, SYNC_WEIGHTINGS, ServerConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 
@@ -93,6 +93,14 @@ SERVER_RUN = FlagTable.of(
             field="sync.weighting",
             choices=SYNC_WEIGHTINGS,
             help="sync: mean or token-weighted mean of the pseudo-gradients",
+        ),
+        Flag(
+            flag="--sync-local-steps",
+            field="sync.local_steps",
+            choices=SYNC_LOCAL_STEPS,
+            help="sync: inner steps per member of a round: fixed (H for everyone) or adaptive (DyLU inside a "
+            "round: H_w = floor(v_w / max v * H) over the round's members' measured rates, so members of uneven "
+            "speed finish together; H while a rate is unknown)",
         ),
         Flag(
             flag="--store-port",
@@ -256,6 +264,14 @@ SERVER_SECURITY = FlagTable.of(
             help="PEM CA that client certificates must chain to (mutual TLS)",
             default_means="no client certificates",
         ),
+        Flag(
+            flag="--insecure-trusted-network",
+            field="security.insecure_trusted_network",
+            action="set",
+            help="accept the --token-file over plaintext on a --host beyond the loopback (and send the "
+            "--parent-token-file so to a --parent beyond it), on a network you trust end to end (without it such "
+            "a server refuses to start: give --tls-cert/--tls-key, --parent-tls-ca)",
+        ),
     ),
 )
 
@@ -357,6 +373,13 @@ WORKER = FlagTable.of(
             field="security.tls_server_name",
             help="name expected in the server's certificate",
             default_means="the host in --server",
+        ),
+        Flag(
+            flag="--insecure-trusted-network",
+            field="security.insecure_trusted_network",
+            action="set",
+            help="send the --token-file over plaintext to a --server beyond the loopback, on a network you trust "
+            "end to end (without it the worker refuses to connect: give --tls-ca)",
         ),
     ),
 )

@@ -65,11 +65,13 @@ class ServerActor:
     Args:
         config: the server's settings; ``security`` is replaced by the fleet's token.
         token: the shared token every call must carry (None: none).
+        trusted_network: the token may be served over plaintext beyond the loopback
+            (``FleetSpec.insecure_trusted_network``).
     Raises:
         ConfigError / CheckpointError: from ``ParameterServer.start`` (port in use, ...).
     """
 
-    def __init__(self, config: ServerConfig, token: str | None) -> None:
+    def __init__(self, config: ServerConfig, token: str | None, trusted_network: bool = False) -> None:
         import torch
 
         from asyncdiloco.ps.server import ParameterServer
@@ -81,7 +83,9 @@ class ServerActor:
         logging.getLogger("asyncdiloco").addHandler(handler)  # this actor's process is the server's
         logging.getLogger("asyncdiloco").setLevel(logging.INFO)
         token_file = write_token_file(token) if token is not None else None
-        security = ServerSecurityConfig(token_file=token_file) if token_file is not None else None
+        security = None
+        if token_file is not None:
+            security = ServerSecurityConfig(token_file=token_file, insecure_trusted_network=trusted_network)
         self._stopped = threading.Event()
         try:
             self.server = ParameterServer(dataclasses.replace(config, security=security)).start()

@@ -47,6 +47,7 @@ from asyncdiloco.fleet.spec import FleetSpec
 from asyncdiloco.fleet.stopping import INTERRUPT_GRACE_S, WorkerRun, interrupted, keep_server_log, overdue, salvage
 from asyncdiloco.fleet.watch import Watch
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.security import TRUSTED_NETWORK_FLAG
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class Fleet:
             num_cpus=spec.server_num_cpus,
             resources=spec.server_resources or None,
             max_concurrency=4,
-        ).remote(spec.server, self.token)
+        ).remote(spec.server, self.token, spec.insecure_trusted_network)
         where = self.where = self.get_within(
             self.server.where.remote(), spec.startup_timeout_s, "the server's actor to listen"
         )
@@ -216,6 +217,8 @@ class Fleet:
             argv += ["--max-seconds", f"{max_seconds:.3f}"]
         if spec.max_steps is not None:
             argv += ["--max-steps", str(spec.max_steps)]
+        if spec.insecure_trusted_network:
+            argv += [TRUSTED_NETWORK_FLAG]
         return [*argv, *WORKER_JOB.argv(spec.job), *group.worker_args]
 
     def _start_worker(self, w: FleetWorker, max_seconds: float | None) -> None:

@@ -13,6 +13,7 @@ import re
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.wire.security import TRUSTED_NETWORK_FLAG, is_loopback_host
 
 #: A group's name: it starts the worker names (``<group>-<i>``), which name state folders.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
@@ -115,7 +116,8 @@ class FleetSpec:
     The server runs the default job's configuration from ``server`` (its host and port
     are where it listens on its node; ``port=0`` picks a free one); every worker trains
     ``job``. Token and TLS files of ``server.security`` are not used: the fleet's token
-    is ``token`` (TLS through the fleet is not supported yet).
+    is ``token`` (TLS through the fleet is not supported yet), so a server host beyond
+    the loopback (a fleet of several nodes) needs ``insecure_trusted_network``.
     """
 
     #: The parameter server's settings (mode, H, outer optimizer, host, port, metrics port).
@@ -134,6 +136,10 @@ class FleetSpec:
     max_restarts: int = 3
     #: The shared token every call to the server carries; None: a fresh random one per launch.
     token: str | None = None
+    #: The cluster's network is trusted end to end: the fleet's token may travel over
+    #: plaintext to a server host beyond the loopback (the fleet has no TLS yet). False:
+    #: such a fleet is refused (wire/security.py, "A token goes over TLS").
+    insecure_trusted_network: bool = False
     #: Folder on each worker's node for the workers' state folders (``<state_root>/<name>``);
     #: "" = ``<temp dir>/asyncdiloco-fleet-<run id>``. Give a shared filesystem for restarts on other nodes.
     state_root: str = ""
@@ -163,6 +169,13 @@ class FleetSpec:
         if self.token is not None and (not self.token.strip() or "\n" in self.token):
             raise ConfigError(
                 "the fleet's token is empty or spans lines: give one line of text, or None for a fresh one"
+            )
+        if not self.insecure_trusted_network and not is_loopback_host(self.server.host):
+            raise ConfigError(
+                f"a fleet's server on {self.server.host} (not a loopback address) would take the fleet's token over "
+                f"plaintext: the fleet has no TLS yet. On a cluster network you trust end to end add "
+                f"{TRUSTED_NETWORK_FLAG}; otherwise run the fleet on one machine (no --address, or --server-host "
+                f"127.0.0.1)"
             )
         if not self.eval_every_s > 0 or not self.progress_every_s > 0:
             raise ConfigError(

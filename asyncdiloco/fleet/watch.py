@@ -39,7 +39,10 @@ class Watch:
     def __init__(self, fleet: Fleet, where: dict) -> None:
         self.fleet, self.spec = fleet, fleet.spec
         self._token_path = write_token_file(fleet.token)
-        client = ParameterServerClient(where["address"], security=ClientSecurityConfig(token_file=self._token_path))
+        security = ClientSecurityConfig(
+            token_file=self._token_path, insecure_trusted_network=self.spec.insecure_trusted_network
+        )
+        client = ParameterServerClient(where["address"], security=security)
         self.evaluator = Evaluator(client, self.spec.job, name="fleet")
         self.started = time.monotonic()
         self.initial_loss = self.evaluator.held_out_loss()  # the seed's model = the server's version 0

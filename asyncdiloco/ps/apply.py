@@ -6,7 +6,9 @@ outer.py): a pseudo-gradient Δ with base version v arriving at version V has st
 τ = V − v; it is refused when τ > max_staleness or v > V, otherwise the outer optimizer
 steps on s(τ)·Δ at once and the version becomes V + 1. The step that produces version
 V + 1 is applied at version V, which keys the outer learning rate's schedule, live and
-in log replay. The initial parameters become θ (version unchanged).
+in log replay. A worker's closing push (``PushHeader.last``: its partial round at close)
+takes the outer step's direct term alone, N not shrunk by the Leaves of the run's end
+(outer.py ``step_closing``). The initial parameters become θ (version unchanged).
 
 Each apply: decode (outside the locks) → check the values → under the ``apply`` lock:
 admit (lease, τ, s(τ), the live-worker count N; logged to the journal), the outer step
@@ -212,11 +214,19 @@ class PseudoGradient:
                     tau, weight, version_after = self.staleness(header)
                     expected = _live_workers(parts, header.worker_id)
                     num_workers = parts.registry.live_regions() if rec.region else len(expected)
-                else:  # a follower: shard 0's τ, s(τ), version and N
+                    closing = header.last and not rec.region
+                    if closing:  # N not shrunk by the Leaves of the run's end (outer.py ``step_closing``)
+                        num_workers = parts.model.optimizer.closing_workers(num_workers)
+                else:  # a follower: shard 0's τ, s(τ), version, N and closing
                     tau, weight, version_after = self._follow(order)
-                    expected, num_workers = {header.worker_id}, order.num_workers
+                    expected, num_workers, closing = {header.worker_id}, order.num_workers, order.closing
                 applied = AppliedAs(
-                    tau=tau, weight=weight, version_after=version_after, num_workers=num_workers, region=rec.region
+                    tau=tau,
+                    weight=weight,
+                    version_after=version_after,
+                    num_workers=num_workers,
+                    region=rec.region,
+                    closing=closing,
                 )
                 parts.journal.log_push(header, payload, applied)
             # the tensor math, books free meanwhile; pulls meanwhile get θ as it was before
@@ -227,7 +237,7 @@ class PseudoGradient:
                     version_after, lambda on_block: self._step(delta, applied, on_block), swap_into=swap_into
                 )
             with parts.locks.books:
-                outcome = self.record(rec, header, tau, weight, applied.num_workers)
+                outcome = self.record(rec, header, tau, weight, applied.num_workers, closing)
                 self.snapshots.publish(snap)
                 if self.gate is None:
                     return self._hand_off(rec, header, outcome, expected, largest)
@@ -329,7 +339,13 @@ class PseudoGradient:
         return tau, staleness_weight(self.parts.config.outer, tau), version + 1
 
     def record(
-        self, rec: WorkerRecord, header: pb.PushHeader, tau: int, weight: float, num_workers: int = 0
+        self,
+        rec: WorkerRecord,
+        header: pb.PushHeader,
+        tau: int,
+        weight: float,
+        num_workers: int = 0,
+        closing: bool = False,
     ) -> PushOutcome:
         """The version, the counters and the outcome remembered for retries (books lock held)."""
         parts = self.parts
@@ -343,7 +359,14 @@ class PseudoGradient:
         rec.staleness_pushes += 1
         rec.last_staleness = tau
         outcome = PushOutcome(
-            True, False, parts.model.version, tau, weight, parts.config.local_steps, num_workers=num_workers
+            True,
+            False,
+            parts.model.version,
+            tau,
+            weight,
+            parts.config.local_steps,
+            num_workers=num_workers,
+            closing=closing,
         )
         rec.remember(header.push_id, outcome)
         return outcome
@@ -370,18 +393,20 @@ class PseudoGradient:
             self.parts.model.version += 1
             return
         self._step(delta, applied)
-        self.record(rec, header, applied.tau, applied.weight, applied.num_workers)
+        self.record(rec, header, applied.tau, applied.weight, applied.num_workers, applied.closing)
 
     def _step(self, delta: torch.Tensor | BlockDelta, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
         """The outer step of one push; the step making version V + 1 is applied at V (η's
         schedule). ``on_block``: called after each block of θ is updated (outer.py). A
         regional server's push is averaged in instead: θ ← θ − s(τ)·Δ/R (outer.py
-        ``average_in``; R = ``applied.num_workers``, the live regions)."""
+        ``average_in``; R = ``applied.num_workers``, the live regions). A worker's closing
+        push (``applied.closing``) takes the direct term alone (outer.py ``step_closing``)."""
         if applied.region:
             scale = applied.weight / max(1, applied.num_workers)
             average_in(self.parts.model.theta, delta, scale, on_block=on_block)
             return
-        self.parts.model.optimizer.step(
+        step = self.parts.model.optimizer.step_closing if applied.closing else self.parts.model.optimizer.step
+        step(
             delta,
             applied.weight,
             version=applied.version_after - 1,

@@ -15,8 +15,9 @@ and is counted by ``record_rejected``. A
 pull sends ``open_pull``'s header and then the payload (``sendall`` of θ's bytes copied
 out chunk by chunk, live.py, or of an encoded snapshot's own bytes), then ``record_pull``.
 
-Threads: one listener thread, and one thread per connection, at most
-``max_connections`` at a time (``ServerConfig.max_concurrent_rpcs``); a connection
+Threads: one listener thread per address of the host (wire/listen.py: every address
+the host resolves to is served, or the server does not start), and one thread per
+connection, at most ``max_connections`` at a time (``ServerConfig.max_concurrent_rpcs``); a connection
 beyond that is closed at once, and its client uses gRPC. A connection idle (or stalled
 mid-payload) for longer than ``idle_timeout_s`` (the worker lease) is closed; clients
 reconnect on their next push or pull. Auth: the shared token of every request is
@@ -43,6 +44,7 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
 from asyncdiloco.wire.header_crc import check_header
+from asyncdiloco.wire.listen import bind_every
 from asyncdiloco.wire.security import token_matches
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ class BulkServer:
 
     Args:
         state: the parameter server's state (shared with the gRPC servicer).
-        host: interface to bind (the server's ``--host``).
+        host: interface to bind (the server's ``--host``): every address it resolves to.
         port: TCP port; 0 picks a free one (read ``.port`` after ``start``).
         token: the shared token every request must carry; None = no token.
         ssl_context: server-side TLS context (security.server_ssl_context); None = plaintext.
@@ -102,8 +104,9 @@ class BulkServer:
         self._ssl = ssl_context
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        #: One listening socket per address of ``host``, each with its accept thread.
+        self._listeners: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         #: Open connections: id -> (its socket, TLS-wrapped once the handshake is done; its thread).
         self._connections: dict[int, tuple[socket.socket, threading.Thread]] = {}
@@ -111,26 +114,30 @@ class BulkServer:
         self._stopping = False
 
     def start(self) -> BulkServer:
-        """Bind and start accepting.
+        """Bind ``port`` on every address ``host`` resolves to (wire/listen.py) and start
+        accepting, one listener thread per address.
 
         Raises:
-            ConfigError: the address cannot be bound.
+            ConfigError: one of the addresses cannot be bound (named in the message).
         """
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        listeners = bind_every(self.host, self.port, what="the bulk data channel", flag="--bulk-port")
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-            sock.listen(128)
+            for sock in listeners:
+                sock.listen(128)
         except OSError as exc:
-            sock.close()
+            for sock in listeners:
+                sock.close()
             raise ConfigError(
                 f"cannot listen for the bulk data channel on {self.host}:{self.port} ({exc.strerror}); choose "
                 f"another --bulk-port (0 picks a free one)"
             ) from None
-        self._listener, self.port = sock, sock.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept_loop, name="ps-bulk-listener", daemon=True)
-        self._thread.start()
+        self._listeners, self.port = listeners, listeners[0].getsockname()[1]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, args=(sock,), name="ps-bulk-listener", daemon=True)
+            for sock in listeners
+        ]
+        for thread in self._threads:
+            thread.start()
         log.info("bulk data channel listening on %s:%d%s", self.host, self.port, " (TLS)" if self._ssl else "")
         return self
 
@@ -140,12 +147,12 @@ class BulkServer:
         threads, so that a push being applied finishes before the caller goes on."""
         grace_s = 5.0 if grace_s is None else grace_s
         self._stopping = True
-        if self._listener is not None:
+        for listener in self._listeners:
             try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
             except OSError:
                 pass
-            self._listener.close()
+            listener.close()
         with self._lock:
             conns = list(self._connections.values())
         for conn, _ in conns:
@@ -155,13 +162,11 @@ class BulkServer:
                 pass
         for _, thread in conns:
             thread.join(timeout=grace_s)
-        if self._thread is not None:
-            self._thread.join(timeout=grace_s)
+        for thread in self._threads:
+            thread.join(timeout=grace_s)
 
     # -------------------------------------------------------------- accepting
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None, "start() binds it first"
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._stopping:
             try:
                 conn, peer = listener.accept()

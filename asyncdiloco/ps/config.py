@@ -14,11 +14,17 @@ from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER
 from asyncdiloco.algo.schedule import GROUPINGS
 from asyncdiloco.errors import ConfigError, require
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, WIRE_CODECS
-from asyncdiloco.wire.security import ServerSecurityConfig
+from asyncdiloco.wire.security import ServerSecurityConfig, check_server_transport
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES
 
 MODES = ("async", "sync")
 SYNC_WEIGHTINGS = ("mean", "tokens")
+#: Sync mode's inner steps per member of a round: "fixed" (H for every member) or
+#: "adaptive" (DyLU's H_w over the round's members, so they finish about together).
+SYNC_LOCAL_STEPS = ("fixed", "adaptive")
+#: The default of ``SyncConfig.local_steps`` (``--sync-local-steps``): one constant, to be
+#: set to what the benchmark suite shows to win (docs/operations.md, "Sync mode").
+DEFAULT_SYNC_LOCAL_STEPS = "fixed"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +72,12 @@ class SyncConfig:
     round_timeout_s: float = 60.0
     #: "mean": each member's pseudo-gradient weighs 1; "tokens": it weighs its tokens.
     weighting: str = "mean"
+    #: Inner steps each member runs per round: "fixed" = H for every member; "adaptive" =
+    #: Dynamic Local Updates inside a round (Liu et al. 2024, arXiv 2401.09135, Eq. 6):
+    #: H_w = max(1, ⌊v_w / max v · H⌋) over the round's members' rates (H while a rate is
+    #: unknown), handed to each member with the round's decision (ps/quorum.py), so a
+    #: faster member no longer waits for the slowest at every round.
+    local_steps: str = DEFAULT_SYNC_LOCAL_STEPS
     #: Obsolete, ignored (a non-zero value logs a warning): the rendezvous store is served
     #: on the gRPC port, with its token and TLS (the ``Store`` RPC), and needs no port of its own.
     store_port: int = 0
@@ -85,11 +97,23 @@ class SyncConfig:
             "must be a finite number of seconds > 0 (default 60)",
         )
         require(self.weighting in SYNC_WEIGHTINGS, "sync weighting", self.weighting, f"choose one of {SYNC_WEIGHTINGS}")
+        require(
+            self.local_steps in SYNC_LOCAL_STEPS,
+            "sync local_steps",
+            self.local_steps,
+            f"choose one of {SYNC_LOCAL_STEPS} (--sync-local-steps)",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """The parameter server process: address, run config it dictates, limits."""
+    """The parameter server process: address, run config it dictates, limits.
+
+    Raises:
+        ConfigError: a value is invalid, or a token would be served over plaintext on a
+            host beyond the loopback without ``security.insecure_trusted_network``
+            (wire/security.py ``check_server_transport``).
+    """
 
     #: Interface to bind. 127.0.0.1 by default; "0.0.0.0" (all interfaces) is an explicit choice.
     host: str = "127.0.0.1"
@@ -173,6 +197,7 @@ class ServerConfig:
         self._check_limits()
         self._check_grouping()
         self._check_codec()
+        check_server_transport(self.host, self.security)  # a token goes over TLS or stays on the loopback
 
     def _check_shards(self) -> None:
         require(self.shard_count >= 1, "shard_count", self.shard_count, "must be >= 1 (1 = unsharded)")

@@ -170,7 +170,7 @@ def workers_table(workers: Sequence[pb.WorkerStatus], sync: bool = False) -> str
 
 
 #: RunConfig fields that mean nothing to an async run, and to a sync run (not shown for one).
-_SYNC_ONLY = frozenset({"min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting"})
+_SYNC_ONLY = frozenset({"min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "sync_local_steps"})
 _ASYNC_ONLY = frozenset(
     {"max_staleness", "dylu", "grouping", "group_window_s", "group_max_wait_s", "wire_codec", "codec_block_size"}
 )

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from asyncdiloco.algo.outer import make_outer_optimizer
+from asyncdiloco.algo.outer import DelayedNesterov, make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.journal import Journal, StateDict
 from asyncdiloco.ps.parts import CoreParts
@@ -27,6 +27,63 @@ from asyncdiloco.ps.records import AppliedAs, LoggedJoin, WorkerRecord
 from asyncdiloco.ps.snapshots import Snapshots
 from asyncdiloco.ps.wal import manifest_from_json, manifest_to_json
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.tensors import Manifest
+
+#: Where the way to carry a checkpoint over to a changed model on purpose is written.
+CONVERT_DOC = 'docs/operations.md, "Converting a checkpoint on purpose"'
+
+
+def check_checkpoint_tensors(
+    tensors: Mapping[str, torch.Tensor], manifest: Manifest, kinds: tuple[str, ...], source: str
+) -> None:
+    """Refuse a checkpoint whose tensors are not exactly the model's: for each of ``kinds``
+    (``param`` and the configured outer optimizer's vectors) one float32 tensor
+    ``"<kind>/<name>"`` of each manifest tensor's shape, and nothing else. A tensor the
+    model lacks is refused like a missing one: a checkpoint restores only the model it
+    was written for, and silently dropping state is as wrong as inventing it.
+
+    Args:
+        tensors: the checkpoint's tensors by key.
+        manifest: the model (the checkpoint's own manifest).
+        kinds: the vectors the configured outer optimizer keeps, with ``param``.
+        source: the checkpoint's file, for the message.
+    Raises:
+        CheckpointError: naming every extra, missing, reshaped and re-typed tensor, and
+            the documented way to convert a checkpoint (``CONVERT_DOC``).
+    """
+    expected = {f"{kind}/{spec.name}": spec.shape for kind in kinds for spec in manifest.tensors}
+    extra = [k for k in tensors if k not in expected]
+    missing = [k for k in expected if k not in tensors]
+    reshaped = [k for k, shape in expected.items() if k in tensors and tuple(tensors[k].shape) != shape]
+    retyped = [k for k in expected if k in tensors and tensors[k].dtype != torch.float32]
+    if not (extra or missing or reshaped or retyped):
+        return
+    problems = []
+    if extra:
+        names = ", ".join(f"{k!r} ({_described(tensors[k])})" for k in extra)
+        other = sorted({k.split("/", 1)[0] for k in extra} - {"param", *kinds})
+        why = f"; {other} is another outer optimizer's state: restart with the checkpoint's settings" if other else ""
+        problems.append(f"extra {names}: the model has no such tensor{why}")
+    if missing:
+        names = ", ".join(f"{k!r} (float32 {expected[k]})" for k in missing)
+        problems.append(f"missing {names}")
+    if reshaped:
+        names = ", ".join(f"{k!r} is {tuple(tensors[k].shape)} where the model's is {expected[k]}" for k in reshaped)
+        problems.append(f"reshaped: {names}")
+    if retyped:
+        names = ", ".join(f"{k!r} is {tensors[k].dtype} where the model's is torch.float32" for k in retyped)
+        problems.append(f"re-typed: {names}")
+    raise CheckpointError(
+        f"{source} do not match the model of the checkpoint's manifest ({len(manifest.tensors)} tensors) and "
+        f"the configured outer optimizer ({', '.join(kinds)}): {'; '.join(problems)}. A checkpoint restores only "
+        f"the model it was written for; to carry it over to a changed model on purpose, export it "
+        f"(asyncdiloco export), convert the parameters and start a fresh --checkpoint-dir from them "
+        f"({CONVERT_DOC}); or restore the folder from a backup"
+    )
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
 
 
 class Replayable(Protocol):
@@ -116,6 +173,7 @@ class Durability:
             result = while_locked() if while_locked is not None else 0
             meta = {
                 "outer_arrivals": getattr(model.outer, "arrivals", 0),
+                "outer_last_n": getattr(model.outer, "last_n", 0),
                 "version": model.version,
                 "initialized": model.initialized,
                 "manifest": manifest_to_json(model.manifest) if model.manifest is not None else None,
@@ -150,15 +208,18 @@ class Durability:
         lease by now stay gone (they rejoin under their name and get their id back).
 
         Raises:
-            CheckpointError: the tensors do not match the stored manifest, or the
-            momentum does not match the configured outer optimizer.
+            CheckpointError: the tensors do not match the model (``check_checkpoint_tensors``:
+            extra, missing, reshaped or re-typed ones, each named).
         """
         model = self.model
         with self.locks.apply, self.locks.books:
             now = self.clock()
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
-                self._load_tensors(tensors, int(meta.get("outer_arrivals", 0)))
+                source = f"checkpoint tensors {meta.get('tensor_file', '(unnamed)')}"
+                self._load_tensors(
+                    tensors, int(meta.get("outer_arrivals", 0)), source, int(meta.get("outer_last_n", 0))
+                )
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
@@ -168,37 +229,23 @@ class Durability:
         if self.rounds is not None:
             self.rounds.resume()
 
-    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int) -> None:
+    def _load_tensors(self, tensors: dict[str, torch.Tensor], arrivals: int, source: str, last_n: int = 0) -> None:
         model = self.model
-        config = model.config.outer
-        model.params = self._named_to_flat(tensors, "param")
-        model.outer = make_outer_optimizer(model.params, config, model.known_manifest.block_sizes())
+        manifest = model.known_manifest
+        model.params = torch.zeros(manifest.numel)  # filled below, once the tensors are checked
+        model.outer = make_outer_optimizer(model.params, model.config.outer, manifest.block_sizes())
         buffers = model.outer_buffers()
+        check_checkpoint_tensors(tensors, manifest, ("param", *buffers), source)
+        model.params.copy_(self._named_to_flat(tensors, "param"))
         for kind, vec in buffers.items():
             vec.copy_(self._named_to_flat(tensors, kind))
-        extra = {k.split("/", 1)[0] for k in tensors} - {"param", *buffers}
-        if extra:
-            raise CheckpointError(
-                f"checkpoint holds outer-optimizer state {sorted(extra)} that the configured "
-                f"{config.optimizer} (momentum {config.momentum:g}) does not use; "
-                f"restart with the checkpoint's outer-optimizer settings"
-            )
-        if hasattr(model.outer, "arrivals"):
+        if isinstance(model.outer, DelayedNesterov):
             model.outer.arrivals = arrivals
+            model.outer.last_n = last_n  # N for closing pushes (outer.py ``closing_workers``)
 
     def _named_to_flat(self, tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (looked up by name)."""
-        parts = []
-        for spec in self.model.known_manifest.tensors:
-            key = f"{kind}/{spec.name}"
-            t = tensors.get(key)
-            if t is None or t.dtype != torch.float32 or tuple(t.shape) != spec.shape:
-                raise CheckpointError(
-                    f"checkpoint tensor {key!r} is {'missing' if t is None else f'{t.dtype} {tuple(t.shape)}'}; "
-                    f"the manifest says float32 {spec.shape}: the checkpoint is inconsistent (or was written "
-                    f"with other outer-optimizer settings); restart with its settings or restore an older one"
-                )
-            parts.append(t.reshape(-1))
+        """Concatenate ``"<kind>/<name>"`` tensors in manifest order (checked beforehand)."""
+        parts = [tensors[f"{kind}/{spec.name}"].reshape(-1) for spec in self.model.known_manifest.tensors]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def replay_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs) -> None:

@@ -14,9 +14,10 @@ mark is never applied again (records.py ``WorkerRecord.answer_retry``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -284,21 +285,42 @@ class PushIntake:
         applied push is answered with its original outcome after ``drain`` consumed its
         payload.
 
+        The worker's lease does not lapse while its push is received and applied, however
+        slow the upload (``_in_progress``).
+
         Raises:
             The exceptions of ``begin`` (raised before ``fill`` is called: nothing of the
             payload was read), of ``fill`` and of ``apply``.
         """
-        started = self.begin(header, is_active)
-        if isinstance(started, PushOutcome):
-            drain()
-            return started
+        with self._in_progress(header.worker_id):
+            started = self.begin(header, is_active)
+            if isinstance(started, PushOutcome):
+                drain()
+                return started
+            try:
+                fill(started)
+                payload = started.finish()  # size and CRC-32 checked
+                scan = started.watch
+                return self.apply(header, payload, scan.largest if isinstance(scan, ValueScan) else None)
+            finally:  # the payload is not used after this; a buffer of its own is not the pool's
+                self.pool.release(started.buffer)
+
+    @contextlib.contextmanager
+    def _in_progress(self, worker_id: int) -> Iterator[None]:
+        """A part of ``worker_id``'s push (its receipt and apply, or its held reply): the
+        worker's lease does not lapse meanwhile and runs afresh from its end (registry.py
+        ``begin_call``). A lease that lapsed before it stays lapsed (expired first)."""
+        if not worker_id:
+            yield
+            return
+        with self.locks.books:
+            self.registry.expire(self.registry.clock())
+            self.registry.begin_call(worker_id)
         try:
-            fill(started)
-            payload = started.finish()  # size and CRC-32 checked
-            scan = started.watch
-            return self.apply(header, payload, scan.largest if isinstance(scan, ValueScan) else None)
-        finally:  # the payload is not used after this; a buffer of its own is not the pool's
-            self.pool.release(started.buffer)
+            yield
+        finally:
+            with self.locks.books:
+                self.registry.end_call(worker_id)
 
     def receive_in_process(self, header: pb.PushHeader, payload: torch.Tensor) -> PushOutcome:
         """``receive`` of a payload (uint8 (N,) CPU) held in memory, cut into chunks
@@ -336,7 +358,9 @@ class PushIntake:
         The hold never outlasts the wait the worker was told (``group_max_wait_s`` of its
         previous PushReply or its JoinReply, registry.py ``told_wait_s``), which its
         push deadline covers, even when the group's window is longer (it grew since:
-        an auto window once slower rates are known, a worker that joined).
+        an auto window once slower rates are known, a worker that joined). The worker's
+        lease does not lapse while the server holds its reply, and runs afresh from the
+        reply (``_in_progress``): a window as long as the lease, or longer, costs no lease.
 
         Args:
             outcome: what ``receive`` returned.
@@ -353,7 +377,8 @@ class PushIntake:
         elif outcome.group_id and hold:
             with self.locks.books:
                 told_s = self.registry.told_wait_s(worker_id) if worker_id else max_wait_s
-            held_s = self.groups.wait(outcome.group_id, min(max_wait_s, told_s), self._group_now)
+            with self._in_progress(worker_id):
+                held_s = self.groups.wait(outcome.group_id, min(max_wait_s, told_s), self._group_now)
         with self.locks.books:
             local_steps = self.registry.local_steps(worker_id) if worker_id else outcome.local_steps
             max_wait_next_s = self.registry.tell_wait_s(worker_id)

@@ -18,7 +18,7 @@ import socket
 import socketserver
 import threading
 from collections.abc import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from google.protobuf import json_format
 from prometheus_client import make_wsgi_app
@@ -27,6 +27,7 @@ from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.dashboard import RunHistory, render
 from asyncdiloco.ps.metrics import ServerMetrics
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.wire.listen import bind_every
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,25 @@ SAMPLE_EVERY_S = 1.0
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    """A threading WSGI server on a socket bound beforehand (wire/listen.py ``bind_every``)."""
+
     daemon_threads = True  # a slow scraper never holds up stop()
-    allow_reuse_address = True
 
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock.getsockname()[:2], _QuietHandler, bind_and_activate=False)
+        self.socket.close()  # the one TCPServer made: serve on the bound one instead
+        self.socket = sock
+        self.address_family = sock.family
+        self.server_bind()
+        self.server_activate()
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+    def server_bind(self) -> None:
+        """What HTTPServer's bind records, for a socket already bound (and without its
+        reverse lookup of the host name, which can stall on a machine without DNS)."""
+        self.server_address = self.socket.getsockname()
+        host, self.server_port = self.server_address[:2]
+        self.server_name = str(host)
+        self.setup_environ()
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -54,7 +68,7 @@ class MonitorServer:
     Args:
         state: the server's state.
         metrics: its registry (metrics.py).
-        host: interface to bind (the server's ``--host``).
+        host: interface to bind (the server's ``--host``): every address it resolves to.
         port: TCP port; 0 picks a free one (read ``.port`` after ``start``).
     """
 
@@ -65,29 +79,35 @@ class MonitorServer:
         self.port = port
         self.history = RunHistory()
         self._metrics_app = make_wsgi_app(metrics.registry)
-        self._httpd: WSGIServer | None = None
+        #: One HTTP server per address of ``host`` (each serves every request path).
+        self._httpds: list[_Server] = []
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
 
     def start(self) -> MonitorServer:
-        """Bind and serve.
+        """Bind ``port`` on every address ``host`` resolves to and serve.
 
         Raises:
-            ConfigError: the address cannot be bound.
+            ConfigError: one of the addresses cannot be bound (named in the message).
         """
-        server_class = _Server6 if ":" in self.host else _Server
+        socks = bind_every(self.host, self.port, what="the metrics endpoint", flag="--metrics-port")
+        servers: list[_Server] = []
         try:
-            httpd = make_server(self.host, self.port, self.app, server_class=server_class, handler_class=_QuietHandler)
+            for sock in socks:
+                servers.append(_Server(sock))
+                servers[-1].set_app(self.app)
         except OSError as exc:
+            for sock in socks:
+                sock.close()
             raise ConfigError(
                 f"cannot serve metrics on {self.host}:{self.port} ({exc.strerror}); choose another "
                 f"--metrics-port (0 picks a free one)"
             ) from None
-        self._httpd, self.port = httpd, httpd.server_address[1]
+        self._httpds, self.port = servers, servers[0].server_address[1]
         self._threads = [
-            threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="ps-metrics", daemon=True),
-            threading.Thread(target=self._sample, name="ps-metrics-sampler", daemon=True),
-        ]
+            threading.Thread(target=h.serve_forever, kwargs={"poll_interval": 0.2}, name="ps-metrics", daemon=True)
+            for h in servers
+        ] + [threading.Thread(target=self._sample, name="ps-metrics-sampler", daemon=True)]
         for thread in self._threads:
             thread.start()
         log.info("metrics and dashboard on http://%s:%d/", self.host, self.port)
@@ -96,10 +116,10 @@ class MonitorServer:
     def stop(self) -> None:
         """Stop serving and sampling (requests in flight finish on their daemon threads)."""
         self._stopping.set()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        for httpd in self._httpds:
+            httpd.shutdown()
+            httpd.server_close()
+        self._httpds = []
         for thread in self._threads:
             thread.join(timeout=5.0)
         self._threads = []

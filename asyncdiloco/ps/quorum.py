@@ -9,7 +9,10 @@ One round r → r+1 here: ``request`` (a live worker asks to join the next round
 which committed round its θ_base reflects) until the quorum forms; members ordered by
 worker id, those behind told to heal; ``stage_result`` keeps rank 0's Δ̄ aside; ``vote``
 commits when every member voted success with the same total weight (then
-``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``.
+``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``. Either way
+the decision carries each member's H_w for its next round, from ``next_local_steps``
+(the members and their votes, which carry their compute times): computed once per round,
+so every member's value comes from the same rates and membership.
 
 Who forms a quorum is a function of who waits and of the **running group** G, the live
 members of the previous quorum. At least ``min_workers`` must wait, and:
@@ -45,7 +48,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -80,6 +83,9 @@ class QuorumManager:
         on_commit: applies a committed round (called with this manager's lock held).
         clock: monotonic seconds (injectable for tests).
         start_round: committed rounds so far.
+        next_local_steps: at each decision (this manager's lock held), the round's
+            members in rank order and their votes → member id → H_w for its next round
+            (``Decision.local_steps``); None: none (the members keep their H).
     """
 
     def __init__(
@@ -90,10 +96,12 @@ class QuorumManager:
         on_commit: Callable[[CommittedRound], None],
         clock: Callable[[], float] = time.monotonic,
         start_round: int = 0,
+        next_local_steps: Callable[[tuple[int, ...], Mapping[int, MemberVote]], Mapping[int, int]] | None = None,
     ) -> None:
         self.config = config
         self._live_workers = live_workers
         self._on_commit = on_commit
+        self._next_local_steps = next_local_steps
         self._clock = clock
         self._cond = threading.Condition()
         self.round = start_round
@@ -184,8 +192,10 @@ class QuorumManager:
         num_tokens: int = 0,
         num_local_steps: int = 0,
         reason: str = "",
+        compute_s: float = 0.0,
     ) -> Decision | None:
-        """Record a member's vote; returns the decision if the round is decided.
+        """Record a member's vote (``compute_s``: seconds of its own compute over its
+        ``num_local_steps``, 0 = not measured); returns the decision if the round is decided.
 
         Raises:
             RoundRefusedError: ``worker_id`` is not a member of ``quorum_id``, or the
@@ -207,7 +217,7 @@ class QuorumManager:
                     f"(members {list(rnd.members)})"
                 )
             rnd.votes.setdefault(
-                worker_id, MemberVote(success, float(total_weight), num_tokens, num_local_steps, reason)
+                worker_id, MemberVote(success, float(total_weight), num_tokens, num_local_steps, reason, compute_s)
             )
             if not success:
                 self._decide_locked(rnd, False, f"worker {worker_id} failed the round: {reason or 'no reason given'}")
@@ -533,7 +543,8 @@ class QuorumManager:
             self.rounds_failed += 1
             log.warning("quorum %d aborted: %s", rnd.quorum_id, reason)
         rnd.result = None
-        rnd.decision = Decision(rnd.quorum_id, committed, self.round, reason)
+        steps = self._next_local_steps(rnd.members, rnd.votes) if self._next_local_steps is not None else {}
+        rnd.decision = Decision(rnd.quorum_id, committed, self.round, reason, dict(steps))
         self._decisions[rnd.quorum_id] = rnd.decision
         while len(self._decisions) > _DECISION_MEMORY:
             self._decisions.popitem(last=False)

@@ -6,6 +6,7 @@ the ``CommittedRound`` the server applies; and the manager's own per-round recor
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -60,12 +61,14 @@ class QuorumMiss:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The outcome of a round: ``committed`` or aborted with ``reason``; ``round`` is the
-    committed-round counter after it."""
+    committed-round counter after it; ``local_steps``: member id → H_w, the inner steps it
+    runs before its next sync point (computed once, at the decision; empty: keep H)."""
 
     quorum_id: int
     committed: bool
     round: int
     reason: str = ""
+    local_steps: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -75,6 +78,8 @@ class MemberVote:
     num_tokens: int
     num_local_steps: int
     reason: str
+    #: Seconds of the member's own compute over ``num_local_steps`` (0: not measured).
+    compute_s: float = 0.0
 
 
 @dataclasses.dataclass

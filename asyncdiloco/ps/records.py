@@ -36,6 +36,8 @@ class PushOutcome:
         group_id: the push group whose release the reply waits for (0: none).
         num_workers: N, the live-worker count the outer step used (0: not a pseudo-gradient);
             shard 0 of a sharded server sends it to the workers (ps/shard_order.py).
+        closing: a worker's closing push, applied as the direct term alone (outer.py
+            ``step_closing``); shard 0 sends it to the other shards with N.
     """
 
     applied: bool
@@ -46,6 +48,7 @@ class PushOutcome:
     local_steps: int
     group_id: int = 0
     num_workers: int = 0
+    closing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,9 @@ class AppliedAs:
     #: A regional server's push, averaged in as θ ← θ − s·Δ/R instead of going through the
     #: outer optimizer (apply.py ``REGION``).
     region: bool = False
+    #: A worker's closing push (``PushHeader.last``): the direct term alone, with
+    #: ``num_workers`` the N it was divided by (outer.py ``step_closing``).
+    closing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +88,8 @@ class Vote:
     num_local_steps: int = 0
     #: Why the round failed here, when ``success`` is False.
     reason: str = ""
+    #: Seconds of the member's own compute over ``num_local_steps`` (0: not measured).
+    compute_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,10 @@ derives what the server dictates per worker: H_w by Dynamic Local Updates (Liu e
 the expected-workers rule a push group (and Delayed Nesterov's N) waits for.
 
 Leases run on the server's monotonic clock: a worker silent for longer than
-``ServerConfig.lease_s`` is no longer registered (it calls Join again). A worker that
+``ServerConfig.lease_s`` is no longer registered (it calls Join again). A push in
+progress (its payload arriving, being applied, or its reply held for a group, however
+long the window) is no silence: its worker's lease does not lapse meanwhile and runs
+afresh from the push's end (``begin_call`` / ``end_call``). A worker that
 joins under the name it gave before gets its id back (it resumes: counters and the
 outcomes of its pushes stay, so a retried push is answered as before). Checkpoints and
 the log date each worker's last contact on the wall clock, so that after a restart a
@@ -104,6 +107,11 @@ class WorkerRegistry:
         #: Worker id → the ``group_max_wait_s`` the server told it in its newest JoinReply
         #: or PushReply (``told_wait_s``), seconds.
         self._told_wait_s: dict[int, float] = {}
+        #: Sync mode: member id → the H_w its newest round's decision handed it
+        #: (``plan_sync_round``), until its session ends.
+        self._sync_steps: dict[int, int] = {}
+        #: Worker id → its pushes in progress (``begin_call``): no lease lapses during one.
+        self._in_call: dict[int, int] = {}
 
     # ------------------------------------------------------------ joins and leases
     def join(
@@ -153,6 +161,7 @@ class WorkerRegistry:
         )
         if old is not None:
             self.rates.forget(worker_id)  # the new session's rate is measured afresh
+            self._sync_steps.pop(worker_id, None)
         self.register(worker_id, name, initialize, manifest if replace else None, now, named=named, region=region)
         self.rates.report(worker_id, steps_per_s)
         self.workers[worker_id].ranks = max(1, ranks)  # not logged: the next Join says it again
@@ -246,10 +255,28 @@ class WorkerRegistry:
         wall clock went back."""
         return 0.0 if seen_unix_s is None else max(0.0, self.wall_clock() - seen_unix_s)
 
+    def begin_call(self, worker_id: int) -> None:
+        """A push of ``worker_id`` is in progress (received, applied or held): its lease
+        does not lapse until the matching ``end_call``."""
+        self._in_call[worker_id] = self._in_call.get(worker_id, 0) + 1
+
+    def end_call(self, worker_id: int) -> None:
+        """A push that ``begin_call`` announced ended (whatever its outcome): a live
+        worker's lease runs afresh from now."""
+        left = self._in_call.get(worker_id, 0) - 1
+        if left > 0:
+            self._in_call[worker_id] = left
+        else:
+            self._in_call.pop(worker_id, None)
+        rec = self.workers.get(worker_id)
+        if rec is not None and rec.alive:
+            rec.last_seen = max(rec.last_seen, self.clock())
+
     def expire(self, now: float) -> None:
-        """End the lease of every worker silent for longer than ``lease_s`` seconds."""
+        """End the lease of every worker silent for longer than ``lease_s`` seconds (a
+        worker with a push in progress is not silent: ``begin_call``)."""
         for rec in self.workers.values():
-            if rec.alive and now - rec.last_seen > self.config.lease_s:
+            if rec.alive and now - rec.last_seen > self.config.lease_s and rec.worker_id not in self._in_call:
                 rec.alive = False
                 log.warning(
                     "worker %d (%s): lease expired after %.1f s of silence",
@@ -305,6 +332,7 @@ class WorkerRegistry:
         if rec is not None:
             rec.alive, rec.left = False, rec.left or rec.alive  # a lapsed lease stays "expired"
             self.rates.forget(worker_id)
+            self._sync_steps.pop(worker_id, None)
             log.info("worker %d (%s) left", worker_id, rec.name)
         return rec is not None
 
@@ -354,10 +382,38 @@ class WorkerRegistry:
 
     def local_steps(self, worker_id: int) -> int:
         """H_w: DyLU (Liu et al. 2024, Eq. 6) over the live workers' measured rates; H
-        when DyLU is off or the worker's rate is unknown."""
-        if not self.config.dylu:
+        when DyLU is off or the worker's rate is unknown. Sync mode: H with
+        ``--sync-local-steps fixed``; with ``adaptive`` the H_w its newest round's
+        decision handed it (``plan_sync_round``), or, before its first round (a joiner),
+        DyLU over the live workers' rates."""
+        if self.config.mode == "sync":
+            if self.config.sync.local_steps != "adaptive":
+                return self.config.local_steps
+            told = self._sync_steps.get(worker_id)
+            if told is not None:
+                return told
+        elif not self.config.dylu:
             return self.config.local_steps
         return dylu_local_steps(self.live_rates(), self.config.local_steps).get(worker_id, self.config.local_steps)
+
+    def plan_sync_round(self, members: tuple[int, ...]) -> dict[int, int]:
+        """Sync mode, at a round's decision: each member's H_w for its next round, and
+        remember it (``local_steps``, Status). ``fixed``: H. ``adaptive``: DyLU inside the
+        round, H_w = max(1, ⌊v_w / max v · H⌋) with the maximum over the members whose
+        lease is current and whose rate is known (Liu et al. 2024, Eq. 6, the rule the
+        simulator's ``sync_diloco_adaptive`` uses); a member whose rate is unknown runs H.
+        So the members of a round, which start it together, finish their steps about
+        together, and every member's H_w comes from one computation."""
+        local_steps = self.config.local_steps
+        if self.config.sync.local_steps != "adaptive":
+            planned = dict.fromkeys(members, local_steps)
+        else:
+            live = [w for w in members if w in self.workers and self.workers[w].alive]
+            rates = {w: self.rates.rates[w] for w in live if w in self.rates.rates}
+            known = dylu_local_steps(rates, local_steps)
+            planned = {w: known.get(w, local_steps) for w in members}
+        self._sync_steps.update(planned)
+        return planned
 
     def rounds_s(self) -> dict[int, float]:
         """Seconds of a round of each live worker with a known rate: H_w / v_w."""
@@ -410,7 +466,10 @@ class WorkerRegistry:
         """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
         those that pushed within two of their own rounds (H_w / v_w) plus the window, or
         joined since. A worker that stopped pushing without leaving (killed, hung) stops
-        holding groups after that, long before its lease lapses."""
+        holding groups after that, long before its lease lapses. Sync mode has no push
+        groups (its quorums wait for their members themselves): every live worker."""
+        if self.config.mode == "sync":
+            return {w for w, rec in self.workers.items() if rec.alive}
         window = self.group_window_s()
         rounds = self.rounds_s()
         unknown_s = max(rounds.values(), default=math.inf)  # no rate yet: the longest known round
@@ -436,6 +495,7 @@ class WorkerRegistry:
             join_timeout_s=sync.join_timeout_s,
             round_timeout_s=sync.round_timeout_s,
             sync_weighting=sync.weighting,
+            sync_local_steps=sync.local_steps if self.config.mode == "sync" else "",
             outer_optimizer=outer.optimizer,
             outer_lr=outer.lr,
             outer_momentum=outer.momentum,

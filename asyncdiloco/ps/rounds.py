@@ -11,6 +11,12 @@ step to θ and m that every member applies to its θ_base, and the version becom
 committed-round count. So the server always holds the committed θ and m, and a joining
 or healing member pulls both (``sync_state``) before its first round.
 
+Per-member local steps (``--sync-local-steps``): at each decision ``next_local_steps``
+folds the votes' rates (``num_local_steps / compute_s``) into the worker table's
+``StepRateMeter`` and asks the table for every member's H_w for its next round
+(registry.py ``plan_sync_round``: H, or DyLU over the round's members), which the
+decision carries to each member's Commit reply.
+
 Durable rounds: with a journal attached (store.py), a committed round is logged (a
 ``PUSH`` record of kind ``ROUND_RESULT``: Δ̄ as float32 bytes, the round it made) before
 it is applied or any member learns the decision, and replayed at start-up like a
@@ -31,6 +37,7 @@ Lock order: the quorum's condition, then the state's locks (records.py ``StateLo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -41,6 +48,7 @@ from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, NO_WATCH, CallWatch, HeldWa
 from asyncdiloco.ps.modes import PushHandler
 from asyncdiloco.ps.parts import CoreParts
 from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
+from asyncdiloco.ps.quorum_types import MemberVote
 from asyncdiloco.ps.records import AppliedAs, PushOutcome, Vote, WorkerRecord
 from asyncdiloco.ps.rendezvous import RendezvousStore
 from asyncdiloco.ps.snapshots import Snapshots
@@ -115,7 +123,11 @@ class SyncMode:
         #: The quorums' rendezvous namespaces (the Store RPC).
         self.rendezvous = RendezvousStore()
         self.quorum: QuorumManager | None = QuorumManager(
-            self.config.sync, live_workers=live_worker_ids, on_commit=self.apply_round, clock=parts.clock
+            self.config.sync,
+            live_workers=live_worker_ids,
+            on_commit=self.apply_round,
+            clock=parts.clock,
+            next_local_steps=self.next_local_steps,
         )
         #: Long-polled Quorum/Commit calls held now (at most an eighth of the RPC pool).
         self.held_waits = HeldWaits(max_held_waits(self.config.max_concurrent_rpcs))
@@ -184,6 +196,19 @@ class SyncMode:
                     self.model.optimizer.step(done.result, version=done.round - 1)
             with self.locks.books:
                 self._count_round(done)
+
+    def next_local_steps(self, members: tuple[int, ...], votes: Mapping[int, MemberVote]) -> dict[int, int]:
+        """At a round's decision (the QuorumManager's lock held): take each vote's rate
+        (``num_local_steps / compute_s``, into the worker table's ``StepRateMeter``), then
+        each member's H_w for its next round (registry.py ``plan_sync_round``: H, or DyLU
+        over the members' rates with ``--sync-local-steps adaptive``)."""
+        now = self.parts.clock()
+        with self.locks.books:
+            for worker_id, vote in votes.items():
+                measured = vote.num_local_steps > 0 and math.isfinite(vote.compute_s) and vote.compute_s > 0
+                if measured and self.registry.get(worker_id) is not None:  # else none: not measured
+                    self.registry.rates.record(worker_id, vote.num_local_steps, now, vote.compute_s)
+            return self.registry.plan_sync_round(members)
 
     def _log_round(self, done: CommittedRound, result: torch.Tensor) -> None:
         """Journal a committed round before it is applied (books lock held): the record of a
@@ -332,6 +357,7 @@ class SyncMode:
             num_tokens=vote.num_tokens,
             num_local_steps=vote.num_local_steps,
             reason=vote.reason,
+            compute_s=vote.compute_s,
         )
         wait_s = min(timeout_s, call.left_s)
         if decision is None and wait_s > 0:

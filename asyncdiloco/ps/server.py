@@ -1,7 +1,9 @@
 """The parameter server as a running gRPC server (in this process).
 
 ``ParameterServer(config).start()`` binds ``config.host:config.port`` (port 0 picks a
-free port; read ``.port``), serves until ``stop()``. The CLI's ``asyncdiloco server``
+free port; read ``.port``), serves until ``stop()``. Every listener (gRPC, bulk, metrics)
+binds its port on every address the host resolves to (``localhost``: 127.0.0.1 and ::1),
+or the start is refused naming the address that is taken (wire/listen.py). The CLI's ``asyncdiloco server``
 wraps this with signal handling.
 
 With ``config.durability`` the state is restored from the checkpoint folder before the
@@ -46,6 +48,7 @@ from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import SERVICE, add_parameter_server
+from asyncdiloco.wire.listen import bind_every, listen_address_of
 from asyncdiloco.wire.security import server_credentials, server_interceptors
 
 if TYPE_CHECKING:
@@ -212,25 +215,37 @@ class ParameterServer:
         return server
 
     def _bind(self, server: grpc.Server, creds: grpc.ServerCredentials | None) -> int:
-        """Bind the gRPC port; returns it.
+        """Bind the gRPC port on every address ``config.host`` resolves to; returns it.
+
+        gRPC given a name binds whichever of its addresses it can and serves on: with
+        ``localhost`` on 127.0.0.1 alone while another process holds [::1] on the port,
+        a client that resolves ``localhost`` to ::1 hands that process its token. So the
+        port is tried on every address first (wire/listen.py: a plain socket, closed at
+        once; it also spares the raw C-core error line of gRPC's own failed bind), then
+        gRPC binds each address by number, and any one that fails stops the start.
 
         Raises:
-            ConfigError: the port is in use or the host is not an address of this machine.
+            ConfigError: the port is in use on one of the addresses (named), or the host
+                does not resolve or is not an address of this machine.
         """
-        target = f"{self.config.host}:{self.config.port}"
-        port = 0
-        # A plain socket tries the address first: gRPC's own failed bind logs a raw C-core
-        # error line (add_port.cc) to stderr before the clear error below.
-        if _can_bind(self.config.host, self.config.port):
+        host = self.config.host
+        probes = bind_every(host, self.config.port, what="the gRPC port", flag="--port")
+        port = probes[0].getsockname()[1]
+        targets = [listen_address_of(sock).with_port(port) for sock in probes]
+        for sock in probes:
+            sock.close()
+        for target in targets:
+            bound = 0
             try:
-                port = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
+                bound = server.add_secure_port(target, creds) if creds is not None else server.add_insecure_port(target)
             except RuntimeError as exc:  # grpcio raises when it cannot bind
                 log.debug("bind failed: %s", exc)
-        if port == 0:
-            raise ConfigError(
-                f"cannot listen on {target}: the port is already in use or the host is not an address of "
-                f"this machine; choose another --port (or --port 0 for a free one) or fix --host"
-            )
+            if bound != port:
+                raise ConfigError(
+                    f"cannot listen on {target} for the gRPC port: port in use (taken just now, or not an address "
+                    f"of this machine; --host {host}); stop the process that holds it, or choose another --port "
+                    f"(0 picks a free one)"
+                )
         return port
 
     def _start_bulk(self, port: int) -> None:
@@ -324,22 +339,3 @@ class ParameterServer:
 def _drain(seconds: float) -> None:
     """``stop``'s drain: the server serves on, NOT_SERVING, for ``seconds``."""
     time.sleep(seconds)
-
-
-def _can_bind(host: str, port: int) -> bool:
-    """Whether a TCP socket binds ``host:port`` (with SO_REUSEADDR, as gRPC binds) for
-    at least one of the host's addresses: a port in use, or a host that is not an address
-    of this machine, is False. The socket is closed at once."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return True  # unresolvable here: gRPC's own bind decides (and reports)
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(address)
-                return True
-            except OSError:
-                continue
-    return False

@@ -172,7 +172,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
         reply = self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
         if self.state.config.shard_count > 1 and outcome.applied and outcome.num_workers:
-            order = ShardOrder(outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers)
+            order = ShardOrder(
+                outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers, outcome.closing
+            )
             context.set_trailing_metadata(((METADATA_KEY, order.encode()),))  # for the other shards
         return reply
 
@@ -254,13 +256,20 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 timeout_s=request.timeout_s,
                 poll=request.poll,
                 call=self._watch(context),
+                compute_s=request.compute_s,
             )
         except AsyncDiLoCoError as exc:
             log.warning("commit vote of worker %d refused: %s", request.worker_id, exc)
             _abort(context, exc)
         if decision is None:
             return pb.CommitReply(decided=False)
-        return pb.CommitReply(decided=True, committed=decision.committed, round=decision.round, reason=decision.reason)
+        return pb.CommitReply(
+            decided=True,
+            committed=decision.committed,
+            round=decision.round,
+            reason=decision.reason,
+            local_steps=decision.local_steps.get(request.worker_id, 0),
+        )
 
     def Store(self, request: pb.StoreRequest, context: grpc.ServicerContext) -> pb.StoreReply:
         try:

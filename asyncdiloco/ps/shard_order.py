@@ -49,22 +49,28 @@ class ShardOrder:
     Attributes:
         version_after: V + 1, the version the push makes (its place in the order).
         tau: staleness τ on shard 0. weight: s(τ). num_workers: N, the live workers.
+        closing: a worker's closing push (outer.py ``step_closing``): the direct term alone.
     """
 
     version_after: int
     tau: int
     weight: float
     num_workers: int
+    closing: bool = False
 
     def encode(self) -> str:
-        return f"{self.version_after},{self.tau},{float(self.weight).hex()},{self.num_workers}"
+        text = f"{self.version_after},{self.tau},{float(self.weight).hex()},{self.num_workers}"
+        return text + ",closing" if self.closing else text
 
     @classmethod
     def decode(cls, text: str) -> ShardOrder:
-        """Raises InvalidPayloadError: not ``"V,τ,weight-hex,N"`` with V ≥ 1, τ ≥ 0, N ≥ 1."""
+        """Raises InvalidPayloadError: not ``"V,τ,weight-hex,N"`` (then ``",closing"`` for
+        a closing push) with V ≥ 1, τ ≥ 0, N ≥ 1."""
         try:
-            v, tau, weight, n = text.split(",")
-            order = cls(int(v), int(tau), float.fromhex(weight), int(n))
+            v, tau, weight, n, *rest = text.split(",")
+            if rest not in ([], ["closing"]):
+                raise ValueError(text)
+            order = cls(int(v), int(tau), float.fromhex(weight), int(n), closing=bool(rest))
         except ValueError:
             order = None
         if order is None or order.version_after < 1 or order.tau < 0 or order.num_workers < 1:

@@ -342,6 +342,7 @@ class ParameterServerState:
         kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT,
         compute_s: float = 0.0,
         session_id: int = 0,
+        last: bool = False,
     ) -> PushOutcome:
         """An in-process push (the simulator, benchmarks and tests): the payload is cut
         into chunks exactly as the wire carries it, with every check the servicer applies.
@@ -349,7 +350,8 @@ class ParameterServerState:
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout (or the wire codec's).
             worker_id, push_id, base_version, num_local_steps, num_tokens, kind,
-            compute_s, session_id: the ``PushHeader`` fields (compute_s in seconds).
+            compute_s, session_id, last: the ``PushHeader`` fields (compute_s in seconds;
+            ``last``: the worker's closing push, outer.py ``step_closing``).
         Returns:
             The outcome (``duplicate`` for a retried push_id).
         Raises:
@@ -364,6 +366,7 @@ class ParameterServerState:
             kind=kind,
             compute_s=compute_s,
             session_id=session_id,
+            last=last,
         )
         return self.intake.receive_in_process(header, payload)
 
@@ -467,10 +470,13 @@ class ParameterServerState:
         timeout_s: float,
         poll: bool = False,
         call: CallWatch = NO_WATCH,
+        compute_s: float = 0.0,
     ) -> Decision | None:
         """Sync mode: vote, then block up to ``timeout_s`` seconds for the decision (None:
-        not decided yet; ask again). Raises as ``request_quorum``, or RoundRefusedError."""
-        vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason)
+        not decided yet; ask again); ``compute_s``: seconds of the member's own compute over
+        its ``num_local_steps`` (0: not measured). Raises as ``request_quorum``, or
+        RoundRefusedError."""
+        vote = Vote(worker_id, quorum_id, success, total_weight, num_tokens, num_local_steps, reason, compute_s)
         return self.mode.commit(vote, timeout_s, poll, call)
 
     def store(self, request: pb.StoreRequest) -> pb.StoreReply:

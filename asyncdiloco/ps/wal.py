@@ -172,6 +172,7 @@ def push_meta(header: pb.PushHeader, applied: AppliedAs, codec: str) -> dict:
         "num_workers": applied.num_workers,
         "codec": codec,
         **({"region": True} if applied.region else {}),
+        **({"closing": True} if applied.closing else {}),
     }
 
 
@@ -216,6 +217,7 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
         version_after=m["version_after"],
         num_workers=m["num_workers"],
         region=m.get("region", False),
+        closing=m.get("closing", False),
     )
     state.replay_push(header, payload, applied)
     if "seen_unix_s" in m:

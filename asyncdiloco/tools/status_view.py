@@ -138,14 +138,16 @@ def _count(n: float) -> str:
 
 def _run_lines(d: dict[str, Any]) -> list[str]:
     """The version, throughput and outer settings; a sync run's in rounds and member
-    contributions, without the async-only settings (staleness, grouping, DyLU)."""
+    contributions, with its local-steps rule (fixed H, or adaptive: each member's H_w in
+    the H_W column) instead of the async-only settings (staleness, grouping, DyLU)."""
     rc = d["run_config"]
     counts = f"({d['rejected_pushes']} refused, {d['duplicate_pushes']} duplicate) | {_count(d['tokens'])} tokens"
     if d["mode"] == "sync":
         return [
             f"version {d['version']} | {d['rounds_committed']} rounds committed, {d['rounds_failed']} aborted "
             f"| {d['applied_pushes']} member contributions applied {counts}",
-            f"outer {d['outer_optimizer']} | H {rc['local_steps']} | codec {rc['wire_codec'] or 'raw'}",
+            f"outer {d['outer_optimizer']} | H {rc['local_steps']} "
+            f"| local steps {rc.get('sync_local_steps') or 'fixed'} | codec {rc['wire_codec'] or 'raw'}",
         ]
     return [
         f"version {d['version']} | {d['pushes_per_s']:.2f} pushes/s | {d['applied_pushes']} pushes applied {counts}",

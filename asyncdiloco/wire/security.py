@@ -17,14 +17,20 @@
   gRPC sees it (server start, channel creation, the worker command's flag check), so a
   garbage or mismatched file is a ``ConfigError`` naming it, not a handshake failure later.
 
-A token sent over plaintext can be read by anyone on the path: use TLS whenever the
-server listens beyond 127.0.0.1.
+- **A token goes over TLS, or stays on the loopback.** A token sent over plaintext can be
+  read by anyone on the path, and whoever reads it can push to the model. So, as gRPC's
+  own call credentials do, a server with a token and no TLS refuses to listen on a host
+  beyond the loopback, and a client with a token and no TLS refuses to reach a server
+  beyond it (``check_server_transport``, ``check_client_transport``: before any port is
+  bound or any connection made), unless ``insecure_trusted_network`` (the flag
+  ``--insecure-trusted-network``) says the network between them is trusted end to end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import os
 import ssl
@@ -59,6 +65,9 @@ class ServerSecurityConfig:
     #: PEM CA bundle that client certificates must chain to; set = mutual TLS (clients
     #: without a valid certificate are refused during the handshake).
     tls_client_ca: str | None = None
+    #: Serve the token over plaintext on a host beyond the loopback (a network trusted end
+    #: to end); False: such a server refuses to start (``check_server_transport``).
+    insecure_trusted_network: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
@@ -86,6 +95,9 @@ class ClientSecurityConfig:
     #: Expected name in the server's certificate when it differs from the host in the
     #: address (e.g. "localhost" when connecting to an IP); None = the address's host.
     tls_server_name: str | None = None
+    #: Send the token over plaintext to a server beyond the loopback (a network trusted
+    #: end to end); False: such a client refuses to connect (``check_client_transport``).
+    insecure_trusted_network: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_file", "tls_ca", "tls_cert", "tls_key"):
@@ -97,6 +109,79 @@ class ClientSecurityConfig:
             self.tls_cert,
             "a client certificate is only sent over TLS: also give --tls-ca",
         )
+
+
+#: The opt-in that lets a token travel over plaintext beyond the loopback.
+TRUSTED_NETWORK_FLAG = "--insecure-trusted-network"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback: ``localhost``, or an address in
+    127.0.0.0/8 or ::1 (IPv6 with or without brackets). Any other name counts as beyond
+    the loopback: it is not resolved here, and could resolve elsewhere later.
+    """
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def check_server_transport(host: str, config: ServerSecurityConfig | None) -> None:
+    """Refuse a server that would take its token over plaintext beyond the loopback.
+
+    Args:
+        host: the address the server listens on (``--host``).
+        config: its security settings (None: no token, nothing to protect).
+    Raises:
+        ConfigError: a token, no TLS, ``host`` beyond the loopback and no
+            ``insecure_trusted_network``; the message names the TLS flags and the opt-in.
+    """
+    if config is None or config.token_file is None or config.tls_cert is not None:
+        return
+    if config.insecure_trusted_network or is_loopback_host(host):
+        return
+    raise ConfigError(
+        f"--token-file without TLS on --host {host}, which is not a loopback address: the token would cross the "
+        f"network in clear, and whoever reads it can push to the model. Give --tls-cert and --tls-key (the "
+        f"workers then give --tls-ca), or listen on the loopback only (--host 127.0.0.1), or, on a network "
+        f"you trust end to end, add {TRUSTED_NETWORK_FLAG}"
+    )
+
+
+def check_client_transport(
+    address: str,
+    config: ClientSecurityConfig | None,
+    *,
+    token_flag: str = "--token-file",
+    tls_flag: str = "--tls-ca",
+    address_flag: str = "--server",
+) -> None:
+    """Refuse a client that would send its token over plaintext beyond the loopback.
+
+    Args:
+        address: the server's "HOST:PORT" (one of them, for a sharded server).
+        config: the client's security settings (None: no token).
+        token_flag, tls_flag, address_flag: the flags to name (the regional server's
+            link to its parent has its own: --parent-token-file, --parent-tls-ca).
+    Raises:
+        ConfigError: a token, no TLS, a host beyond the loopback and no
+            ``insecure_trusted_network``; the message names the TLS flag and the opt-in.
+    """
+    if config is None or config.token_file is None or config.tls_ca is not None:
+        return
+    host = address.strip().rpartition(":")[0] or address.strip()
+    if config.insecure_trusted_network or is_loopback_host(host):
+        return
+    raise ConfigError(
+        f"{token_flag} without TLS to {address_flag} {address.strip()}, which is not a loopback address: the token "
+        f"would cross the network in clear, and whoever reads it can push to the model. Give {tls_flag} (the CA of "
+        f"that server's --tls-cert), or, on a network you trust end to end, add {TRUSTED_NETWORK_FLAG}"
+    )
 
 
 #: Metadata key carrying the token (gRPC metadata keys are lower case).

@@ -230,7 +230,8 @@ class WorkerBase(GroupMember):
             )
         if self.group is not None and not self.follower:
             try:
-                self._join_with_retries()
+                with self.group.leading():  # the followers wait through keep-alives while it retries
+                    self._join_with_retries()
             except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
                 self._share_join(error=exc)
                 raise
@@ -444,7 +445,7 @@ class WorkerBase(GroupMember):
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
         self._grouped = reply.run_config.grouping not in ("", "off")
-        self._rate_known = not self._reports_rate(reply.run_config)
+        self._rate_known = not self._wants_rate(reply.run_config)
         if reply.resumed:
             log.info(
                 "worker %d (%s) resumed its registration (the server holds outcomes up to push %d)",
@@ -453,6 +454,12 @@ class WorkerBase(GroupMember):
                 reply.last_push_id,
             )
         return reply
+
+    def _wants_rate(self, run_config: pb.RunConfig) -> bool:
+        """Whether the server sizes H_w by this worker's rate, so it must time its first
+        inner steps and report them (``_report_rate``): async DyLU (``RunConfig.dylu``);
+        the sync worker overrides it."""
+        return run_config.dylu
 
     def _mode_mismatch_message(self, server_mode: str) -> str:
         """Refusal of a server of the other mode, in the command line's words (both the
@@ -623,12 +630,12 @@ class WorkerBase(GroupMember):
             self._follow_step()
             return
         try:
+            if self.group is not None:
+                self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
+                return
             if not self._rate_known:
                 self._report_rate()
-            if self.group is None:
-                self._after_step_events()
-            else:
-                self._lead_step()
+            self._after_step_events()
         finally:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
 
@@ -655,11 +662,6 @@ class WorkerBase(GroupMember):
         worker's estimate (mean step without the longest, warm-up left out); 0.0 while no step was timed
         (the server then falls back to the interval between pushes)."""
         return self.step_rate.seconds_for(steps)
-
-    def _reports_rate(self, run_config: pb.RunConfig) -> bool:
-        """Whether this worker reports its rate before its first push: an async worker
-        under DyLU (``run_config.dylu``); a subclass whose server uses rates says so too."""
-        return self.mode == "async" and run_config.dylu
 
     def _report_rate(self) -> None:
         """Before the first push of a registration: report v_w (``step_rate``, steps per

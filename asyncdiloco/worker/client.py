@@ -64,6 +64,7 @@ from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
     channel_credentials,
+    check_client_transport,
     client_ssl_context,
     client_token,
 )
@@ -112,7 +113,9 @@ class ParameterServerClient:
         one_message_pushes: send a push whose payload fits in one chunk as one PushOne
             message (False: always a Push stream, as for a server without PushOne).
     Raises:
-        ConfigError: a token or PEM file cannot be read.
+        ConfigError: a token or PEM file cannot be read, or a token would go over
+            plaintext to a server beyond the loopback without
+            ``security.insecure_trusted_network`` (security.py ``check_client_transport``).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class ParameterServerClient:
         resend_backoff_s: float = RESEND_BACKOFF_S,
         one_message_pushes: bool = True,
     ) -> None:
+        check_client_transport(address, security)  # before any connection: no token in clear beyond the loopback
         self.address = address
         self.corrupted_resends = corrupted_resends
         self.resend_backoff_s = resend_backoff_s
@@ -551,9 +555,12 @@ class ParameterServerClient:
         num_local_steps: int = 0,
         reason: str = "",
         timeout_s: float = 10.0,
+        compute_s: float = 0.0,
     ) -> pb.CommitReply:
         """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
-        decision (``decided`` is False when it is not there yet). A long poll
+        decision (``decided`` is False when it is not there yet; ``local_steps``, once
+        decided, is this member's H_w for its next round). ``compute_s``: seconds of this
+        member's own compute over its ``num_local_steps`` (0: not measured). A long poll
         (long_poll.py): the same vote is sent again until decided; it counts once."""
 
         def ask(left_s: float) -> pb.CommitReply:
@@ -567,6 +574,7 @@ class ParameterServerClient:
                 reason=reason[:1000],
                 timeout_s=left_s,
                 poll=True,
+                compute_s=compute_s,
             )
             return self._call(self._stub.Commit, request, left_s + self.rpc_timeout_s)
 

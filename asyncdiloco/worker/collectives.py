@@ -39,7 +39,9 @@ docs/performance.md "Sync mode end to end"). Every member learns the same decisi
 the server, so every member reuses or rebuilds alike; after an abort (``drop``), or
 with other members, every member builds a fresh group. A member that alone saw a round
 differently (a vote the server refused after a restart) makes at most one round fail on
-a rendezvous or collective timeout, and that failure drops the group everywhere.
+a rendezvous or collective timeout, and that failure drops the group everywhere. This is
+the protocol's rule for every member, not an optimisation of this one: docs/protocol.md
+states it ("Group reuse, the one rule") for members written from the document.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import math
 
 from asyncdiloco.errors import require
 from asyncdiloco.wire.names import check_worker_name
-from asyncdiloco.wire.security import ClientSecurityConfig
+from asyncdiloco.wire.security import ClientSecurityConfig, check_client_transport
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +72,7 @@ class WorkerConfig:
                 "give HOST:PORT with a port in [1, 65535], e.g. 127.0.0.1:29500 (a sharded server: "
                 "HOST:PORT,HOST:PORT,... shard 0 first, or --shard-map FILE)",
             )
+            check_client_transport(address, self.security)  # a token goes over TLS or stays on the loopback
         for name in ("rpc_timeout_s", "timeout_s_per_mib", "initial_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             require(0 < value <= 86400, name, value, "must be in (0, 86400] seconds")

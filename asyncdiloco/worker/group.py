@@ -19,6 +19,12 @@ workers (base.py) keep it one:
   broadcast of one int64): unchanged; changed, followed by a ``dist.broadcast`` of every
   parameter from rank 0; or raised, followed by the exception (``broadcast_object``),
   which every follower raises too, so no rank is left waiting in a collective.
+- **Waits on the server** (a push reply the grouping window holds, retries with
+  backoff, a restarting server, a sync round's quorum, the join's retries, the DyLU
+  rate report before the first push) may outlast the group's collective timeout. Rank 0
+  runs them inside ``leading``: a thread broadcasts a ``WAITING`` code every
+  ``keep_alive_s`` = min(timeout / 4, 5 s) (the timeout read from the process group),
+  and the followers loop on that broadcast until the outcome's code arrives.
 - **Join**: rank 0 joins (pull, initialize, or resume from the state folder), then
   broadcasts the parameters, the inner optimizer's ``state_dict()`` (restored Adam
   moments must reach the followers, or the ranks drift apart) and its
@@ -35,8 +41,10 @@ step's exchange, before rank 0's sync point, so each push carries the whole grou
 tokens of its steps and the server's total is the sum over ranks, exactly.
 
 Cost: one all_reduce of 24 bytes per inner step (DDP's gradient allreduce of the whole
-model runs in the same step), plus on a due step (every H_w steps) a broadcast of one
-int64 and, when the model changed, one broadcast per parameter. docs/operations.md ("A
+model runs in the same step), plus on a due step (every H_w steps; every step before the
+first push under DyLU) a broadcast of one int64, rank 0's keep-alive thread (started and
+joined: 0.1-0.25 ms), one more int64 broadcast per ``keep_alive_s`` of waiting, and,
+when the model changed, one broadcast per parameter. docs/operations.md ("A
 torchrun group as one worker") has the measured step-time ratio and its command
 (benchmarks/group_step_cost.py).
 
@@ -48,10 +56,12 @@ the same tensors). FSDP (FSDP1's ``FullyShardedDataParallel`` or FSDP2's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,8 +71,14 @@ from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 
 log = logging.getLogger(__name__)
 
-#: ``share_outcome``'s codes: what rank 0's due step (or close) did.
-UNCHANGED, CHANGED, RAISED = 0, 1, 2
+#: ``share_outcome``'s codes: what rank 0's due step (or close) did; ``WAITING``: rank 0
+#: is still inside it (a keep-alive: the followers wait for the next code).
+UNCHANGED, CHANGED, RAISED, WAITING = 0, 1, 2, 3
+
+#: The longest pause between two keep-alives, seconds (with a long group timeout).
+KEEP_ALIVE_MAX_S = 5.0
+#: The pause when the group's timeout cannot be read (a backend without ``options``).
+KEEP_ALIVE_UNKNOWN_TIMEOUT_S = 1.0
 
 
 def resolve_group(process_group: Any) -> LocalGroup | None:
@@ -166,6 +182,15 @@ class LocalGroup:
         nccl = str(dist.get_backend(process_group)) == "nccl"
         #: Where the control tensors live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        #: The group's collective timeout, seconds (None: the backend does not say).
+        self.timeout_s = group_timeout_s(process_group, self.device)
+        #: Seconds between rank 0's keep-alives while it waits on the server (``leading``):
+        #: a quarter of the group's timeout, at most ``KEEP_ALIVE_MAX_S``.
+        self.keep_alive_s = (
+            KEEP_ALIVE_UNKNOWN_TIMEOUT_S if self.timeout_s is None else min(KEEP_ALIVE_MAX_S, self.timeout_s / 4)
+        )
+        #: Keep-alives rank 0 sent (``leading``), and those a follower received (``await_code``).
+        self.keep_alives = 0
 
     @property
     def is_leader(self) -> bool:
@@ -203,11 +228,66 @@ class LocalGroup:
         dist.broadcast_object_list(box, src=self.src, group=self.process_group, device=self.device)
         return box[0]
 
+    @contextlib.contextmanager
+    def leading(self) -> Iterator[None]:
+        """Rank 0, around a call that may wait on the server (a held push reply, retries
+        with backoff, a server restart, a sync round's quorum) while the followers wait
+        for its outcome: a thread broadcasts ``WAITING`` every ``keep_alive_s``, so no
+        follower's collective outlives the group's timeout, however long the call takes.
+        On exit the thread has stopped: the next collective on the group is the caller's
+        (``send_code``, ``share_outcome``). A failed keep-alive (a follower died) ends the
+        thread; the caller's next collective raises it."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self._keep_alive, args=(stop,), name="asyncdiloco-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def _keep_alive(self, stop: threading.Event) -> None:
+        """``leading``'s thread (rank 0): one ``WAITING`` broadcast every ``keep_alive_s`` until ``stop``."""
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device:  # the current CUDA device is per thread: NCCL's on this one too
+            while not stop.wait(self.keep_alive_s):
+                try:
+                    self.send_code(WAITING)
+                except RuntimeError as exc:
+                    log.warning("rank 0: a keep-alive to the group failed (%s)", exc)
+                    return
+                self.keep_alives += 1
+
+    def send_code(self, code: int) -> None:
+        """Rank 0: broadcast one int64 ``code`` (``await_code`` takes it)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=self.src, group=self.process_group)
+
+    def await_code(self) -> int:
+        """A follower: rank 0's next code other than ``WAITING`` (``send_code``); each
+        keep-alive is one broadcast, well inside the group's timeout.
+
+        Raises:
+            RuntimeError (from torch.distributed): a rank died or the group timed out.
+        """
+        import torch.distributed as dist
+
+        t = torch.zeros(1, dtype=torch.int64, device=self.device)
+        while True:
+            dist.broadcast(t, src=self.src, group=self.process_group)
+            code = int(t.item())
+            if code != WAITING:
+                return code
+            self.keep_alives += 1
+
     def share_outcome(
         self, params: Sequence[torch.Tensor], *, changed: bool = False, error: BaseException | None = None
     ) -> bool:
-        """Every rank, after a due step (or at close): rank 0 passes what happened; the
-        followers pass nothing and mirror it: the parameters are rank 0's afterwards.
+        """Every rank, after a due step (or at close): rank 0 passes what happened (after
+        running it inside ``leading``); the followers pass nothing, wait for it through
+        rank 0's keep-alives and mirror it: the parameters are rank 0's afterwards.
 
         Returns:
             True when rank 0's parameters changed (and were broadcast).
@@ -215,12 +295,11 @@ class LocalGroup:
             rank 0's exception (on the followers; rank 0 raises its own itself).
             RuntimeError (from torch.distributed): a rank died or the group timed out.
         """
-        import torch.distributed as dist
-
-        code = RAISED if error is not None else CHANGED if changed else UNCHANGED
-        t = torch.tensor([code if self.is_leader else 0], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=self.src, group=self.process_group)
-        code = int(t.item())
+        if self.is_leader:
+            code = RAISED if error is not None else CHANGED if changed else UNCHANGED
+            self.send_code(code)
+        else:
+            code = self.await_code()
         if code == RAISED:
             raised = self.broadcast_object(portable(error) if self.is_leader else None)
             if not self.is_leader:
@@ -229,6 +308,20 @@ class LocalGroup:
         elif code == CHANGED:
             self.broadcast_params(params)
         return code == CHANGED
+
+
+def group_timeout_s(process_group: Any, device: torch.device) -> float | None:
+    """The collective timeout of ``process_group`` (None: the default group) on
+    ``device``'s backend, seconds; None when the backend does not expose it (torch keeps
+    it in the backend's private ``options._timeout``)."""
+    import torch.distributed as dist
+
+    group: Any = process_group if process_group is not None else dist.group.WORLD
+    try:
+        timeout = group._get_backend(device).options._timeout
+        return float(timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def noted(exc: BaseException, note: str) -> BaseException:

@@ -19,7 +19,7 @@ import torch
 
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.worker.flat import FlatParams
-from asyncdiloco.worker.group import LocalGroup, StepTotals, noted, portable, to_cpu
+from asyncdiloco.worker.group import UNCHANGED, LocalGroup, StepTotals, noted, portable, to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,12 @@ class GroupMember:
     _group_broken: bool
     _in_shared: bool
 
+    _rate_known: bool
+
     def _events_due(self) -> bool:
+        raise NotImplementedError
+
+    def _report_rate(self) -> None:
         raise NotImplementedError
 
     def _after_step_events(self) -> None:
@@ -49,7 +54,9 @@ class GroupMember:
 
     def _share_join(self, error: BaseException | None = None) -> None:
         """Every rank of a group, at join: rank 0's outcome (its exception, raised on the
-        followers too), then its inner optimizer's state, ``restored_extra`` and parameters."""
+        followers too), then its inner optimizer's state, ``restored_extra`` and parameters.
+        Rank 0 joined inside ``LocalGroup.leading``: the followers wait for its end
+        through the keep-alives, however long the join's retries took."""
         group = self.group
         assert group is not None, "a group's join"
         joined: dict[str, Any] | None = None
@@ -58,6 +65,10 @@ class GroupMember:
             if error is None:
                 joined.update(inner_optimizer=to_cpu(self.inner_optimizer.state_dict()), extra=self.restored_extra)
         try:
+            if self.follower:
+                group.await_code()  # rank 0's keep-alives while it joins (``LocalGroup.leading``)
+            else:
+                group.send_code(UNCHANGED)
             joined = group.broadcast_object(joined)
         except Exception:
             if error is not None:
@@ -109,13 +120,22 @@ class GroupMember:
 
     def _lead_step(self) -> None:
         """Rank 0's step exchange: the followers' tokens arrive before the sync point, so
-        the push carries them; then the due step runs and every rank takes its outcome."""
-        due = self._events_due()
+        the push carries them; then the due step runs and every rank takes its outcome.
+        Until the first push (DyLU) every step is due: its rate report is a heartbeat to
+        the server, which the followers wait for through rank 0's keep-alives too."""
+        due = self._events_due() or not self._rate_known
         totals = self._exchange(tokens=0, due=due)
         self._tokens_since_sync += totals.tokens
         self.stats.tokens += totals.tokens
         if due:
-            self._shared(self._after_step_events)
+            self._shared(self._due_step)
+
+    def _due_step(self) -> None:
+        """Rank 0's due step: the rate report before the first push (may change H_w), then
+        the step's events (a sync point, a merge)."""
+        if not self._rate_known:
+            self._report_rate()
+        self._after_step_events()
 
     def _follow_step(self) -> None:
         """A follower's step exchange: send the tokens since the last one; mirror a due step."""
@@ -151,6 +171,8 @@ class GroupMember:
         """Run ``action`` on rank 0 and share its outcome (group.py ``share_outcome``):
         the model changed (every rank takes rank 0's parameters), or it raised (every
         rank raises it). Followers pass a no-op and return whether the model changed.
+        While ``action`` runs (it may wait on the server for long), rank 0 keeps the
+        followers' collective alive (``LocalGroup.leading``).
 
         Returns:
             ``action()``'s result on rank 0; on a follower, True when the model changed.
@@ -166,7 +188,8 @@ class GroupMember:
         writes = self.flat.writes
         self._in_shared = True
         try:
-            result = action()
+            with group.leading():  # the followers wait through keep-alives, however long the server takes
+                result = action()
         except BaseException as exc:
             self._group_broken = True
             with contextlib.suppress(RuntimeError):  # a dead group: rank 0 raises its own error

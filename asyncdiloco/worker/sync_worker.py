@@ -29,6 +29,14 @@ describes each step, its timeouts and its failures once, for both sides.
 with the reason this member votes failure with; the collectives themselves (agreement,
 then sum) are the ``_allreduce`` seam.
 
+Uneven machines: with a server started ``--sync-local-steps adaptive`` each member runs
+its own H_w (DyLU inside a round, Liu et al. 2024, arXiv 2401.09135, Eq. 6): it times its
+first inner steps and reports the rate by heartbeat (base.py ``_report_rate``) until its
+first vote, and every vote carries the round's steps and their compute seconds; the
+decision of each round hands each member its H_w for the next one, computed over that
+round's members, so the members of a round finish their steps about together and the
+fastest no longer waits for the slowest (docs/protocol.md, "The sync round").
+
 With ``WorkerConfig.state_dir`` the worker saves its name, inner optimizer and the
 caller's ``extra`` (base.py ``state_dict``) after its join and every decided round, and
 a worker built on that folder loads them; the model itself always comes from the server
@@ -83,8 +91,9 @@ class SyncWorkerStats:
     ``idle_s`` is the time spent waiting for the quorum, in the collective, uploading
     and waiting for the commit decision (what a faster worker loses to a slower one).
     ``rounds`` has one entry per quorum taken part in: ``round`` (committed rounds
-    after it), ``committed``, ``heal``, ``world_size``, the time parts in seconds and
-    ``checksum`` (CRC-32 of θ_base's float32 bytes after it).
+    after it), ``committed``, ``heal``, ``world_size``, ``local_steps`` (the inner steps
+    this member trained for it) and ``next_local_steps`` (its H_w after the decision), the
+    time parts in seconds and ``checksum`` (CRC-32 of θ_base's float32 bytes after it).
     """
 
     inner_steps: int = 0
@@ -174,6 +183,11 @@ class SyncDiLoCoWorker(WorkerBase):
         self.sync_config = sync or SyncWorkerConfig()
         self.stats = SyncWorkerStats()
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull (rank 0's)
+        #: Seconds of the inner steps since the last decided round (every stretch of steps
+        #: before a sync point, the waits at sync points left out): the vote's ``compute_s``.
+        self._compute_s = 0.0
+        #: A sync point since the last decided round asked for a round (a decision resets it).
+        self._tried = False
         if self.follower:  # it mirrors rank 0: no θ_base, no buffers, no quorum collectives
             return
         n = self._numel = self.manifest.numel
@@ -232,18 +246,36 @@ class SyncDiLoCoWorker(WorkerBase):
     def _sync_due(self) -> bool:
         """A sync point every H inner steps since the last round: one that got no round
         (no quorum, or the server unreachable) is tried again H steps later, not at every
-        step after it. A rejoin is due at once (it drops the steps trained meanwhile)."""
+        step after it. A rejoin is due at once (it drops the steps trained meanwhile), and
+        so is the first sync point of a round whose H_w was lowered below the steps
+        already trained (a rate report's reply, ``_report_rate``)."""
         h = self.local_steps
-        return self._steps_since_sync >= h and (self._needs_rejoin or self._steps_since_sync % h == 0)
+        steps = self._steps_since_sync
+        return steps >= h and (self._needs_rejoin or not self._tried or steps % h == 0)
+
+    def _wants_rate(self, run_config: pb.RunConfig) -> bool:
+        """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``):
+        time the first inner steps and report them until the first vote carries a rate."""
+        return run_config.sync_local_steps == "adaptive"
 
     def _sync_once(self) -> bool:
         """One round: quorum, allreduce, commit vote. True when it committed; False when
         it was aborted (the model restarts from the last committed θ_base) or no quorum
         formed (training goes on; the next sync point, H steps on, asks again)."""
+        self._compute_s += time.monotonic() - self._steps_began_at
+        self._tried = True
         try:
             return self._round()
         finally:
             self._steps_began_at = time.monotonic()
+
+    def _round_compute_s(self, steps: int) -> float:
+        """Seconds of this member's own compute over the ``steps`` inner steps of its round
+        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): steps / v_w
+        of the time in inner steps (base.py ``step_rate``, algo/rates.py), as an async
+        push's; while no step was timed, the stretches of training before each sync point
+        since the last decided round, without the waits at those sync points."""
+        return self.step_rate.seconds_for(steps) or self._compute_s
 
     def _round(self) -> bool:
         """One round in four phases (module docstring): quorum → heal or weigh Δ →
@@ -253,6 +285,7 @@ class SyncDiLoCoWorker(WorkerBase):
         votes (failure, with the reason), so the others are not left waiting.
         """
         steps, tokens = self._steps_since_sync, self._tokens_since_sync
+        compute_s = self._round_compute_s(steps) if steps else 0.0
         delta = self._take_pseudo_gradient()
         started = time.monotonic()
         q = self._wait_for_quorum()
@@ -264,14 +297,16 @@ class SyncDiLoCoWorker(WorkerBase):
         allreduce_s = time.monotonic() - started
         started = time.monotonic()
         try:
-            decision = self._vote(q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps)
+            decision = self._vote(
+                q, vote, tokens=0 if q.heal else tokens, steps=0 if q.heal else steps, compute_s=compute_s
+            )
         finally:
             self._collectives.end_round()  # the quorum's rendezvous store closes with its round
         commit_wait_s = time.monotonic() - started
         self.stats.allreduce_s += allreduce_s
         self.stats.idle_s += allreduce_s + commit_wait_s
         self._apply_decision(q, decision, delta, vote.total_weight)
-        self._record_round(q, decision, quorum_wait_s, allreduce_s, commit_wait_s)
+        self._record_round(q, decision, steps, quorum_wait_s, allreduce_s, commit_wait_s)
         self._count_dropped(q, decision.committed, steps)
         return decision.committed
 
@@ -303,6 +338,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self,
         q: pb.QuorumReply,
         decision: pb.CommitReply,
+        steps: int,
         quorum_wait_s: float,
         allreduce_s: float,
         commit_wait_s: float,
@@ -317,6 +353,8 @@ class SyncDiLoCoWorker(WorkerBase):
                 "committed": decision.committed,
                 "heal": q.heal,
                 "world_size": q.world_size,
+                "local_steps": steps,
+                "next_local_steps": self.local_steps,
                 "rank": q.rank,
                 "quorum_wait_s": round(quorum_wait_s, 4),
                 "allreduce_s": round(allreduce_s, 4),
@@ -396,9 +434,11 @@ class SyncDiLoCoWorker(WorkerBase):
             self._largest = 0.0 if q.heal or steps == 0 else _largest_magnitude(delta)
             self._weigh(delta, 0.0 if q.heal else self._weight_of(steps, tokens))
             total_weight = self._allreduce_weighted(q, started)
+            if not math.isfinite(total_weight):  # the weights' sum: finite weights never make it so
+                raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
             if total_weight > 0:
                 delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
-                self._check_mean(q, delta)
+                self._check_mean(q, delta, total_weight)
                 if q.rank == 0:
                     self._upload(q, delta)
         except _RoundFailed as exc:
@@ -534,18 +574,15 @@ class SyncDiLoCoWorker(WorkerBase):
         rank = max(range(len(self._largest_by_rank)), key=self._largest_by_rank.__getitem__)
         return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
 
-    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
-        """Δ̄ must be finite (finite Δs can still overflow float32 in the sum); every
-        member holds the same bits, so every member decides alike.
+    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor, total_weight: float) -> None:
+        """Δ̄ must be finite; every member holds the same bits, so every member decides
+        alike (``non_finite_sum_reason`` says why it is not).
 
         Raises:
             _RoundFailed: Δ̄ holds a NaN or ±inf.
         """
         if not math.isfinite(_largest_magnitude(mean_delta)):
-            raise _RoundFailed(
-                f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
-                f"pseudo-gradient was {self._largest_member(q)}: lower that worker's inner learning rate"
-            )
+            raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
 
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
         """Rank 0: send Δ̄ to the server (applied there only if the round commits).
@@ -569,11 +606,15 @@ class SyncDiLoCoWorker(WorkerBase):
             ) from exc
         self.stats.bytes_pushed += self._numel * 4
 
-    def _vote(self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int) -> pb.CommitReply:
-        """Phase 4: vote, and wait for the server's decision (commit or abort). A vote the
-        server refuses (it does not know the quorum: it restarted mid-round) is an abort:
-        the member restarts from θ_base, and the next quorum tells it to heal if the
-        server's committed round differs."""
+    def _vote(
+        self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int, compute_s: float = 0.0
+    ) -> pb.CommitReply:
+        """Phase 4: vote (with this member's steps and the seconds they took, its rate for
+        the server), and wait for the server's decision (commit or abort, with this
+        member's H_w for its next round). A vote the server refuses (it does not know the
+        quorum: it restarted mid-round) is an abort: the member restarts from θ_base and
+        keeps its H_w, and the next quorum tells it to heal if the server's committed
+        round differs."""
         while True:
             try:
                 reply = self.client.commit(
@@ -585,10 +626,13 @@ class SyncDiLoCoWorker(WorkerBase):
                     num_local_steps=steps,
                     reason=vote.reason,
                     timeout_s=max(1.0, q.round_deadline_s + 1.0),
+                    compute_s=compute_s if steps else 0.0,
                 )
             except RoundRefusedError as exc:
                 return pb.CommitReply(decided=True, committed=False, round=self.round, reason=str(exc))
             if reply.decided:
+                if steps and compute_s > 0:
+                    self._rate_known = True  # each vote carries the rate from now on: no more probes
                 return reply
 
     def _apply_decision(
@@ -613,10 +657,25 @@ class SyncDiLoCoWorker(WorkerBase):
                 decision.reason,
                 self.round,
             )
+        if decision.local_steps and decision.local_steps != self.local_steps:
+            log.info(
+                "worker %d: H_w %d -> %d from round %d's decision (the server's --sync-local-steps)",
+                self.worker_id,
+                self.local_steps,
+                decision.local_steps,
+                decision.round,
+            )
+            self.local_steps = decision.local_steps
         self.flat.load(self._base)
+        self._restart_round()
+        self._save_state()
+
+    def _restart_round(self) -> None:
+        """The model holds θ_base again: the next round's steps, tokens and compute time start from 0."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        self._save_state()
+        self._compute_s = 0.0
+        self._tried = False
 
     # ------------------------------------------------------------- internals
     def _server_run(self) -> pb.RunConfig:
@@ -655,14 +714,49 @@ class SyncDiLoCoWorker(WorkerBase):
         self.round = pulled.version
         self.local_steps = pulled.run_config.local_steps or self.local_steps
         self.flat.load(self._base)
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
+        self._restart_round()
         self.stats.heals += 1
         self.stats.bytes_pulled += pulled.payload.numel()
 
     def checksum(self) -> int:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
         return zlib.crc32(self._base.numpy().data.cast("B")) & 0xFFFFFFFF
+
+
+#: The largest finite float32, the sum's overflow threshold.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
+    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
+    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
+    finite, or the agreement would have skipped the round) and Σ w.
+
+    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
+    below float32's overflow threshold (half of it leaves room for the rounding of the
+    float32 products and sums), members whose contributions are what they announced cannot
+    make the sum overflow: a contribution did not match its announcement (a faulty or
+    altered member, memory corrupted between the agreement and the sum), and no honest
+    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
+    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
+    mismatch too: the weights are finite by construction.
+    """
+    largest = max(announced, default=0.0)
+    rank = announced.index(largest) if announced else 0
+    bound = total_weight * largest
+    if not math.isfinite(total_weight) or bound <= _FLOAT32_MAX / 2:
+        return (
+            f"the round's sum is not finite although every member announced a finite pseudo-gradient (Σw = "
+            f"{total_weight:.6g}, largest ‖Δ‖∞ announced {largest:.3g}, so the sum is at most {bound:.3g}, far from "
+            f"float32's overflow at {_FLOAT32_MAX:.3g}): a member's contribution did not match its announcement; "
+            f"every member skips the round and restarts from round {q.round}. Check that every member runs the same "
+            f"asyncdiloco version, and the members' memory and hardware"
+        )
+    who = f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {largest:.3g})" if announced else "unknown"
+    return (
+        f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
+        f"pseudo-gradient was {who}: lower that worker's inner learning rate"
+    )
 
 
 def _largest_magnitude(x: torch.Tensor) -> float:

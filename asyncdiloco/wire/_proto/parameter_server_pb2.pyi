@@ -69,7 +69,7 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class RunConfig(_message.Message):
-    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port", "dylu", "grouping", "group_window_s", "group_max_wait_s", "outer_lr_schedule", "outer_lr_warmup_versions", "outer_lr_total_versions", "outer_lr_min_ratio")
+    __slots__ = ("local_steps", "chunk_bytes", "lease_s", "max_staleness", "mode", "min_workers", "join_timeout_s", "round_timeout_s", "sync_weighting", "outer_optimizer", "outer_lr", "outer_momentum", "wire_codec", "codec_block_size", "bulk_port", "dylu", "grouping", "group_window_s", "group_max_wait_s", "outer_lr_schedule", "outer_lr_warmup_versions", "outer_lr_total_versions", "outer_lr_min_ratio", "sync_local_steps")
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class RunConfig(_message.Message):
     OUTER_LR_WARMUP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_TOTAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_MIN_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SYNC_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     local_steps: int
     chunk_bytes: int
     lease_s: float
@@ -116,7 +117,8 @@ class RunConfig(_message.Message):
     outer_lr_warmup_versions: int
     outer_lr_total_versions: int
     outer_lr_min_ratio: float
-    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ..., outer_lr_schedule: _Optional[str] = ..., outer_lr_warmup_versions: _Optional[int] = ..., outer_lr_total_versions: _Optional[int] = ..., outer_lr_min_ratio: _Optional[float] = ...) -> None: ...
+    sync_local_steps: str
+    def __init__(self, local_steps: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., max_staleness: _Optional[int] = ..., mode: _Optional[str] = ..., min_workers: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., round_timeout_s: _Optional[float] = ..., sync_weighting: _Optional[str] = ..., outer_optimizer: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., wire_codec: _Optional[str] = ..., codec_block_size: _Optional[int] = ..., bulk_port: _Optional[int] = ..., dylu: _Optional[bool] = ..., grouping: _Optional[str] = ..., group_window_s: _Optional[float] = ..., group_max_wait_s: _Optional[float] = ..., outer_lr_schedule: _Optional[str] = ..., outer_lr_warmup_versions: _Optional[int] = ..., outer_lr_total_versions: _Optional[int] = ..., outer_lr_min_ratio: _Optional[float] = ..., sync_local_steps: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("manifest", "worker_name", "steps_per_s", "ranks")
@@ -465,7 +467,7 @@ class QuorumReply(_message.Message):
     def __init__(self, formed: _Optional[bool] = ..., quorum_id: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., heal: _Optional[bool] = ..., round_deadline_s: _Optional[float] = ..., reason: _Optional[str] = ..., have: _Optional[int] = ..., need: _Optional[int] = ..., queued: _Optional[bool] = ..., pending: _Optional[bool] = ..., keep_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s", "poll")
+    __slots__ = ("worker_id", "quorum_id", "success", "total_weight", "num_tokens", "num_local_steps", "reason", "timeout_s", "poll", "compute_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +477,7 @@ class CommitRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     POLL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     quorum_id: int
     success: bool
@@ -484,19 +487,22 @@ class CommitRequest(_message.Message):
     reason: str
     timeout_s: float
     poll: bool
-    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., success: _Optional[bool] = ..., total_weight: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., reason: _Optional[str] = ..., timeout_s: _Optional[float] = ..., poll: _Optional[bool] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, worker_id: _Optional[int] = ..., quorum_id: _Optional[int] = ..., success: _Optional[bool] = ..., total_weight: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_local_steps: _Optional[int] = ..., reason: _Optional[str] = ..., timeout_s: _Optional[float] = ..., poll: _Optional[bool] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class CommitReply(_message.Message):
-    __slots__ = ("committed", "round", "reason", "decided")
+    __slots__ = ("committed", "round", "reason", "decided", "local_steps")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DECIDED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     committed: bool
     round: int
     reason: str
     decided: bool
-    def __init__(self, committed: _Optional[bool] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., decided: _Optional[bool] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, committed: _Optional[bool] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., decided: _Optional[bool] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
     __slots__ = ("token", "push", "pull")
