@@ -130,9 +130,9 @@ def _train(args: argparse.Namespace, worker, model: nn.Module, opt: torch.optim.
             x = torch.randn(16, 8, generator=gen)  # (B, 8)
             loss = nn.functional.mse_loss(model(x), torch.tanh(x @ w_true))
             loss.backward()
+            time.sleep(args.step_sleep_s)  # inside the step: slower compute, which DyLU's rate counts
             opt.step()
             opt.zero_grad()
-            time.sleep(args.step_sleep_s)
             rec = {"crc": crc(model), "loss": loss.item(), "opt_crc": opt_crc(opt), "opt_steps": opt_steps(opt)}
             if args.rank == 0:
                 rec["local_steps"] = worker.local_steps

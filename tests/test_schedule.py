@@ -32,13 +32,15 @@ def test_step_rate_meter_prefers_the_workers_own_compute_time():
     meter.start(7, now=0.0)
     meter.record(7, 10, now=2.0)  # no compute_s: the interval since the join, 5 steps/s
     assert meter.rates[7] == 5.0
-    meter.record(7, 10, now=30.0, compute_s=1.0)  # 10 steps/s of compute; the wait does not count
-    assert meter.rates[7] == 7.5
+    meter.record(7, 10, now=30.0, compute_s=1.0)  # the worker's estimate: replaces, the wait does not count
+    assert meter.rates[7] == 10.0
     meter.report(7, 7.5)
     assert meter.rates[7] == 7.5
+    meter.record(7, 10, now=32.0)  # an interval (no compute_s) is averaged in: 0.5 · 7.5 + 0.5 · 5
+    assert meter.rates[7] == 6.25
     meter.report(7, float("nan"))  # ignored
     meter.report(7, 0.0)
-    assert meter.rates[7] == 7.5
+    assert meter.rates[7] == 6.25
 
 
 def _state(**kw):

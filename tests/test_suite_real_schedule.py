@@ -7,7 +7,7 @@ import pytest
 
 from asyncdiloco.bench.profiles import PROFILES, Profile
 from asyncdiloco.bench.sim import SimConfig
-from asyncdiloco.bench.suite_real import REAL_SUITES, _changes_flag, real_schedule, server_flags
+from asyncdiloco.bench.suite_real import REAL_STEP_S, REAL_SUITES, _changes_flag, real_schedule, server_flags
 from asyncdiloco.errors import ConfigError
 
 
@@ -68,7 +68,8 @@ def test_real_methods_get_the_simulators_server_settings():
 
     kw = dict(speeds_s_per_step=(1.0, 2.0), total_steps=100)
     mode, flags, worker_args = server_flags(SimConfig(method="async_dn_dylu", **kw))
-    assert mode == "async" and worker_args == ()
+    pace = ("--step-s", str(REAL_STEP_S))  # every real run's steps last at least that long
+    assert mode == "async" and worker_args == pace
     args = cli.build_parser().parse_args(["server", *flags])
     server = config(args)
     sim = SimConfig(method="async_dn_dylu", **kw).server_config()
@@ -78,7 +79,45 @@ def test_real_methods_get_the_simulators_server_settings():
         sim.grouping,
         sim.grace_s,
     )
-    assert server_flags(SimConfig(method="async_dn_dylu_overlap", **kw))[2] == ("--overlap",)
+    assert server_flags(SimConfig(method="async_dn_dylu_overlap", **kw))[2] == ("--overlap", *pace)
     _, flags, _ = server_flags(SimConfig(method="async_nesterov", **kw))
     server = config(cli.build_parser().parse_args(["server", *flags]))
     assert (server.outer.optimizer, server.dylu, server.grouping) == ("nesterov", False, "off")
+
+
+def test_rate_figures_compare_the_rates_dylu_used_with_the_measured_compute():
+    from asyncdiloco.bench.suite_real import rate_figures
+
+    def worker(index, factor, compute_rate, reported, h_w):
+        return {
+            "index": index,
+            "speed_factor": factor,
+            "timed_steps": 100,
+            "compute_s": 100 / compute_rate,
+            "steps_per_s": reported,
+            "local_steps_per_round": h_w,
+        }
+
+    workers = [worker(0, 1.0, 20.0, 20.0, 20), worker(1, 2.0, 10.0, 11.5, 11), {"index": 2, "timed_steps": 0}]
+    figs = rate_figures(workers, 20)
+    assert [w["index"] for w in figs["workers"]] == [0, 1]  # a worker that timed nothing (sync) is left out
+    slow = figs["workers"][1]
+    assert slow["rate_ratio_error"] == pytest.approx(0.15)  # 11.5/20 against 10/20
+    assert slow["h_ratio_error"] == pytest.approx(0.10) and slow["dylu_local_steps"] == 10
+    assert figs["max_rate_ratio_error"] == pytest.approx(0.15) and not figs["within_target"]
+    assert rate_figures([{"index": 0, "timed_steps": 0}], 20) is None
+
+
+def test_the_pace_sleeps_inside_the_step_to_the_padded_slowed_time(monkeypatch):
+    from asyncdiloco.cli import train
+
+    slept = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    pace = train._Pace(3.0, (), step_s=0.05)
+    pace.in_step(0, 0.0, so_far_s=0.01)  # first step: c is its forward and backward
+    pace.after_step(0.02 + slept[-1])  # it computed 0.02 s at full speed
+    pace.in_step(1, 1.0, so_far_s=0.01)
+    assert slept == pytest.approx([3 * 0.05 - 0.01, 3 * 0.05 - 0.02])
+    fast = train._Pace(1.0, ())
+    fast.in_step(0, 0.0, so_far_s=0.01)
+    assert len(slept) == 2  # full speed, no padding: no sleep

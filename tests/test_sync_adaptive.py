@@ -119,9 +119,10 @@ def test_three_members_of_uneven_speed_get_h_w_in_dylus_ratio():
     assert _shown_local_steps(state) == expected
 
     # c got twice as fast: its next round's vote says so, and the decision after it follows
-    # (the rate is a moving average: 2.5 -> 3.75 steps/s, H_w 2 -> 3)
+    # (the vote carries the worker's own estimate, algo/rates.py, which replaces the rate:
+    # 2.5 -> 5 steps/s, H_w 2 -> 4)
     decision = _round(state, ids, expected, {**rates, c: 5.0})
-    assert dict(decision.local_steps) == {a: 8, b: 4, c: 3}
+    assert dict(decision.local_steps) == {a: 8, b: 4, c: 4}
 
 
 def test_a_member_whose_rate_is_unknown_runs_h():

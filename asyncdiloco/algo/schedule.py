@@ -8,11 +8,11 @@ the virtual-clock simulator, so the two run the same logic.
   compute) runs H_w = ⌊ v_w / max_w' v_w' · H ⌋ inner steps per round (at least 1),
   the maximum taken over the live workers, so slow workers push as often as fast ones
   and their pseudo-gradients are not staler. The rates are reported by the workers
-  (measured on their own clocks over their inner steps only, so waiting for the server
-  does not enter them) from the first round on: a worker times its first few inner
-  steps and reports the rate before it pushes, so the first round is already balanced
-  (otherwise every worker runs the full H once and the offsets of that round persist
-  for the whole run).
+  (measured on their own clocks over the time in their inner steps only, algo/rates.py,
+  so waiting for the server, saves and the caller's own work do not enter them) from the
+  first round on: a worker times its first few inner steps and reports the rate before
+  it pushes, so the first round is already balanced (otherwise every worker runs the
+  full H once and the offsets of that round persist for the whole run).
 - Grouping (Alg. 2, the grace window): replies to pushes are held so that the workers
   whose pushes landed together pull the same model, and Delayed Nesterov's buffer of N
   arrivals then holds N pseudo-gradients from one starting model (N arrivals from one
@@ -68,16 +68,18 @@ def dylu_local_steps(steps_per_s: Mapping[int, float], local_steps: int) -> dict
 
 
 class StepRateMeter:
-    """Per-worker inner-step rate v_w, inner steps per second of the worker's compute.
+    """Per-worker inner-step rate v_w, inner steps per second of the worker's compute:
+    the rate DyLU uses and ``Status`` shows (``rates``).
 
-    Samples come from the worker: a rate it reports (``report``: timed over its first
-    inner steps, before its first push) or a push of ``num_local_steps`` steps that
-    took ``compute_s`` seconds of its own clock (``record``). A push without
-    ``compute_s`` falls back to the time since the worker's previous push on the
-    server's clock (which includes communication and waiting, so it is used only when
-    nothing better is known). The estimate is an exponential moving average with
-    weight ``alpha`` on the newest sample, so a speed that changes is followed within
-    a few rounds.
+    Samples come from the worker: a rate it reports (``report``: its estimate, a
+    heartbeat before its first push or a Join) or a push of ``num_local_steps`` steps
+    that took ``compute_s`` seconds of its compute (``record``; the library's worker sends
+    num_local_steps / its estimate, algo/rates.py ``InnerStepRate``). The worker's own
+    estimate is already an average over its recent steps, so such a sample replaces the
+    previous rate (no second smoothing, no lag added). A push without ``compute_s``
+    falls back to the time since the worker's previous push on the server's clock
+    (which includes communication and waiting, so it is used only when nothing better
+    is known), averaged in with weight ``alpha`` on the newest interval.
     """
 
     def __init__(self, alpha: float = 0.5, spread: float = RATE_SPREAD) -> None:
@@ -94,7 +96,7 @@ class StepRateMeter:
     def report(self, worker_id: int, steps_per_s: float) -> None:
         """A rate the worker measured itself (ignored unless finite and > 0)."""
         if math.isfinite(steps_per_s) and steps_per_s > 0:
-            self._sample(worker_id, steps_per_s)
+            self._sample(worker_id, steps_per_s, weight=1.0)
 
     def record(self, worker_id: int, num_local_steps: int, now: float, compute_s: float = 0.0) -> None:
         """A push of ``num_local_steps`` steps arrived at ``now`` (server clock) after
@@ -104,20 +106,21 @@ class StepRateMeter:
         if num_local_steps <= 0:
             return
         if math.isfinite(compute_s) and compute_s > 0:
-            self._sample(worker_id, num_local_steps / compute_s)
+            self._sample(worker_id, num_local_steps / compute_s, weight=1.0)
         elif last is not None and now > last:
-            self._sample(worker_id, num_local_steps / (now - last))
+            self._sample(worker_id, num_local_steps / (now - last), weight=self.alpha)
 
-    def _sample(self, worker_id: int, sample: float) -> None:
-        """Fold in one sample, clamped to ``RATE_RANGE`` and to [m / spread, m · spread],
-        m the median rate of the other workers with a known rate (none: no such bound)."""
+    def _sample(self, worker_id: int, sample: float, weight: float) -> None:
+        """Fold in one sample with ``weight`` (1: it replaces the rate), clamped to
+        ``RATE_RANGE`` and to [m / spread, m · spread], m the median rate of the other
+        workers with a known rate (none: no such bound)."""
         sample = min(max(sample, RATE_RANGE[0]), RATE_RANGE[1])
         others = [v for w, v in self.rates.items() if w != worker_id]
         if others:
             mid = statistics.median(others)
             sample = min(max(sample, mid / self.spread), mid * self.spread)
         old = self.rates.get(worker_id)
-        self.rates[worker_id] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+        self.rates[worker_id] = sample if old is None else (1 - weight) * old + weight * sample
 
     def forget(self, worker_id: int) -> None:
         self._last.pop(worker_id, None)

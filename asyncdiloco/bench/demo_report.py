@@ -214,6 +214,11 @@ def _worker_entry(
         "idle_s": round(stats.get("idle_s", stats.get("blocked_s", stats.get("comm_s", 0.0))), 3),
         "blocked_s": round(stats.get("blocked_s", 0.0), 3),
         "held_s": round(stats.get("held_s", 0.0), 3),
+        # DyLU's inputs (async): seconds and count of the timed inner steps, the rate reported last, H_w
+        "compute_s": round(stats.get("compute_s", 0.0), 3),
+        "timed_steps": stats.get("timed_steps", 0),
+        "steps_per_s": stats.get("steps_per_s", 0.0),
+        "local_steps_per_round": stats.get("local_steps_per_round"),
         "blocked_fraction": round(stats["blocked_s"] / stats["wall_s"], 4) if stats.get("wall_s") else None,
         "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
         "rounds_committed": stats.get("rounds_committed"),

@@ -2,10 +2,13 @@
 
 Each run is ``asyncdiloco demo`` (demo.py) on 127.0.0.1 with the method's server flags,
 the profile's speeds as per-step slowdowns (``--slowdown``, relative to the fastest
-worker) and a token budget: the workers are stopped once the server has applied the
-budget, so every method trains on the same number of tokens and the protocol, queuing
-and staleness are real. Records have the fields of the virtual-clock suite (suite.py),
-so ``report.md`` and the plots are made by the same code.
+worker) of steps padded to ``REAL_STEP_S`` at full speed (``--step-s``) and a token
+budget: the workers are stopped once the server has applied the budget, so every method
+trains on the same number of tokens and the protocol, queuing and staleness are real.
+Records have the fields of the virtual-clock suite (suite.py), so ``report.md`` and the
+plots are made by the same code; each async record also has ``rates`` (``rate_figures``:
+per worker its measured compute rate, the rate DyLU used, H_w and the ratio errors), and
+report.md a table of them (``rate_section``).
 
 The profiles of ``REAL_PROFILES`` run (the virtual suite's links, noise and non-IID
 data are not emulated on the real clock), including the two with events in time
@@ -57,8 +60,9 @@ from asyncdiloco.ps.config import ServerConfig, SyncConfig
 REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
 #: The profiles the real clock emulates (speeds, speed changes, a leave and rejoin).
 REAL_PROFILES = ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")
-#: Real-clock suites: ``quick`` runs the one profile the claims are about, so it fits in
-#: about 10 minutes; ``full`` runs all of ``REAL_PROFILES``. The budget is the virtual suite's.
+#: Real-clock suites: ``quick`` runs the one profile the claims are about (estimated 30
+#: minutes with ``REAL_STEP_S`` 0.05; 8 min 40 s before steps were padded); ``full`` runs
+#: all of ``REAL_PROFILES``. The budget is the virtual suite's.
 REAL_SUITES = {
     "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
     "full": SuiteConfig(profiles=REAL_PROFILES, methods=("sync_localsgd", *REAL_METHODS)),
@@ -66,6 +70,14 @@ REAL_SUITES = {
 #: Seconds between the demo's evaluations of the global model: fine enough that the time
 #: to the target resolves a 3x speed-up of runs that train for tens of seconds.
 REAL_EVAL_EVERY_S = 0.5
+
+#: Seconds a full-speed inner step lasts at least (``asyncdiloco worker --step-s``): the
+#: suite's model trains a step in about 6-20 ms here, so a round of the fastest worker
+#: (H = 20) lasted about 0.2 s and its push, pull and the group's transfers were a large
+#: share of it (utilisation 0.74-0.76); a real DiLoCo round lasts minutes against its
+#: transfers. The step is padded with a sleep inside it (the rate sees it as compute), so
+#: the slowdowns keep their ratios. docs/algorithms.md, "Real clock".
+REAL_STEP_S = 0.05
 
 #: Token budget of a calibration demo, in inner steps summed over workers.
 CALIBRATION_STEPS = 300
@@ -137,7 +149,7 @@ def calibrate_real_s_per_step(profile: str, cfg: SuiteConfig, out_dir: pathlib.P
     mode, flags, worker_args = server_flags(sim_cfg)
     demo = DemoConfig(
         num_workers=len(speeds),
-        max_seconds=600.0,
+        max_seconds=1200.0,
         out_dir=str(out_dir),
         slowdowns=tuple(s / min(speeds) for s in speeds),
         server_args=flags,
@@ -186,7 +198,8 @@ def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]
     """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
     flags that rebuild ``server_config(cfg)`` in the demo's server process."""
     server = server_config(cfg)
-    return server.mode, SERVER_RUN.argv(server), ("--overlap",) if METHODS[cfg.method].overlap else ()
+    overlap = ("--overlap",) if METHODS[cfg.method].overlap else ()
+    return server.mode, SERVER_RUN.argv(server), (*overlap, "--step-s", str(REAL_STEP_S))
 
 
 def run_real_suite(
@@ -236,7 +249,7 @@ def run_real_suite(
         run_dir = out / "runs" / f"{profile}-{method}-{seed}"
         demo = DemoConfig(
             num_workers=len(speeds),
-            max_seconds=600.0,
+            max_seconds=1200.0,
             out_dir=str(run_dir),
             slowdowns=sched.slowdowns,
             server_args=flags,
@@ -266,8 +279,78 @@ def run_real_suite(
         with open(jsonl, "a") as f:
             f.write(json.dumps(rec) + "\n")
     _add_targets(records, cfg.target_margin)
-    write_outputs(records, cfg, out, "real", peer_section(cfg, out, progress))
+    write_outputs(records, cfg, out, "real", rate_section(records) + "\n" + peer_section(cfg, out, progress))
     return records
+
+
+#: How far a worker's rate ratio (v_w / v of the fastest) as DyLU used it may be from the
+#: ratio of the compute rates it measured over the whole run (the issue's target).
+RATE_RATIO_TARGET = 0.10
+
+
+def rate_figures(workers: list[dict], local_steps: int) -> dict | None:
+    """DyLU's inputs of one async run against what the workers' compute was.
+
+    Per worker process that timed inner steps (``report.json``'s ``workers[]``):
+    ``compute_steps_per_s``, its timed steps over their seconds (the mean over the run:
+    the true compute rate); ``steps_per_s``, the rate it reported last (the server's, up
+    to ``RATE_SPREAD``); ``local_steps_per_round``, the H_w it was told last; and, with
+    the fastest worker's compute rate as 1, ``rate_ratio_error`` (reported ratio ÷
+    compute ratio − 1, target within ±``RATE_RATIO_TARGET``), ``h_ratio_error`` ((H_w / H)
+    ÷ compute ratio − 1: it includes DyLU's rounding down, at most one step in H_w) and
+    ``dylu_local_steps`` (⌊compute ratio · H⌋, what exact rates would give). None for a
+    sync run (nothing timed).
+    """
+    rows = [w for w in workers if w.get("timed_steps") and w.get("compute_s")]
+    if not rows:
+        return None
+    true = [w["timed_steps"] / w["compute_s"] for w in rows]
+    fastest = max(range(len(rows)), key=lambda i: true[i])
+    out = []
+    for w, v in zip(rows, true, strict=True):
+        ratio = v / true[fastest]
+        reported = w["steps_per_s"] / rows[fastest]["steps_per_s"] if rows[fastest]["steps_per_s"] else math.nan
+        h_w = w.get("local_steps_per_round") or 0
+        out.append(
+            {
+                "index": w["index"],
+                "speed_factor": w["speed_factor"],
+                "compute_steps_per_s": round(v, 3),
+                "steps_per_s": round(w["steps_per_s"], 3),
+                "local_steps_per_round": h_w,
+                "dylu_local_steps": max(1, math.floor(ratio * local_steps + 1e-9)),
+                "rate_ratio_error": round(reported / ratio - 1, 4),
+                "h_ratio_error": round(h_w / local_steps / ratio - 1, 4),
+            }
+        )
+    worst = max(abs(r["rate_ratio_error"]) for r in out)
+    return {"workers": out, "max_rate_ratio_error": worst, "within_target": worst <= RATE_RATIO_TARGET}
+
+
+def rate_section(records: list[dict]) -> str:
+    """report.md's table of DyLU's measured rates per async run (``rate_figures``)."""
+    lines = [
+        "## DyLU's rates against the measured compute (real clock)\n",
+        f"Per run and worker: the compute rate it measured over the run (steps/s), the rate DyLU used "
+        f"(reported last), H_w, ⌊ratio · H⌋ of the measured rates, and the errors of the used rate ratio "
+        f"(target ±{RATE_RATIO_TARGET:.0%}) and of H_w / H (includes DyLU's rounding down).\n",
+        "| run | utilisation | worker (×slower) | compute steps/s | used steps/s | H_w | ⌊ratio·H⌋ "
+        "| rate ratio err | H ratio err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rec in records:
+        figs = rec.get("rates")
+        if not figs:
+            continue
+        run, util = f"{rec['profile']} {rec['method']} {rec['seed']}", f"{rec['utilisation']:.3f}"
+        for w in figs["workers"]:
+            lines.append(
+                f"| {run} | {util} | {w['index']} (×{w['speed_factor']:.2f}) | "
+                f"{w['compute_steps_per_s']:.2f} | {w['steps_per_s']:.2f} | {w['local_steps_per_round']} | "
+                f"{w['dylu_local_steps']} | {w['rate_ratio_error']:+.1%} | {w['h_ratio_error']:+.1%} |"
+            )
+            run = util = ""
+    return "\n".join(lines) + "\n"
 
 
 def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: dict, real_s: float) -> dict:
@@ -312,4 +395,5 @@ def _record(profile: str, method: str, seed: int, sim_cfg: SimConfig, report: di
         "curve": curve,
         "real_s": real_s,
         "median_round_s": (report.get("round_time_s") or {}).get("round"),  # sync runs
+        "rates": rate_figures(report["workers"], sim_cfg.local_steps),
     }

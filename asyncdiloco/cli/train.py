@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ def run_worker(
     worker_index: int = 0,
     slowdown: float = 1.0,
     slowdown_changes: SlowdownChanges = (),
+    step_s: float = 0.0,
     max_steps: int | None = None,
     max_seconds: float | None = None,
     on_step: Callable[[int, float], None] | None = None,
@@ -55,8 +57,13 @@ def run_worker(
         worker_config: server address and client settings.
         job: model, data and inner optimizer settings.
         worker_index: selects this worker's batch order.
-        slowdown: F ≥ 1; after each inner step the worker sleeps (F − 1) × the step's
-            compute time, so it runs F times slower (emulates a weaker machine).
+        slowdown: F ≥ 1; inside each inner step (before the optimizer step) the worker
+            sleeps (F − 1) × a step's compute time, so its steps take F times longer
+            (emulates a weaker machine; ``_Pace``).
+        step_s: ≥ 0; every inner step computes at least this many seconds at full speed
+            (padded with a sleep inside the step, then slowed by F): emulates a larger
+            model, so that a round lasts as long against its push and pull as it would
+            (0: the job's own step time).
         slowdown_changes: ((t_s, F), ...): from t_s seconds after the worker began
             training (joined and holds the global model) it runs F times slower instead;
             times strictly increasing, each F ≥ 1 (``slowdown_at``).
@@ -87,6 +94,8 @@ def run_worker(
         ServerUnavailableError / ManifestMismatchError: joining failed.
     """
     _check_bounds(slowdown, max_steps, max_seconds)
+    if not (math.isfinite(step_s) and step_s >= 0):
+        raise ConfigError(f"step_s={step_s} is invalid: give the seconds a full-speed inner step lasts at least, >= 0")
     slowdown_changes = check_slowdown_changes(slowdown_changes)
     corpus = CharCorpus.default()
     gpu = torch.device(device)
@@ -106,7 +115,7 @@ def run_worker(
     tlog = TrainLog(train_log or TrainLogConfig()) if not worker.follower else _FollowerLog()
     # In a group rank 0 alone sleeps: DDP's allreduce makes the others wait for it, and a
     # follower's step time (which includes that wait) would feed back into its own sleep.
-    pace = _Pace(slowdown, slowdown_changes) if not worker.follower else _Pace(1.0, ())
+    pace = _Pace(slowdown, slowdown_changes, step_s) if not worker.follower else _Pace(1.0, ())
     loop = _Loop(worker, model, inner, inner_lr, batches, pace, tlog, device)
     if worker_config.state_dir is not None and not worker.follower:  # the loop's position is saved with the worker's
         loop.load_state_dict(worker.restored_extra)
@@ -241,20 +250,35 @@ def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | N
 
 
 class _Pace:
-    """The emulated slowdown: after an inner step that computed for c seconds, sleep
-    (F − 1)·c, F the factor in force at that time of training (``slowdown_at``)."""
+    """The emulated slowdown, inside the inner step as a slower machine's compute would
+    be: between the backward pass and the optimizer step it sleeps F·max(c, step_s) − c,
+    F the factor in force at that time of training (``slowdown_at``) and c the previous
+    step's compute at full speed (forward, backward and optimizer step; for the first
+    step, its own forward and backward). The step then lasts about F·max(c, step_s), and
+    the worker's rate (algo/rates.py), timed over the step, sees it; a sleep after the
+    step would count as the loop's own work between steps, which the rate leaves out."""
 
-    def __init__(self, slowdown: float, changes: SlowdownChanges) -> None:
-        self.slowdown, self.changes, self.factor = slowdown, changes, slowdown
+    def __init__(self, slowdown: float, changes: SlowdownChanges, step_s: float = 0.0) -> None:
+        self.slowdown, self.changes, self.factor, self.step_s = slowdown, changes, slowdown, step_s
+        self.full_speed_s: float | None = None  # c of the previous step
+        self.slept_s = 0.0  # in the current step
 
-    def after_step(self, step: int, train_s: float, compute_s: float) -> None:
+    def in_step(self, step: int, train_s: float, so_far_s: float) -> None:
+        """Before the optimizer step: ``so_far_s`` seconds of this step's forward and backward."""
         if self.changes:
             factor = slowdown_at(train_s, self.slowdown, self.changes)
             if factor != self.factor:
                 log.info("step %d, %.1f s: slowdown %g -> %g", step, train_s, self.factor, factor)
                 self.factor = factor
-        if self.factor > 1.0:
-            time.sleep((self.factor - 1.0) * max(compute_s, 0.0))
+        c = max(self.full_speed_s if self.full_speed_s is not None else so_far_s, 0.0)
+        self.slept_s = max(0.0, self.factor * max(c, self.step_s) - c)
+        if self.slept_s > 0:
+            time.sleep(self.slept_s)
+
+    def after_step(self, compute_s: float) -> None:
+        """The step took ``compute_s`` seconds from its forward pass on, the sleep included."""
+        self.full_speed_s = max(compute_s - self.slept_s, 0.0)
+        self.slept_s = 0.0
 
 
 class _Loop:
@@ -265,6 +289,7 @@ class _Loop:
         self.worker, self.model, self.inner, self.inner_lr = worker, model, inner, inner_lr
         self.batches, self.pace, self.tlog, self.device = batches, pace, tlog, torch.device(device)
         self.step = 0
+        self._started = self._t0 = time.monotonic()  # run()'s start, the current step's start
         self._in_step = False  # inside inner.step(), where the worker syncs (and saves)
         #: The data position before the current step drew its batch, until the step is done:
         #: a step cut short before ``inner.step()`` (a rank of the group died in DDP's
@@ -320,10 +345,12 @@ class _Loop:
                 self.worker.request_stop()  # a group's ranks agree on it with the next inner step
             if self.worker.should_stop:
                 break
-            t0, blocked0 = time.monotonic(), self.worker.stats.blocked_s
+            blocked0 = self.worker.stats.blocked_s
+            self._started = started
             loss = self.inner_step()
-            compute_s = time.monotonic() - t0 - (self.worker.stats.blocked_s - blocked0)  # the sync is not slowed
-            self.pace.after_step(self.step, time.monotonic() - started, compute_s)
+            # from the forward pass on (data loading is not compute); the sync is not slowed
+            compute_s = time.monotonic() - self._t0 - (self.worker.stats.blocked_s - blocked0)
+            self.pace.after_step(compute_s)
             self.tlog.after_step(self.step, loss)
             if on_step is not None:
                 on_step(self.step, loss.item())
@@ -332,8 +359,11 @@ class _Loop:
         """One inner step; returns its training loss (a detached scalar, nats/char)."""
         self._stream_before = self.batches.state_dict()
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.batches))  # (B, T) int64 each
+        self._t0 = time.monotonic()
         loss = lm_loss(self.model(x), y)
         loss.backward()
+        now = time.monotonic()
+        self.pace.in_step(self.step, now - self._started, now - self._t0)
         self._in_step = True
         try:
             self.inner.step()  # every H-th step also syncs (async: push and pull; sync: a round)

@@ -64,6 +64,15 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="run F times slower, to emulate a weaker machine (default %(default)s)",
     )
     g.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="every inner step lasts at least S seconds at full speed (a sleep inside the step, then "
+        "--slowdown): emulates a larger model, so rounds last as long against their push and pull as "
+        "they would (default %(default)s: the job's own step time)",
+    )
+    g.add_argument(
         "--slowdown-changes",
         default="",
         metavar="T1:F1,T2:F2",
@@ -245,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             worker_index=args.worker_index,
             slowdown=args.slowdown,
             slowdown_changes=slowdown_changes,
+            step_s=args.step_s,
             max_steps=args.max_steps,
             max_seconds=args.max_seconds,
             sync=cfg.sync,

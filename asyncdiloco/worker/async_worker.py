@@ -163,6 +163,14 @@ class WorkerStats:
     held_s: float = 0.0
     #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
     wall_s: float = 0.0
+    #: Seconds in the inner steps that were timed, and how many (algo/rates.py: first
+    #: forward pass to the end of the optimizer step; the first step is not timed); at
+    #: close, v_w, the rate this worker reported last (inner steps per second of compute;
+    #: 0: none timed), and H_w, the steps per round the server told it last.
+    compute_s: float = 0.0
+    timed_steps: int = 0
+    steps_per_s: float = 0.0
+    local_steps_per_round: int = 0
     #: What became of the push ``close`` sent: "applied", "refused", "dropped" (Δ was not
     #: finite: nothing sent), "not acknowledged" (the server could not be reached in time;
     #: kept in ``state_dir`` for a restart) or "" (nothing to push).
@@ -299,7 +307,6 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self._next_push_id = 1
         self._pending: _PendingPush | None = None
-        self._round_started = time.monotonic()
         if config.overlap:
             link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
             self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
@@ -385,6 +392,13 @@ class AsyncDiLoCoWorker(WorkerBase):
         """``close``: wait for and merge a sync in flight (overlap), push the steps since
         the last sync (if ``push_on_close``: an unacknowledged push first, then the
         residual), leave, release."""
+        rate = self.step_rate
+        self.stats.compute_s, self.stats.timed_steps, self.stats.steps_per_s = (
+            rate.compute_s,
+            rate.timed_steps,
+            rate.steps_per_s,
+        )
+        self.stats.local_steps_per_round = self.local_steps
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
             try:
@@ -654,7 +668,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             base_version=self.version,
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
-            compute_s=time.monotonic() - self._round_started,
+            compute_s=self._round_compute_s(self._steps_since_sync),
             last=self._closing,
         )
         self._next_push_id += 1
@@ -662,11 +676,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         return self._pending
 
     def _start_round(self) -> None:
-        """A new round starts now: no steps or tokens since the last push, its compute
-        timed from here, its sync point at H_w."""
+        """A new round starts now: no steps or tokens since the last push, its sync point at H_w."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        self._round_started = time.monotonic()
         self._round_steps = None
 
     def _push_acknowledged(self, reply: pb.PushReply, pending: PushToSend, *, lower_base: bool) -> None:

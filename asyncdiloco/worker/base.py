@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from asyncdiloco.algo.rates import InnerStepRate
 from asyncdiloco.errors import (
     RETRY_LATER,
     AsyncDiLoCoError,
@@ -191,13 +192,21 @@ class WorkerBase(GroupMember):
         self._must_initialize = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        # DyLU from the first round: the inner-step rate is timed over the first steps of a
-        # registration and reported until the first push's reply takes over.
-        self._rate_known = self.mode != "async"
-        self._rate_t0: float | None = None  # end of the first timed step
-        self._rate_steps = 0
+        #: v_w, this worker's inner steps per second of compute (algo/rates.py): each step
+        #: is timed from its first forward pass with gradients (a pre-hook on the model) to
+        #: the end of the inner optimizer's step (the step hook, before any sync), so held
+        #: replies, transfers, saves, evaluation and the caller's work between steps are
+        #: not in it. Reported before the first push (``_report_rate``) and with every push.
+        self.step_rate = InnerStepRate()
+        # DyLU from the first round: the rate is reported until the first push's reply takes over.
+        self._rate_known = True  # until ``_register`` says whether the server wants it
+        self._rate_reported_at = 0  # step_rate.timed_steps at the last report
         #: Counts inner steps and syncs every H of them; installed by ``join``.
         self._step_hook: RemovableHandle | None = None
+        #: Marks the start of an inner step's compute (rank 0 or alone: followers report nothing).
+        self._forward_hook: RemovableHandle | None = (
+            None if self.follower else core.register_forward_pre_hook(self._step_begins)
+        )
         #: Joins before the first inner step when nobody called ``join`` (no ``with``).
         self._join_hook: RemovableHandle | None = inner_optimizer.register_step_pre_hook(
             lambda *_: self._join_before_first_step()
@@ -271,10 +280,10 @@ class WorkerBase(GroupMember):
 
     def _remove_hooks(self) -> None:
         """Detach from the inner optimizer (at close): its later steps are plain steps."""
-        for hook in (self._step_hook, self._join_hook):
+        for hook in (self._step_hook, self._join_hook, self._forward_hook):
             if hook is not None:
                 hook.remove()
-        self._step_hook = self._join_hook = None
+        self._step_hook = self._join_hook = self._forward_hook = None
 
     def _join_once(self) -> None:
         raise NotImplementedError
@@ -426,7 +435,7 @@ class WorkerBase(GroupMember):
         """Join: take the worker id, H and lease the server dictates; refuse a server
         of the other mode (and leave it again)."""
         ranks = 1 if self.group is None else self.group.world_size
-        reply = self.client.join(self.manifest, self.worker_name, ranks=ranks)
+        reply = self.client.join(self.manifest, self.worker_name, steps_per_s=self.step_rate.steps_per_s, ranks=ranks)
         if reply.run_config.mode != self.mode:
             self.client.leave(reply.worker_id)
             raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
@@ -437,7 +446,6 @@ class WorkerBase(GroupMember):
         self._lease_s = reply.run_config.lease_s
         self._grouped = reply.run_config.grouping not in ("", "off")
         self._rate_known = not self._wants_rate(reply.run_config)
-        self._rate_t0 = None
         if reply.resumed:
             log.info(
                 "worker %d (%s) resumed its registration (the server holds outcomes up to push %d)",
@@ -604,7 +612,16 @@ class WorkerBase(GroupMember):
         self._tokens_since_sync += num_tokens
         self.stats.tokens += num_tokens
 
+    @torch.compiler.disable  # a compiled model runs it as it is (no graph break warning)
+    def _step_begins(self, *_: object) -> None:
+        """Forward pre-hook on the model: a forward pass with gradients enabled starts an
+        inner step's compute (a ``torch.no_grad()`` evaluation does not)."""
+        if torch.is_grad_enabled():
+            self.step_rate.begin()
+
     def _after_inner_step(self) -> None:
+        if not self.follower:
+            self.step_rate.end()  # first: the sync below is not compute
         self.stats.inner_steps += 1
         self._steps_since_sync += 1
         self._tokens_since_sync += self.tokens_per_step
@@ -612,12 +629,15 @@ class WorkerBase(GroupMember):
         if self.follower:
             self._follow_step()
             return
-        if self.group is not None:
-            self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
-            return
-        if not self._rate_known:
-            self._report_rate()
-        self._after_step_events()
+        try:
+            if self.group is not None:
+                self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
+                return
+            if not self._rate_known:
+                self._report_rate()
+            self._after_step_events()
+        finally:
+            self.step_rate.resume()  # a step without a forward pre-hook is timed from here
 
     def _sync_due(self) -> bool:
         return self._steps_since_sync >= (self._round_steps or self.local_steps)
@@ -631,24 +651,30 @@ class WorkerBase(GroupMember):
         if self._sync_due():
             self._sync_point()
 
-    #: Inner steps timed before the first rate report (after the first, untimed, step:
-    #: it carries one-off costs); reported again every this many steps until the first push.
-    RATE_PROBE_STEPS = 2
+    #: Before the first push, the rate is reported every this many timed inner steps (the
+    #: first step is not timed: it carries one-off costs; of 3 the longest is left out,
+    #: so the first report is not a warm-up's).
+    RATE_PROBE_STEPS = 3
+
+    def _round_compute_s(self, steps: int) -> float:
+        """A push's ``compute_s`` for ``steps`` inner steps: the seconds they take at v_w
+        (``step_rate``), so the rate the server derives, steps / compute_s, is this
+        worker's estimate (mean step without the longest, warm-up left out); 0.0 while no step was timed
+        (the server then falls back to the interval between pushes)."""
+        return self.step_rate.seconds_for(steps)
 
     def _report_rate(self) -> None:
-        """Before the first push of a registration: time the inner steps and report the
-        rate v_w (steps per second, this worker's own clock) with a heartbeat, taking H_w
-        from its reply (DyLU, Liu et al. 2024 Eq. 6), so the first round is already
-        balanced across workers of different speeds. Reported every
-        ``RATE_PROBE_STEPS`` steps: workers that join later change everybody's H_w."""
-        now = time.monotonic()
-        if self._rate_t0 is None or not self.worker_id:
-            self._rate_t0, self._rate_steps = now, 0
+        """Before the first push of a registration: report v_w (``step_rate``, steps per
+        second of compute on this worker's clock) with a heartbeat every
+        ``RATE_PROBE_STEPS`` timed steps, taking H_w from its reply (DyLU, Liu et al.
+        2024, Eq. 6), so the first round is already balanced across workers of different
+        speeds; workers that join later change everybody's H_w. From the first push on,
+        each push carries the rate (``_round_compute_s``)."""
+        timed = self.step_rate.timed_steps
+        rate = self.step_rate.steps_per_s
+        if not self.worker_id or rate <= 0 or timed - self._rate_reported_at < self.RATE_PROBE_STEPS:
             return
-        self._rate_steps += 1
-        if self._rate_steps % self.RATE_PROBE_STEPS or now <= self._rate_t0:
-            return
-        rate = self._rate_steps / (now - self._rate_t0)
+        self._rate_reported_at = timed
         try:
             reply = self.client.heartbeat(self.worker_id, steps_per_s=rate)
         except Exception as exc:  # noqa: BLE001 - the sync point reports real trouble

@@ -271,10 +271,11 @@ class SyncDiLoCoWorker(WorkerBase):
 
     def _round_compute_s(self, steps: int) -> float:
         """Seconds of this member's own compute over the ``steps`` inner steps of its round
-        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): the stretches
-        of training before each sync point since the last decided round, without the waits
-        at those sync points."""
-        return self._compute_s
+        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): steps / v_w
+        of the time in inner steps (base.py ``step_rate``, algo/rates.py), as an async
+        push's; while no step was timed, the stretches of training before each sync point
+        since the last decided round, without the waits at those sync points."""
+        return self.step_rate.seconds_for(steps) or self._compute_s
 
     def _round(self) -> bool:
         """One round in four phases (module docstring): quorum → heal or weigh Δ →
