@@ -260,11 +260,11 @@ def test_sync_adaptive_gives_each_member_steps_in_proportion_to_its_measured_rat
     kw = dict(speeds_s_per_step=(1.0, 2.0, 4.0), total_steps=84, local_steps=8, job=TINY, eval_every_steps=84)
     r = simulate(SimConfig(method="sync_diloco_adaptive", **kw))
     first, *rest = r.local_steps_log
-    assert first == [8, 4, 3]  # the slowest times its first 3 steps (first untimed) before it knows its H_w
+    assert first == [8, 4, 4]  # the slowest times its first 4 steps (first untimed) before it knows its H_w
     assert all(h == [8, 4, 2] for h in rest[:-1]) and sum(map(sum, r.local_steps_log)) == 84
     assert r.estimated_rates == pytest.approx([1.0, 0.5, 0.25])
     assert r.wall_s == pytest.approx(
-        12.0 + 8.0 * (len(rest) - 1) + max(1.0 * rest[-1][0], 2.0 * rest[-1][1], 4.0 * rest[-1][2])
+        16.0 + 8.0 * (len(rest) - 1) + max(1.0 * rest[-1][0], 2.0 * rest[-1][1], 4.0 * rest[-1][2])
     )
     plain = simulate(SimConfig(method="sync_diloco", **kw))
     assert all(h == [8, 8, 8] for h in plain.local_steps_log[:-1]) and plain.wall_s > r.wall_s
@@ -333,3 +333,20 @@ def test_look_ahead_point_is_theta_minus_lambda_eta_mu_m():
     assert torch.allclose(out, theta - 2.0 * 0.7 * 0.6 * torch.tensor([0.5, -1.0]))
     with pytest.raises(ConfigError, match="look_ahead"):
         dataclasses.replace(ASYNC_OUTER, look_ahead=-1.0)
+
+
+def test_the_simulated_worker_reports_its_rate_as_the_real_worker_does():
+    """The simulator's rate path is the real worker's: the same estimator and probe cadence,
+    and a stall inside the window does not move the rate (the longest step is left out)."""
+    from asyncdiloco.bench.sim_costs import RATE_PROBE_STEPS, WorkerRate
+    from asyncdiloco.worker.base import WorkerBase
+
+    assert RATE_PROBE_STEPS == WorkerBase.RATE_PROBE_STEPS
+    rate = WorkerRate()
+    reports = [rate.step(d) for d in (5.0, 0.5, 0.5, 9.0, 0.5, 0.5, 0.5)]  # warm-up, then a stall
+    assert reports[:3] == [None, None, None]  # the first step is not timed; 3 timed steps per report
+    assert reports[3] == pytest.approx(2.0)  # 0.5, 0.5, 9.0: the longest left out
+    assert reports[6] == pytest.approx(2.0)
+    rate.reporting = False
+    assert rate.step(0.5) is None
+    assert rate.compute_s(10, measured_s=99.0) == pytest.approx(5.0)  # steps / v_w, not the measured sum

@@ -12,8 +12,9 @@ worker's own RNG around its seconds per step (``Noise``: heavy-tailed jitter, st
 drift); each push and pull costs its link's latency + bytes / bandwidth, and a sync
 round a quorum round trip plus a ring allreduce (``SimConfig.links``), for payloads of
 ``wire_params`` parameters under the run's wire codec. DyLU's rates are never handed
-over: a worker times its first inner steps and reports the rate as the real worker does
-(``sim_costs.RATE_PROBE``), and every push carries the summed durations of its steps as
+over: every simulated step's duration feeds the real worker's estimator
+(``sim_costs.RATE_PROBE``: algo/rates.py ``InnerStepRate``), which reports the rate before
+the first push as the real worker does, and every push carries its steps at that rate as
 ``compute_s``. Runs are deterministic for a given seed. The loops live in
 ``sim_async.py`` and ``sim_sync.py``.
 

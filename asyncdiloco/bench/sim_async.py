@@ -6,14 +6,15 @@ A worker's round (``run_async``):
 1. It starts when its pull completes, from the model it pulled (``_Worker.start``), and
    runs H_w inner steps (``state.local_steps_for``, DyLU's rule over the rates the server
    has). Each step's duration comes from the worker's ``StepTimer``.
-2. Until the first push of its registration it times its steps with ``RATE_PROBE`` (as the
-   real worker: first step untimed, a report every 2 steps) and sends each rate with a
-   heartbeat, taking its new H_w from the server (it never runs fewer steps than it has
+2. Every step's duration feeds the worker's estimator (``RATE_PROBE``: the real worker's
+   ``InnerStepRate``, first step untimed, mean of the last 16 timed steps without the
+   longest). Until the first push of its registration it reports the rate every 3 timed
+   steps with a heartbeat, taking its new H_w from the server (it never runs fewer steps than it has
    already run). No rate is handed over at join.
 3. Its push leaves at the round's last step and reaches the server
    ``link.transfer_s(push bytes)`` = latency + bytes / bandwidth later; the server applies
-   it then (``state.push`` with ``compute_s`` = the summed durations of its steps, which
-   feed the server's ``StepRateMeter``) and holds the reply until its group is released
+   it then (``state.push`` with ``compute_s`` = its steps at the estimated rate, as the
+   real worker sends it, which feeds the server's ``StepRateMeter``) and holds the reply until its group is released
    (``schedule.GroupWindow``). The worker then pulls: latency + bytes / bandwidth, and
    starts its next round. The default worker idles from its push to its pull's end; the
    overlap worker (``--overlap``) trains on and merges (overlap.py), then runs H_w more
@@ -43,7 +44,7 @@ from asyncdiloco.bench.sim import (
     step_timers,
     wire_numel,
 )
-from asyncdiloco.bench.sim_costs import RATE_PROBE, RateProbe, StepTimer, wire_bytes
+from asyncdiloco.bench.sim_costs import RATE_PROBE, StepTimer, WorkerRate, wire_bytes
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import make_codec
@@ -93,9 +94,9 @@ class _Worker:
     began: float = 0.0
     ends: list[float] = dataclasses.field(default_factory=list)  # end time of each step of the round
     target: int = 0  # steps this round (allotted)
-    fed: int = 0  # steps whose end the rate probe has seen
+    fed: int = 0  # steps whose duration the rate estimator has seen
     trained: int = 0  # steps already trained (overlap: those of the wait)
-    probe: RateProbe | None = None  # until the first push of a registration
+    rate: WorkerRate = dataclasses.field(default_factory=RATE_PROBE)  # per registration
     base_outer_steps: int = 0
     pushed_at: float | None = None  # overlap: when a held worker pushed
     snapshot: torch.Tensor | None = None  # overlap: θ_local when it pushed
@@ -109,6 +110,11 @@ class _Worker:
             t = self.ends[-1] if self.ends else self.began
             self.ends.append(t + self.timer.step_s(t))
         return self.ends[k - 1] if k else self.began
+
+    def feed(self) -> float | None:
+        """The estimator sees the round's next step's duration; returns a rate to report, or None."""
+        self.fed += 1
+        return self.rate.step(self.end_of(self.fed) - self.end_of(self.fed - 1))
 
 
 def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
@@ -166,9 +172,8 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     def plan(i: int, now: float) -> None:
         """Schedule worker i's next event (not before ``now``): a rate report, or the end of its round."""
         w = workers[i]
-        while w.probe is not None and w.fed < w.target:
-            w.fed += 1
-            rate = w.probe.after_step(w.end_of(w.fed))
+        while w.rate.reporting and w.fed < w.target:
+            rate = w.feed()
             if rate is not None:
                 at(w.end_of(w.fed), _PROBE, i, rate)
                 return
@@ -190,6 +195,8 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
             while ahead < h_w and w.end_of(ahead + 1) <= t:
                 ahead += 1
             ahead = allot(ahead)
+            while w.fed < ahead:
+                w.feed()
             r.train(ahead)
             assert w.snapshot is not None
             r.merge(got.params, got.version, w.snapshot)
@@ -199,10 +206,10 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
             r.load(got.params, got.version)
         w.base_outer_steps = got.outer_steps
         w.trained = ahead
+        w.fed = ahead
         # H_w more after the merge (the round ends with the group's next one), or H_w in all
         # from the push (``rounds_from_push``: the wait's steps count toward it)
         w.target = ahead + allot(h_w - ahead if spec.rounds_from_push else h_w)
-        w.fed = ahead
         if w.target == 0:  # the budget is spent: this worker is done (it stays registered, so
             return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
         plan(i, t)
@@ -224,9 +231,12 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         w, r = workers[i], replicas[i]
         r.train(w.target - w.trained)
         local = r.flat()
-        compute_s = w.end_of(w.target) - w.began  # the summed durations of its steps
-        r.busy_s += compute_s
-        w.probe = None  # from now on each push's compute_s carries the rate
+        while w.fed < w.target:
+            w.feed()
+        measured_s = w.end_of(w.target) - w.began  # the summed durations of its steps
+        r.busy_s += measured_s
+        w.rate.reporting = False  # from now on each push's compute_s carries the rate
+        compute_s = w.rate.compute_s(w.target, measured_s)  # as the real worker: steps / v_w
         push = _Push(r.base - local, w.target, compute_s, r.base_version, w.base_outer_steps)
         if spec.overlap:
             w.pushed_at, w.snapshot = t, local
@@ -263,12 +273,11 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         joined = state.join_worker(manifest, f"worker-{i}")
         ids[i] = joined.worker_id  # resumed under its name: its id, numbering pushes on
         push_ids[i] = max(2, joined.last_push_id + 1)
-        workers[i].probe = RATE_PROBE()
+        workers[i].rate = RATE_PROBE()  # a new registration (a restarted worker): it measures anew
         pull(i, t)
 
     next_eval = [cfg.eval_every_steps]
-    for i, w in enumerate(workers):
-        w.probe = RATE_PROBE()
+    for i in range(len(workers)):
         pull(i, 0.0)
     while events or held:
         deadline = held.next_deadline()

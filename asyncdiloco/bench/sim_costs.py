@@ -10,7 +10,7 @@ the workers' own rate estimates.
 - ``Noise`` and ``StepTimer``: each worker's inner-step durations, drawn from a per-worker
   RNG seeded by (seed, worker): heavy-tailed multiplicative noise, transient stalls and
   slow drift around the profile's seconds per step.
-- ``RateProbe``: the rate a worker reports before its first push, timed exactly as the
+- ``WorkerRate``: the rate a worker reports before its first push and carries with each push, estimated as the
   real worker times it (``worker/base.py`` ``_report_rate``). The simulator builds one
   per registration through ``RATE_PROBE`` (swap that name to change the estimator).
 """
@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from asyncdiloco.algo.rates import RATE_SKIP_STEPS, InnerStepRate
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.wire.codec import make_codec
 from asyncdiloco.wire.tensors import Manifest, TensorSpec
@@ -184,37 +185,48 @@ class StepTimer:
         return out
 
 
-class RateProbe:
-    """The rate a worker reports before its first push, as the real worker measures it
-    (``worker/base.py`` ``_report_rate``): its first inner step is untimed (one-off
-    costs); from that step's end it times its steps and reports steps / seconds every
-    ``probe_steps`` steps, until its first push.
+#: worker/base.py ``WorkerBase.RATE_PROBE_STEPS``: before its first push a worker reports its
+#: rate every this many timed inner steps (kept equal by tests/test_sim.py).
+RATE_PROBE_STEPS = 3
 
-    Feed ``after_step(now)`` the end time of every inner step of the round; it returns the
-    rate to report (inner steps per second) or None.
+
+class WorkerRate:
+    """A simulated worker's rate, measured as the real worker measures it: the worker's
+    ``InnerStepRate`` (algo/rates.py; first step untimed, mean of the last 16 timed steps
+    without the longest) fed each simulated step's duration (``step``); before the first
+    push of a registration it reports the rate every ``RATE_PROBE_STEPS`` timed steps
+    (worker/base.py ``_report_rate``), and every push carries ``compute_s`` = the pushed
+    steps at that rate (``_round_compute_s``), from which the server's ``StepRateMeter``
+    takes its sample.
     """
 
-    #: worker/base.py ``RATE_PROBE_STEPS``.
-    probe_steps = 2
-
     def __init__(self) -> None:
-        self._t0: float | None = None
-        self._steps = 0
+        self.meter = InnerStepRate(clock=lambda: 0.0)
+        self.reporting = True  # until the first push of the registration
+        self._reported_at = 0
 
-    def after_step(self, now: float) -> float | None:
-        if self._t0 is None:
-            self._t0, self._steps = now, 0
+    def step(self, duration_s: float) -> float | None:
+        """One inner step of ``duration_s`` seconds ended; returns the rate (inner steps
+        per second) to report with a heartbeat now, or None."""
+        self.meter.step_took(duration_s)
+        if not self.reporting:
             return None
-        self._steps += 1
-        if self._steps % self.probe_steps or now <= self._t0:
+        timed, rate = self.meter.timed_steps, self.meter.steps_per_s
+        if rate <= 0 or timed - self._reported_at < RATE_PROBE_STEPS:
             return None
-        return self._steps / (now - self._t0)
+        self._reported_at = timed
+        return rate
+
+    def compute_s(self, steps: int, measured_s: float) -> float:
+        """A push's ``compute_s`` for ``steps`` steps (``measured_s``, their summed
+        durations, while no step was timed)."""
+        return self.meter.seconds_for(steps) or measured_s
 
     @property
     def steps_to_first_report(self) -> int:
-        """Inner steps from the round's start to the first report."""
-        return 1 + self.probe_steps
+        """Inner steps from a registration's start to its first report (warm-up included)."""
+        return RATE_SKIP_STEPS + RATE_PROBE_STEPS
 
 
-#: The estimator a simulated worker uses for its first reports (swap to change it).
-RATE_PROBE: Callable[[], RateProbe] = RateProbe
+#: The estimator a simulated worker uses (swap to change it).
+RATE_PROBE: Callable[[], WorkerRate] = WorkerRate

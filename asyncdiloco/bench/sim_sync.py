@@ -15,10 +15,12 @@ Local steps per member:
 - ``sync_diloco``, ``sync_localsgd``: H each.
 - ``sync_diloco_adaptive``: H_w = DyLU's rule (``dylu_local_steps``) over the members'
   *estimated* rates, H for the fastest, so the members finish at about the same time.
-  A member's rate is estimated as the async server does it (``StepRateMeter``): a
-  member without one times its first steps in its first round (``RATE_PROBE``: first
-  step untimed, then 2 timed) and runs at least those 3; after every round its steps
-  over their summed durations are folded in (moving average, weight 0.5).
+  A member's rate is estimated as the real member and server do it: every step's
+  duration feeds the member's own estimator (``RATE_PROBE``: the worker's
+  ``InnerStepRate``); a member without a rate at the server times its first steps in its
+  first round (first step untimed, then 3 timed) and reports, running at least those 4;
+  every round's vote carries compute_s = its steps at the estimated rate, which the
+  server's ``StepRateMeter`` folds in (moving average, weight 0.5).
 
 Budget: the round that would exceed ``total_steps`` is cut to what remains (plain: split
 evenly, the first members one step more; adaptive: in proportion to H_w).
@@ -31,19 +33,20 @@ import torch
 from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.algo.schedule import StepRateMeter, dylu_local_steps
 from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, _eval_point, _present, step_timers, wire_numel
-from asyncdiloco.bench.sim_costs import RATE_PROBE, ring_allreduce_bytes, sync_round_comm_s, wire_bytes
+from asyncdiloco.bench.sim_costs import RATE_PROBE, WorkerRate, ring_allreduce_bytes, sync_round_comm_s, wire_bytes
 
 
-def _probe(timer, t: float) -> tuple[list[float], float]:
+def _probe(timer, rate: WorkerRate, t: float) -> tuple[list[float], float]:
     """A member's first steps of its first round, timed as the real worker times them:
     (their durations, the rate it reports)."""
-    probe, durations, rate = RATE_PROBE(), [], None
-    while rate is None:
+    durations: list[float] = []
+    reported = None
+    while reported is None:
         d = timer.step_s(t)
         durations.append(d)
         t += d
-        rate = probe.after_step(t)
-    return durations, rate
+        reported = rate.step(d)
+    return durations, reported
 
 
 def _cut(h: dict[int, int], remaining: int, proportional: bool) -> dict[int, int]:
@@ -68,6 +71,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     outer = make_outer_optimizer(theta, cfg.outer())
     timers = step_timers(cfg)
     meter = StepRateMeter()
+    estimators = [RATE_PROBE() for _ in replicas]  # each member's own (worker/base.py step_rate)
     tps = cfg.job.tokens_per_step
     curve = [_eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
     t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
@@ -86,7 +90,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
         if adaptive:
             for r in members:
                 if r.index not in meter.rates:  # no rate yet: it times its first steps
-                    probed[r.index], rate = _probe(timers[r.index], t)
+                    probed[r.index], rate = _probe(timers[r.index], estimators[r.index], t)
                     meter.report(r.index, rate)
             rates = {r.index: meter.rates[r.index] for r in members}
             h = dylu_local_steps(rates, cfg.local_steps)
@@ -103,14 +107,18 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
                 continue
             durations = probed.get(r.index, [])[:n]
             now = t + sum(durations)
-            durations += timers[r.index].steps_s(now, n - len(durations))
+            fresh = timers[r.index].steps_s(now, n - len(durations))
+            for d in fresh:  # the probe's steps were seen already
+                estimators[r.index].step(d)
+            durations += fresh
             r.load(theta)
             r.train(n)
             compute = sum(durations)
             r.busy_s += compute
             compute_end = max(compute_end, t + compute)
             deltas.add_(r.base - r.flat())
-            meter.record(r.index, n, t + compute, compute)
+            estimators[r.index].reporting = False  # from its first vote on, each carries compute_s
+            meter.record(r.index, n, t + compute, estimators[r.index].compute_s(n, compute))  # steps / v_w
             ran += 1
         outer.step(deltas.div_(ran), version=rounds)  # mean pseudo-gradient, the server's outer code
         links = [cfg.link(r.index) for r in members if h[r.index] > 0]
