@@ -326,13 +326,12 @@ def test_look_ahead_point_is_theta_minus_lambda_eta_mu_m():
     from asyncdiloco.algo.outer import look_ahead_point, make_outer_optimizer
 
     theta = torch.tensor([1.0, 2.0])
-    outer = make_outer_optimizer(theta, dataclasses.replace(ASYNC_OUTER, look_ahead=2.0, dn_buffer=1))
+    outer = make_outer_optimizer(theta, dataclasses.replace(ASYNC_OUTER, dn_buffer=1))
     outer.step(torch.tensor([0.5, -1.0]), version=0)  # m = Δ
     assert outer.momentum_steps == 1
-    out = look_ahead_point(outer, 1, torch.empty(2))
+    out = look_ahead_point(outer, 1, torch.empty(2), lam=2.0)
     assert torch.allclose(out, theta - 2.0 * 0.7 * 0.6 * torch.tensor([0.5, -1.0]))
-    with pytest.raises(ConfigError, match="look_ahead"):
-        dataclasses.replace(ASYNC_OUTER, look_ahead=-1.0)
+    assert torch.equal(look_ahead_point(outer, 1, torch.empty(2), lam=0.0), theta)
 
 
 def test_the_simulated_worker_reports_its_rate_as_the_real_worker_does():

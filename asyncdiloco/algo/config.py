@@ -50,11 +50,6 @@ class OuterConfig:
     #: against the outer momentum by (1 + cos(g, m)) (1 when they agree); in the spirit of
     #: HeLoCo's per-block momentum check (arXiv 2606.00271). Off in Liu et al.'s DN.
     block_check: bool = False
-    #: Momentum look-ahead (after "Momentum Look-Ahead for Asynchronous Distributed
-    #: Low-Communication Training", ICLR 2025 workshop): workers start their rounds from
-    #: θ − λ·η·μ·m instead of θ (outer.py ``look_ahead_point``); λ = this value, 0 = off.
-    #: The virtual-clock simulator runs it; the server's pulls do not serve it yet.
-    look_ahead: float = 0.0
     #: η's schedule, keyed by the version v an update is applied at (updates applied
     #: before it): η_v = lr · lr_factor(v) (lr_schedule.py). "constant" or "cosine".
     lr_schedule: str = "constant"
@@ -98,12 +93,6 @@ class OuterConfig:
             "dn_c",
             self.dn_c,
             f"must lie in [0, 1/N] with N = dn_buffer = {self.dn_buffer or 'workers'} (0 is Liu et al.'s default)",
-        )
-        require(
-            math.isfinite(self.look_ahead) and 0 <= self.look_ahead <= 10,
-            "look_ahead",
-            self.look_ahead,
-            "must lie in [0, 10] outer steps (0 = off)",
         )
         try:
             self.schedule()

@@ -469,24 +469,25 @@ def average_in(
 
 
 @torch.no_grad()
-def look_ahead_point(outer: OuterOptimizer, version: int, out: torch.Tensor) -> torch.Tensor:
-    """The momentum look-ahead point θ̃ = θ − λ·η_v·μ·m into ``out`` (float32 (N,)), with
-    λ = ``outer.config.look_ahead``: where the outer momentum alone will carry θ over the
-    next λ outer steps, to first order (after "Momentum Look-Ahead for Asynchronous
-    Distributed Low-Communication Training", ICLR 2025 workshop). A worker that starts its
-    round there computes its pseudo-gradient near the model it will be applied to, not
-    the one it pulled; Δ is still taken against θ̃ (the worker's own start). Plain θ when
-    λ = 0 or there is no momentum.
+def look_ahead_point(outer: OuterOptimizer, version: int, out: torch.Tensor, lam: float) -> torch.Tensor:
+    """The momentum look-ahead point θ̃ = θ − λ·η_v·μ·m into ``out`` (float32 (N,)):
+    where the outer momentum alone will carry θ over the next λ outer steps, to first
+    order (after "Momentum Look-Ahead for Asynchronous Distributed Low-Communication
+    Training", ICLR 2025 workshop). A worker that starts its round there computes its
+    pseudo-gradient near the model it will be applied to, not the one it pulled; Δ is still
+    taken against θ̃ (the worker's own start). Plain θ when λ = 0 or there is no momentum.
 
     Args:
-        outer: the server's outer optimizer (θ, m, η's schedule, μ, λ).
+        outer: the server's outer optimizer (θ, m, η's schedule, μ).
         version: the current version (keys η_v).
         out: float32 (N,) to write.
+        lam: λ, outer steps to look ahead (≥ 0; 0 = θ). Only the virtual-clock simulator
+            serves it so far (bench/sim.py ``Method.look_ahead``); the server's pulls do not.
     Returns:
         ``out``.
     """
     out.copy_(outer.params)
-    lam, m = outer.config.look_ahead, outer.momentum_buffer
+    m = outer.momentum_buffer
     if lam > 0 and m is not None:
         out.sub_(m, alpha=lam * outer.lr_at(version) * outer.config.momentum)
     return out

@@ -90,7 +90,9 @@ def codec_tolerance(name: str, reference: Any, block_size: int = 4096) -> Any:
     if name == "int8":
         n = x.numel()
         blocks = torch.nn.functional.pad(x, (0, -n % block_size)).view(-1, block_size).amax(dim=1)  # (n_b,)
-        return (blocks / 254 * (1 + 2.0**-20)).repeat_interleave(block_size)[:n] + 2.0**-126
+        # half a quantisation step of the block, plus the float32 rounding of the decoded value
+        # (half an ulp of |x|: 2^-24·|x|, taken as 2^-23·|x|)
+        return (blocks / 254 * (1 + 2.0**-20)).repeat_interleave(block_size)[:n] + x * 2.0**-23 + 2.0**-126
     raise ValueError(f"codec {name!r} has no known error bound; add it to gpu_check.codec_tolerance")
 
 

@@ -42,7 +42,7 @@ from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import evaluate, lm_loss
-from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.config import ServerConfig, SyncConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
 
 
@@ -66,6 +66,11 @@ class Method:
     #: Sync only: member w runs H_w = DyLU's ⌊v_w / max v · H⌋ (``dylu_local_steps``)
     #: over the members' estimated rates, so the members of a round finish together.
     adaptive: bool = False
+    #: Momentum look-ahead λ (after "Momentum Look-Ahead for Asynchronous Distributed
+    #: Low-Communication Training", ICLR 2025 workshop): workers start their rounds from
+    #: θ − λ·η·μ·m instead of θ (algo/outer.py ``look_ahead_point``); 0 = off. Simulator
+    #: only: the server's pulls do not serve it.
+    look_ahead: float = 0.0
     #: One line for reports.
     doc: str = ""
 
@@ -129,11 +134,12 @@ METHODS: dict[str, Method] = {
         "push, so pushes, holds and pulls hide behind the next round",
     ),
     "async_dn_dylu_lookahead": Method(
-        outer=dataclasses.replace(ASYNC_OUTER, look_ahead=1.0),
+        outer=ASYNC_OUTER,
+        look_ahead=1.0,
         dylu=True,
         grouping="window",
         doc="beyond the paper: the default, workers start their rounds from the momentum "
-        "look-ahead point θ − η·μ·m (`--look-ahead`; algo/outer.py ``look_ahead_point``)",
+        "look-ahead point θ − η·μ·m (simulator only; algo/outer.py ``look_ahead_point``)",
     ),
 }
 SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
@@ -233,6 +239,7 @@ class SimConfig:
             grouping=spec.grouping,
             grace_s=self.grace_s,
             wire_codec=self.wire_codec if spec.mode == "async" else "raw",
+            sync=SyncConfig(local_steps="adaptive" if spec.adaptive else "fixed"),  # the method's, not the default
             lease_s=86400,
             histogram_buckets=64,
         )

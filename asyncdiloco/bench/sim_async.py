@@ -158,8 +158,8 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         """Worker i reads the model at the server at ``t``; it has it a transfer later."""
         theta = state.params
         assert theta is not None
-        if spec.outer.look_ahead > 0:
-            params = look_ahead_point(outer, state.version, torch.empty_like(theta))
+        if spec.look_ahead > 0:
+            params = look_ahead_point(outer, state.version, torch.empty_like(theta), spec.look_ahead)
         else:
             params = theta.clone()
         if cfg.wire_codec != "raw":
