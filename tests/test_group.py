@@ -201,7 +201,9 @@ def test_the_followers_outlast_a_quorum_wait_longer_than_the_groups_timeout(star
 def test_sync_rounds_with_a_group_and_a_single_worker_keep_the_ranks_identical(start_server, tmp_path):
     from asyncdiloco.ps.config import SyncConfig
 
-    srv = start_server(mode="sync", local_steps=5, lease_s=30.0, sync=SyncConfig(min_workers=2, join_timeout_s=5.0))
+    # fixed H: the checks below read the global model at every 5th step
+    sync = SyncConfig(min_workers=2, join_timeout_s=5.0, local_steps="fixed")
+    srv = start_server(mode="sync", local_steps=5, lease_s=30.0, sync=sync)
     results: dict[str, list[dict]] = {}
 
     def group(tag: str, world: int) -> None:
