@@ -323,7 +323,7 @@ def run_suite(
     records.sort(key=lambda r: (order[r["profile"], r["method"]], cfg.seeds.index(r["seed"])))
     add_targets(records, cfg.target_margin)
     tuning = tuning_summary(cfg, {m: {c: losses[m][c] for c in grid} for m in cfg.tuned}) if cfg.tuned else None
-    extra = (peer_section(cfg, out, progress) if cfg.peer else "") + _tier_section(cfg, out, progress)
+    extra = ("\n" + peer_section(cfg, out, progress) if cfg.peer else "") + _tier_section(cfg, out, progress)
     write_outputs(records, cfg, out, "virtual", extra, tuning)
     return records
 
