@@ -57,7 +57,7 @@ from asyncdiloco.ps.config import ServerConfig, SyncConfig
 #: The methods the real clock runs: what claims (b) and (c) and the method beyond the
 #: paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
 #: of a server and four worker processes.
-REAL_METHODS = ("sync_diloco", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
+REAL_METHODS = ("sync_diloco", "sync_diloco_adaptive", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
 #: The profiles the real clock emulates (speeds, speed changes, a leave and rejoin).
 REAL_PROFILES = ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")
 #: Real-clock suites: ``quick`` runs the one profile the claims are about (estimated 30
@@ -183,7 +183,8 @@ def server_config(cfg: SimConfig) -> ServerConfig:
     """The server a method runs on the real clock: the settings the simulator gives its
     server (``sim.METHODS``: mode, H, the outer step, DyLU, grouping); the grouping
     window is the server's own auto window, as in the simulator. A sync quorum needs
-    every worker present (not the one away in ``leave_rejoin``) and waits up to 30 s."""
+    every worker present (not the one away in ``leave_rejoin``) and waits up to 30 s;
+    ``sync_diloco_adaptive`` runs ``--sync-local-steps adaptive``."""
     spec = METHODS[cfg.method]
     server = ServerConfig(
         mode=spec.mode, local_steps=cfg.local_steps, outer=cfg.outer(), dylu=spec.dylu, grouping=spec.grouping
@@ -191,7 +192,10 @@ def server_config(cfg: SimConfig) -> ServerConfig:
     if spec.mode != "sync":
         return server
     present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
-    return dataclasses.replace(server, sync=SyncConfig(min_workers=present, join_timeout_s=30.0))
+    local_steps = "adaptive" if spec.adaptive else "fixed"  # the method's rule, whatever the server's default
+    return dataclasses.replace(
+        server, sync=SyncConfig(min_workers=present, join_timeout_s=30.0, local_steps=local_steps)
+    )
 
 
 def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
