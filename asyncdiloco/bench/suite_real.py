@@ -55,8 +55,9 @@ from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
 
 #: The methods the real clock runs: what claims (b), (c), the strongest synchronous
-#: baseline (sync DiLoCo with adaptive steps) and the method beyond the paper need (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up
-#: of a server and four worker processes.
+#: baseline (sync DiLoCo with adaptive steps) and the method beyond the paper need
+#: (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up of a
+#: server and four worker processes.
 REAL_METHODS = ("sync_diloco", "sync_diloco_adaptive", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
 #: The profiles the real clock emulates (speeds, speed changes, a leave and rejoin).
 REAL_PROFILES = ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")

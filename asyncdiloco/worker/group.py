@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import pickle
 import threading
@@ -79,6 +80,12 @@ UNCHANGED, CHANGED, RAISED, WAITING = 0, 1, 2, 3
 KEEP_ALIVE_MAX_S = 5.0
 #: The pause when the group's timeout cannot be read (a backend without ``options``).
 KEEP_ALIVE_UNKNOWN_TIMEOUT_S = 1.0
+#: At close, the longest rank 0 waits for the followers to take its outcome, seconds (or
+#: the group's timeout, if shorter). A follower that ended in order is already waiting for
+#: it; one whose ``with`` block raised never takes it, and a gloo or NCCL send to a rank
+#: that posts no receive waits for the group's whole timeout (30 min by default) while
+#: that rank may itself be waiting in its teardown.
+CLOSE_SHARE_TIMEOUT_S = 30.0
 
 
 def resolve_group(process_group: Any) -> LocalGroup | None:
@@ -193,6 +200,11 @@ class LocalGroup:
         self.keep_alives = 0
 
     @property
+    def close_wait_s(self) -> float:
+        """At close, the longest rank 0 waits for the followers to take a code, seconds."""
+        return min(CLOSE_SHARE_TIMEOUT_S, self.timeout_s or CLOSE_SHARE_TIMEOUT_S)
+
+    @property
     def is_leader(self) -> bool:
         """Rank 0: the worker the server sees."""
         return self.rank == 0
@@ -229,16 +241,20 @@ class LocalGroup:
         return box[0]
 
     @contextlib.contextmanager
-    def leading(self) -> Iterator[None]:
+    def leading(self, closing: bool = False) -> Iterator[None]:
         """Rank 0, around a call that may wait on the server (a held push reply, retries
         with backoff, a server restart, a sync round's quorum) while the followers wait
         for its outcome: a thread broadcasts ``WAITING`` every ``keep_alive_s``, so no
         follower's collective outlives the group's timeout, however long the call takes.
         On exit the thread has stopped: the next collective on the group is the caller's
         (``send_code``, ``share_outcome``). A failed keep-alive (a follower died) ends the
-        thread; the caller's next collective raises it."""
+        thread; the caller's next collective raises it. ``closing``: each keep-alive waits
+        at most ``close_wait_s`` for the followers (one may have left alone)."""
         stop = threading.Event()
-        thread = threading.Thread(target=self._keep_alive, args=(stop,), name="asyncdiloco-keepalive", daemon=True)
+        wait_s = self.close_wait_s if closing else None
+        thread = threading.Thread(
+            target=self._keep_alive, args=(stop, wait_s), name="asyncdiloco-keepalive", daemon=True
+        )
         thread.start()
         try:
             yield
@@ -246,24 +262,36 @@ class LocalGroup:
             stop.set()
             thread.join()
 
-    def _keep_alive(self, stop: threading.Event) -> None:
+    def _keep_alive(self, stop: threading.Event, wait_s: float | None) -> None:
         """``leading``'s thread (rank 0): one ``WAITING`` broadcast every ``keep_alive_s`` until ``stop``."""
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with device:  # the current CUDA device is per thread: NCCL's on this one too
             while not stop.wait(self.keep_alive_s):
                 try:
-                    self.send_code(WAITING)
+                    self.send_code(WAITING, timeout_s=wait_s)
                 except RuntimeError as exc:
                     log.warning("rank 0: a keep-alive to the group failed (%s)", exc)
                     return
                 self.keep_alives += 1
 
-    def send_code(self, code: int) -> None:
-        """Rank 0: broadcast one int64 ``code`` (``await_code`` takes it)."""
+    def send_code(self, code: int, timeout_s: float | None = None) -> None:
+        """Rank 0: broadcast one int64 ``code`` (``await_code`` takes it).
+
+        Args:
+            timeout_s: wait at most this long for the followers to take it (None: the
+                group's own timeout).
+        Raises:
+            RuntimeError (from torch.distributed): a rank died, or the wait timed out.
+        """
         import torch.distributed as dist
 
         t = torch.tensor([code], dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=self.src, group=self.process_group)
+        work = dist.broadcast(t, src=self.src, group=self.process_group, async_op=True)
+        assert work is not None, "async_op returns a work handle"
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
     def await_code(self) -> int:
         """A follower: rank 0's next code other than ``WAITING`` (``send_code``); each
@@ -283,11 +311,19 @@ class LocalGroup:
             self.keep_alives += 1
 
     def share_outcome(
-        self, params: Sequence[torch.Tensor], *, changed: bool = False, error: BaseException | None = None
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        changed: bool = False,
+        error: BaseException | None = None,
+        closing: bool = False,
     ) -> bool:
         """Every rank, after a due step (or at close): rank 0 passes what happened (after
         running it inside ``leading``); the followers pass nothing, wait for it through
         rank 0's keep-alives and mirror it: the parameters are rank 0's afterwards.
+
+        ``closing`` (rank 0, at close): its code waits at most ``close_wait_s`` for the
+        followers, since one may have left alone.
 
         Returns:
             True when rank 0's parameters changed (and were broadcast).
@@ -297,7 +333,8 @@ class LocalGroup:
         """
         if self.is_leader:
             code = RAISED if error is not None else CHANGED if changed else UNCHANGED
-            self.send_code(code)
+            # at close a follower may have left alone (its ``with`` raised): wait a bounded time
+            self.send_code(code, timeout_s=self.close_wait_s if closing else None)
         else:
             code = self.await_code()
         if code == RAISED:

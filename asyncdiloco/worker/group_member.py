@@ -188,7 +188,7 @@ class GroupMember:
         writes = self.flat.writes
         self._in_shared = True
         try:
-            with group.leading():  # the followers wait through keep-alives, however long the server takes
+            with group.leading(closing=broken_ok):  # the followers wait through keep-alives, however long
                 result = action()
         except BaseException as exc:
             self._group_broken = True
@@ -197,5 +197,5 @@ class GroupMember:
             raise
         finally:
             self._in_shared = False
-        group.share_outcome(self.flat.params, changed=self.flat.writes != writes)
+        group.share_outcome(self.flat.params, changed=self.flat.writes != writes, closing=broken_ok)
         return result
