@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import sys
 import time
 import zlib
 
@@ -112,8 +114,14 @@ def main() -> None:
         out["keep_alives"] = worker.group.keep_alives if worker.group is not None else 0
     with open(args.out, "w") as f:
         json.dump(out, f)
-    if not args.last_rank_raises:  # every rank ended in order: wait for the others before the teardown
-        dist.barrier()
+    if args.last_rank_raises:
+        # A rank left alone (its with block raised): the group is broken. torch.distributed's
+        # teardown may then wait on the dead rank's sockets (gloo's destructor after a failed
+        # collective; seen under load, issue 25's note), as torchrun would not let it: the
+        # process ends here, its results written.
+        sys.stdout.flush()
+        os._exit(0)
+    dist.barrier()  # every rank ended in order: wait for the others before the teardown
     dist.destroy_process_group()
 
 
