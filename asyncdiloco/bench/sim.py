@@ -42,7 +42,7 @@ from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import evaluate, lm_loss
-from asyncdiloco.ps.config import ServerConfig, SyncConfig
+from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
 
 
@@ -239,7 +239,6 @@ class SimConfig:
             grouping=spec.grouping,
             grace_s=self.grace_s,
             wire_codec=self.wire_codec if spec.mode == "async" else "raw",
-            sync=SyncConfig(local_steps="adaptive" if spec.adaptive else "fixed"),  # the method's, not the default
             lease_s=86400,
             histogram_buckets=64,
         )
