@@ -70,26 +70,6 @@ def test_the_join_retry_and_quorum_wait_flags_are_named_for_what_they_do():
     assert "--quorum-wait-s" in server_help and "--join-timeout-s" not in server_help
 
 
-@pytest.mark.parametrize(
-    "argv, old, new, build",
-    [
-        (["worker", "--server", "127.0.0.1:1", "--join-timeout", "3", "--max-steps", "1"], "--join-timeout",
-         "--join-retry-s", lambda a: worker.configs(a).worker.join_timeout_s),
-        (["server", "--join-timeout-s", "3"], "--join-timeout-s", "--quorum-wait-s",
-         lambda a: server.config(a).sync.join_timeout_s),
-        (["demo", "--join-timeout-s", "3"], "--join-timeout-s", "--quorum-wait-s",
-         lambda a: demo.server_config(a).sync.join_timeout_s),
-    ],
-)  # fmt: skip
-def test_the_old_spellings_still_work_and_warn_once(caplog, argv, old, new, build):
-    args = _parse(argv)
-    with caplog.at_level(logging.WARNING):
-        assert build(args) == 3.0
-        build(args)  # built again: no second warning
-    warnings = [r.getMessage() for r in caplog.records if old in r.getMessage()]
-    assert len(warnings) == 1 and f"{old} is deprecated: it is now {new}" in warnings[0]
-
-
 # ------------------------------------------------------------------ port in use
 def test_a_port_in_use_is_one_clear_error_without_grpcs_raw_log_line(start_server, capfd):
     taken = start_server().port

@@ -80,7 +80,6 @@ SERVER_RUN = FlagTable.of(
         Flag(
             flag="--quorum-wait-s",
             field="sync.join_timeout_s",
-            deprecated=("--join-timeout-s",),
             help="sync: seconds after a round's first request after which a quorum forms without missing members",
         ),
         Flag(
@@ -323,7 +322,6 @@ WORKER = FlagTable.of(
         Flag(
             flag="--join-retry-s",
             field="join_timeout_s",
-            deprecated=("--join-timeout",),
             help="seconds to keep retrying the join before giving up (exit status 1)",
         ),
         Flag(

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncdiloco.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 #: How a flag sets its field: "value" takes an argument; "set" / "unset" are switches
 #: that set a bool field True / False; "on_off" is a pair --x / --no-x.
@@ -49,9 +46,6 @@ class Flag:
     action: str = "value"
     #: Other spellings, e.g. "-H".
     aliases: tuple[str, ...] = ()
-    #: Old spellings that still work but log a deprecation warning (once) naming ``flag``;
-    #: hidden from --help.
-    deprecated: tuple[str, ...] = ()
     #: What the default means where the field's default is None or empty (shown as the
     #: default in --help, e.g. "auto: one round of the fastest worker").
     default_means: str | None = None
@@ -184,9 +178,6 @@ class FlagTable:
         else:
             kwargs["action"] = argparse.BooleanOptionalAction if f.action == "on_off" else "store_true"
         group.add_argument(f.flag, *f.aliases, **kwargs)
-        if f.deprecated:
-            kwargs.update(help=argparse.SUPPRESS, action=_deprecated_action(f.flag, kwargs.get("action", "store")))
-            group.add_argument(*f.deprecated, **kwargs)
 
     def _parser_of(self, f: Flag) -> Callable[[str], Any]:
         return f.parse if f.parse is not None else _scalar_of(field_type(self.config, f.field))
@@ -220,7 +211,6 @@ class FlagTable:
     # ---------------------------------------------------------- argv → config
     def given(self, args: argparse.Namespace) -> dict[str, Any]:
         """{field path: field value} of the flags given on the command line."""
-        _warn_deprecated(args, self.flags)
         given = {}
         for f in self.flags:
             if hasattr(args, f.dest):
@@ -293,34 +283,6 @@ class FlagTable:
 
     def fields(self) -> set[str]:
         return {f.field for f in self.flags}
-
-
-#: The attribute of a parsed namespace that records the deprecated spellings used ({old: new}).
-_DEPRECATED_USED = "_deprecated_flags_used"
-
-
-def _deprecated_action(new: str, action: Any) -> type[argparse.Action]:
-    """An argparse action like ``action`` that also records which old spelling was used."""
-    base = {"store": argparse._StoreAction, "store_true": argparse._StoreTrueAction}.get(action, action)
-    assert isinstance(base, type) and issubclass(base, argparse.Action), action
-
-    class Deprecated(base):  # type: ignore[valid-type,misc]
-        def __call__(self, parser, namespace, values, option_string=None):
-            used = getattr(namespace, _DEPRECATED_USED, None) or {}
-            used[option_string] = new
-            setattr(namespace, _DEPRECATED_USED, used)
-            super().__call__(parser, namespace, values, option_string)
-
-    return Deprecated
-
-
-def _warn_deprecated(args: argparse.Namespace, flags: tuple[Flag, ...]) -> None:
-    """Log one warning per deprecated spelling used among ``flags`` (once per parse)."""
-    used: dict[str, str] = getattr(args, _DEPRECATED_USED, None) or {}
-    for f in flags:
-        for old in f.deprecated:
-            if used.pop(old, None) is not None:
-                log.warning("%s is deprecated: it is now %s (the old spelling still works for now)", old, f.flag)
 
 
 def all_fields(cls: type, prefix: str = "") -> set[str]:
