@@ -8,7 +8,7 @@ container can start the server without relying on the console-script shim. See
 import re
 import sys
 
-from asyncdiloco.cli import main
+from asyncdiloco.cli.app import main
 
 #: Flags of the ``asyncdiloco`` command itself, which must come before the subcommand.
 _GLOBAL = re.compile(r"^(-q|--quiet|--verbose|-v+)$")

@@ -13,7 +13,7 @@ import sys
 from faults import FailAt, Fault, faulty_sync_worker_class
 
 import asyncdiloco.cli.train
-from asyncdiloco.cli import main
+from asyncdiloco.cli.app import main
 
 
 def run(argv: list[str]) -> None:

@@ -154,7 +154,7 @@ def cli_exit(monkeypatch, capsys):
     process-wide settings (SIGINT/SIGTERM handlers, torch threads, the allocator, the
     root logger) are kept from the test process."""
     import asyncdiloco._malloc
-    from asyncdiloco.cli import main
+    from asyncdiloco.cli.app import main
 
     real_signal = signal.signal
 

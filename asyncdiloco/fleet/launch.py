@@ -1,27 +1,8 @@
-"""``launch(spec)``: a parameter server and groups of workers as Ray actors, watched until
-the workers are done, then the demo's report.
-
-The driver (this process) starts the server's actor (``ServerActor``) and waits for it
-to listen, then one ``WorkerActor`` per worker with its group's resource request
-(``num_cpus``, ``num_gpus``, custom resources), each running ``asyncdiloco worker`` under
-its stable name ``<group>-<i>`` with its own state folder and the fleet's token. While
-they train, the driver polls the server's status (its ``on_status`` hook sees each
-reply), evaluates the global model on held-out text every ``eval_every_s`` (the loss
-curve) and logs a progress line every ``progress_every_s``.
-
-Restarts are the driver's, not Ray's (``max_restarts`` of the actor stays 0): when a
-worker's ``run`` call fails because its actor died (killed, out of memory, its node
-lost: ``RayActorError``) or its process ended with a status other than 0 and 2, the
-driver records why, and while the worker has restarts left and training time left it
-starts a new actor under the same name and state folder, which resumes as the same
-worker (the server gives the name its id back). One decision point sees every death
-with its cause, counts restarts per worker (Ray's own count is per actor and hidden
-behind its automatic re-runs of ``__init__``), gives a restarted worker only the seconds
-left of its budget, and never restarts a worker that exited 2 (a refused flag fails the
-same way every time). A worker out of restarts is reported ``failed`` and the fleet goes
-on: the others keep training, as an asynchronous fleet does without a lost machine, and
-the report says which worker failed and why. The launch itself fails
-(``AsyncDiLoCoError``) only when the server's actor dies or no worker is left to train.
+"""``launch(spec)``: the driver of a fleet on Ray. It starts the server's actor, then one
+actor per worker with its group's resource request, watches them (watch.py), restarts a
+dead worker under its name while it has restarts and time left (the driver's restarts,
+not Ray's), ends the overdue (stopping.py) and writes the report (report.py); the policy
+is in docs/operations.md "A fleet on Ray".
 """
 
 from __future__ import annotations
@@ -173,7 +154,7 @@ class Fleet:
         self.serving = self.server.serve.remote()
         metrics = f", dashboard at http://{where['node_ip']}:{where['metrics_port']}/" if where["metrics_port"] else ""
         log.info("fleet %s: server listening on %s%s", self.run_id, self.address, metrics)
-        self.watcher = Watch(self, where)
+        self.watcher = Watch(spec, self.token, self.address, self.run_id, self.out)
         index = 0
         for group in spec.groups:
             resources = {"num_cpus": group.num_cpus, "num_gpus": group.num_gpus, **group.resources}
@@ -266,7 +247,7 @@ class Fleet:
                     self.ready.pop(ref).placed_at = time.monotonic()
                 elif ref in self.runs:
                     self._collect(ref)
-            status = self.watcher.poll()
+            status = self.watcher.poll(self.workers)
             if status is not None and self.on_status is not None:
                 self.on_status(self, status)
             overdue(self, time.monotonic())

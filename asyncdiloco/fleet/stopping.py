@@ -1,11 +1,8 @@
 """How a fleet's runs end when they do not end by themselves: a worker past its budget
 (stopped, then killed), an actor Ray never places (killed), and Ctrl-C (every worker
-stopped, what can be collected kept in the output folder). A run ended here is reported
-``stopped`` with its cause; its log comes from its state folder where that folder is on
-the driver's machine (a local Ray; a remote node's folder stays there).
-
-Kills are ``ray.kill``: a remote call (``actor.stop.remote()``) never runs on an actor
-that Ray has not placed, and may never run on one that hangs.
+stopped, its log kept where its state folder is on this machine). Kills are
+``ray.kill``: a remote call never runs on an actor Ray has not placed (docs/operations.md
+"A fleet on Ray").
 """
 
 from __future__ import annotations
@@ -15,13 +12,10 @@ import logging
 import pathlib
 import shutil
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asyncdiloco.errors import AsyncDiLoCoError
-
-if TYPE_CHECKING:
-    from asyncdiloco.fleet.launch import Fleet
-    from asyncdiloco.fleet.report import FleetWorker
+from asyncdiloco.fleet.report import FleetWorker
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +43,25 @@ class WorkerRun:
     stop_sent_at: float | None = None
 
 
-def overdue(fleet: Fleet, now: float) -> None:
+class Driver(Protocol):
+    """What of the driver (launch.py ``Fleet``) the functions here read and change."""
+
+    ray: Any
+    run_id: str
+    out: pathlib.Path
+    state_root: str
+    runs: dict[Any, WorkerRun]
+    ready: dict[Any, WorkerRun]
+    last_end: float
+    server: Any
+    where: dict
+
+    def kill_actor(self, name: str) -> None: ...
+
+    def get_within(self, ref: Any, timeout_s: float, what: str) -> Any: ...
+
+
+def overdue(fleet: Driver, now: float) -> None:
     """Stop the runs past their deadline. A placed worker's deadline is its budget plus
     ``OVERDUE_S`` from when Ray placed it: then SIGTERM (its last push and Leave), and
     ``STOP_GRACE_S`` later its actor is killed. An actor Ray never placed, while no
@@ -77,7 +89,7 @@ def overdue(fleet: Fleet, now: float) -> None:
             run.stop_sent_at = now
 
 
-def kill_run(fleet: Fleet, ref: Any, cause: str) -> None:
+def kill_run(fleet: Driver, ref: Any, cause: str) -> None:
     """End a run for good: its actor killed, the worker ``stopped`` with ``cause``."""
     run = fleet.runs.pop(ref)
     fleet.ready.pop(run.ready, None)
@@ -90,7 +102,7 @@ def kill_run(fleet: Fleet, ref: Any, cause: str) -> None:
     fleet.last_end = time.monotonic()
 
 
-def salvage(fleet: Fleet, w: FleetWorker) -> None:
+def salvage(fleet: Driver, w: FleetWorker) -> None:
     """The worker's log and stats file from its state folder, where that is on this
     machine (a local Ray, or the driver's node), for a run whose result never came (no
     stats file there: none in the output folder, and the server counts the worker)."""
@@ -104,7 +116,7 @@ def salvage(fleet: Fleet, w: FleetWorker) -> None:
         (fleet.out / f"{w.stem}.json").unlink(missing_ok=True)
 
 
-def interrupted(fleet: Fleet) -> None:
+def interrupted(fleet: Driver) -> None:
     """Ctrl-C: SIGTERM every worker, keep what their runs return within
     ``INTERRUPT_GRACE_S``, kill the rest (``stopped``, their logs from their state
     folders where those are on this machine) and keep the server's log (bounded waits)."""
@@ -129,7 +141,7 @@ def interrupted(fleet: Fleet) -> None:
         keep_server_log(fleet, INTERRUPT_GRACE_S)
 
 
-def keep_server_log(fleet: Fleet, timeout_s: float) -> None:
+def keep_server_log(fleet: Driver, timeout_s: float) -> None:
     """server.log in the output folder: from the server's actor as it stops, or, when
     that fails, from its file where that is on this machine."""
     try:

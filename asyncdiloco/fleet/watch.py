@@ -1,31 +1,25 @@
-"""The driver's watch over a fleet's server: its status, the held-out loss curve and the
-progress lines, as the demo keeps them (bench/demo.py ``_Watch``), and at the end the
-``Outcome`` the demo's report is written from.
-
-The driver talks to the server as an observer over gRPC with the fleet's token (written
-to a file only this user reads, removed at the end): ``Evaluator`` (tools/evaluator.py)
-pulls the global model and measures its held-out loss, reported to the server too.
+"""The driver's watch over a fleet's server (as an observer with the fleet's token): its
+status, the held-out loss curve and the progress lines, and at the end the demo's
+``Outcome`` the report is written from (docs/operations.md "A fleet on Ray").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import shutil
 import time
-from typing import TYPE_CHECKING
 
 from asyncdiloco.bench.demo import Outcome
 from asyncdiloco.errors import AsyncDiLoCoError
 from asyncdiloco.fleet.actors import write_token_file
+from asyncdiloco.fleet.report import FleetWorker
+from asyncdiloco.fleet.spec import FleetSpec
 from asyncdiloco.tools.evaluator import Evaluator
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.security import ClientSecurityConfig
 from asyncdiloco.worker.client import ParameterServerClient
-
-if TYPE_CHECKING:
-    from asyncdiloco.fleet.launch import Fleet
-    from asyncdiloco.fleet.report import FleetWorker
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +28,16 @@ POLL_S = 0.5
 
 
 class Watch:
-    """What the driver keeps between polls of the server's status."""
+    """What the driver (fleet ``run_id``, its report in ``out``) keeps between polls of the
+    server at ``address``."""
 
-    def __init__(self, fleet: Fleet, where: dict) -> None:
-        self.fleet, self.spec = fleet, fleet.spec
-        self._token_path = write_token_file(fleet.token)
+    def __init__(self, spec: FleetSpec, token: str, address: str, run_id: str, out: pathlib.Path) -> None:
+        self.spec, self.address, self.run_id, self.out = spec, address, run_id, out
+        self._token_path = write_token_file(token)
         security = ClientSecurityConfig(
             token_file=self._token_path, insecure_trusted_network=self.spec.insecure_trusted_network
         )
-        client = ParameterServerClient(where["address"], security=security)
+        client = ParameterServerClient(address, security=security)
         self.evaluator = Evaluator(client, self.spec.job, name="fleet")
         self.started = time.monotonic()
         self.initial_loss = self.evaluator.held_out_loss()  # the seed's model = the server's version 0
@@ -53,9 +48,9 @@ class Watch:
         self.run_config: pb.RunConfig | None = None
         self.last_poll = self.last_eval = self.last_line = 0.0
 
-    def poll(self) -> pb.StatusReply | None:
+    def poll(self, workers: list[FleetWorker]) -> pb.StatusReply | None:
         """The server's status, at most every ``POLL_S`` (None between polls or when the
-        call failed); an evaluation and a progress line when due."""
+        call failed); an evaluation and a progress line (about ``workers``) when due."""
         now = time.monotonic()
         if now - self.last_poll < POLL_S:
             return None
@@ -74,7 +69,7 @@ class Watch:
             return None
         if now - self.last_line >= self.spec.progress_every_s:
             self.last_line = now
-            log.info("%s", self._line(st))
+            log.info("%s", self._line(st, workers))
         return st
 
     def _evaluate(self, st: pb.StatusReply) -> None:
@@ -83,13 +78,12 @@ class Watch:
         point = {"wall_s": self.last_eval - self.started, "version": result.version, "tokens": st.tokens}
         self.curve.append({**point, "eval_loss": self.loss})
 
-    def _line(self, st: pb.StatusReply) -> str:
-        workers = self.fleet.workers
+    def _line(self, st: pb.StatusReply, workers: list[FleetWorker]) -> str:
         running = sum(w.state == "running" for w in workers)
         restarts, failed = sum(w.restarts for w in workers), sum(w.state == "failed" for w in workers)
         alive = sum(w.alive for w in st.workers)
         return (
-            f"fleet {self.fleet.run_id}: {time.monotonic() - self.started:.0f} s, version {st.version}, "
+            f"fleet {self.run_id}: {time.monotonic() - self.started:.0f} s, version {st.version}, "
             f"{st.applied_pushes} pushes applied, workers {alive} live / {running} running / {len(workers)} "
             f"(restarts {restarts}, failed {failed}), held-out loss {self.loss:.3f}"
         )
@@ -103,7 +97,7 @@ class Watch:
         client = self.evaluator.client
         status = client.status()
         if not status.initialized:
-            raise AsyncDiLoCoError(f"no worker initialized the global model; see {self.fleet.out}/worker-*.log")
+            raise AsyncDiLoCoError(f"no worker initialized the global model; see {self.out}/worker-*.log")
         final = self.evaluator.evaluate_global()
         wall_s = time.monotonic() - self.started
         self.curve.append(
@@ -113,7 +107,7 @@ class Watch:
             status.run_config.CopyFrom(self.run_config)
         since = self.training_since
         return Outcome(
-            address=self.fleet.address,
+            address=self.address,
             status=status,
             curve=self.curve,
             initial_loss=self.initial_loss,
