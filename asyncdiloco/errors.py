@@ -6,9 +6,8 @@ travels as the exception's gRPC status code (``grpc_code``), its message, and it
 (on the bulk data channel: ``BulkReply.code``, ``.message`` and ``.reason``). The client
 picks the exception class from the reason (``from_rpc_error``), so library users and
 remote workers see the same exception with the same words. A status without a reason (a
-server from before reason codes, or a failure gRPC reports itself: connection lost,
-deadline exceeded, message too large) falls back to the status code, never to the
-message text.
+failure gRPC reports itself: connection lost, deadline exceeded, message too large) falls
+back to the status code, never to the message text.
 
 The refusals (parameter_server.proto's "Errors" comment repeats this table; a test
 checks that the two agree):
@@ -99,8 +98,7 @@ class PayloadCorruptedError(InvalidPayloadError):
     header's own ``header_crc32`` differs (wire/header_crc.py): it was corrupted in
     transit. Unlike the other invalid payloads, the same call sent again may succeed: the
     client resends a push (same push_id; the refusal applied nothing) or pulls again, a
-    few times with backoff, before it raises this (``ParameterServerClient``). An
-    ``InvalidPayloadError``, so a client from before this reason sees that class."""
+    few times with backoff, before it raises this (``ParameterServerClient``)."""
 
     reason = "payload_corrupted"
 
@@ -221,12 +219,9 @@ RETRY_LATER: tuple[type[AsyncDiLoCoError], ...] = (ServerUnavailableError, NotIn
 #: client resends it. The worker modules' docstrings hold the whole policy.
 DROP_AND_REPULL: tuple[type[AsyncDiLoCoError], ...] = (StalePushError, InvalidPayloadError, PayloadTooLargeError)
 
-#: The class a status without a reason maps to (one per code; see ``from_rpc_error``).
+#: The class of a status gRPC reports itself, without a reason (``from_rpc_error``).
 _BY_CODE: dict[grpc.StatusCode, type[AsyncDiLoCoError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidPayloadError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: PayloadTooLargeError,
-    grpc.StatusCode.FAILED_PRECONDITION: StalePushError,
-    grpc.StatusCode.NOT_FOUND: UnknownWorkerError,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServerUnavailableError,
     grpc.StatusCode.CANCELLED: ServerUnavailableError,
@@ -248,12 +243,10 @@ def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
     """Map a ``grpc.RpcError`` (or the bulk channel's ``BulkStatus``) back to the library
     exception, with the server's message.
 
-    The class is the one of the ``asyncdiloco-reason`` trailing metadata; without one
-    (or with one this version does not know) it follows the status code: INVALID_ARGUMENT
-    → InvalidPayloadError, RESOURCE_EXHAUSTED → PayloadTooLargeError,
-    FAILED_PRECONDITION → StalePushError (the refusal a push loop must survive), NOT_FOUND
-    → UnknownWorkerError, UNAUTHENTICATED → UnauthenticatedError, UNAVAILABLE /
-    DEADLINE_EXCEEDED / CANCELLED → ServerUnavailableError, anything else
+    The class is the one of the ``asyncdiloco-reason`` trailing metadata; without one (a
+    failure gRPC reports itself) it follows the status code: RESOURCE_EXHAUSTED (a message
+    over gRPC's limit) → PayloadTooLargeError, UNAUTHENTICATED → UnauthenticatedError,
+    UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED → ServerUnavailableError, anything else
     AsyncDiLoCoError; the last two carry the code's name before the message.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

@@ -1,6 +1,6 @@
 """The evaluator (tools/evaluator.py) and ``asyncdiloco eval`` (cli/eval.py): the loss it
 reports is the held-out loss of the server's global model computed directly; a version
-already evaluated is skipped; an older server without ReportEval is said once; a model
+already evaluated is skipped; a model
 that is not the server's is refused."""
 
 from __future__ import annotations
@@ -86,20 +86,6 @@ def test_evaluate_every_skips_a_version_already_evaluated(trained):
     assert waits == [7.0, 7.0] and [c[0] for c in reports.calls] == [2, 3]  # attempt 2 found version 2 again
 
 
-def test_a_server_without_report_eval_is_said_once_and_evaluation_goes_on(trained, caplog):
-    srv, run, a = trained
-    with ParameterServerClient(srv.address) as client:
-        client.report_eval = reports = Reports(AsyncDiLoCoError("UNIMPLEMENTED: Method not implemented!"))
-        ev = Evaluator(client)
-        with caplog.at_level(logging.WARNING, logger="asyncdiloco.tools.evaluator"):
-            first = ev.evaluate_global()
-            run.push(a, seed=4)
-            second = ev.evaluate_global()
-    assert not first.reported and not second.reported and second.version == 3
-    assert len(reports.calls) == 1 and not ev.reporting
-    assert len(caplog.records) == 1 and "takes no evaluation reports" in caplog.records[0].message
-
-
 def test_a_failed_report_is_logged_and_the_next_one_is_tried(trained, caplog):
     srv, _, _ = trained
     with ParameterServerClient(srv.address) as client:
@@ -108,7 +94,7 @@ def test_a_failed_report_is_logged_and_the_next_one_is_tried(trained, caplog):
         with caplog.at_level(logging.WARNING, logger="asyncdiloco.tools.evaluator"):
             assert not ev.evaluate_global().reported
             assert not ev.evaluate_global().reported
-    assert len(reports.calls) == 2 and ev.reporting and "was not taken" in caplog.records[0].message
+    assert len(reports.calls) == 2 and "was not taken" in caplog.records[0].message
 
 
 def test_no_global_model_yet_is_a_clear_refusal(start_server):

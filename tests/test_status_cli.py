@@ -1,6 +1,6 @@
 """``asyncdiloco status`` (cli/status.py, tools/status_view.py): the table and the JSON
 against a real in-process server with two joined workers, the rendering of every field
-on a hand-built StatusReply (and its fallbacks for an older server), --watch, --all, and
+on a hand-built StatusReply, --watch, --all, and
 a server that cannot be reached."""
 
 from __future__ import annotations
@@ -194,18 +194,6 @@ def test_every_new_field_is_rendered():
     assert row.split() == ["fast", "1", "8.00", "20", "90", "0.2s", "ago", "1.50", "training"]
     assert "old" not in text
     assert [w["name"] for w in status_dict(_reply(), all_workers=True)["workers"]] == ["fast", "slow", "old"]
-
-
-def test_an_older_server_without_the_new_fields_still_renders():
-    st = _reply(pushes_per_s=0.0, server_version="")
-    del st.evals[:]
-    for w in st.workers:
-        w.state, w.mean_staleness = "", 0.0
-    d = status_dict(st)
-    assert [w["state"] for w in d["workers"]] == ["live", "live"] and d["eval"] is None
-    text = render(d)
-    assert "(version unknown)" in text and "held-out loss" not in text
-    assert [w["state"] for w in status_dict(st, all_workers=True)["workers"]][-1] == "gone"
 
 
 def test_the_staleness_summary_reads_the_histogram():

@@ -1,15 +1,6 @@
-"""The evaluator: the held-out loss of the live global model, reported to the server.
-
-``Evaluator`` pulls θ as an observer (worker id 0: no Join, no lease; worker/global_model.py
-``pull_into``) into the default job's model and measures its mean next-character loss on
-the fixed held-out batches of the default corpus's validation split (job/dataset.py
-``eval_batches``), in nats per character (ln V ≈ 4.17 for a uniform guess over the V = 65
-characters of Tiny Shakespeare). Each result is reported to the server
-(``ReportEval``), which keeps the newest ones for its status and dashboard.
-
-A server that predates ``ReportEval`` answers UNIMPLEMENTED: the evaluator says so once
-and keeps evaluating (the losses are then the caller's only). Any other failed report is
-logged and dropped: the loss was measured, the next report may get through.
+"""The evaluator: the held-out loss (nats/char) of the live global model, pulled as an
+observer (worker/global_model.py ``pull_into``) and reported to the server
+(``ReportEval``); a failed report is logged and dropped (docs/operations.md "Held-out loss").
 """
 
 from __future__ import annotations
@@ -69,8 +60,6 @@ class Evaluator:
         self.batches = job.eval_set(corpus)  # [(x, y)], each (B, T) int64
         #: Characters each evaluation's loss is the mean over.
         self.num_tokens = sum(y.numel() for _, y in self.batches)
-        #: False once the server answered that it takes no reports.
-        self.reporting = True
 
     def held_out_loss(self) -> float:
         """The held-out loss of the model as it is now (before any pull: the seed's), nats/char."""
@@ -89,21 +78,11 @@ class Evaluator:
         return Evaluation(version=version, loss=loss, num_tokens=self.num_tokens, reported=reported)
 
     def _report(self, version: int, loss: float) -> bool:
-        if not self.reporting:
-            return False
         try:
             self.client.report_eval(version, loss, self.num_tokens, self.name)
             return True
         except AsyncDiLoCoError as exc:
-            if str(exc).startswith("UNIMPLEMENTED"):  # from_rpc_error: the code's name, then the message
-                self.reporting = False
-                log.warning(
-                    "the server at %s takes no evaluation reports (an older asyncdiloco); the losses are "
-                    "only printed here",
-                    self.client.address,
-                )
-            else:
-                log.warning("the report of version %d's loss was not taken (%s); evaluating on", version, exc)
+            log.warning("the report of version %d's loss was not taken (%s); evaluating on", version, exc)
             return False
 
 

@@ -3,9 +3,7 @@ table (``asyncdiloco status``).
 
 ``status_dict`` turns a ``StatusReply`` into JSON-ready values, snake_case keys with their
 units in the names (``last_seen_s``, ``steps_per_s``); ``render`` draws the same numbers
-for a terminal. Fields a server may leave unset (an older server: ``pushes_per_s``,
-``server_version``, a worker's ``state`` and staleness) read as 0 or empty, and a worker's
-state then comes from its lease (``alive``).
+for a terminal (docs/operations.md "Status from the command line").
 
 The staleness summary comes from the histogram: ``staleness_histogram[τ]`` pushes were
 applied with staleness τ, the last bucket counting every τ at or above its index, so a
@@ -22,12 +20,6 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: A worker's states whose lease is over; the others are live.
 GONE_STATES = ("left", "expired")
-
-
-def worker_state(w: pb.WorkerStatus) -> str:
-    """The worker's state as the server says it, or from its lease for a server that
-    does not say ("live" / "gone")."""
-    return w.state or ("live" if w.alive else "gone")
 
 
 def staleness_summary(histogram: list[int]) -> dict[str, Any]:
@@ -61,7 +53,7 @@ def worker_dict(w: pb.WorkerStatus) -> dict[str, Any]:
     return {
         "name": w.worker_name,
         "id": w.worker_id,
-        "state": worker_state(w),
+        "state": w.state,
         "alive": w.alive,
         "steps_per_s": w.steps_per_s,
         "local_steps_per_round": w.local_steps_per_round,
@@ -160,7 +152,7 @@ def _run_lines(d: dict[str, Any]) -> list[str]:
 def _header(d: dict[str, Any]) -> list[str]:
     where = f" at {d['server']}" if d["server"] else ""
     lines = [
-        f"asyncdiloco server {d['server_version'] or '(version unknown)'}{where}: mode {d['mode']}, "
+        f"asyncdiloco server {d['server_version']}{where}: mode {d['mode']}, "
         f"up {_duration(d['uptime_s'])}" + ("" if d["initialized"] else ", no global model yet"),
         *_run_lines(d),
     ]
