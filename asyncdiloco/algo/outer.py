@@ -17,12 +17,9 @@ pseudo-gradient Δ = θ_base − θ_local as it arrives, scaled by its staleness
   otherwise θ ← θ − η·[c·μ·m + g_t/N]. With c = 0, N arrivals equal one synchronous
   Nesterov step on their mean.
 
-A worker's closing push (its partial round at close, ``PushHeader.last``, followed by
-Leave) takes the direct term alone (``step_closing``): θ ← θ − η·s(τ)·Δ/N, with m, b
-and the arrival count unchanged, and N not shrunk by the workers that left since the
-last momentum update (docs/algorithms.md, "The run's end": counted as arrivals, the
-closing pushes of a run's end each divided by a smaller N and completing buffers of
-partial rounds raised the held-out loss by 0.03–0.15 nats/char).
+A worker's closing push (``PushHeader.last``) takes the direct term alone
+(``step_closing``): θ ← θ − η·s(τ)·Δ/N, m, b and the arrival count unchanged
+(docs/algorithms.md "The run's end").
 
 Staleness weights (τ = versions applied since the worker's base version):
 ``constant`` 1; ``inverse`` 1/(1+τ) (Zhang et al. 2016, arXiv 1511.05950);
@@ -36,11 +33,8 @@ lr_schedule.py). The caller passes v; the async server, its log replay, the sync
 server and every sync member pass the same v for the same update.
 
 All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
-A step may run block by block (``on_block``): every update above is elementwise, so the
-same operations on consecutive slices of θ, m, b and Δ give bit-identical vectors, and
-the caller reads each block of the new θ while it is still in cache (the server takes
-the new version's CRC-32 and moves the old version's block into Δ's spent block for the
-pulls still reading it: ps/live.py).
+A step may run block by block (``on_block``), bit-identical to one pass
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -216,23 +210,18 @@ class OuterOptimizer:
         on_block: BlockHook | None = None,
         block_elems: int = STEP_BLOCK_ELEMS,
     ) -> None:
-        """θ ← update(θ, s·Δ) with η_v as in the module docstring, in one fused pass.
-
-        The update is ``torch.optim.SGD``'s fused kernel (``torch.optim.sgd.sgd`` with
-        ``fused=True``) run on the flat θ, Δ and m, so it reads and writes each
-        vector once.
+        """θ ← update(θ, s·Δ) with η_v as in the module docstring: one pass of torch's fused
+        SGD kernel over the flat θ, Δ and m.
 
         Args:
-            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device. It is the caller's
-                scratch: when ``weight`` ≠ 1 it is scaled in place (Δ ← s·Δ). Or a
-                ``BlockDelta`` (CPU), decoded per block: the step then runs blocked.
+            delta: Δ = θ_base − θ_local, float32 (N,) on θ's device, the caller's scratch
+                (scaled in place when ``weight`` ≠ 1); or a ``BlockDelta`` (CPU), decoded
+                per block: the step then runs blocked.
             weight: s(τ), the staleness weight.
-            version: v, the version this update is applied at (updates applied before
-                it); keys η's schedule.
+            version: v, the version this update is applied at (keys η's schedule).
             num_workers: live workers (used only by delayed_nesterov with dn_buffer=0).
-            on_block: optional ``(start, end) -> None``: the step then runs block by
-                block, ``block_elems`` elements at a time, and calls it after each block
-                of θ is updated (bit-identical to one pass over the whole vectors).
+            on_block: ``(start, end) -> None``, called after each block of ``block_elems``
+                elements of θ is updated (bit-identical to one pass).
             block_elems: elements per block (> 0) with ``on_block``.
         Raises:
             ValueError: ``delta`` has another shape or dtype, ``version`` < 0, or
@@ -271,27 +260,11 @@ class OuterOptimizer:
         block_elems: int = STEP_BLOCK_ELEMS,
     ) -> None:
         """A worker's closing push (its partial round at close, ``PushHeader.last``): the
-        direct term alone, θ ← θ − η_v·s·Δ/N, and the momentum (Delayed Nesterov: also the
-        buffer and its arrival count) left as it is.
-
-        Why: a closing push carries a partial round (fewer than H_w inner steps, often a
-        few) and nothing trains on after it. A momentum step for it extrapolates the
-        run's velocity once more on the strength of a fraction of a round, and under
-        Delayed Nesterov the closing pushes of a run's end, counted as arrivals, complete
-        buffers of partial rounds while N shrinks with every Leave (divided by 4, 3, 2,
-        then 1 as four workers close): measured on the virtual clock, that raised the
-        held-out loss by 0.03–0.15 nats/char over the model before the closing pushes,
-        where the direct term alone lowered it by 0.002–0.021 (docs/algorithms.md,
-        "The run's end").
-
-        Args:
-            delta, weight, version, on_block, block_elems: as in ``step`` (``delta`` is
-                only read).
-            num_workers: N for Delayed Nesterov (``closing_workers``); ignored by the
-                plain optimizers, whose pushes are not divided by N.
-        Raises:
-            ValueError: as ``step``.
-        """
+        direct term alone, θ ← θ − η_v·s·Δ/N, the momentum (Delayed Nesterov: also the
+        buffer and its arrival count) left as it is (docs/algorithms.md "The run's end":
+        a momentum step on a partial round raised the held-out loss). Arguments and
+        errors as ``step`` (``delta`` is only read); ``num_workers`` is N for Delayed
+        Nesterov (``closing_workers``), ignored by the plain optimizers."""
         self._check(delta)
         scale = weight * self.lr_at(version) / max(1, self.closing_workers(num_workers))
         average_in(self.params, delta, scale, on_block=on_block, block_elems=block_elems)
@@ -410,33 +383,44 @@ class DelayedNesterov(OuterOptimizer):
         if self.config.block_check:
             assert isinstance(delta, torch.Tensor)
             self._damp_against_momentum(delta)
-        lr, mu, c = self.lr_at(version), self.config.momentum, self.config.dn_c
         n = self.config.dn_buffer or max(1, num_workers)
-        m, b = self.momentum_buffer, self.delta_buffer
-        assert m is not None  # allocated in __init__
-        self.arrivals += 1
-        complete = self.arrivals >= n  # (t+1) mod N = 0
-        arrivals, self.arrivals = self.arrivals, 0 if complete else self.arrivals
-        if complete:
-            self.last_n = n
-        self.momentum_steps += complete
+        completed = self._arrive(n)
+        lr = self.lr_at(version)
         for start, end in spans:
-            d, m_s, b_s, p_s = _block_of(delta, start, end), m[start:end], b[start:end], self.params[start:end]
+            d = _block_of(delta, start, end)
             if weight != 1.0:
                 d.mul_(weight)
-            b_s.add_(d)  # b ← b + g_t
-            if complete:
-                # m ← μ·m + b/N, the mean over the buffer's arrivals: with N = live workers, N
-                # can shrink while the buffer fills (a worker left), and b/N would then count
-                # the earlier arrivals N_old/N times over.
-                m_s.mul_(mu).add_(b_s, alpha=1.0 / arrivals)
-                p_s.sub_(m_s, alpha=lr * (1.0 - c * n + c) * mu)
-                b_s.zero_()
-            elif c > 0:
-                p_s.sub_(m_s, alpha=lr * c * mu)
-            p_s.sub_(d, alpha=lr / n)  # the arrival's own g_t/N
+            self._update(slice(start, end), d, lr, n, completed)
             if on_block is not None:
                 on_block(start, end)
+
+    def _arrive(self, n: int) -> int:
+        """Count one arrival; the arrivals the buffer held when this one completed it
+        ((t+1) mod N = 0), else 0."""
+        self.arrivals += 1
+        if self.arrivals < n:
+            return 0
+        completed, self.arrivals, self.last_n = self.arrivals, 0, n
+        self.momentum_steps += 1
+        return completed
+
+    def _update(self, span: slice, d: torch.Tensor, lr: float, n: int, completed: int) -> None:
+        """The arrival g_t (its elements ``span``, in ``d``) into b, m and θ."""
+        mu, c = self.config.momentum, self.config.dn_c
+        m = self.momentum_buffer
+        assert m is not None  # allocated in __init__
+        m_s, b_s, p_s = m[span], self.delta_buffer[span], self.params[span]
+        b_s.add_(d)  # b ← b + g_t
+        if completed:
+            # m ← μ·m + b/N, the mean over the buffer's arrivals: with N = live workers, N
+            # can shrink while the buffer fills (a worker left), and b/N would then count
+            # the earlier arrivals N_old/N times over.
+            m_s.mul_(mu).add_(b_s, alpha=1.0 / completed)
+            p_s.sub_(m_s, alpha=lr * (1.0 - c * n + c) * mu)
+            b_s.zero_()
+        elif c > 0:
+            p_s.sub_(m_s, alpha=lr * c * mu)
+        p_s.sub_(d, alpha=lr / n)  # the arrival's own g_t/N
 
 
 @torch.no_grad()
