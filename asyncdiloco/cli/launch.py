@@ -1,9 +1,6 @@
-"""``asyncdiloco launch``: a parameter server and groups of workers as Ray actors, on a
-Ray of this machine or on a cluster (``--address``), with restarts of dead workers and
-the demo's report at the end (fleet/launch.py runs it; needs the ``ray`` extra).
-
-The server's run flags are the server's own (flags.SERVER_RUN) and the model flags the
-demo's (flags.JOB), checked before Ray starts.
+"""``asyncdiloco launch``: the flags of a fleet on Ray (fleet/launch.py runs it; needs the
+``ray`` extra), the server's run flags (flags.SERVER_RUN) and the model flags (flags.JOB),
+all checked before Ray starts (docs/operations.md "A fleet on Ray").
 """
 
 from __future__ import annotations
@@ -49,17 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a group of COUNT workers, each reserving CPUS cores and GPUS GPUs (cuda when GPUS > 0), SLOWDOWN "
         "times slower; repeat for more groups, e.g. --group big:4:8:8 --group small:8:2:2 (default: --workers)",
     )
-    g.add_argument(
-        "--max-restarts",
-        type=int,
-        default=MAX_RESTARTS,
-        help="restarts per worker after its actor died or its process failed; then it is reported failed and "
-        "the fleet goes on (default %(default)s)",
-    )
-    g.add_argument("--max-seconds", type=float, default=120.0, help="training seconds per worker (default %(default)g)")
-    g.add_argument(
-        "--max-steps", type=int, default=None, help="inner steps per worker, restarts counted in (default: no bound)"
-    )
+    _add_bounds_args(g)
     g.add_argument(
         "--token-file",
         default=None,
@@ -76,6 +63,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     SERVER_RUN.add_to(p)
     JOB.add_to(p)
     p.set_defaults(func=run)
+
+
+def _add_bounds_args(g: argparse._ArgumentGroup) -> None:
+    """How long each worker trains and how often it is restarted."""
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help="restarts per worker after its actor died or its process failed; then it is reported failed and "
+        "the fleet goes on (default %(default)s)",
+    )
+    g.add_argument("--max-seconds", type=float, default=120.0, help="training seconds per worker (default %(default)g)")
+    g.add_argument(
+        "--max-steps", type=int, default=None, help="inner steps per worker, restarts counted in (default: no bound)"
+    )
 
 
 def _add_placement_args(g: argparse._ArgumentGroup) -> None:

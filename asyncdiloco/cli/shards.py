@@ -1,15 +1,6 @@
-"""``asyncdiloco server``'s sharded modes (ps/shard_order.py, wire/shards.py):
-
-* ``--shards S``: S shards in this process on one host, on ports ``--port`` + i (0: free
-  ports) or the ``--shard-ports`` list; ``--checkpoint-dir ROOT`` keeps shard i in
-  ``ROOT/shard-i`` and the manifest ``ROOT/shards.json`` (every shard's version; written
-  at start, every ``MANIFEST_EVERY_S`` and at stop);
-  ``--shard-map FILE`` is written with the bound addresses for the workers.
-* ``--shard-index i --shard-map FILE``: one shard per host; this process serves shard i on
-  the port of the i-th address in FILE (``{"shards": ["host:port", ...]}``).
-
-Workers take the same file (``asyncdiloco worker --shard-map FILE``). Shards > 0 offer no
-bulk channel and no metrics endpoint (their pushes carry shard 0's order as gRPC metadata).
+"""``asyncdiloco server``'s sharded modes: ``--shards S`` (S shards in this process, the
+manifest ``ROOT/shards.json`` rewritten every ``MANIFEST_EVERY_S``) and ``--shard-index i
+--shard-map FILE`` (one shard per host); docs/operations.md "A sharded server".
 """
 
 from __future__ import annotations
@@ -20,9 +11,13 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+
+if TYPE_CHECKING:
+    from asyncdiloco.ps import ParameterServer
 
 #: Seconds between two writes of ``ROOT/shards.json`` while serving.
 MANIFEST_EVERY_S = 10.0
@@ -152,18 +147,7 @@ def run_shards(args: argparse.Namespace, cfg: ServerConfig, stopping: dict[str, 
 
     def manifest() -> None:
         if root is not None:
-            write_manifest(
-                root,
-                [
-                    {
-                        "index": s.config.shard_index,
-                        "address": s.address,
-                        "checkpoint_dir": s.config.durability.checkpoint_dir if s.config.durability else None,
-                        "version": s.state.version,
-                    }
-                    for s in servers
-                ],
-            )
+            write_manifest(root, [_manifest_entry(s) for s in servers])
 
     manifest()
     if args.port_file:
@@ -184,3 +168,14 @@ def run_shards(args: argparse.Namespace, cfg: ServerConfig, stopping: dict[str, 
     versions = ", ".join(f"shard {s.config.shard_index}: {s.state.version}" for s in servers)
     print(f"asyncdiloco server stopped: versions {versions}", flush=True)
     return 0
+
+
+def _manifest_entry(srv: ParameterServer) -> dict:
+    """One shard's entry in the root folder's shards.json."""
+    durability = srv.config.durability
+    return {
+        "index": srv.config.shard_index,
+        "address": srv.address,
+        "checkpoint_dir": durability.checkpoint_dir if durability else None,
+        "version": srv.state.version,
+    }

@@ -93,22 +93,10 @@ def run_worker(
         ConfigError: slowdown < 1, a bad ``slowdown_changes`` or no bound given.
         ServerUnavailableError / ManifestMismatchError: joining failed.
     """
-    _check_bounds(slowdown, max_steps, max_seconds)
-    if not (math.isfinite(step_s) and step_s >= 0):
-        raise ConfigError(f"step_s={step_s} is invalid: give the seconds a full-speed inner step lasts at least, >= 0")
+    _check_bounds(slowdown, step_s, max_steps, max_seconds)
     slowdown_changes = check_slowdown_changes(slowdown_changes)
-    corpus = CharCorpus.default()
-    gpu = torch.device(device)
-    if gpu.type == "cuda" and gpu.index is not None:  # this process's CUDA context, pinned memory, NCCL: that GPU
-        torch.cuda.set_device(gpu)
-    model: torch.nn.Module = job.build(corpus).to(device)
-    inner, inner_lr = job.build_inner(model.parameters())
     rank = group_rank()
-    if rank is not None:  # a torchrun group: DDP averages the gradients, the group is one worker
-        index = torch.device(device).index
-        model = DistributedDataParallel(model, device_ids=None if index is None else [index])
-    stream = rank_stream_index(worker_index, rank or 0)
-    batches = BatchStream(corpus, job.batch_size, job.context_len, job.seed, stream)
+    model, inner, inner_lr, batches = _model_and_data(job, device, worker_index, rank)
     worker = _agreed(rank, lambda: _build_worker(model, inner, worker_config, sync, job.tokens_per_step))
     if wait_to_join is not None and not wait_to_join():
         return worker.stats
@@ -142,6 +130,24 @@ def run_worker(
         if stop is not None and stop.is_set():
             log.info("stopped after %d inner steps; leaving", loop.step)
     return worker.stats
+
+
+def _model_and_data(
+    job: JobConfig, device: str, worker_index: int, rank: int | None
+) -> tuple[torch.nn.Module, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR, BatchStream]:
+    """The job's model on ``device`` (in a torchrun group wrapped in DDP, which averages the
+    gradients: the group is one worker), its inner optimizer and lr schedule, and this
+    rank's batch stream."""
+    corpus = CharCorpus.default()
+    gpu = torch.device(device)
+    if gpu.type == "cuda" and gpu.index is not None:  # this process's CUDA context, pinned memory, NCCL: that GPU
+        torch.cuda.set_device(gpu)
+    model: torch.nn.Module = job.build(corpus).to(device)
+    inner, inner_lr = job.build_inner(model.parameters())
+    if rank is not None:
+        model = DistributedDataParallel(model, device_ids=None if gpu.index is None else [gpu.index])
+    stream = rank_stream_index(worker_index, rank or 0)
+    return model, inner, inner_lr, BatchStream(corpus, job.batch_size, job.context_len, job.seed, stream)
 
 
 def _build_worker(
@@ -238,7 +244,7 @@ def _left(tlog: TrainLog, loop: _Loop) -> Iterator[None]:
         tlog.left(loop.step)
 
 
-def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | None) -> None:
+def _check_bounds(slowdown: float, step_s: float, max_steps: int | None, max_seconds: float | None) -> None:
     if not slowdown >= 1.0:
         raise ConfigError(f"slowdown={slowdown} is invalid: must be >= 1 (1 = full speed, 2 = twice as slow)")
     if max_steps is None and max_seconds is None:
@@ -247,6 +253,8 @@ def _check_bounds(slowdown: float, max_steps: int | None, max_seconds: float | N
         raise ConfigError(f"max_steps={max_steps} is invalid: give 1 or more inner steps")
     if max_seconds is not None and not max_seconds > 0:
         raise ConfigError(f"max_seconds={max_seconds} is invalid: give a positive number of seconds")
+    if not (math.isfinite(step_s) and step_s >= 0):
+        raise ConfigError(f"step_s={step_s} is invalid: give the seconds a full-speed inner step lasts at least, >= 0")
 
 
 class _Pace:

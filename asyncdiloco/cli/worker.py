@@ -57,6 +57,29 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "or HOST:PORT,HOST:PORT,... shard 0 first)",
     )
     g.add_argument("--worker-index", type=int, default=0, help="selects this worker's data order (default %(default)s)")
+    _add_pace_args(g)
+    g.add_argument(
+        "--join-when-file",
+        default=None,
+        metavar="PATH",
+        help="start up, then wait until PATH exists before joining (the demo starts a rejoining "
+        "worker early this way, so its start-up is not part of the time away) (default: join at once)",
+    )
+    g.add_argument("--max-steps", type=int, help="stop after N inner steps (default: no bound; this or --max-seconds)")
+    g.add_argument("--max-seconds", type=float, help="stop after S seconds of training (default: no bound)")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        metavar="{cpu,cuda,cuda:N,auto}",
+        help="where the model, its inner optimizer state and the batches live; auto = cuda when torch sees a GPU, "
+        "else cpu (default %(default)s)",
+    )
+    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    g.add_argument("--stats-file", help="write the worker's final counters as JSON here (default: none)")
+
+
+def _add_pace_args(g: argparse._ArgumentGroup) -> None:
+    """How fast the worker trains: an emulated weaker, changing or larger machine."""
     g.add_argument(
         "--slowdown",
         type=float,
@@ -79,24 +102,6 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="from T seconds of training on, run F times slower instead (times increasing, F >= 1); "
         "emulates a machine whose speed changes (default: none)",
     )
-    g.add_argument(
-        "--join-when-file",
-        default=None,
-        metavar="PATH",
-        help="start up, then wait until PATH exists before joining (the demo starts a rejoining "
-        "worker early this way, so its start-up is not part of the time away) (default: join at once)",
-    )
-    g.add_argument("--max-steps", type=int, help="stop after N inner steps (default: no bound; this or --max-seconds)")
-    g.add_argument("--max-seconds", type=float, help="stop after S seconds of training (default: no bound)")
-    g.add_argument(
-        "--device",
-        default="cpu",
-        metavar="{cpu,cuda,cuda:N,auto}",
-        help="where the model, its inner optimizer state and the batches live; auto = cuda when torch sees a GPU, "
-        "else cpu (default %(default)s)",
-    )
-    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    g.add_argument("--stats-file", help="write the worker's final counters as JSON here (default: none)")
 
 
 def _add_log_args(p: argparse.ArgumentParser) -> None:

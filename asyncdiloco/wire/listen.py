@@ -1,15 +1,7 @@
-"""Listening on every address a host name resolves to, or on none.
-
-A server told ``--host localhost`` must serve every address ``localhost`` resolves to
-(usually 127.0.0.1 and ::1): a client resolving the name may pick any of them, and if
-another process holds one of those addresses on the port, that client reaches that
-process instead, and hands it its token. So each listener (the gRPC port, the bulk
-data channel, the metrics endpoint) binds the port on every resolved address, or binds
-none and the server refuses to start, naming the address that is taken.
-
-``listen_addresses`` resolves; ``bind_every`` binds one socket per address on one port
-(a port of 0 is picked once, free on every address). Both raise ``ConfigError`` with
-the address, the reason and the fix.
+"""Listening on every address a host name resolves to, or on none: a client resolving
+``--host localhost`` may pick any of its addresses, so each listener (gRPC port, bulk
+channel, metrics endpoint) binds the port on all of them or the server refuses to start
+(docs/operations.md "Server and workers on separate hosts").
 """
 
 from __future__ import annotations
@@ -72,13 +64,7 @@ def listen_addresses(host: str) -> tuple[ListenAddress, ...]:
     return tuple(out)
 
 
-def bind_every(
-    host: str,
-    port: int,
-    *,
-    what: str,
-    flag: str,
-) -> list[socket.socket]:
+def bind_every(host: str, port: int, *, what: str, flag: str) -> list[socket.socket]:
     """One TCP socket bound to ``port`` on each address of ``host`` (not yet listening).
 
     With SO_REUSEADDR, as gRPC binds, so a port left in TIME_WAIT binds and a port a
@@ -104,14 +90,9 @@ def bind_every(
         bound: list[socket.socket] = []
         chosen = port
         for address in addresses:
-            sock = socket.socket(address.family, socket.SOCK_STREAM)
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if address.family == socket.AF_INET6 and v6only:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind((address.host, chosen))
+                sock = _bind_one(address, chosen, v6only)
             except OSError as exc:
-                sock.close()
                 for other in bound:
                     other.close()
                 if port == 0 and bound and exc.errno == errno.EADDRINUSE:
@@ -125,6 +106,20 @@ def bind_every(
         f"cannot find one free port on every address of --host {host} ({', '.join(a.host for a in addresses)}) "
         f"for {what} in {_PICK_TRIES} tries; give {flag} a port that is free on all of them"
     )
+
+
+def _bind_one(address: ListenAddress, port: int, v6only: bool) -> socket.socket:
+    """A TCP socket bound to ``port`` on ``address``; closed again when the bind fails."""
+    sock = socket.socket(address.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if address.family == socket.AF_INET6 and v6only:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((address.host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _cannot_bind(
