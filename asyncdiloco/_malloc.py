@@ -1,22 +1,11 @@
-"""glibc allocator settings for processes that move large payloads (the CLI's server
-and worker processes; the library never changes them on its own).
-
-Why: glibc serves every allocation above its mmap threshold (128 KiB, adaptive up to
-32 MiB) with a fresh ``mmap`` and returns it on free, so each 4 MiB chunk message gRPC
-and Python allocate faults every page in again, and a copy into fresh pages is several
-times slower than a copy into reused ones. ``M_MMAP_MAX = 0`` keeps large blocks on the
-heap and a high ``M_TRIM_THRESHOLD`` keeps freed memory for reuse. The cost: freed
-memory is not returned to the OS, so RSS stays at its peak (the server's peak is bounded
-by its receive budget anyway).
-
-``M_ARENA_MAX = 1``: by default each thread that allocates gets its own arena (up to
-8 per core), and memory freed in one arena is not reused by threads of another, so the
-payload-sized blocks that gRPC's threads allocate pile up in many arenas; with one arena
-the server's peak RSS under many concurrent pushes and pulls stays near θ + momentum +
-receive budget + pull snapshots (``python -m asyncdiloco.bench.perf.bench_server``
-measures it; docs/performance.md has the figures). The GIL serialises most allocations
-anyway. Equivalent to the environment ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...
-MALLOC_ARENA_MAX=1`` (which must be set before the process starts).
+"""glibc allocator settings for processes that move large payloads (the CLI's server and
+worker processes; the library never changes them on its own): ``M_MMAP_MAX = 0`` and a
+high ``M_TRIM_THRESHOLD`` keep large blocks on the heap for reuse (a fresh mmap per 4 MiB
+chunk faults every page in again; the cost is RSS that stays at its peak), and
+``M_ARENA_MAX = 1`` keeps gRPC's threads from piling payload-sized blocks up in many
+arenas (docs/performance.md "Server costs and memory"). The same as
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=... MALLOC_ARENA_MAX=1`` set before the
+process starts.
 """
 
 from __future__ import annotations

@@ -31,14 +31,8 @@ checks that the two agree):
     checkpoint_failed     UNAVAILABLE            CheckpointError
     unauthenticated       UNAUTHENTICATED        UnauthenticatedError
 
-UNAVAILABLE marks the refusals after which the same call may succeed unchanged a moment
-later (gRPC's rule for that code): workers retry them with backoff (``RETRY_LATER``).
-"Not initialized" is one of them: the first worker's initial parameters are a push away,
-and a joining worker polls for them. FAILED_PRECONDITION refusals need something else to
-change first (another model, mode, base version or round). ``payload_corrupted`` is the
-one INVALID_ARGUMENT that the same call may cure (a bit flipped in transit): the client
-sends it again itself. A pseudo-gradient refused in ``DROP_AND_REPULL`` is dropped by the
-worker, which goes on from the global model (async_worker.py has the whole policy).
+UNAVAILABLE refusals may succeed unchanged a moment later: workers retry them with
+backoff (``RETRY_LATER``); the policy is in docs/protocol.md "Refusals".
 """
 
 from __future__ import annotations

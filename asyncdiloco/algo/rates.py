@@ -1,31 +1,8 @@
-"""A worker's inner-step rate v_w, measured over the time spent in its inner steps.
-
-DyLU (Liu et al. 2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv
-2401.09135, Eq. 6) gives worker w H_w = ⌊v_w / max v · H⌋ local steps per round, so the
-rates must be those of the workers' compute: a rate that also counts the time a reply was
-held, a transfer, a save, an evaluation or the user's own work between steps makes a
-worker look slower than it computes, and it is given too few steps (or, when the fastest
-worker's rate is lowered, everybody else too many).
-
-``InnerStepRate`` is the estimator the worker runs (worker/base.py feeds it from hooks on
-the model and the inner optimizer) and the virtual-clock simulator runs on its simulated
-step times (``step_took``), so both clocks estimate rates the same way:
-
-- A step is timed from its start (``begin``: the first forward pass with gradients
-  enabled since the previous step ended) to its end (``end``: the inner optimizer's step
-  returned, before any sync the library runs there). Without a ``begin`` (a loop whose
-  forward does not go through the hooked module) the step is timed from ``resume``, the
-  moment the library handed control back after the previous step, so the sync is still
-  left out but the loop's own work between steps is not.
-- Warm-up and stalls: the first ``skip`` steps are not timed (they carry one-off costs:
-  allocation, kernel selection, compilation), and the estimate is the mean over the last
-  ``window`` timed steps without the longest one, so one more slow step at the start, or
-  one stall in the window, does not move it. The mean, not the median: DyLU needs the
-  throughput, and on a loaded machine step times are heavy-tailed (a fast worker's median
-  step on two shared cores was 3.4 ms, its mean 12.9 ms: rates from the median were 3.8×
-  too high for it and only 1.1-1.6× for the slow ones, whose steps are mostly sleep).
-- A speed change has taken over the estimate fully once the window holds only steps at
-  the new speed: after ``window`` steps (16), with the next report; halfway after 8.
+"""A worker's inner-step rate v_w for DyLU (Liu et al. 2024, arXiv 2401.09135, Eq. 6),
+measured over the time spent in its inner steps only (not held replies, transfers, saves
+or the caller's own work), the same way on the real and the virtual clock: the mean over
+the last ``window`` timed steps without the longest, after ``skip`` warm-up steps
+(docs/algorithms.md "The parts": DyLU from the first round).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Who syncs when: Dynamic Local Updates (DyLU) and grouping of pushes.
-
-Both come from Liu et al. 2024, "Asynchronous Local-SGD Training for Language
-Modeling", arXiv 2401.09135, and are shared by the parameter server (real clock) and
-the virtual-clock simulator, so the two run the same logic.
-
-- DyLU (Eq. 6): a worker with inner-step rate v_w (steps per second of its own
-  compute) runs H_w = ⌊ v_w / max_w' v_w' · H ⌋ inner steps per round (at least 1),
-  the maximum taken over the live workers, so slow workers push as often as fast ones
-  and their pseudo-gradients are not staler. The rates are reported by the workers
-  (measured on their own clocks over the time in their inner steps only, algo/rates.py,
-  so waiting for the server, saves and the caller's own work do not enter them) from the
-  first round on: a worker times its first few inner steps and reports the rate before
-  it pushes, so the first round is already balanced (otherwise every worker runs the
-  full H once and the offsets of that round persist for the whole run).
-- Grouping (Alg. 2, the grace window): replies to pushes are held so that the workers
-  whose pushes landed together pull the same model, and Delayed Nesterov's buffer of N
-  arrivals then holds N pseudo-gradients from one starting model (N arrivals from one
-  model with c = 0 are exactly one synchronous Nesterov step on their mean).
-  ``GroupWindow`` decides when a group is released: the window opens at the group's
-  first arrival and is released as soon as every expected worker (alive, and pushing:
-  the server's ``_expected_locked``) has arrived in it, or (``"barrier"``) the Delayed
-  Nesterov buffer is complete, and at the latest when the window ends. Anchoring the
-  window at the first arrival (instead of restarting it at every arrival) bounds every
-  wait and never chains groups.
+"""Who syncs when (Liu et al. 2024, arXiv 2401.09135), shared by the server and the
+virtual-clock simulator: Dynamic Local Updates (Eq. 6, H_w = ⌊v_w / max v · H⌋ inner
+steps per round, at least 1, from the workers' reported rates, algo/rates.py) and
+grouping of pushes (Alg. 2, the grace window ``GroupWindow``: replies held until every
+expected worker arrived, or the Delayed Nesterov buffer is complete, at the latest when
+the window opened at the group's first arrival ends); docs/algorithms.md.
 """
 
 from __future__ import annotations

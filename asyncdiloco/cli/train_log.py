@@ -1,27 +1,7 @@
-"""The CLI worker's training log: what ``asyncdiloco worker`` tells its operator while it
-trains, in three places, all at the same points.
-
-- **The process log** (stderr, logging INFO): the join (worker id, name, server, H_w,
-  mode) at once, the first sync, then one line every ``every`` inner steps with the mean
-  train loss, tokens/s, H_w, pushes (or sync rounds) and the staleness of the last push.
-- **JSON lines** (``--train-log FILE``): one object per log point, flushed line by line
-  (a killed worker leaves every line it wrote), units in the keys; and one object per
-  event (``"event"``: ``"join"``, ``"first_sync"``, ``"leave"``).
-- **TensorBoard** (``--tensorboard-dir DIR``, the optional ``tensorboard`` extra): the
-  same scalars through ``torch.utils.tensorboard.SummaryWriter``, by inner step.
-
-A log-point line (async; sync mode has ``rounds_committed`` / ``rounds_failed`` instead
-of ``pushes_applied`` / ``pushes_refused``, and τ = 0 once a round committed)::
-
-    {"step": 40, "loss_nats": 2.61, "tokens_per_s": 9321.4, "local_steps": 20,
-     "staleness_versions": 1, "pushes_applied": 2, "pushes_refused": 0,
-     "bytes_pushed": 3373056, "bytes_pulled": 3373056, "blocked_s": 0.08,
-     "elapsed_s": 4.4, "time_unix_s": 1764601234.5}
-
-``loss_nats`` is the mean training loss (nats per character) over the inner steps since
-the previous line; ``tokens_per_s`` the tokens trained on since then over the seconds
-since then; the byte, push and blocked counters are totals since the join;
-``elapsed_s`` counts from the join.
+"""The CLI worker's training log, at the same points in three places: the process log
+(INFO, every ``every`` inner steps), JSON lines (``--train-log``: one object per log point
+and per event, units in the keys) and TensorBoard (``--tensorboard-dir``); the keys are in
+docs/operations.md "Training logs".
 """
 
 from __future__ import annotations

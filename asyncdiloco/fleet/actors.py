@@ -1,24 +1,10 @@
 """The two kinds of Ray actor of a fleet, as plain classes (launch.py wraps them with
-``ray.remote`` and the resource request of each; nothing here imports Ray).
-
-- ``ServerActor``: the parameter server in the actor's process (``ParameterServer(config)
-  .start()``, the server's own start function), its log in a file of the actor's node.
-  It reports where workers reach it: the configured host, or, when it binds every
-  interface (0.0.0.0 / ::), the node's IP address as Ray knows it.
-- ``WorkerActor``: one worker, ``asyncdiloco worker`` run as a child process of the
-  actor, with the worker's name, its state folder on the node (``--state-dir``: a
-  restarted actor on the same node, or on any node of a shared filesystem, resumes as
-  the same worker), the token and a stats file, its output appended to ``worker.log``
-  in the state folder. A group whose workers have N > 1 ranks (``WorkerGroup.ranks``) runs the same command
-  under ``torchrun --standalone --nproc-per-node N`` (one worker of N ranks).
-
-The worker is a child process rather than code in the actor because the command is the
-worker: every worker flag, its SIGTERM handling (last push, then Leave), its stats file
-and its exit status are the CLI's own, and torchrun needs a command to run. The child
-dies with its actor: Ray ends a dead worker's child processes (checked by
-tests/test_fleet.py, which kills an actor with ``ray.kill`` and sees the same worker go
-on in a new one); were one ever left behind, the server's name rule stops it at its next
-sync (``WorkerSupersededError``) once the new actor's process joins under the name.
+``ray.remote``; nothing here imports Ray): ``ServerActor``, the parameter server in the
+actor's process, reporting where workers reach it; ``WorkerActor``, ``asyncdiloco worker``
+run as the actor's child process (under ``torchrun`` for a group of N > 1 ranks) with its
+name, state folder, token and stats file. The worker is a child process because the
+command is the worker (its flags, SIGTERM handling, stats file and exit status); Ray ends
+it with its actor (docs/operations.md "A fleet on Ray").
 """
 
 from __future__ import annotations

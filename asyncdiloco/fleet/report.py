@@ -1,13 +1,7 @@
-"""The fleet's report: the demo's report.json (bench/demo_report.py: the server's counters,
-one entry per worker, the held-out loss curve, loss_curve.png with matplotlib) written from
-what the driver collected, plus the fleet's own fields: each worker's group, resources,
-node, restarts and fate, and the Ray address.
-
-Each worker's stats file and log come back from its actor with its last run's result;
-they are written to the output folder as the demo's are (``worker-<name>.json``,
-``worker-<name>.log``) before the report reads them. A worker killed before it wrote its
-stats file is counted by the server alone: its inner steps, pushes and tokens are those
-of its applied pushes (``fleet.counted_by`` "server", else "worker").
+"""The fleet's report: the demo's report.json (bench/demo_report.py) written from what the
+driver collected, plus each worker's group, resources, node, restarts and fate, and the
+Ray address. A worker killed before it wrote its stats file is counted by the server alone
+(``fleet.counted_by``: "server", else "worker"); docs/operations.md "A fleet on Ray".
 """
 
 from __future__ import annotations

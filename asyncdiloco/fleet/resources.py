@@ -1,13 +1,8 @@
-"""What a fleet asks of Ray, checked against what Ray has before any actor starts.
-
-- ``local_num_cpus``: the logical CPUs of a local Ray (no ``--address``). Ray's CPUs are
-  logical: a local Ray is given as many as the fleet reserves (the server's plus every
-  worker's) when the machine has fewer cores, so the default fleet runs on any laptop
-  (its processes then share the cores). An explicit ``--local-cpus`` below that is refused.
-- ``check_fits``: every actor must fit on ONE node (Ray never splits an actor's request
-  across nodes). A request no node can hold would wait for ever, so it is refused, naming
-  the group, the request and what the cluster has; a fleet whose total exceeds the
-  cluster but each of whose actors fits gets a warning that workers will queue.
+"""What a fleet asks of Ray, checked before any actor starts: ``local_num_cpus`` (a local
+Ray gets as many logical CPUs as the fleet reserves, when the machine has fewer cores) and
+``check_fits`` (every actor must fit on one node, or it is refused naming the group, the
+request and what the cluster has; a fleet over the total gets a warning that workers
+queue); docs/operations.md "A fleet on Ray".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""Character-level corpus: the embedded default data set and its batches.
-
-This module owns the text the demo trains on and how it is cut into batches:
-
-- ``load_text`` reads a text file, or the embedded Tiny Shakespeare
-  (``asyncdiloco/job/data/tinyshakespeare.txt``, 1,115,394 characters, 65 distinct;
-  from Karpathy's char-rnn, https://github.com/karpathy/char-rnn).
-- ``CharCorpus`` maps characters to ids and splits the ids deterministically:
-  the first ``1 - val_fraction`` of the text is the training split, the rest
-  is the held-out validation split.
-- ``sample_batch`` draws random windows (x, y) with y = x shifted by one.
-- ``BatchStream`` is one worker's infinite stream of training batches; each
-  worker index has its own reproducible order, over the whole training split or
-  (non-IID data) over its own contiguous shard of it.
-- ``eval_batches`` is a fixed set of validation batches, identical across calls
-  and processes, so that held-out losses measured at different times (and by
-  different processes) are comparable.
-- ``split_batches`` is the whole validation split in non-overlapping windows: no
-  sampling, for a final loss whose noise is the model's only.
-
-All ids are int64 (``torch.long``) on the CPU.
+"""Character-level corpus: the embedded default text (Tiny Shakespeare,
+``job/data/tinyshakespeare.txt``, 1,115,394 characters, 65 distinct, from Karpathy's
+char-rnn, https://github.com/karpathy/char-rnn) and how it is cut into batches: a
+deterministic train/validation split (``CharCorpus``), each worker's reproducible stream
+of training batches (``BatchStream``, over the whole split or its own shard for non-IID
+data), and fixed validation batches (``eval_batches``, ``split_batches``) so held-out
+losses compare across time and processes. Ids are int64 on the CPU.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""The global model of a checkpoint folder, written as a safetensors file.
-
-``export_global_model(folder, out)`` restores the newest durable state of a server's
-``--checkpoint-dir`` read-only (ps/store.py ``restore_read_only``: the newest good
-checkpoint plus the write-ahead log's pushes after it, exactly what a restarted server
-would hold) and writes θ in the safetensors format (``safetensors.torch.save``): one
-tensor per parameter, keyed by its ``named_parameters()`` name, in the manifest's dtype
-(what the workers train in) or float32 (the server's master copy), and the metadata
-below. The folder is not changed and not locked, so the export runs while the server does.
-
-Load it into the model the workers train::
-
-    state = safetensors.torch.load_file("model.safetensors")
-    model.load_state_dict(state, strict=True)
-
-``strict=True`` holds when the model's ``state_dict()`` is its parameters, as for the
-default job's model. The file holds parameters only (the server never sees buffers): a
-model with persistent buffers (e.g. BatchNorm's running statistics) loads with
-``strict=False`` and keeps its own buffers.
-
-Metadata (all strings, as safetensors requires): ``format`` "pt" (the safetensors
-convention for torch tensors), ``asyncdiloco_export`` "1" (this layout), ``version`` (the
-global version), ``manifest_hash`` (hex SHA-256 of the names, shapes and dtypes, as the
-server's status reports it), ``dtype`` ("manifest" or "float32"), ``lsn`` (the last log
-record included).
+"""The global model of a checkpoint folder, written as a safetensors file: the newest
+durable state restored read-only (ps/store.py ``restore_read_only``; the folder is not
+changed or locked, so it runs beside the server), one tensor per parameter with the
+metadata ``format``, ``asyncdiloco_export``, ``version``, ``manifest_hash``, ``dtype``
+and ``lsn`` (docs/operations.md "Getting the model out").
 """
 
 from __future__ import annotations

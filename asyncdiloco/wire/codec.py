@@ -1,42 +1,11 @@
-"""Wire codecs: how a flat fp32 vector (a pseudo-gradient, or θ) travels as bytes.
-
-The server's run config picks one (``ServerConfig.wire_codec``, ``RunConfig.wire_codec``)
-for pseudo-gradient pushes and for pulls of the global parameters. Master weights,
-momentum and accumulation stay fp32 on both sides: a codec only changes the bytes on
-the wire (low-precision communication as in Streaming DiLoCo, Douillard et al. 2025,
-arXiv 2501.18512, Sec. 2.3). Initial parameters, sync-mode round results and sync-state
-pulls always travel raw.
-
-Codecs (N = ``manifest.numel`` elements, manifest order):
-
-- ``raw``: today's payload, each parameter's bytes in its manifest dtype (C order, no
-  padding); byte-identical to ``Manifest.pack_flat`` / ``unpack_flat``. Lossless for an
-  all-fp32 model. ``wire_bytes = manifest.total_bytes``.
-- ``bf16``: every element as bfloat16 (round to nearest, ties to even), little-endian.
-  ``wire_bytes = 2·N``. Error: |x − x̂| ≤ 2^-8·|x| (relative, bf16 keeps 8 significand
-  bits; subnormal fp32 inputs flush no worse than 2^-133 absolute).
-- ``int8``: block-wise absmax quantisation (as in 8-bit optimizers, Dettmers et al. 2022,
-  arXiv 2110.02861, Sec. 2) over the flat fp32 vector: blocks of ``block_size`` elements
-  (the last may be shorter), n_b = ceil(N / block_size) blocks; per block
-  ``scale_b = absmax_b / 127`` (float32; an all-zero block has scale 0) and
-  ``q = round(x / scale_b)`` (ties to even) clamped to [−127, 127]; x̂ = q · scale_b.
-  Layout: ``n_b`` float32 scales (little-endian, block order), then ``N`` int8 values
-  (manifest order); ``wire_bytes = 4·n_b + N``. Error: |x − x̂| ≤ absmax_b / 254 plus
-  float rounding (a relative 2^-22·absmax_b; blocks with absmax_b < 127·2^-126 have
-  subnormal scales and may err by up to absmax_b).
-
-Non-finite input to ``encode`` raises ``InvalidPayloadError`` (so does a finite value a
-codec cannot represent: |x| ≥ 2^128·(1 − 2^-9) overflows bfloat16, and a raw fp16
-parameter overflows at 65520).
-
-Buffers: ``encode`` and ``decode`` write into caller-preallocated tensors and allocate no
-whole-model temporary. bf16 is one cast pass plus one min/max reduction. int8 works
-through the vector in slices of about 1 MiB of fp32 (a whole number of blocks), so its
-only scratch is one preallocated ~1 MiB fp32 buffer per codec, which stays in cache
-(a fresh whole-model temporary per call would fault every page in again and fall out of
-cache, which dominates a quantiser's cost). An int8 codec
-is therefore not safe to use from two threads at once; give each thread its own
-(``make_codec`` is cheap).
+"""Wire codecs: how a flat fp32 vector (a pseudo-gradient, or θ) travels as bytes, picked by
+the run config (``ServerConfig.wire_codec``) for pushes and pulls; master weights stay fp32
+on both sides (low-precision communication as in Streaming DiLoCo, Douillard et al. 2025,
+arXiv 2501.18512, Sec. 2.3). ``raw`` (the manifest payload), ``bf16`` and ``int8``
+(block-wise absmax, Dettmers et al. 2022, arXiv 2110.02861, Sec. 2); bytes, error bounds
+and layout in docs/protocol.md "Codecs". ``encode`` / ``decode`` write into preallocated
+tensors; non-finite input, or a value a codec cannot represent, raises
+``InvalidPayloadError``.
 """
 
 from __future__ import annotations
@@ -215,7 +184,11 @@ class Bf16Codec(WireCodec):
 
 
 class Int8Codec(WireCodec):
-    """Block-wise absmax int8 with float32 scales (layout in the module docstring).
+    """Block-wise absmax int8 with float32 scales: ``n_b`` = ⌈N / block_size⌉ float32 scales
+    (absmax_b / 127, little-endian, block order), then the N int8 values q = round(x /
+    scale_b) clamped to [−127, 127]. Its scratch is one preallocated ~1 MiB fp32 slice
+    (the vector is worked through in slices that stay in cache), so one instance is not
+    safe from two threads at once (``make_codec`` is cheap: one per thread).
 
     Args:
         manifest: the model.

@@ -1,27 +1,12 @@
-"""The hot path of the wire: chunk messages encoded and decoded by hand.
-
-The .proto stays the single description of the protocol; this module only writes and
-reads two of its messages faster than the generated code can, byte for byte the same:
-``PushMessage{chunk: PayloadChunk}`` (client → server), ``PullMessage{chunk:
-PayloadChunk}`` (server → client), and ``PushRequest{header, chunk}`` (PushOne: a push
-whose payload fits in one chunk, client → server). Every other message, and any chunk message this
-parser does not recognise, goes through the generated protobuf classes.
-
-Why: the generated protobuf code costs about four full copies of a payload chunk
-(construct, serialise, parse, field access). Here a chunk costs one copy on each side:
-``encode_chunk`` joins a few header bytes and a ``memoryview`` of the payload into the
-``bytes`` gRPC sends; ``decode_*_message`` returns a ``WireChunk`` whose ``data`` is a
-zero-copy ``memoryview`` into the bytes gRPC received, which ``PayloadAssembler.add``
-copies straight into its place.
-
-Wire format (protobuf encoding, https://protobuf.dev/programming-guides/encoding/):
-``0x12 varint(len(body)) body`` with ``body = [0x08 varint(index)] [0x10 varint(offset)]
-[0x1a varint(len(data)) data]``; proto3 omits a field equal to its default (0 or empty).
-A ``PushRequest`` is ``0x0a varint(len(header)) header`` followed by that chunk field.
-
-``add_parameter_server(servicer, server)`` registers the service with these codecs in
-place of the generated ``add_ParameterServerServicer_to_server``; ``push_callable``,
-``push_one_callable`` and ``pull_callable`` are the client's counterparts.
+"""The hot path of the wire: the chunk messages ``PushMessage{chunk}``, ``PullMessage{chunk}``
+and PushOne's ``PushRequest{header, chunk}`` encoded and decoded by hand, byte for byte what
+the generated protobuf code writes, at one copy per side instead of about four (a decoded
+chunk's ``data`` is a zero-copy ``memoryview``); every other message goes through the
+generated classes (docs/protocol.md "Payloads and chunks"). The chunk field is ``0x12 varint(len(body))
+body``, ``body = [0x08 varint(index)] [0x10 varint(offset)] [0x1a varint(len(data)) data]``
+(proto3 omits defaults); a ``PushRequest`` puts ``0x0a varint(len(header)) header`` first.
+``add_parameter_server`` registers the service with these codecs; ``push_callable``,
+``push_one_callable`` and ``pull_callable`` are the client's side.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
-"""Authentication and transport security: a shared token and TLS through gRPC credentials.
-
-- **Token.** When the server has a token (``--token-file``), every RPC must carry the
-  metadata ``authorization: Bearer <token>``; ``TokenAuthInterceptor`` compares it in
-  constant time (``hmac.compare_digest``) and answers anything else with
-  ``UNAUTHENTICATED`` before the servicer runs, so a refused call changes nothing. The
-  health checks (``UNAUTHENTICATED_METHODS``) are the one exception: probes carry no token.
-- **TLS.** ``server_credentials`` builds ``grpc.ssl_server_credentials`` from a PEM
-  certificate chain and key; with a client CA the server requires client certificates
-  (mutual TLS) and refuses others during the handshake. ``channel_credentials`` is
-  the client side (``grpc.ssl_channel_credentials``).
-
-- **Bulk data channel** (ps/bulk.py): the same token travels in every BulkRequest and
-  is compared with ``token_matches`` (constant time); ``server_ssl_context`` /
-  ``client_ssl_context`` build Python ``ssl`` contexts from the same PEM files.
-- **PEM checks.** ``check_pem_files`` loads every PEM file with Python's ``ssl`` before
-  gRPC sees it (server start, channel creation, the worker command's flag check), so a
-  garbage or mismatched file is a ``ConfigError`` naming it, not a handshake failure later.
-
-- **A token goes over TLS, or stays on the loopback.** A token sent over plaintext can be
-  read by anyone on the path, and whoever reads it can push to the model. So, as gRPC's
-  own call credentials do, a server with a token and no TLS refuses to listen on a host
-  beyond the loopback, and a client with a token and no TLS refuses to reach a server
-  beyond it (``check_server_transport``, ``check_client_transport``: before any port is
-  bound or any connection made), unless ``insecure_trusted_network`` (the flag
-  ``--insecure-trusted-network``) says the network between them is trusted end to end.
+"""Authentication and transport security: the shared token (``authorization: Bearer``
+metadata, compared in constant time by ``TokenAuthInterceptor`` before the servicer runs;
+the bulk channel's ``token_matches``), TLS credentials and ``ssl`` contexts from PEM files
+checked up front (``check_pem_files``), and the rule that a token goes over TLS or stays
+on the loopback unless ``--insecure-trusted-network`` (``check_server_transport``,
+``check_client_transport``); docs/operations.md "Authentication and TLS".
 """
 
 from __future__ import annotations

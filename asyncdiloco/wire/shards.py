@@ -1,24 +1,10 @@
-"""The shard map: which part of the flat parameter vector each parameter-server shard owns.
-
-With S shards, the model's flat fp32 vector θ (N,) (the manifest's order, ``Manifest.unpack_flat``)
-is cut into S contiguous element ranges, balanced by wire bytes: boundary k sits near byte
-k·B/S of the payload (B = ``Manifest.total_bytes``). A boundary that falls inside a small
-tensor (at most half a shard's share of bytes) moves to that tensor's nearer edge, so small
-tensors stay whole; inside a large tensor it stays put and the tensor is split into
-contiguous element ranges (one piece per shard it spans). Each shard is a complete parameter
-server whose model is its *sub-manifest*: its whole tensors as they are, a split tensor's piece
-named ``"name#a:b"`` with shape (b − a,) (elements a..b of the tensor, row-major). The outer
-optimizers are element-wise (algo/outer.py), so stepping each range on its own shard is the
-same arithmetic as stepping θ in one process.
-
-The map is a pure function of the manifest and S: workers compute it themselves, the servers
-never need it (each learns its sub-manifest from the first Join); a worker with another
-split is refused by the Join's manifest check. A shard-map file only lists the shards'
-addresses, shard 0 first: ``{"shards": ["host:port", ...]}``.
-
-Source: parameter sharding as in a classic parameter server (Li et al. 2014, "Scaling
-distributed machine learning with the parameter server", OSDI, Sec. 3–4), element ranges
-as in Streaming DiLoCo's fragments (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.2).
+"""The shard map: which contiguous element range of the flat parameter vector θ each
+parameter-server shard owns, balanced by wire bytes, small tensors kept whole and a
+split tensor's piece named ``"name#a:b"``. A pure function of the manifest and S, so
+workers compute it themselves (parameter sharding as in Li et al. 2014, "Scaling
+distributed machine learning with the parameter server", OSDI, Sec. 3-4; element ranges
+as in Streaming DiLoCo's fragments, arXiv 2501.18512, Sec. 2.2); docs/architecture.md
+"A sharded parameter server".
 """
 
 from __future__ import annotations
