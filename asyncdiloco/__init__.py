@@ -17,43 +17,36 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-#: public name -> the module that defines it
-_EXPORTS = {
-    "OuterConfig": "asyncdiloco.algo.config",
-    "ServerConfig": "asyncdiloco.ps.config",
-    "SyncConfig": "asyncdiloco.ps.config",
-    "DurabilityConfig": "asyncdiloco.ps.config",
-    "WorkerConfig": "asyncdiloco.worker.config",
-    "SyncWorkerConfig": "asyncdiloco.worker.config",
-    "ServerSecurityConfig": "asyncdiloco.wire.security",
-    "ClientSecurityConfig": "asyncdiloco.wire.security",
-    "ParameterServer": "asyncdiloco.ps.server",
-    "Manifest": "asyncdiloco.wire.tensors",
-    "AsyncDiLoCoWorker": "asyncdiloco.worker.async_worker",
-    "WorkerStats": "asyncdiloco.worker.async_worker",
-    "SyncDiLoCoWorker": "asyncdiloco.worker.sync_worker",
-    "SyncWorkerStats": "asyncdiloco.worker.sync_worker",
-    "load_global_model": "asyncdiloco.worker.global_model",
-    **{
-        name: "asyncdiloco.errors"
-        for name in (
-            "AsyncDiLoCoError",
-            "CheckpointError",
-            "ConfigError",
-            "InvalidPayloadError",
-            "ManifestMismatchError",
-            "ModeMismatchError",
-            "NotInitializedError",
-            "PayloadTooLargeError",
-            "RoundRefusedError",
-            "ServerBusyError",
-            "ServerUnavailableError",
-            "StalePushError",
-            "UnauthenticatedError",
-            "UnknownWorkerError",
-        )
-    },
+#: the module that defines them -> public names
+_MODULES = {
+    "asyncdiloco.algo.config": ("OuterConfig",),
+    "asyncdiloco.ps.config": ("ServerConfig", "SyncConfig", "DurabilityConfig"),
+    "asyncdiloco.worker.config": ("WorkerConfig", "SyncWorkerConfig"),
+    "asyncdiloco.wire.security": ("ServerSecurityConfig", "ClientSecurityConfig"),
+    "asyncdiloco.ps.server": ("ParameterServer",),
+    "asyncdiloco.wire.tensors": ("Manifest",),
+    "asyncdiloco.worker.async_worker": ("AsyncDiLoCoWorker", "WorkerStats"),
+    "asyncdiloco.worker.sync_worker": ("SyncDiLoCoWorker", "SyncWorkerStats"),
+    "asyncdiloco.worker.global_model": ("load_global_model",),
+    "asyncdiloco.errors": (
+        "AsyncDiLoCoError",
+        "CheckpointError",
+        "ConfigError",
+        "InvalidPayloadError",
+        "ManifestMismatchError",
+        "ModeMismatchError",
+        "NotInitializedError",
+        "PayloadTooLargeError",
+        "RoundRefusedError",
+        "ServerBusyError",
+        "ServerUnavailableError",
+        "StalePushError",
+        "UnauthenticatedError",
+        "UnknownWorkerError",
+    ),
 }
+#: public name -> the module that defines it
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "AsyncDiLoCoError",

@@ -80,10 +80,6 @@ class FleetReport:
         return self.out_dir / "report.json"
 
     @property
-    def plot_path(self) -> pathlib.Path:
-        return self.out_dir / "loss_curve.png"
-
-    @property
     def failed(self) -> list[str]:
         """Names of the workers the fleet gave up on."""
         return [w["name"] for w in self.report["workers"] if w["fleet"]["state"] == "failed"]
