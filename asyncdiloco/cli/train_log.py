@@ -36,13 +36,13 @@ def check_tensorboard() -> None:
         ) from None
 
 
-def _check_writable_folder(flag: str, path: str) -> None:
+def check_writable_folder(flag: str, path: str) -> None:
     """The folder ``path`` is written in exists and is writable (checked before training)."""
     folder = os.path.dirname(os.path.abspath(path)) if not path.endswith("/") else path.rstrip("/")
     if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise ConfigError(
             f"{flag} {path!r} is invalid: its folder {folder} does not exist or is not writable; "
-            f"give a path in a writable folder"
+            f"give a path in a writable folder (checked now, not after training)"
         )
 
 
@@ -61,11 +61,11 @@ class TrainLogConfig:
         if self.every < 1:
             raise ConfigError(f"--log-every {self.every} is invalid: give 1 or more inner steps")
         if self.jsonl_path is not None:
-            _check_writable_folder("--train-log", self.jsonl_path)
+            check_writable_folder("--train-log", self.jsonl_path)
         if self.tensorboard_dir is not None:
             check_tensorboard()
             folder = os.path.abspath(self.tensorboard_dir)
-            _check_writable_folder("--tensorboard-dir", folder if not os.path.isdir(folder) else folder + "/")
+            check_writable_folder("--tensorboard-dir", folder if not os.path.isdir(folder) else folder + "/")
 
 
 def _counters(worker: Any) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """``asyncdiloco worker``: one worker process training the default job (train.py).
 
-Every flag is checked and turned into the configs (and the PEM files loaded) before anything process-wide is set
-(signal handler, torch threads, allocator), so a refused flag leaves the process as it
-was. The first SIGTERM ends training after the current inner step; the worker then
-pushes its last steps and leaves.
+Every flag is checked and turned into the configs (and the PEM files loaded) before
+anything process-wide is set (signal handler, torch threads, allocator), so a refused flag
+leaves the process as it was. The first SIGTERM ends training after the current inner
+step; the worker then pushes its last steps and leaves.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncdiloco.cli.train_log import TENSORBOARD_FIX, TrainLogConfig
+from asyncdiloco.cli.train_log import TENSORBOARD_FIX, TrainLogConfig, check_writable_folder
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SYNC_WORKER, WORKER, WORKER_JOB
 from asyncdiloco.job.config import JobConfig
@@ -156,12 +156,7 @@ def configs(args: argparse.Namespace) -> _Configs:
     if args.max_steps is None and args.max_seconds is None:
         raise ConfigError("give --max-steps N or --max-seconds S (or both) so the worker stops")
     if args.stats_file:
-        folder = os.path.dirname(os.path.abspath(args.stats_file))
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise ConfigError(
-                f"--stats-file {args.stats_file!r} is invalid: its folder {folder} does not exist or is not "
-                f"writable; give a path in a writable folder (checked now, not after training)"
-            )
+        check_writable_folder("--stats-file", args.stats_file)
     sync = None
     if args.mode == "sync":
         if wcfg.overlap:
