@@ -125,7 +125,7 @@ def test_every_refusal_comes_back_as_its_exception_over_the_bulk_channel(bulk_re
     ("code", "reason", "expected"),
     [
         (grpc.StatusCode.UNAVAILABLE, "", errors.ServerUnavailableError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, "", errors.PayloadTooLargeError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "a_reason_from_a_newer_server", errors.PayloadTooLargeError),
         (grpc.StatusCode.UNAUTHENTICATED, "", errors.UnauthenticatedError),
         (grpc.StatusCode.DATA_LOSS, "", AsyncDiLoCoError),
     ],
