@@ -237,7 +237,7 @@ def from_rpc_error(err: grpc.RpcError) -> AsyncDiLoCoError:
     """Map a ``grpc.RpcError`` (or the bulk channel's ``BulkStatus``) back to the library
     exception, with the server's message.
 
-    The class is the one of the ``asyncdiloco-reason`` trailing metadata; without one (a
+    The class is the one of the ``asyncdiloco-reason`` trailing metadata; without a known one (a
     failure gRPC reports itself) it follows the status code: RESOURCE_EXHAUSTED (a message
     over gRPC's limit) → PayloadTooLargeError, UNAUTHENTICATED → UnauthenticatedError,
     UNAVAILABLE / DEADLINE_EXCEEDED / CANCELLED → ServerUnavailableError, anything else
