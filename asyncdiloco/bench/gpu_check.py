@@ -1,4 +1,8 @@
-"""The CUDA path, checked on a machine with a GPU (``benchmarks/gpu_check.sh`` runs this).
+"""The CUDA path, checked on a machine with a GPU, in under 5 minutes (docs/operations.md,
+"Checking a GPU machine")::
+
+    python -m asyncdiloco.bench.gpu_check [--out DIR] [--only demo,codecs,nccl,transfer] [--transfer-mib N]
+
 
 Checks, each one JSON line on stdout (and in ``OUT/gpu_check.jsonl``), then a compact
 summary; about 3-4 minutes in all on one GPU:
@@ -22,8 +26,9 @@ summary; about 3-4 minutes in all on one GPU:
   speed (``torch`` host-pinned → device and back) measured in the same run, as ratios.
 
 Exit status: 0 when every check passed or was refused by NCCL, and when the machine has
-no GPU (one line: ``SKIP_LINE``); 1 when a check failed. Nothing is installed: a CPU
-build of torch is a machine without a GPU.
+no GPU (one line: ``SKIP_LINE``); 1 when a check failed; 124 when the time limit
+(``GPU_CHECK_TIMEOUT_S``, default 290 s) ran out. Nothing is installed: a CPU build of
+torch is a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +53,7 @@ _DUPLICATE_GPU = ("Duplicate GPU detected", "ncclInvalidUsage")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``benchmarks/gpu_check.sh`` passes its arguments on).
+    """The command line.
 
     Raises:
         SystemExit: an unknown check name (argparse's usage error, status 2).
@@ -416,6 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(SKIP_LINE, flush=True)
         return 0
+    limit_s = int(os.environ.get("GPU_CHECK_TIMEOUT_S", "290"))
+    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.alarm(limit_s)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -439,6 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu_check: {', '.join(gpus)}; torch {header['torch']} (CUDA {header['cuda']})")
     print("\n".join(summary_lines(results)), flush=True)
     return exit_status(results)
+
+
+def _out_of_time(signum: int, frame: Any) -> None:
+    limit = os.environ.get("GPU_CHECK_TIMEOUT_S", "290")
+    print(
+        f"gpu_check: stopped after the time limit of {limit} s (GPU_CHECK_TIMEOUT_S); the lines above are the "
+        "checks that finished",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(124)  # unwinds the checks' context managers, which stop their processes
 
 
 def _jsonable(value: Any) -> Any:

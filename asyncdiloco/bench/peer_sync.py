@@ -34,6 +34,10 @@ import subprocess
 import sys
 import time
 
+from asyncdiloco.bench import peer_torchft
+from asyncdiloco.bench.sim import SimConfig
+from asyncdiloco.bench.suite_config import SuiteConfig
+from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.job.config import JobConfig
 
 
@@ -54,9 +58,7 @@ def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: fl
 
 
 def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str, ...]:
-    from asyncdiloco.bench.sim import SimConfig
-    from asyncdiloco.bench.suite_real import server_flags
-
+    """The suite's ``sync_diloco`` server flags on the real clock (a quorum of every replica)."""
     sim = SimConfig(
         method="sync_diloco",
         speeds_s_per_step=(1.0,) * replicas,
@@ -64,8 +66,7 @@ def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str,
         local_steps=local_steps,
         job=job,
     )
-    _mode, flags, _worker = server_flags(sim)
-    return flags
+    return SERVER_RUN.argv(sim.server_config("real"))
 
 
 def run_ours(
@@ -194,13 +195,11 @@ def run_row(*, replicas: int, steps: int, local_steps: int, out_dir: str, job: J
     Raises:
         RuntimeError: either run failed (its logs are named).
     """
-    from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
-
     out = pathlib.Path(out_dir)
     rows = [run_ours(replicas=replicas, steps=steps, local_steps=local_steps, out_dir=str(out / "ours"), job=job)]
-    if torchft_available():
+    if peer_torchft.torchft_available():
         rows.append(
-            run_peer(
+            peer_torchft.run_peer(
                 replicas=replicas,
                 steps=steps,
                 local_steps=local_steps,
@@ -234,6 +233,42 @@ def row_table(rows: list[dict]) -> str:
             f"{ours['command_wall_s'] / theirs['command_wall_s']:.2f} |\n"
         )
     return head + "".join(lines)
+
+
+def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
+    """The peer row: our ``--mode sync`` (``run_ours``: a server and 4 CLI workers)
+    and torchft's synchronous DiLoCo (https://github.com/pytorch/torchft) on the same
+    model, data order, H and token budget, 4 replicas at full speed, one after the other
+    in this run, each with its training wall and whole-command wall measured the same way;
+    torchft's line is left out, saying why, when it is not installed."""
+    head = (
+        "## Peer: synchronous DiLoCo, ours and torchft's (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
+    )
+    if progress:
+        print("peer: --mode sync, then torchft DiLoCo", flush=True)
+    job = cfg.job
+    try:
+        rows = run_row(
+            replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"), job=job
+        )
+    except RuntimeError as exc:
+        return head + f"peer run failed: {exc}\n"
+    (out / "peer.json").write_text(json.dumps(rows) + "\n")
+    missing = (
+        ""
+        if peer_torchft.torchft_available()
+        else "torchft is not installed, so its line was skipped: `pip install 'asyncdiloco[peer]'` (after torch) "
+        "adds it.\n\n"
+    )
+    return (
+        head
+        + missing
+        + row_table(rows)
+        + (
+            "\nTraining wall: the first replica's join to the last replica's last inner step; whole command: the "
+            'first process started to the last one reaped (docs/performance.md, "Sync mode end to end").\n'
+        )
+    )
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from asyncdiloco.bench.sim import HeldReplies, SimConfig, VirtualClock, _eval_point, _Replica
+from asyncdiloco.bench.sim import HeldReplies, Replica, SimConfig, VirtualClock, eval_point
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
@@ -92,7 +92,7 @@ def _run(cfg: RunEndConfig) -> RunEndResult:
     torch.manual_seed(cfg.seed)
     corpus = CharCorpus.default()
     evaluator, eval_set = sim.job.build(corpus), sim.job.eval_set(corpus)
-    replicas = [_Replica(sim, corpus, i) for i in range(len(speeds))]
+    replicas = [Replica(sim, corpus, i) for i in range(len(speeds))]
     clock = VirtualClock()
     state = ParameterServerState(sim.server_config(), clock=clock)
     held: HeldReplies[int] = HeldReplies(state.groups.window, clock)
@@ -130,7 +130,7 @@ def _run(cfg: RunEndConfig) -> RunEndResult:
         clock.t = max(clock.t, t)
         last = t >= cfg.stop_s  # its closing push: partial unless the round ended exactly at the stop
         if last and before is None:
-            before = _eval_point(evaluator, eval_set, state.params, 0, 0, t, state.version)
+            before = eval_point(evaluator, eval_set, state.params, 0, 0, t, state.version)
         r = replicas[i]
         r.train(k)
         outcome = state.push(
@@ -151,7 +151,7 @@ def _run(cfg: RunEndConfig) -> RunEndResult:
         else:
             held.hold(outcome.group_id, i)
         held.release_due(t, start)
-    final = _eval_point(evaluator, eval_set, state.params, 0, 0, clock.t, state.version)
+    final = eval_point(evaluator, eval_set, state.params, 0, 0, clock.t, state.version)
     if before is None:  # every worker was held at the stop: no closing push
         before = final
     status = state.status()

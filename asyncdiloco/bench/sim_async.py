@@ -35,12 +35,12 @@ from asyncdiloco.algo.outer import look_ahead_point
 from asyncdiloco.bench.sim import (
     METHODS,
     HeldReplies,
+    Replica,
     SimConfig,
     SimResult,
     VirtualClock,
-    _eval_point,
-    _present,
-    _Replica,
+    eval_point,
+    present,
     step_timers,
     wire_numel,
 )
@@ -89,7 +89,7 @@ class _Tally:
 class _Worker:
     """One simulated worker's round in progress."""
 
-    replica: _Replica
+    replica: Replica
     timer: StepTimer
     began: float = 0.0
     ends: list[float] = dataclasses.field(default_factory=list)  # end time of each step of the round
@@ -138,7 +138,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     assert outer is not None  # initialised by the push above
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
-    curve = [_eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
+    curve = [eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
     seq = itertools.count()
     events: list[tuple[float, int, int, int, object]] = []  # (time, kind, seq, worker, data)
     unallotted = [cfg.total_steps]
@@ -182,7 +182,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     def start(i: int, t: float, got: _Pull) -> None:
         """Worker i's pull completed at ``t``: it starts a round (or leaves, if away)."""
         w, r = workers[i], replicas[i]
-        if not _present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
+        if not present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
             state.leave(ids[i])
             w.pushed_at = w.snapshot = None
             assert cfg.leave_rejoin is not None  # only a leave makes a worker absent
@@ -265,7 +265,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         acct.last_s = t
         progress(acct.steps)
         if acct.steps >= next_eval[0] or acct.steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, state.params, acct.steps, tps, t, state.version))
+            curve.append(eval_point(evaluator, eval_set, state.params, acct.steps, tps, t, state.version))
             next_eval[0] = (acct.steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
 
     def rejoin(i: int, t: float) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.algo.schedule import StepRateMeter, dylu_local_steps
-from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, _eval_point, _present, step_timers, wire_numel
+from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, eval_point, present, step_timers, wire_numel
 from asyncdiloco.bench.sim_costs import RATE_PROBE, WorkerRate, ring_allreduce_bytes, sync_round_comm_s, wire_bytes
 
 
@@ -73,7 +73,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     meter = StepRateMeter()
     estimators = [RATE_PROBE() for _ in replicas]  # each member's own (worker/base.py step_rate)
     tps = cfg.job.tokens_per_step
-    curve = [_eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
+    curve = [eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
     t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
     n_bytes = wire_bytes("raw", wire_numel(cfg, theta.numel()))  # sync rounds travel raw
     bytes_up = bytes_down = 0.0
@@ -81,7 +81,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     groups: list[int] = []
     log: list[list[int]] = []
     while steps < cfg.total_steps:
-        members = [r for r in replicas if _present(cfg, r.index, t)]
+        members = [r for r in replicas if present(cfg, r.index, t)]
         if not members:  # everyone away: the round starts when the worker is back
             assert cfg.leave_rejoin is not None  # only a leave empties a round
             t = cfg.leave_rejoin[2]
@@ -136,7 +136,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
         log.append([h.get(i, 0) for i in range(len(replicas))])
         progress(steps)
         if steps >= next_eval or steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
+            curve.append(eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
             next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
     return SimResult(
         cfg,

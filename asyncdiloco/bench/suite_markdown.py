@@ -27,7 +27,7 @@ from asyncdiloco.bench.suite_report import (
 )
 
 if TYPE_CHECKING:
-    from asyncdiloco.bench.suite import SuiteConfig
+    from asyncdiloco.bench.suite_config import SuiteConfig
 
 
 def _pct(x: float | None, sign: str = "+") -> str:

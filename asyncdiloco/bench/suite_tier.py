@@ -126,8 +126,8 @@ def tier_markdown(records: list[dict], cfg) -> str:
         fast, slow = prof["fast"], prof["slow"]
         lines += [
             f"### {profile}: seconds/step {list(prof['speeds'])}, regions {list(prof['regions'])}, fast link "
-            f"{fast.latency_s:g} s + {fast.bytes_per_s / 1e6:g} MB/s, slow link {slow.latency_s:g} s + "
-            f"{slow.bytes_per_s / 1e6:g} MB/s",
+            f"{fast.latency_s:g} s + {fast.bandwidth_Bps / 1e6:g} MB/s, slow link {slow.latency_s:g} s + "
+            f"{slow.bandwidth_Bps / 1e6:g} MB/s",
             "",
             "| method | final loss | time to target (s) | reached | wall (s) | slow-link MB | pushes up |",
             "|---|---|---|---|---|---|---|",

@@ -26,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.bench.perf._harness import MIB, emit, median, server_process
+from asyncdiloco.bench.perf.harness import MIB, emit, median, server_process
 from asyncdiloco.bench.perf.targets import OVERLAP, target_for
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig

@@ -1,7 +1,7 @@
 """kill -9 the parameter server at random during an async run: is any acknowledged push
 lost, or any applied twice?
 
-    .venv/bin/python benchmarks/chaos_server_kills.py [--kills 20] [--workers 4] [--seed 0]
+    python -m asyncdiloco.bench.chaos.server_kills [--kills 20] [--workers 4] [--seed 0]
         [--mean-up-s 3] [--local-steps 5] [--checkpoint-every 10] [--max-backoff-s 2]
         [--after-append] [--tail-s 5] [--out DIR]
 
@@ -414,7 +414,8 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
         for i in range(args.workers):
             cmd = [
                 sys.executable,
-                __file__,
+                "-m",
+                "asyncdiloco.bench.chaos.server_kills",
                 "--worker",
                 "--server",
                 address,

@@ -1,6 +1,6 @@
 """Push/pull throughput and each shard's CPU time per push through 1, 2 and 4 shards.
 
-    .venv/bin/python benchmarks/bench_shards.py [--shards 1,2,4] [--numel 4000000] [--pushes 20] [--workers 2]
+    python -m asyncdiloco.bench.perf.bench_shards [--shards 1,2,4] [--numel 4000000] [--pushes 20] [--workers 2]
 
 For each S, starts S shard processes on 127.0.0.1 (``asyncdiloco server --shard-index i
 --shard-map FILE``, default outer optimizer, raw codec, grouping off, DyLU off), joins

@@ -1,7 +1,7 @@
 """kill -9 random workers during a run of the default job, restart them on their state
 folders, and compare the final loss with a fault-free run of the same job.
 
-    .venv/bin/python benchmarks/chaos_worker_kills.py [--modes async,sync] [--workers 4]
+    python -m asyncdiloco.bench.chaos.worker_kills [--modes async,sync] [--workers 4]
         [--max-steps 300] [--mtbf-s 30] [--repeats 1] [--seed 0] [--out DIR]
 
 For each repeat and each mode it runs the same job twice: fault-free, then with kills.

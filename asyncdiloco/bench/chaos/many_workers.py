@@ -1,6 +1,6 @@
 """Chaos: many concurrent workers against one parameter server (issue 15, third chaos item).
 
-    .venv/bin/python benchmarks/chaos_concurrent.py [--workers 64] [--seconds 60] [--params 262144]
+    python -m asyncdiloco.bench.chaos.many_workers [--workers 64] [--seconds 60] [--params 262144]
         [--local-steps 10] [--server-flag=--grouping=off ...] [--out FILE]
 
 Starts ``asyncdiloco server`` in its own process (default flags unless ``--server-flag``
@@ -33,7 +33,7 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.bench.perf._harness import MIB, emit, reset_peak_rss, rss_bytes, server_process
+from asyncdiloco.bench.perf.harness import MIB, emit, reset_peak_rss, rss_bytes, server_process
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
@@ -42,7 +42,7 @@ from asyncdiloco.worker.config import WorkerConfig
 SAMPLE_S = 0.5
 
 
-def _model(params: int, seed: int) -> nn.Module:
+def _model(params: int, seed: int) -> nn.Linear:
     """A square ``nn.Linear`` with about ``params`` parameters (weight and bias)."""
     width = max(1, int(params**0.5))
     torch.manual_seed(seed)
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> None:
         time.sleep(1.0)
         idle = rss_bytes(proc.pid)
         reset_peak_rss(proc.pid)
-        stop, results, errors = threading.Event(), [], []
+        stop, results, errors = threading.Event(), [], []  # type: ignore[var-annotated]
         started = threading.Barrier(args.workers + 1)
         threads = [
             threading.Thread(target=_train, args=(k, address, args.params, stop, results, errors, started), daemon=True)
