@@ -120,81 +120,123 @@ class _Worker:
 def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
     """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock
     (the round as in the module docstring)."""
-    clock = VirtualClock()
-    state = ParameterServerState(cfg.server_config(), clock=clock)
-    held: HeldReplies[int] = HeldReplies(state.groups.window, clock)  # replies (workers) waiting for a release
-    manifest = Manifest.from_module(replicas[0].model)
-    numel = wire_numel(cfg, manifest.numel)
-    push_bytes, pull_bytes = wire_bytes(cfg.wire_codec, numel), wire_bytes(cfg.wire_codec, numel)
-    spec = METHODS[cfg.method]
-    codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
-    wire = torch.empty(codec.wire_bytes, dtype=torch.uint8)
-    workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
-    ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]  # no rate: each measures its own
-    state.push(
-        manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
-    )
-    outer = state.outer
-    assert outer is not None  # initialised by the push above
-    push_ids = [2] * len(replicas)
-    tps = cfg.job.tokens_per_step
-    curve = [eval_point(evaluator, eval_set, state.params, 0, tps, 0.0, 0)]
-    seq = itertools.count()
-    events: list[tuple[float, int, int, int, object]] = []  # (time, kind, seq, worker, data)
-    unallotted = [cfg.total_steps]
-    true_hist: list[int] = []
-    log: list[list[int]] = []
-    acct = _Tally()
+    return _AsyncRun(cfg, replicas, evaluator, eval_set, progress).run()
 
-    def at(t: float, kind: int, i: int, data: object = None) -> None:
-        heapq.heappush(events, (t, kind, next(seq), i, data))
 
-    def allot(h: int) -> int:
-        h = max(0, min(h, unallotted[0]))
-        unallotted[0] -= h
+class _AsyncRun:
+    """One asynchronous run: the server's state on a virtual clock, the workers' rounds as
+    events (``at``), and the run's counters."""
+
+    def __init__(self, cfg: SimConfig, replicas, evaluator, eval_set, progress) -> None:
+        self.cfg, self.replicas, self.progress = cfg, replicas, progress
+        self.evaluator, self.eval_set = evaluator, eval_set
+        self.clock = VirtualClock()
+        self.state = state = ParameterServerState(cfg.server_config(), clock=self.clock)
+        self.held: HeldReplies[int] = HeldReplies(state.groups.window, self.clock)  # replies waiting for a release
+        self.manifest = manifest = Manifest.from_module(replicas[0].model)
+        numel = wire_numel(cfg, manifest.numel)
+        self.push_bytes, self.pull_bytes = wire_bytes(cfg.wire_codec, numel), wire_bytes(cfg.wire_codec, numel)
+        self.spec = METHODS[cfg.method]
+        self.codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
+        self.wire = torch.empty(self.codec.wire_bytes, dtype=torch.uint8)
+        self.workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
+        self.ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]  # no rate: each measures its own
+        state.push(
+            manifest.pack_flat(replicas[0].flat()),
+            worker_id=self.ids[0],
+            push_id=1,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
+        assert state.outer is not None  # initialised by the push above
+        self.outer = state.outer
+        self.push_ids = [2] * len(replicas)
+        self.curve = [eval_point(evaluator, eval_set, state.params, 0, cfg.job.tokens_per_step, 0.0, 0)]
+        self.seq = itertools.count()
+        self.events: list[tuple[float, int, int, int, object]] = []  # (time, kind, seq, worker, data)
+        self.unallotted = cfg.total_steps
+        self.next_eval = cfg.eval_every_steps
+        self.true_hist: list[int] = []
+        self.log: list[list[int]] = []
+        self.acct = _Tally()
+
+    def at(self, t: float, kind: int, i: int, data: object = None) -> None:
+        heapq.heappush(self.events, (t, kind, next(self.seq), i, data))
+
+    def allot(self, h: int) -> int:
+        h = max(0, min(h, self.unallotted))
+        self.unallotted -= h
         return h
 
-    def pull(i: int, t: float) -> None:
+    def run(self) -> SimResult:
+        """Every worker pulls at 0; events and group releases in time order until none is left."""
+        for i in range(len(self.workers)):
+            self.pull(i, 0.0)
+        clock, held, events = self.clock, self.held, self.events
+        while events or held:
+            deadline = held.next_deadline()
+            if not events or deadline < events[0][0]:
+                clock.t = max(clock.t, deadline)
+                held.release_due(deadline, self.pull)
+                continue
+            t, kind, _, i, data = heapq.heappop(events)
+            clock.t = max(clock.t, t)
+            if kind == _ARRIVE:
+                assert isinstance(data, _Push)
+                self.arrive(i, t, data)
+                held.release_due(t, self.pull)
+            elif kind == _PULLED:
+                assert isinstance(data, _Pull)
+                self.start(i, t, data)
+            elif kind == _PROBE:
+                assert isinstance(data, float)
+                self.on_probe(i, t, data)
+            elif kind == _FINISH:
+                self.finish(i, t)
+            else:
+                self.rejoin(i, t)
+        return self.result()
+
+    def pull(self, i: int, t: float) -> None:
         """Worker i reads the model at the server at ``t``; it has it a transfer later."""
-        theta = state.params
+        theta = self.state.params
         assert theta is not None
-        if spec.look_ahead > 0:
-            params = look_ahead_point(outer, state.version, torch.empty_like(theta), spec.look_ahead)
+        if self.spec.look_ahead > 0:
+            params = look_ahead_point(self.outer, self.state.version, torch.empty_like(theta), self.spec.look_ahead)
         else:
             params = theta.clone()
-        if cfg.wire_codec != "raw":
-            codec.decode(codec.encode(params, wire), params)
-        cost = cfg.link(i).transfer_s(pull_bytes)
-        acct.comm_s += cost
-        acct.bytes_down += pull_bytes
-        at(t + cost, _PULLED, i, _Pull(params, state.version, outer.momentum_steps))
+        if self.cfg.wire_codec != "raw":
+            self.codec.decode(self.codec.encode(params, self.wire), params)
+        cost = self.cfg.link(i).transfer_s(self.pull_bytes)
+        self.acct.comm_s += cost
+        self.acct.bytes_down += self.pull_bytes
+        self.at(t + cost, _PULLED, i, _Pull(params, self.state.version, self.outer.momentum_steps))
 
-    def plan(i: int, now: float) -> None:
+    def plan(self, i: int, now: float) -> None:
         """Schedule worker i's next event (not before ``now``): a rate report, or the end of its round."""
-        w = workers[i]
+        w = self.workers[i]
         while w.rate.reporting and w.fed < w.target:
             rate = w.feed()
             if rate is not None:
-                at(w.end_of(w.fed), _PROBE, i, rate)
+                self.at(w.end_of(w.fed), _PROBE, i, rate)
                 return
-        at(max(now, w.end_of(w.target)), _FINISH, i)
+        self.at(max(now, w.end_of(w.target)), _FINISH, i)
 
-    def start(i: int, t: float, got: _Pull) -> None:
+    def start(self, i: int, t: float, got: _Pull) -> None:
         """Worker i's pull completed at ``t``: it starts a round (or leaves, if away)."""
-        w, r = workers[i], replicas[i]
+        cfg, w, r = self.cfg, self.workers[i], self.replicas[i]
         if not present(cfg, i, t):  # away: leave now (what it trained meanwhile is lost), come back later
-            state.leave(ids[i])
+            self.state.leave(self.ids[i])
             w.pushed_at = w.snapshot = None
             assert cfg.leave_rejoin is not None  # only a leave makes a worker absent
-            at(cfg.leave_rejoin[2], _REJOIN, i)
+            self.at(cfg.leave_rejoin[2], _REJOIN, i)
             return
-        h_w = state.local_steps_for(ids[i])
+        h_w = self.state.local_steps_for(self.ids[i])
         ahead = 0
-        if spec.overlap and w.pushed_at is not None:  # it trained on while its group formed, then merges
+        if self.spec.overlap and w.pushed_at is not None:  # it trained on while its group formed, then merges
             w.new_round(w.pushed_at)  # its round began at its push: the wait's steps count
             while ahead < h_w and w.end_of(ahead + 1) <= t:
                 ahead += 1
-            ahead = allot(ahead)
+            ahead = self.allot(ahead)
             while w.fed < ahead:
                 w.feed()
             r.train(ahead)
@@ -209,26 +251,26 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         w.fed = ahead
         # H_w more after the merge (the round ends with the group's next one), or H_w in all
         # from the push (``rounds_from_push``: the wait's steps count toward it)
-        w.target = ahead + allot(h_w - ahead if spec.rounds_from_push else h_w)
+        w.target = ahead + self.allot(h_w - ahead if self.spec.rounds_from_push else h_w)
         if w.target == 0:  # the budget is spent: this worker is done (it stays registered, so
             return  # the last pushes keep Delayed Nesterov's N, as a run that is stopped would)
-        plan(i, t)
+        self.plan(i, t)
 
-    def on_probe(i: int, t: float, rate: float) -> None:
+    def on_probe(self, i: int, t: float, rate: float) -> None:
         """Worker i reports a measured rate (heartbeat) and takes its H_w from the reply."""
-        w = workers[i]
-        state.heartbeat(ids[i], steps_per_s=rate)
-        want = max(w.fed, state.local_steps_for(ids[i]))  # it cannot un-run the steps it ran
+        w = self.workers[i]
+        self.state.heartbeat(self.ids[i], steps_per_s=rate)
+        want = max(w.fed, self.state.local_steps_for(self.ids[i]))  # it cannot un-run the steps it ran
         if want < w.target:
-            unallotted[0] += w.target - want
+            self.unallotted += w.target - want
             w.target = want
         elif want > w.target:
-            w.target += allot(want - w.target)
-        plan(i, t)
+            w.target += self.allot(want - w.target)
+        self.plan(i, t)
 
-    def finish(i: int, t: float) -> None:
+    def finish(self, i: int, t: float) -> None:
         """Worker i ran its round's last step at ``t``: its push leaves."""
-        w, r = workers[i], replicas[i]
+        w, r = self.workers[i], self.replicas[i]
         r.train(w.target - w.trained)
         local = r.flat()
         while w.fed < w.target:
@@ -238,86 +280,66 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         w.rate.reporting = False  # from now on each push's compute_s carries the rate
         compute_s = w.rate.compute_s(w.target, measured_s)  # as the real worker: steps / v_w
         push = _Push(r.base - local, w.target, compute_s, r.base_version, w.base_outer_steps)
-        if spec.overlap:
+        if self.spec.overlap:
             w.pushed_at, w.snapshot = t, local
-        cost = cfg.link(i).transfer_s(push_bytes)
-        acct.comm_s += cost
-        acct.bytes_up += push_bytes
-        at(t + cost, _ARRIVE, i, push)
+        cost = self.cfg.link(i).transfer_s(self.push_bytes)
+        self.acct.comm_s += cost
+        self.acct.bytes_up += self.push_bytes
+        self.at(t + cost, _ARRIVE, i, push)
 
-    def arrive(i: int, t: float, push: _Push) -> None:
+    def arrive(self, i: int, t: float, push: _Push) -> None:
         """Worker i's push reaches the server at ``t`` and is applied; its reply is held."""
-        gap = outer.momentum_steps - push.base_outer_steps
-        true_hist.extend([0] * (gap + 1 - len(true_hist)))
-        true_hist[gap] += 1
+        cfg, state, acct = self.cfg, self.state, self.acct
+        gap = self.outer.momentum_steps - push.base_outer_steps
+        self.true_hist.extend([0] * (gap + 1 - len(self.true_hist)))
+        self.true_hist[gap] += 1
         outcome = state.push(
-            codec.encode(push.delta, wire),
-            worker_id=ids[i],
-            push_id=push_ids[i],
+            self.codec.encode(push.delta, self.wire),
+            worker_id=self.ids[i],
+            push_id=self.push_ids[i],
             base_version=push.base_version,
             num_local_steps=push.steps,
             compute_s=push.compute_s,
         )
-        push_ids[i] += 1
-        log.append([i, push.steps])
-        held.hold(outcome.group_id, i)
+        self.push_ids[i] += 1
+        self.log.append([i, push.steps])
+        self.held.hold(outcome.group_id, i)
         acct.steps += push.steps
         acct.last_s = t
-        progress(acct.steps)
-        if acct.steps >= next_eval[0] or acct.steps >= cfg.total_steps:
-            curve.append(eval_point(evaluator, eval_set, state.params, acct.steps, tps, t, state.version))
-            next_eval[0] = (acct.steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
+        self.progress(acct.steps)
+        if acct.steps >= self.next_eval or acct.steps >= cfg.total_steps:
+            tps = cfg.job.tokens_per_step
+            self.curve.append(
+                eval_point(self.evaluator, self.eval_set, state.params, acct.steps, tps, t, state.version)
+            )
+            self.next_eval = (acct.steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
 
-    def rejoin(i: int, t: float) -> None:
+    def rejoin(self, i: int, t: float) -> None:
         """Worker i is back: a new registration (no rate: it probes again), then a pull."""
-        joined = state.join_worker(manifest, f"worker-{i}")
-        ids[i] = joined.worker_id  # resumed under its name: its id, numbering pushes on
-        push_ids[i] = max(2, joined.last_push_id + 1)
-        workers[i].rate = RATE_PROBE()  # a new registration (a restarted worker): it measures anew
-        pull(i, t)
+        joined = self.state.join_worker(self.manifest, f"worker-{i}")
+        self.ids[i] = joined.worker_id  # resumed under its name: its id, numbering pushes on
+        self.push_ids[i] = max(2, joined.last_push_id + 1)
+        self.workers[i].rate = RATE_PROBE()  # a new registration (a restarted worker): it measures anew
+        self.pull(i, t)
 
-    next_eval = [cfg.eval_every_steps]
-    for i in range(len(workers)):
-        pull(i, 0.0)
-    while events or held:
-        deadline = held.next_deadline()
-        if not events or deadline < events[0][0]:
-            clock.t = max(clock.t, deadline)
-            held.release_due(deadline, lambda i, when: pull(i, when))
-            continue
-        t, kind, _, i, data = heapq.heappop(events)
-        clock.t = max(clock.t, t)
-        if kind == _ARRIVE:
-            assert isinstance(data, _Push)
-            arrive(i, t, data)
-            held.release_due(t, lambda j, when: pull(j, when))
-        elif kind == _PULLED:
-            assert isinstance(data, _Pull)
-            start(i, t, data)
-        elif kind == _PROBE:
-            assert isinstance(data, float)
-            on_probe(i, t, data)
-        elif kind == _FINISH:
-            finish(i, t)
-        else:
-            rejoin(i, t)
-    st = state.status()
-    rates = state.registry.live_rates() if hasattr(state, "registry") else {}
-    return SimResult(
-        cfg,
-        curve,
-        curve[-1]["eval_loss"],
-        acct.last_s,
-        [r.busy_s for r in replicas],
-        st.version,
-        list(st.staleness_histogram),
-        acct.bytes_up,
-        acct.bytes_down,
-        acct.steps,
-        list(st.group_size_histogram),
-        true_staleness_histogram=true_hist,
-        outer_steps=outer.momentum_steps,
-        comm_s=acct.comm_s,
-        local_steps_log=log,
-        estimated_rates=[rates.get(w) for w in ids],
-    )
+    def result(self) -> SimResult:
+        st = self.state.status()
+        rates = self.state.registry.live_rates()
+        return SimResult(
+            self.cfg,
+            self.curve,
+            self.curve[-1]["eval_loss"],
+            self.acct.last_s,
+            [r.busy_s for r in self.replicas],
+            st.version,
+            list(st.staleness_histogram),
+            self.acct.bytes_up,
+            self.acct.bytes_down,
+            self.acct.steps,
+            list(st.group_size_histogram),
+            true_staleness_histogram=self.true_hist,
+            outer_steps=self.outer.momentum_steps,
+            comm_s=self.acct.comm_s,
+            local_steps_log=self.log,
+            estimated_rates=[rates.get(w) for w in self.ids],
+        )

@@ -64,6 +64,33 @@ def _cut(h: dict[int, int], remaining: int, proportional: bool) -> dict[int, int
     return out
 
 
+def _adaptive_steps(cfg: SimConfig, members, meter, timers, estimators, probed: dict, t: float) -> dict[int, int]:
+    """H_w of each member by DyLU's rule over the rates the server has; a member without
+    one probes first (its durations go into ``probed``) and runs at least those steps."""
+    for r in members:
+        if r.index not in meter.rates:  # no rate yet: it times its first steps
+            probed[r.index], rate = _probe(timers[r.index], estimators[r.index], t)
+            meter.report(r.index, rate)
+    rates = {r.index: meter.rates[r.index] for r in members}
+    h = dylu_local_steps(rates, cfg.local_steps)
+    return {w: max(n, len(probed.get(w, ()))) for w, n in h.items()}
+
+
+def _member_round(r, n: int, theta: torch.Tensor, timer, estimator: WorkerRate, probed: list, t: float) -> float:
+    """Member ``r`` trains ``n`` steps from θ; returns their summed durations (seconds)."""
+    durations = probed[:n]
+    fresh = timer.steps_s(t + sum(durations), n - len(durations))
+    for d in fresh:  # the probe's steps were seen already
+        estimator.step(d)
+    durations += fresh
+    r.load(theta)
+    r.train(n)
+    compute = sum(durations)
+    r.busy_s += compute
+    estimator.reporting = False  # from its first vote on, each carries compute_s
+    return compute
+
+
 def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
     """Synchronous rounds (module docstring) until ``total_steps`` inner steps are done."""
     adaptive = METHODS[cfg.method].adaptive
@@ -86,15 +113,9 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
             assert cfg.leave_rejoin is not None  # only a leave empties a round
             t = cfg.leave_rejoin[2]
             continue
-        probed: dict[int, list[float]] = {}
+        probed: dict[int, list[float]] = {}  # a new member's probe: its first steps' durations
         if adaptive:
-            for r in members:
-                if r.index not in meter.rates:  # no rate yet: it times its first steps
-                    probed[r.index], rate = _probe(timers[r.index], estimators[r.index], t)
-                    meter.report(r.index, rate)
-            rates = {r.index: meter.rates[r.index] for r in members}
-            h = dylu_local_steps(rates, cfg.local_steps)
-            h = {w: max(n, len(probed.get(w, ()))) for w, n in h.items()}
+            h = _adaptive_steps(cfg, members, meter, timers, estimators, probed, t)
         else:
             h = {r.index: cfg.local_steps for r in members}
         h = _cut(h, cfg.total_steps - steps, proportional=adaptive)
@@ -105,19 +126,9 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
             n = h[r.index]
             if n == 0:
                 continue
-            durations = probed.get(r.index, [])[:n]
-            now = t + sum(durations)
-            fresh = timers[r.index].steps_s(now, n - len(durations))
-            for d in fresh:  # the probe's steps were seen already
-                estimators[r.index].step(d)
-            durations += fresh
-            r.load(theta)
-            r.train(n)
-            compute = sum(durations)
-            r.busy_s += compute
+            compute = _member_round(r, n, theta, timers[r.index], estimators[r.index], probed.get(r.index, []), t)
             compute_end = max(compute_end, t + compute)
             deltas.add_(r.base - r.flat())
-            estimators[r.index].reporting = False  # from its first vote on, each carries compute_s
             meter.record(r.index, n, t + compute, estimators[r.index].compute_s(n, compute))  # steps / v_w
             ran += 1
         outer.step(deltas.div_(ran), version=rounds)  # mean pseudo-gradient, the server's outer code
