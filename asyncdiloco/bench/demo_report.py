@@ -1,6 +1,6 @@
 """The demo's report: report.json from the server's last status and each worker
 process's stats file, the loss-curve plot, and the summary printed at the end (demo.py
-runs the demo; the fields are described there). A fleet on Ray (fleet/report.py) writes
+runs the demo; the fields: docs/operations.md, "The demo"). A fleet on Ray (fleet/report.py) writes
 the same report: ``report`` reads the run's settings and its workers through
 ``ReportedRun`` and ``ReportedWorker``, which the demo's ``DemoConfig`` and
 ``WorkerProcess`` and the fleet's own records both are."""

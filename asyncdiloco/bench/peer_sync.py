@@ -1,23 +1,8 @@
-"""Our side of the suite's peer row: ``--mode sync`` on the job torchft's DiLoCo runs.
-
-``run_ours`` starts ``asyncdiloco server --mode sync`` (the suite's ``sync_diloco``
-flags: a quorum of every replica, Nesterov η=0.7 μ=0.9, H) and ``replicas`` CLI workers
-at equal speed, each training ``steps`` inner steps (``--max-steps``), on 127.0.0.1. The
-workers start with the server, not after it listens (each holds its join with
-``--join-when-file`` on the server's port file), as torchft's replicas start with its
-lighthouse. It measures what torchft's replicas measure (peer_torchft.py), the same way:
-
-- ``training_wall_s``: from the first worker's join (its ``train.run_worker`` about to
-  join, model and data built: torchft's replicas start their clock at the same point,
-  entering ``DiLoCo`` with the model built) to the last worker's last inner step (its
-  last round decided), on the wall clock, from the stats files;
-- ``command_wall_s``: from starting the first process to every process reaped (the
-  server's start-up and stop, every worker's start-up, the final evaluation);
-- ``median_round_s``: between two committed rounds, over the workers;
-- ``final_eval_loss``: the server's final global model on the held-out batches;
-- ``phases_s``: seconds from the start to the server listening, the first and last
-  join, the first round decided everywhere, the last inner step, the workers exited
-  and the final evaluation done (docs/performance.md, "Sync mode end to end").
+"""The suite's peer row, our side: ``run_ours`` runs ``asyncdiloco server --mode sync``
+(the suite's ``sync_diloco`` flags) and ``replicas`` CLI workers at equal speed on
+127.0.0.1, measuring what torchft's replicas measure (peer_torchft.py) the same way:
+training wall, whole-command wall, median round, final loss, phases. ``peer_section``
+writes the report's row. docs/performance.md, "Sync mode end to end".
 
     python -m asyncdiloco.bench.peer_sync --replicas 4 --steps 160 --local-steps 20 --out DIR [--with-torchft]
 """

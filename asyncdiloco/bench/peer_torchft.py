@@ -1,13 +1,8 @@
-"""Peer row of the benchmark suite: torchft's synchronous DiLoCo on the same job.
-
-Runs only when torchft is installed (``pip install 'asyncdiloco[peer]'``, i.e. torchft
-0.2.0, after torch; https://github.com/pytorch/torchft): a torchft lighthouse and N
-replica-group processes, each training the default job (same model, data order by
-replica index, H, outer Nesterov η=0.7 μ=0.9) with ``torchft.local_sgd.DiLoCo``. Every
-socket stays on 127.0.0.1: the lighthouse and the manager servers bind 127.0.0.1,
-replicas advertise 127.0.0.1, gloo uses ``lo``, and healing goes through the process
-group (``PGTransport``) instead of torchft's HTTP transport, which binds every interface
-and advertises the host name.
+"""The suite's peer row, torchft's side: torchft's synchronous DiLoCo
+(``torchft.local_sgd.DiLoCo``, https://github.com/pytorch/torchft) on the same job, when
+the ``peer`` extra is installed; a lighthouse and N replica-group processes, every socket
+on 127.0.0.1 (healing through the process group, not torchft's HTTP transport).
+docs/performance.md, "Sync mode end to end".
 
     python -m asyncdiloco.bench.peer_torchft --replicas 2 --steps 200 --local-steps 20 --out DIR
 """

@@ -1,17 +1,7 @@
-"""The benchmark suite's worker profiles: speeds, links, noise and data per worker.
-
-Each ``Profile`` says what the virtual clock charges in one setting (sim_costs.py has
-the formulas): seconds per inner step per worker (with changes over time, and a worker
-that leaves and rejoins), one link per worker, per-step time noise, whether each worker
-draws its batches from its own slice of the corpus, and the model size the links are
-charged for.
-
-    uneven      Liu et al.'s notebook speeds, datacenter links, mild noise
-    jittery     the same mean speeds, heavy-tailed per-step noise and transient stalls
-    slow_link   DiLoCo's setting: 1 Gbit/s, 50–100 ms to the server, a 150 M-parameter model
-    non_iid     uneven speeds, each worker its own contiguous slice of the training text
-    homogeneous, straggler, changing, leave_rejoin: the full suite's earlier profiles
-"""
+"""The benchmark suite's worker profiles (``PROFILES``): per worker its speed, speed
+changes, a leave and rejoin, its link, per-step time noise, its slice of the data, and the
+model size the links are charged for. docs/algorithms.md, "What the virtual clock
+charges", lists them."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""A run's end on the virtual clock: what the workers' closing pushes do to the global model.
-
-``simulate_run_end`` runs the server's default (Delayed Nesterov + DyLU + grouping window,
-through ``ParameterServerState`` with the virtual clock injected, as sim.py does) with
-workers that are stopped the way the demo stops them: at ``stop_s`` each worker finishes
-the inner step it is in, pushes its partial round as its closing push (``PushHeader.last``:
-not held for a group) and leaves; a worker whose reply is still held at ``stop_s`` leaves
-without pushing once it is released (it has no step to push). The global model is
-evaluated on the held-out set just before the first closing push and after the last, so
-the two numbers compare the same model before and after the run's end.
-
-``mark_closing=False`` sends the closing pushes as ordinary pushes (what the server did
-before ``step_closing``, algo/outer.py), for the comparison in docs/algorithms.md,
-"The run's end".
-"""
+"""A run's end on the virtual clock: what the workers' closing pushes do to the global
+model. ``simulate_run_end`` runs the server's default with workers stopped as the demo
+stops them (at ``stop_s`` each finishes its step, pushes its partial round as its closing
+push and leaves), and evaluates the model just before the first closing push and after
+the last; ``mark_closing=False`` sends them as ordinary pushes, for the comparison in
+docs/algorithms.md, "The run's end"."""
 
 from __future__ import annotations
 

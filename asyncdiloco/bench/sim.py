@@ -1,29 +1,9 @@
-"""Virtual-clock simulator: asynchronous and synchronous DiLoCo in one process.
-
-Workers are scheduled on a virtual clock, but every inner step is real training (the
-default job's model and data), and every algorithm is the server's own code:
-asynchronous pushes go through ``ParameterServerState`` (outer optimizer, staleness
-weights, Delayed Nesterov, DyLU's rates, the grouping of replies by
-``schedule.GroupWindow``, push accounting) with the virtual clock injected; synchronous
-rounds apply the mean pseudo-gradient with the same ``OuterOptimizer``.
-
-What the clock charges (``sim_costs.py``): each inner step's duration is drawn from the
-worker's own RNG around its seconds per step (``Noise``: heavy-tailed jitter, stalls,
-drift); each push and pull costs its link's latency + bytes / bandwidth, and a sync
-round a quorum round trip plus a ring allreduce (``SimConfig.links``), for payloads of
-``wire_params`` parameters under the run's wire codec. DyLU's rates are never handed
-over: every simulated step's duration feeds the real worker's estimator
-(``sim_costs.RATE_PROBE``: algo/rates.py ``InnerStepRate``), which reports the rate before
-the first push as the real worker does, and every push carries its steps at that rate as
-``compute_s``. Runs are deterministic for a given seed. The loops live in
-``sim_async.py`` and ``sim_sync.py``; ``simulate.py`` runs one.
-
-Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and beyond it):
-``sync_localsgd``, ``sync_diloco``, ``sync_diloco_adaptive``, ``async_nesterov``,
-``async_nesterov_poly``, ``async_dn``, ``async_dn_dylu`` (the server's default),
-``async_dn_dylu_barrier``, ``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``,
-``async_dn_dylu_stream``, ``async_dn_dylu_lookahead``.
-"""
+"""The virtual-clock simulator's shared parts: the methods (``METHODS``; Liu et al. 2024,
+arXiv 2401.09135, Table 1, and beyond it), one run's configuration (``SimConfig``: a
+profile plus method, budget and seed) and result (``SimResult``), the trained replica,
+the virtual clock and the held replies of a grouping window. The loops are in
+sim_async.py and sim_sync.py, what the clock charges in sim_costs.py, and ``simulate``
+in simulate.py. docs/algorithms.md, "What the virtual clock charges"."""
 
 from __future__ import annotations
 

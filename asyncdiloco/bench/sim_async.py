@@ -1,27 +1,9 @@
-"""The simulator's asynchronous loop: workers push to the parameter server's own state on
-a virtual clock, paying their links, their noisy step times and the grouping's holds.
-
-A worker's round (``run_async``):
-
-1. It starts when its pull completes, from the model it pulled (``_Worker.start``), and
-   runs H_w inner steps (``state.local_steps_for``, DyLU's rule over the rates the server
-   has). Each step's duration comes from the worker's ``StepTimer``.
-2. Every step's duration feeds the worker's estimator (``RATE_PROBE``: the real worker's
-   ``InnerStepRate``, first step untimed, mean of the last 16 timed steps without the
-   longest). Until the first push of its registration it reports the rate every 3 timed
-   steps with a heartbeat, taking its new H_w from the server (it never runs fewer steps than it has
-   already run). No rate is handed over at join.
-3. Its push leaves at the round's last step and reaches the server
-   ``link.transfer_s(push bytes)`` = latency + bytes / bandwidth later; the server applies
-   it then (``state.push`` with ``compute_s`` = its steps at the estimated rate, as the
-   real worker sends it, which feeds the server's ``StepRateMeter``) and holds the reply until its group is released
-   (``schedule.GroupWindow``). The worker then pulls: latency + bytes / bandwidth, and
-   starts its next round. The default worker idles from its push to its pull's end; the
-   overlap worker (``--overlap``) trains on and merges (overlap.py), then runs H_w more
-   steps (``rounds_from_push``: H_w in all, counted from its push).
-
-The run's wall time ends when the last push is applied.
-"""
+"""The simulator's asynchronous loop: workers push to the parameter server's own state
+(``ParameterServerState`` with the virtual clock injected), paying their links, their
+noisy step times and the grouping's holds; rates are measured by each worker's own
+estimator, never handed over. A round: pull, H_w inner steps (rate reports until the first
+push), push, the reply held until its group is released; overlap workers train on while
+held. docs/algorithms.md, "What the virtual clock charges"."""
 
 from __future__ import annotations
 

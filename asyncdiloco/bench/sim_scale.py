@@ -1,34 +1,8 @@
-"""1,000 workers on the virtual clock: the parameter server's own state code at fleet scale.
-
-``simulate`` drives ``ParameterServerState`` (the server's defaults: Delayed Nesterov with
-N = the live workers, DyLU, the grouping window, the lease) with ``workers`` simulated
-workers on sim.py's virtual clock and its ``HeldReplies``. Each worker does what
-``asyncdiloco worker`` does, through the same state methods the gRPC servicer calls: Join
-(reporting its inner-step rate), a pull (``open_pull``: its H_w comes in the header), H_w
-inner steps, a push (every check, staleness, the outer step, the group), the reply once
-its group is released (``finish_push``), heartbeats every ``lease_s / 3``, and Leave.
-
-The workers train no network: each runs H_w steps of SGD on a noisy quadratic
-f(θ) = ½ Σ_i a_i (θ_i − θ*_i)² in closed form (``_Quadratic``), so a thousand of them cost
-microseconds each, while the pseudo-gradients still carry a signal whose loss shows
-whether the global model converges. What is measured is the server and its algorithms.
-
-- Speeds: seconds per inner step, heavy-tailed: Pareto (shape α, the fastest x_m) or
-  log-normal (median, σ); drawn per worker, fixed for its life.
-- Churn: joins are a Poisson process of rate ``workers / mean_lifetime_s`` (so the
-  population stays near ``workers``), each worker lives an exponential lifetime, and a
-  share ``crash_fraction`` of departures never call Leave (killed): the server finds out
-  from its expected-workers rule and then the lease.
-- Demand: pushes per virtual second the workers send (a virtual second is a second of
-  the workers' compute); "unthrottled": Σ 1 / (H_w · s_w) over the live workers, what
-  they would send if no reply were held.
-- What one shard sustains: the server's CPU time (thread time, one torch thread) of every
-  push, its reply and its pull, measured in the run; ``scale_report.measure_apply`` times the same
-  path at larger models, with 1 and with ``workers`` registered workers. S needed =
-  ceil(demanded ÷ sustained), assuming the per-push work divides by S (each shard applies
-  its 1/S of every tensor); the registry's per-push bookkeeping does not divide (every
-  shard would keep the workers' table, or shard 0 would sequence for all), which is why
-  the report separates it.
+"""1,000 workers on the virtual clock: the parameter server's own state code at fleet
+scale. Each simulated worker does what ``asyncdiloco worker`` does through the methods the
+gRPC servicer calls (join, pull, push, the held reply, heartbeats, leave), with
+heavy-tailed speeds and churn, and trains a noisy quadratic in closed form, so the cost
+measured is the server's. docs/algorithms.md, "1,000 workers on the virtual clock".
 
     asyncdiloco bench --suite scale --workers 1000 --seed 0 --out DIR
 """

@@ -1,30 +1,9 @@
-"""The simulator's synchronous loop: DiLoCo / LocalSGD rounds on a virtual clock.
-
-Every round, the members present at its start each run their local steps from the
-global model θ (durations from their ``StepTimer``), then meet at a quorum and a ring
-allreduce of their pseudo-gradients; the mean Δ takes one outer step with the server's
-own ``OuterOptimizer``. A round lasts
-
-    max_w (Σ of member w's step durations) + sync_round_comm_s(members' links, B)
-
-with B the raw fp32 bytes of ``wire_params`` parameters (sim_costs.py: quorum round
-trip 2 × max latency, ring 2(N − 1)·(max latency + (B/N)/min bandwidth)).
-
-Local steps per member:
-
-- ``sync_diloco``, ``sync_localsgd``: H each.
-- ``sync_diloco_adaptive``: H_w = DyLU's rule (``dylu_local_steps``) over the members'
-  *estimated* rates, H for the fastest, so the members finish at about the same time.
-  A member's rate is estimated as the real member and server do it: every step's
-  duration feeds the member's own estimator (``RATE_PROBE``: the worker's
-  ``InnerStepRate``); a member without a rate at the server times its first steps in its
-  first round (first step untimed, then 3 timed) and reports, running at least those 4;
-  every round's vote carries compute_s = its steps at the estimated rate, which the
-  server's ``StepRateMeter`` folds in (moving average, weight 0.5).
-
-Budget: the round that would exceed ``total_steps`` is cut to what remains (plain: split
-evenly, the first members one step more; adaptive: in proportion to H_w).
-"""
+"""The simulator's synchronous loop: DiLoCo / LocalSGD rounds on a virtual clock. Each
+round the members present train their local steps from θ (``sync_diloco_adaptive``: H_w
+by DyLU's rule over their measured rates), then pay a quorum round trip and a ring
+allreduce; the mean Δ takes one step of the server's ``OuterOptimizer``. A round that
+would exceed the budget is cut to what remains. docs/algorithms.md, "What the virtual
+clock charges"."""
 
 from __future__ import annotations
 

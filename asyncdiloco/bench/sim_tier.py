@@ -1,29 +1,8 @@
-"""Two regions on the virtual clock: one flat parameter server against a hierarchical tier.
-
-The workers of region A sit next to the server (a fast link), those of region B far from
-it (a slow link: every transfer pays ``latency_s + bytes / bandwidth_Bps``, sim_costs.Link). Every inner
-step is real training, every apply the server's own code (``ParameterServerState`` with
-the virtual clock injected), as in sim.py; transfers take virtual time:
-
-* ``flat``: one server in region A with every worker; a B worker's push and its pull
-  each cross the slow link, and the worker waits for both (no overlap).
-* ``tier``: a regional server in each region (ps/upstream.py's semantics: every K
-  regional pushes it cuts Δ_region = θ_base − S, pushes it to the global server, pulls
-  θ_g and rebases with ``upstream.rebase_onto``); region A's regional server sits next to
-  the global one, region B's across the slow link, so only B's every-K push and pull pay
-  it. At the end each region pushes what is left, so the global model holds every step.
-
-Both run the same workers, speeds, seeds, H and token budget, with the server's default
-outer optimizer (Delayed Nesterov, DyLU) on the flat server and on every regional one,
-replies not grouped (``grouping="off"``: transfers, not windows, decide when a worker
-resumes). The global server of the tier runs the server's defaults too; the regional
-servers join it with the region role, so it averages each Δ_region in as
-θ ← θ − s(τ)·Δ_region/R over the R = 2 regions (ps/apply.py; outer.py ``average_in``), as
-the central synchronizer of Decoupled DiLoCo (arXiv 2604.21428) and HALoS's global server
-(arXiv 2506.04531, Sec. 3) combine their groups. The model is evaluated on the server the
-workers' progress reaches (flat: the server; tier: the global one), every
-``eval_every_steps`` inner steps applied there.
-"""
+"""Two regions on the virtual clock: one flat parameter server (``flat``) against a
+hierarchical tier (``tier``: a regional server per region, pushing every K regional pushes
+to a global server that averages the regions in), with the same workers, speeds, seeds, H
+and budget; region B's transfers cross a slow link. Training and every apply are real, as
+in sim_async.py. docs/algorithms.md, "Hierarchical tier"."""
 
 from __future__ import annotations
 

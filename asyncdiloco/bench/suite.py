@@ -1,31 +1,11 @@
 """The sync-vs-async benchmark suite: one runner for both clocks (``run_suite``).
 
-Runs every method (sim.METHODS) on worker-speed profiles with the same model, data,
-token budget and seeds, and writes ``runs.jsonl`` (one line per run), ``report.md``
-(suite_report.py and suite_markdown.py: two tables per profile, mean ± std over seeds, the claims of Liu et al.
-2024, arXiv 2401.09135, and issue 25's against the best-tuned synchronous baseline),
-``claims.json`` (the same claims, machine-readable), ``tuning.json`` and PNG plots.
+Virtual clock: the tuning grid, then every (profile, row, seed), spread over worker
+processes; real clock: one demo per run (suite_real.py). Both write ``runs.jsonl``,
+``report.md``, ``claims.json`` and plots from records of the same fields. What runs, the
+tuning stage and how to read the report: docs/algorithms.md, "The benchmark suite".
 
-**Tuning stage.** Before the evaluation, each method of ``SuiteConfig.tuned`` runs every
-outer (η, μ) of ``TuneGrid`` on one profile and a seed that is not an evaluation seed, with
-the evaluation's budget; the cell of lowest final loss is its pick, and the method is then
-evaluated with it on every profile and seed. The other methods (``SuiteConfig.methods``:
-sync LocalSGD, standard sync DiLoCo with its paper's η 0.7, μ 0.9, naive async Nesterov)
-run with their own outer step, as references. A method in both lists gives two rows, the
-tuned one named ``<method>_tuned``.
-
-Equal tokens: every method trains exactly ``total_steps`` inner steps summed over the
-workers (steps are allotted when a round starts; the round that would exceed the budget
-is cut to what remains). Runs are independent and deterministic, so they are spread
-over ``processes`` worker processes (one torch thread each); a tuned method's evaluation
-runs start as soon as its grid is done.
-
-On the real clock (``clock="real"``, suite_real.py) every (profile, method, seed) is a
-demo of real processes, one after the other, with no tuning stage; the records have the
-same fields, so the report and plots are made by the same code.
-
-    asyncdiloco bench --suite quick --clock virtual --out DIR
-    asyncdiloco bench --suite quick --clock real --out DIR
+    asyncdiloco bench --suite quick [--clock real] --out DIR
 """
 
 from __future__ import annotations

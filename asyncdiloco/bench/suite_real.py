@@ -1,43 +1,10 @@
-"""The suite's runs on the real clock: a real server and worker processes (suite.py
-``run_suite(..., clock="real")`` runs them and writes the report).
-
-Each run is ``asyncdiloco demo`` (demo.py) on 127.0.0.1 with the method's server flags,
-the profile's speeds as per-step slowdowns (``--slowdown``, relative to the fastest
-worker) of steps padded to ``REAL_STEP_S`` at full speed (``--step-s``) and a token
-budget: the workers are stopped once the server has applied the budget, so every method
-trains on the same number of tokens and the protocol, queuing and staleness are real.
-Records have the fields of the virtual-clock suite (suite.py), so ``report.md`` and the
-plots are made by the same code; each async record also has ``rates`` (``rate_figures``:
-per worker its measured compute rate, the rate DyLU used, H_w and the ratio errors), and
-report.md a table of them (``rate_section``).
-
-The profiles of ``REAL_PROFILES`` run (the virtual suite's links, noise and non-IID
-data are not emulated on the real clock), including the two with events in time
-(``real_schedule``): a speed change becomes the worker's ``--slowdown-changes``, a leave
-and rejoin the demo's ``leave_rejoin``. Virtual seconds are mapped onto real seconds of
-training by the same scale that maps the speeds::
-
-    real_s = virtual_s × r / v_min
-
-where v_min is the profile's fastest speed (virtual s per inner step, over its initial
-speeds and its changes) and r the measured real seconds per inner step of a full-speed
-worker (``--slowdown 1``) under the profile's load: a worker of speed v runs
-``--slowdown v/v_min``, so it takes r·v/v_min real s per step, and an event at virtual time
-t lands after the same number of that worker's steps as on the virtual clock. r comes from
-a short calibration demo per profile with events (``calibrate_real_s_per_step``: the
-profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
-since on shared cores r under the profile's load is a multiple of a lone process's step time. Each record says
-which r and scale it ran with (``schedule``) and the r measured in the run itself
-(``measured_real_s_per_step``). A speed change counts from its worker's own start of
-training, the leave and rejoin from the demo's ``train_start_s``; the workers begin
-training within about a second of each other (``workers[].train_started_s`` in each run's
-report.json says when each did), which is not mapped; a rejoining process is started early
-and held back, so its start-up is not added to the time away. The time a worker is away
-counts as neither busy nor idle in ``utilisation``.
-
-    asyncdiloco bench --suite quick --clock real --out DIR   # uneven, 3 seeds
-    asyncdiloco bench --suite full --clock real --out DIR    # all five profiles
-"""
+"""The suite's runs on the real clock (suite.py ``run_suite(..., clock="real")``): each
+(profile, method, seed) is a demo of real processes with the method's server flags
+(``server_flags``), the profile's speeds as slowdowns of padded steps (``REAL_STEP_S``),
+its speed changes and leave mapped onto real seconds by a calibrated scale
+(``real_schedule``), and the suite's token budget; its record has the virtual suite's
+fields plus DyLU's measured rates (``rate_figures``). docs/algorithms.md, "The benchmark
+suite" ("Clocks") and the real-clock results."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The suite's two-region section: one flat server against the hierarchical tier
-(sim_tier.py) on each of ``SuiteConfig.regions``, same workers, speeds, seeds, H and
-token budget, the tier for each K in ``SuiteConfig.tier_every``.
-
-Writes ``regions.jsonl`` (one line per run) and returns the report's markdown section:
-final loss, time to the target (the flat server's final loss + ``target_margin``),
-wall time and the bytes over the slow link, mean ± std over the seeds.
+"""The suite's two-region section: the flat server against the tier for each K in
+``SuiteConfig.tier_every`` (sim_tier.py), on each of ``SuiteConfig.regions``; writes
+``regions.jsonl`` and returns the report's section. docs/algorithms.md, "Hierarchical tier".
 
     asyncdiloco bench --suite tier --out DIR
 """

@@ -1,17 +1,9 @@
-"""What a torchrun group's per-step exchange (worker/group.py) adds to a DDP inner step.
+"""What a torchrun group's per-step exchange (worker/group.py) adds to a DDP inner step:
+gloo ranks on 127.0.0.1 time blocks of plain DDP steps against blocks of DDP steps plus
+the group's exchange, and a due step's outcome with and without rank 0's keep-alive.
+Measures; asserts nothing. docs/operations.md, "A torchrun group as one worker".
 
     python -m asyncdiloco.bench.perf.group_step_cost [--steps 200] [--world 2] [--default-job]
-
-Starts ``--world`` gloo ranks on 127.0.0.1 (CPU), each training a small character model
-(``--default-job``: the CLI worker's default model; job/models.py, DDP-wrapped) on its
-own batches, and times ``--steps`` inner steps of two kinds in alternating blocks of 20
-consecutive steps (so a busy machine slows both alike): plain DDP steps, and DDP steps
-followed by the group's exchange (``LocalGroup.exchange``: the all_reduce of 3 int64
-every grouped worker does after each inner step). Prints one JSON line from rank 0: the
-median per-step time of each kind's blocks, their ratio, the exchange alone, and a due
-step's outcome (``share_outcome`` with the model unchanged) without and with rank 0's
-keep-alive thread around the (here empty) sync (``LocalGroup.leading``).
-Measures, asserts nothing.
 """
 
 from __future__ import annotations
