@@ -124,7 +124,6 @@ METHODS: dict[str, Method] = {
     ),
 }
 SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
-ASYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "async")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
