@@ -460,17 +460,6 @@ class _Run:
         counts = dict(self.counts)
         counts["refused"] = sum(v for k, v in self.refused.items() if not k.startswith("heartbeat_"))
         counts["expired"] = sum(1 for s in st.workers if s.state == "expired")
-        cpu = self.cpu
-        per_push_kinds = ("push", "reply", "pull")
-        push_work_cpu_s = sum(cpu.cpu_s.get(k, 0.0) for k in per_push_kinds)
-        per_push_cpu_s = push_work_cpu_s / max(1, counts["sent"])
-        demand = counts["sent"] / end
-        second_half = self.pushes_per_bin[len(self.pushes_per_bin) // 2 :]
-        demand_late = sum(second_half) / (len(second_half) * cfg.sample_every_s) if second_half else 0.0
-        peak = max(self.pushes_per_bin) / cfg.sample_every_s
-        sustained = 1.0 / per_push_cpu_s if per_push_cpu_s > 0 else math.inf
-        hist = list(st.staleness_histogram)
-        groups = list(st.group_size_histogram)
         return {
             "kind": "simulation",
             "config": {**dataclasses.asdict(cfg), "speeds": cfg.describe_speeds()},
@@ -483,13 +472,34 @@ class _Run:
             "pushes": counts,
             "refused_by_reason": self.refused,
             "applied_by_server": st.applied_pushes,
+            **self._staleness_and_groups(st),
+            "dn_buffer_histogram": self.dn_buffers,
+            "dn_open_arrivals": state.outer.arrivals if isinstance(state.outer, DelayedNesterov) else 0,
+            "h_w_histogram": self.h_assigned,
+            "held_s": {
+                "mean": statistics.fmean(self.held_s) if self.held_s else 0.0,
+                "p50": statistics.median(self.held_s) if self.held_s else 0.0,
+                "max": max(self.held_s, default=0.0),
+            },
+            "utilisation": sum(w.busy_s for w in self.workers) / live_s if live_s > 0 else 0.0,
+            **self._demand_and_cpu(counts["sent"]),
+            "pushes_per_bin": self.pushes_per_bin,
+            "samples": self.samples,
+            "divergence_warnings": st.divergence_warnings,
+            "version": st.version,
+        }
+
+    def _staleness_and_groups(self, st) -> dict:
+        """The record's staleness and group fields, from the server's status."""
+        hist, groups = list(st.staleness_histogram), list(st.group_size_histogram)
+        return {
             "staleness_histogram": _bin_counts(hist),
             "staleness": {
                 "mean": sum(i * n for i, n in enumerate(hist)) / max(1, sum(hist)),
                 "p50": _quantile(hist, 0.5),
                 "p99": _quantile(hist, 0.99),
                 "max": len(_bin_counts(hist)) - 1,
-                "max_staleness": state.config.outer.max_staleness,
+                "max_staleness": self.state.config.outer.max_staleness,
             },
             "group_size_histogram": groups,
             "groups": {
@@ -500,15 +510,18 @@ class _Run:
                 "p50": _quantile(groups, 0.5, 1),
                 "max": len(groups),
             },
-            "dn_buffer_histogram": self.dn_buffers,
-            "dn_open_arrivals": state.outer.arrivals if isinstance(state.outer, DelayedNesterov) else 0,
-            "h_w_histogram": self.h_assigned,
-            "held_s": {
-                "mean": statistics.fmean(self.held_s) if self.held_s else 0.0,
-                "p50": statistics.median(self.held_s) if self.held_s else 0.0,
-                "max": max(self.held_s, default=0.0),
-            },
-            "utilisation": sum(w.busy_s for w in self.workers) / live_s if live_s > 0 else 0.0,
+        }
+
+    def _demand_and_cpu(self, sent: int) -> dict:
+        """Pushes/s the workers demanded, and what one shard sustains at the CPU time measured."""
+        cfg, cpu, end = self.cfg, self.cpu, self.cfg.duration_s
+        per_push_cpu_s = sum(cpu.cpu_s.get(k, 0.0) for k in ("push", "reply", "pull")) / max(1, sent)
+        demand = sent / end
+        second_half = self.pushes_per_bin[len(self.pushes_per_bin) // 2 :]
+        demand_late = sum(second_half) / (len(second_half) * cfg.sample_every_s) if second_half else 0.0
+        peak = max(self.pushes_per_bin) / cfg.sample_every_s
+        sustained = 1.0 / per_push_cpu_s if per_push_cpu_s > 0 else math.inf
+        return {
             "demand": {
                 "pushes_per_s": demand,
                 "pushes_per_s_second_half": demand_late,
@@ -525,8 +538,4 @@ class _Run:
                 "s_needed": math.ceil(demand / sustained),
                 "s_needed_peak": math.ceil(peak / sustained),
             },
-            "pushes_per_bin": self.pushes_per_bin,
-            "samples": self.samples,
-            "divergence_warnings": st.divergence_warnings,
-            "version": st.version,
         }
