@@ -138,36 +138,15 @@ def run_peer(
     command_started = time.monotonic()
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=replicas, join_timeout_ms=5000, quorum_tick_ms=100)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    shared = {"--replicas": replicas, "--lighthouse": lighthouse.address(), "--steps": steps}
+    shared |= {"--local-steps": local_steps, "--seed": seed, "--n-layer": n_layer, "--n-embd": n_embd}
+    shared |= {"--context-len": context_len, "--batch-size": batch_size}
+    argv = [x for flag, value in shared.items() for x in (flag, str(value))]
     procs = []
     try:
         for i in range(replicas):
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncdiloco.bench.peer_torchft",
-                "--replica-index",
-                str(i),
-                "--replicas",
-                str(replicas),
-                "--lighthouse",
-                lighthouse.address(),
-                "--steps",
-                str(steps),
-                "--local-steps",
-                str(local_steps),
-                "--seed",
-                str(seed),
-                "--n-layer",
-                str(n_layer),
-                "--n-embd",
-                str(n_embd),
-                "--context-len",
-                str(context_len),
-                "--batch-size",
-                str(batch_size),
-                "--out",
-                str(out / f"replica-{i}.json"),
-            ]
+            cmd = [sys.executable, "-m", "asyncdiloco.bench.peer_torchft", "--replica-index", str(i), *argv]
+            cmd += ["--out", str(out / f"replica-{i}.json")]
             with open(out / f"replica-{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + timeout_s
