@@ -28,7 +28,7 @@ from asyncdiloco.bench.suite_config import SuiteConfig, sim_config
 from asyncdiloco.bench.suite_markdown import write_outputs
 from asyncdiloco.bench.suite_real import rate_section, run_real
 from asyncdiloco.bench.suite_report import add_targets
-from asyncdiloco.bench.suite_tier import run_tier_section
+from asyncdiloco.bench.suite_tier import run_tier, tier_configs, tier_section
 
 
 def _sim(cfg: SuiteConfig, profile: str, method: str, seed: int, cell: tuple[float, float] | None) -> SimConfig:
@@ -159,9 +159,7 @@ def _run_virtual(
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=n_runs, disable=not progress, unit="run", dynamic_ncols=True))
         if pool is None:
-            processes = min(n_runs, cfg.processes or os.cpu_count() or 1)
-            spawn = multiprocessing.get_context("spawn")
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn))
+            pool = stack.enter_context(_executor(cfg.processes, n_runs))
         jobs: dict[concurrent.futures.Future, Run] = {}
 
         def submit(runs: list[Run]) -> None:
@@ -208,8 +206,34 @@ def _append(path: pathlib.Path, rec: dict) -> None:
 
 
 def _tier_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool) -> str:
-    """The two-region section (suite_tier.py; "" without ``cfg.regions``)."""
-    return ("\n" + run_tier_section(cfg, out, progress)) if cfg.regions else ""
+    """The two-region runs, spread over ``cfg.processes``, and their section (suite_tier.py;
+    "" without ``cfg.regions``)."""
+    runs = [run for p in cfg.regions for run in tier_configs(cfg, p)]
+    if not runs:
+        return ""
+    if progress:
+        print(f"two regions: {len(runs)} runs (flat server vs tier)", flush=True)
+    with _executor(cfg.processes, len(runs)) as pool:
+        records = list(pool.map(run_tier, runs))  # in order: the file does not depend on timing
+    return "\n" + tier_section(records, cfg, out)
+
+
+class _Inline(concurrent.futures.Executor):
+    """Runs each call in this process as it is submitted (one process: no pool to start)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+def _executor(processes: int, n_runs: int) -> concurrent.futures.Executor:
+    """Where independent runs go: ``processes`` spawned processes (0: one per CPU core, at
+    most one per run), or this process when that is one."""
+    n = min(n_runs, processes or os.cpu_count() or 1)
+    if n <= 1:
+        return _Inline()
+    return concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
 
 
 def _record(profile: str, r: SimResult, real_s: float) -> dict:
