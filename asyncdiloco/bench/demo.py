@@ -266,30 +266,14 @@ class _Processes:
     ) -> WorkerProcess:
         cfg, stem = self.cfg, _file_stem(i, rejoin)
         launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or self.python
-        cmd = [
-            *launcher,
-            "worker",
-            "--server",
-            address,
-            "--worker-index",
-            str(i),
-            "--slowdown",
-            str(self.speeds[i]),
-            "--max-seconds",
-            str(cfg.max_seconds + _WORKER_BACKSTOP_S if max_seconds is None else max_seconds),
-            "--stats-file",
-            str(self.out / f"{stem}.json"),
-            "--worker-name",
-            _worker_name(i, self.speeds[i], rejoin),
-            "--mode",
-            cfg.mode,
-            *WORKER_JOB.argv(cfg.job),
-            *(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()),
-            *cfg.worker_args,
-            *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
-            *extra,
-        ]
-        (self.out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
+        max_s = cfg.max_seconds + _WORKER_BACKSTOP_S if max_seconds is None else max_seconds
+        cmd = [*launcher, "worker", "--server", address, "--worker-index", str(i), "--mode", cfg.mode]
+        stats = self.out / f"{stem}.json"
+        cmd += ["--slowdown", str(self.speeds[i]), "--max-seconds", str(max_s), "--stats-file", str(stats)]
+        cmd += ["--worker-name", _worker_name(i, self.speeds[i], rejoin), *WORKER_JOB.argv(cfg.job)]
+        cmd += [*(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()), *cfg.worker_args]
+        cmd += [*(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra]
+        stats.unlink(missing_ok=True)  # a stale file from an earlier run in this folder
         self.popens.append(_spawn(cmd, self.out / f"{stem}.log"))
         return WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
 

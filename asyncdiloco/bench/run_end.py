@@ -71,88 +71,106 @@ def simulate_run_end(cfg: RunEndConfig) -> RunEndResult:
 
 
 def _run(cfg: RunEndConfig) -> RunEndResult:
-    speeds = cfg.speeds_s_per_step
-    sim = SimConfig(
-        method="async_dn_dylu",
-        speeds_s_per_step=speeds,
-        total_steps=len(speeds),
-        seed=cfg.seed,
-        local_steps=cfg.local_steps,
-        job=dataclasses.replace(cfg.job, seed=cfg.seed),
-    )
-    torch.manual_seed(cfg.seed)
-    corpus = CharCorpus.default()
-    evaluator, eval_set = sim.job.build(corpus), sim.job.eval_set(corpus)
-    replicas = [Replica(sim, corpus, i) for i in range(len(speeds))]
-    clock = VirtualClock()
-    state = ParameterServerState(sim.server_config(), clock=clock)
-    held: HeldReplies[int] = HeldReplies(state.groups.window, clock)
-    manifest = Manifest.from_module(replicas[0].model)
-    ids = [state.join(manifest, f"worker-{i}", 1.0 / s)[0] for i, s in enumerate(speeds)]
-    state.push(
-        manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
-    )
-    push_ids = [2] * len(speeds)
-    events: list[tuple[float, int, int, int]] = []  # (push time, worker, steps in the push, its H_w)
-    closing: list[tuple[int, int, int, int]] = []
-    before: dict | None = None
-    steps = 0
+    return _RunEnd(cfg).run()
 
-    def start(i: int, t: float) -> None:
+
+class _RunEnd:
+    """The server's default on a virtual clock, with workers pushing every H_w steps at their
+    speeds until ``stop_s``, then closing."""
+
+    def __init__(self, cfg: RunEndConfig) -> None:
+        self.cfg, self.speeds = cfg, cfg.speeds_s_per_step
+        self.sim = sim = SimConfig(
+            method="async_dn_dylu",
+            speeds_s_per_step=self.speeds,
+            total_steps=len(self.speeds),
+            seed=cfg.seed,
+            local_steps=cfg.local_steps,
+            job=dataclasses.replace(cfg.job, seed=cfg.seed),
+        )
+        torch.manual_seed(cfg.seed)
+        corpus = CharCorpus.default()
+        self.evaluator, self.eval_set = sim.job.build(corpus), sim.job.eval_set(corpus)
+        self.replicas = [Replica(sim, corpus, i) for i in range(len(self.speeds))]
+        self.clock = VirtualClock()
+        self.state = state = ParameterServerState(sim.server_config(), clock=self.clock)
+        self.held: HeldReplies[int] = HeldReplies(state.groups.window, self.clock)
+        self.manifest = Manifest.from_module(self.replicas[0].model)
+        self.ids = [state.join(self.manifest, f"worker-{i}", 1.0 / s)[0] for i, s in enumerate(self.speeds)]
+        state.push(
+            self.manifest.pack_flat(self.replicas[0].flat()),
+            worker_id=self.ids[0],
+            push_id=1,
+            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+        )
+        self.push_ids = [2] * len(self.speeds)
+        self.events: list[tuple[float, int, int, int]] = []  # (push time, worker, steps in the push, its H_w)
+        self.closing: list[tuple[int, int, int, int]] = []
+        self.before: dict | None = None
+        self.steps = 0
+
+    def start(self, i: int, t: float) -> None:
         """Worker i's reply arrived at ``t``: it pulls; past ``stop_s`` it leaves, else trains a round."""
+        state, stop_s, speed = self.state, self.cfg.stop_s, self.speeds[i]
         assert state.params is not None  # initialized before any worker starts
-        replicas[i].load(state.params, state.version)
-        if t >= cfg.stop_s:  # stopped before an inner step: nothing to push
-            state.leave(ids[i])
+        self.replicas[i].load(state.params, state.version)
+        if t >= stop_s:  # stopped before an inner step: nothing to push
+            state.leave(self.ids[i])
             return
-        h_w = state.local_steps_for(ids[i])
-        k = min(h_w, math.ceil((cfg.stop_s - t) / speeds[i] - 1e-9))  # it stops after the step that passes stop_s
-        heapq.heappush(events, (t + k * speeds[i], i, k, h_w))
+        h_w = state.local_steps_for(self.ids[i])
+        k = min(h_w, math.ceil((stop_s - t) / speed - 1e-9))  # it stops after the step that passes stop_s
+        heapq.heappush(self.events, (t + k * speed, i, k, h_w))
 
-    for i in range(len(speeds)):
-        start(i, 0.0)
-    while events or held:
-        deadline = held.next_deadline()
-        if not events or deadline < events[0][0]:
-            clock.t = max(clock.t, deadline)
-            held.release_due(deadline, start)
-            continue
-        t, i, k, h_w = heapq.heappop(events)
-        clock.t = max(clock.t, t)
-        last = t >= cfg.stop_s  # its closing push: partial unless the round ended exactly at the stop
-        if last and before is None:
-            before = eval_point(evaluator, eval_set, state.params, 0, 0, t, state.version)
-        r = replicas[i]
+    def run(self) -> RunEndResult:
+        clock, held, events, state = self.clock, self.held, self.events, self.state
+        for i in range(len(self.speeds)):
+            self.start(i, 0.0)
+        while events or held:
+            deadline = held.next_deadline()
+            if not events or deadline < events[0][0]:
+                clock.t = max(clock.t, deadline)
+                held.release_due(deadline, self.start)
+                continue
+            t, i, k, h_w = heapq.heappop(events)
+            clock.t = max(clock.t, t)
+            self.push(i, t, k, h_w)
+            held.release_due(t, self.start)
+        final = eval_point(self.evaluator, self.eval_set, state.params, 0, 0, clock.t, state.version)
+        before = self.before or final  # every worker held at the stop: no closing push
+        status = state.status()
+        assert status.tokens == self.steps * self.sim.job.tokens_per_step, "every applied step's tokens are counted"
+        return RunEndResult(
+            before_loss=before["eval_loss"],
+            before_version=before["version"],
+            final_loss=final["eval_loss"],
+            final_version=final["version"],
+            closing=self.closing,
+            steps=self.steps,
+            tokens=status.tokens,
+        )
+
+    def push(self, i: int, t: float, k: int, h_w: int) -> None:
+        """Worker i trains its ``k`` steps and pushes at ``t``: a closing push from ``stop_s`` on."""
+        state = self.state
+        last = t >= self.cfg.stop_s  # its closing push: partial unless the round ended exactly at the stop
+        if last and self.before is None:
+            self.before = eval_point(self.evaluator, self.eval_set, state.params, 0, 0, t, state.version)
+        r = self.replicas[i]
         r.train(k)
         outcome = state.push(
-            manifest.pack_flat(r.base - r.flat()),  # Δ = θ_base − θ_local
-            worker_id=ids[i],
-            push_id=push_ids[i],
+            self.manifest.pack_flat(r.base - r.flat()),  # Δ = θ_base − θ_local
+            worker_id=self.ids[i],
+            push_id=self.push_ids[i],
             base_version=r.base_version,
             num_local_steps=k,
-            num_tokens=k * sim.job.tokens_per_step,
-            compute_s=k * speeds[i],
-            last=last and cfg.mark_closing,
+            num_tokens=k * self.sim.job.tokens_per_step,
+            compute_s=k * self.speeds[i],
+            last=last and self.cfg.mark_closing,
         )
-        push_ids[i] += 1
-        steps += k
+        self.push_ids[i] += 1
+        self.steps += k
         if last:
-            closing.append((i, k, h_w, outcome.num_workers))
-            state.leave(ids[i])
+            self.closing.append((i, k, h_w, outcome.num_workers))
+            state.leave(self.ids[i])
         else:
-            held.hold(outcome.group_id, i)
-        held.release_due(t, start)
-    final = eval_point(evaluator, eval_set, state.params, 0, 0, clock.t, state.version)
-    if before is None:  # every worker was held at the stop: no closing push
-        before = final
-    status = state.status()
-    assert status.tokens == steps * sim.job.tokens_per_step, "every applied step's tokens are counted"
-    return RunEndResult(
-        before_loss=before["eval_loss"],
-        before_version=before["version"],
-        final_loss=final["eval_loss"],
-        final_version=final["version"],
-        closing=closing,
-        steps=steps,
-        tokens=status.tokens,
-    )
+            self.held.hold(outcome.group_id, i)

@@ -187,24 +187,9 @@ class Server:
         """Spawn it and wait for its port file; returns the seconds that took."""
         self.port_file.unlink(missing_ok=True)
         self.lives += 1
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "server",
-            "--port",
-            str(self.port),
-            "--port-file",
-            str(self.port_file),
-            "--checkpoint-dir",
-            str(self.state),
-            "--local-steps",
-            str(self.args.local_steps),
-            "--checkpoint-every",
-            str(self.args.checkpoint_every),
-            "--drain-s",
-            "0",
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "server", "--port", str(self.port), "--drain-s", "0"]
+        cmd += ["--port-file", str(self.port_file), "--checkpoint-dir", str(self.state)]
+        cmd += ["--local-steps", str(self.args.local_steps), "--checkpoint-every", str(self.args.checkpoint_every)]
         log = open(self.out / f"server-{self.lives:02d}.log", "w")  # noqa: SIM115 - the child holds it
         started = time.monotonic()
         self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -381,22 +366,9 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
         first_start_s = server.start()
         address = f"127.0.0.1:{server.port}"
         for i in range(args.workers):
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncdiloco.bench.chaos.server_kills",
-                "--worker",
-                "--server",
-                address,
-                "--index",
-                str(i),
-                "--acks",
-                str(ack_files[i]),
-                "--stop-file",
-                str(stop_file),
-                "--max-backoff-s",
-                str(args.max_backoff_s),
-            ]
+            cmd = [sys.executable, "-m", "asyncdiloco.bench.chaos.server_kills", "--worker", "--server", address]
+            cmd += ["--index", str(i), "--acks", str(ack_files[i]), "--stop-file", str(stop_file)]
+            cmd += ["--max-backoff-s", str(args.max_backoff_s)]
             log = open(out / f"worker-{i}.log", "w")  # noqa: SIM115 - the child holds it
             workers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()

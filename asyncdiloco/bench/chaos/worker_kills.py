@@ -42,20 +42,8 @@ class Run:
 
     def start_server(self) -> None:
         port_file = self.folder / "port"
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "server",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--mode",
-            self.mode,
-            "--drain-s",
-            "0",
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "server", "--port", "0", "--port-file", str(port_file)]
+        cmd += ["--mode", self.mode, "--drain-s", "0"]
         with open(self.folder / "server.log", "w") as log:
             self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -68,28 +56,10 @@ class Run:
     def start_worker(self, i: int) -> None:
         """Start (or restart, on its state folder) worker ``i``."""
         self.lives[i] += 1
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "worker",
-            "--server",
-            self.address,
-            "--mode",
-            self.mode,
-            "--worker-name",
-            f"w{i}",
-            "--worker-index",
-            str(i),
-            "--state-dir",
-            str(self.folder / f"state-{i}"),
-            "--max-steps",
-            str(self.args.max_steps),
-            "--stats-file",
-            str(self.folder / f"stats-{i}.json"),
-            "--train-log",
-            str(self.folder / f"train-{i}.jsonl"),
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "worker", "--server", self.address, "--mode", self.mode]
+        cmd += ["--worker-name", f"w{i}", "--worker-index", str(i), "--max-steps", str(self.args.max_steps)]
+        cmd += ["--state-dir", str(self.folder / f"state-{i}"), "--stats-file", str(self.folder / f"stats-{i}.json")]
+        cmd += ["--train-log", str(self.folder / f"train-{i}.jsonl")]
         with open(self.folder / f"worker-{i}.log", "a") as log:
             log.write(f"===== life {self.lives[i]}\n")
             log.flush()

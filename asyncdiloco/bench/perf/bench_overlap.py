@@ -78,16 +78,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    flags = (
-        "--local-steps",
-        str(args.local_steps),
-        "--outer-optimizer",
-        "sgd",
-        "--outer-lr",
-        "0.5",
-        "--outer-momentum",
-        "0",
-    )
+    flags = ("--local-steps", str(args.local_steps), *"--outer-optimizer sgd --outer-lr 0.5 --outer-momentum 0".split())
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with server_process(*flags) as (_, address):
         for _ in range(args.repeats):
