@@ -158,8 +158,9 @@ def _file_stem(index: int, rejoin: bool) -> str:
     return f"worker-{index}" + ("-rejoin" if rejoin else "")
 
 
-def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    # GLOO_SOCKET_IFNAME=lo keeps sync-mode collectives on loopback.
+def spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    """Start ``cmd`` with one OpenMP thread, its output into ``log_path``; GLOO_SOCKET_IFNAME=lo
+    keeps sync-mode collectives on loopback."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
     with open(log_path, "wb") as logf:
         return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -245,7 +246,7 @@ class _Processes:
         if self.shard_map is not None:  # the server writes the map before the port file
             self.shard_map.unlink(missing_ok=True)
             cmd += ["--shards", str(self.cfg.shards), "--shard-map", str(self.shard_map)]
-        server = _spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
+        server = spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
         self.popens.append(server)
         return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
 
@@ -274,7 +275,7 @@ class _Processes:
         cmd += [*(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()), *cfg.worker_args]
         cmd += [*(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra]
         stats.unlink(missing_ok=True)  # a stale file from an earlier run in this folder
-        self.popens.append(_spawn(cmd, self.out / f"{stem}.log"))
+        self.popens.append(spawn(cmd, self.out / f"{stem}.log"))
         return WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
 
     def reap(self) -> None:

@@ -1,13 +1,10 @@
-"""How much of the seed-to-seed spread of the suite's final loss is its held-out set's.
+"""How much of the seed-to-seed spread of the suite's final loss is its held-out set's:
+METHOD runs once per seed on the suite's profile, model and budget, and each final model
+is evaluated on several held-out sets (random windows of 4,096 to 65,536 characters with
+three generator seeds, and the whole validation split). One JSON line per seed and per
+set. Measures, asserts nothing. docs/algorithms.md, "The benchmark suite" ("Held-out set").
 
     python -m asyncdiloco.bench.heldout_spread METHOD [--profile uneven] [--seeds 0,1,2] [--steps 4000]
-
-Runs METHOD (sim.METHODS) on the suite's profile, model and budget once per seed
-(suite.py ``sim_config``), keeps each final model and evaluates it on several held-out
-sets: random validation windows (``dataset.eval_batches``) of 4,096, 16,384 and 65,536
-characters with generator seeds 1234 (the job's), 7 and 8, and the whole validation split
-(``dataset.split_batches``). Prints one JSON line per seed (its losses) and one per set
-(mean, std and std/mean over the seeds). Measures, asserts nothing.
 """
 
 from __future__ import annotations

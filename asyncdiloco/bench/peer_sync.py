@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import socket
 import statistics
@@ -20,16 +19,11 @@ import sys
 import time
 
 from asyncdiloco.bench import peer_torchft
+from asyncdiloco.bench.demo import spawn
 from asyncdiloco.bench.sim import SimConfig
 from asyncdiloco.bench.suite_config import SuiteConfig
 from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.job.config import JobConfig
-
-
-def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: float) -> int:
@@ -85,7 +79,7 @@ def run_ours(
     port = _free_port()
     address = f"127.0.0.1:{port}"
     server_cmd = [*python, "server", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)]
-    server = _spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
+    server = spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
     procs, workers = [server], []
     marks: dict[str, float] = {}
     try:
@@ -95,7 +89,7 @@ def run_ours(
             cmd = [*python, "worker", "--mode", "sync", "--server", address, "--worker-index", str(i)]
             cmd += ["--max-steps", str(steps), "--stats-file", str(stats), "--worker-name", f"replica-{i}"]
             cmd += ["--join-when-file", str(port_file)]
-            workers.append(_spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
+            workers.append(spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
         procs += workers
         _wait_for_port(server, port_file, deadline)
         marks["server_listening_s"] = time.monotonic() - started

@@ -1,16 +1,10 @@
 """The scale suite: the 1,000-worker simulation (sim_scale.py), the server's apply cost
-measured at several model sizes in the same run (``measure_apply``), the shards they
-call for, and the report: ``scale.jsonl`` (one JSON line per measurement and one for the simulation),
-``report.md`` and ``scale.png``.
+measured at several model sizes in the same run (``measure_apply``), the shards they call
+for (S = ceil(demanded ÷ sustained pushes/s); the "bookkeeping not divided" column solves
+demand · (bookkeeping + rest / S) ≤ 1), and ``scale.jsonl``, ``report.md`` and
+``scale.png``. docs/algorithms.md, "1,000 workers on the virtual clock".
 
     asyncdiloco bench --suite scale --workers 1000 --seed 0 --out DIR
-
-S needed = ceil(demanded pushes/s ÷ pushes/s one shard sustains), assuming a shard does
-1/S of every push's work. The registry's bookkeeping per push (the passes over the
-workers' table, measured as the cost with ``workers`` registered minus the cost with one)
-would not divide; the column "S, bookkeeping not divided" solves
-demand · (bookkeeping + rest / S) ≤ 1 for S instead ("never" when the bookkeeping alone
-exceeds a second per second).
 """
 
 from __future__ import annotations
