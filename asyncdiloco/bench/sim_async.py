@@ -3,13 +3,19 @@
 noisy step times and the grouping's holds; rates are measured by each worker's own
 estimator, never handed over. A round: pull, H_w inner steps (rate reports until the first
 push), push, the reply held until its group is released; overlap workers train on while
-held. docs/algorithms.md, "What the virtual clock charges"."""
+held. docs/algorithms.md, "What the virtual clock charges".
+
+``simulate_run_end`` runs the same server on the same clock with workers stopped as the
+demo stops them (at ``stop_s`` each finishes its step, pushes its partial round as its
+closing push and leaves; ``mark_closing=False``: as ordinary pushes), for
+docs/algorithms.md, "The run's end"."""
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import itertools
+import math
 
 import torch
 
@@ -27,6 +33,9 @@ from asyncdiloco.bench.sim import (
     wire_numel,
 )
 from asyncdiloco.bench.sim_costs import RATE_PROBE, StepTimer, WorkerRate, wire_bytes
+from asyncdiloco.errors import ConfigError
+from asyncdiloco.job.config import JobConfig
+from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import make_codec
@@ -99,42 +108,73 @@ class _Worker:
         return self.rate.step(self.end_of(self.fed) - self.end_of(self.fed - 1))
 
 
-def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
-    """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock
-    (the round as in the module docstring)."""
-    return _AsyncRun(cfg, replicas, evaluator, eval_set, progress).run()
+class _ServerOnClock:
+    """The parameter server's own state on a virtual clock with the workers registered (with
+    the rates they hand over, or none: each then measures its own) and the initial model
+    pushed; ``loop`` hands the run's events (``events``, a heap) to ``on_event`` in time
+    order, and each released reply to ``on_release``."""
 
-
-class _AsyncRun:
-    """One asynchronous run: the server's state on a virtual clock, the workers' rounds as
-    events (``at``), and the run's counters."""
-
-    def __init__(self, cfg: SimConfig, replicas, evaluator, eval_set, progress) -> None:
-        self.cfg, self.replicas, self.progress = cfg, replicas, progress
-        self.evaluator, self.eval_set = evaluator, eval_set
+    def __init__(self, cfg: SimConfig, replicas, rates: list[float] | None = None) -> None:
+        self.cfg, self.replicas = cfg, replicas
         self.clock = VirtualClock()
         self.state = state = ParameterServerState(cfg.server_config(), clock=self.clock)
         self.held: HeldReplies[int] = HeldReplies(state.groups.window, self.clock)  # replies waiting for a release
         self.manifest = manifest = Manifest.from_module(replicas[0].model)
-        numel = wire_numel(cfg, manifest.numel)
-        self.push_bytes, self.pull_bytes = wire_bytes(cfg.wire_codec, numel), wire_bytes(cfg.wire_codec, numel)
-        self.spec = METHODS[cfg.method]
-        self.codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
-        self.wire = torch.empty(self.codec.wire_bytes, dtype=torch.uint8)
-        self.workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
-        self.ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]  # no rate: each measures its own
+        self.ids = [
+            state.join(manifest, f"worker-{r.index}", *(() if rates is None else (rates[r.index],)))[0]
+            for r in replicas
+        ]
         state.push(
             manifest.pack_flat(replicas[0].flat()),
             worker_id=self.ids[0],
             push_id=1,
             kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
         )
-        assert state.outer is not None  # initialised by the push above
-        self.outer = state.outer
         self.push_ids = [2] * len(replicas)
+        self.events: list[tuple] = []
+
+    def loop(self) -> None:
+        clock, held, events = self.clock, self.held, self.events
+        while events or held:
+            deadline = held.next_deadline()
+            if not events or deadline < events[0][0]:
+                clock.t = max(clock.t, deadline)
+                held.release_due(deadline, self.on_release)
+                continue
+            event = heapq.heappop(events)
+            clock.t = max(clock.t, event[0])
+            self.on_event(*event)
+
+    def on_event(self, t: float, *event) -> None:
+        raise NotImplementedError
+
+    def on_release(self, i: int, t: float) -> None:
+        raise NotImplementedError
+
+
+def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
+    """Asynchronous DiLoCo through the parameter server's own state, on a virtual clock
+    (the round as in the module docstring)."""
+    return _AsyncRun(cfg, replicas, evaluator, eval_set, progress).run()
+
+
+class _AsyncRun(_ServerOnClock):
+    """One asynchronous run: the workers' rounds as events (``at``), and the run's counters."""
+
+    def __init__(self, cfg: SimConfig, replicas, evaluator, eval_set, progress) -> None:
+        super().__init__(cfg, replicas)  # no rates: each worker measures its own
+        self.progress, self.evaluator, self.eval_set = progress, evaluator, eval_set
+        state, manifest = self.state, self.manifest
+        numel = wire_numel(cfg, manifest.numel)
+        self.push_bytes, self.pull_bytes = wire_bytes(cfg.wire_codec, numel), wire_bytes(cfg.wire_codec, numel)
+        self.spec = METHODS[cfg.method]
+        self.codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
+        self.wire = torch.empty(self.codec.wire_bytes, dtype=torch.uint8)
+        self.workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
+        assert state.outer is not None  # initialised by the initial push
+        self.outer = state.outer
         self.curve = [eval_point(evaluator, eval_set, state.params, 0, cfg.job.tokens_per_step, 0.0, 0)]
         self.seq = itertools.count()
-        self.events: list[tuple[float, int, int, int, object]] = []  # (time, kind, seq, worker, data)
         self.unallotted = cfg.total_steps
         self.next_eval = cfg.eval_every_steps
         self.true_hist: list[int] = []
@@ -153,30 +193,28 @@ class _AsyncRun:
         """Every worker pulls at 0; events and group releases in time order until none is left."""
         for i in range(len(self.workers)):
             self.pull(i, 0.0)
-        clock, held, events = self.clock, self.held, self.events
-        while events or held:
-            deadline = held.next_deadline()
-            if not events or deadline < events[0][0]:
-                clock.t = max(clock.t, deadline)
-                held.release_due(deadline, self.pull)
-                continue
-            t, kind, _, i, data = heapq.heappop(events)
-            clock.t = max(clock.t, t)
-            if kind == _ARRIVE:
-                assert isinstance(data, _Push)
-                self.arrive(i, t, data)
-                held.release_due(t, self.pull)
-            elif kind == _PULLED:
-                assert isinstance(data, _Pull)
-                self.start(i, t, data)
-            elif kind == _PROBE:
-                assert isinstance(data, float)
-                self.on_probe(i, t, data)
-            elif kind == _FINISH:
-                self.finish(i, t)
-            else:
-                self.rejoin(i, t)
+        self.loop()
         return self.result()
+
+    def on_event(self, t: float, *event) -> None:  # (time, kind, seq, worker, data)
+        kind, _, i, data = event
+        if kind == _ARRIVE:
+            assert isinstance(data, _Push)
+            self.arrive(i, t, data)
+            self.held.release_due(t, self.pull)
+        elif kind == _PULLED:
+            assert isinstance(data, _Pull)
+            self.start(i, t, data)
+        elif kind == _PROBE:
+            assert isinstance(data, float)
+            self.on_probe(i, t, data)
+        elif kind == _FINISH:
+            self.finish(i, t)
+        else:
+            self.rejoin(i, t)
+
+    def on_release(self, i: int, t: float) -> None:
+        self.pull(i, t)
 
     def pull(self, i: int, t: float) -> None:
         """Worker i reads the model at the server at ``t``; it has it a transfer later."""
@@ -325,3 +363,135 @@ class _AsyncRun:
             local_steps_log=self.log,
             estimated_rates=[rates.get(w) for w in self.ids],
         )
+
+
+# ------------------------------------------------------------ a run's end
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunEndConfig:
+    """One run stopped at ``stop_s`` virtual seconds."""
+
+    #: Seconds per inner step of each worker (the demo's slowdowns 1, 1.5, 2, 3).
+    speeds_s_per_step: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0)
+    #: When every worker is told to stop, virtual seconds (the demo's budget or cap).
+    stop_s: float = 391.0
+    #: H, the fastest worker's inner steps per round.
+    local_steps: int = 20
+    seed: int = 0
+    job: JobConfig = dataclasses.field(
+        default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16)
+    )
+    #: Closing pushes carry ``PushHeader.last`` (as the library's worker sends them);
+    #: False: sent as ordinary pushes (the comparison).
+    mark_closing: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.stop_s > 0:
+            raise ConfigError(f"stop_s={self.stop_s} is invalid: give a positive number of virtual seconds")
+
+
+@dataclasses.dataclass
+class RunEndResult:
+    """Held-out loss (nats/char) and version before the first closing push and after the last."""
+
+    before_loss: float
+    before_version: int
+    final_loss: float
+    final_version: int
+    #: One row per closing push: (worker index, inner steps in it, the worker's H_w, N it was applied with).
+    closing: list[tuple[int, int, int, int]]
+    #: Inner steps and tokens the server applied, summed over the workers.
+    steps: int
+    tokens: int
+
+
+def simulate_run_end(cfg: RunEndConfig) -> RunEndResult:
+    """Run until ``cfg.stop_s`` and through the closing pushes (one torch thread, restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _RunEnd(cfg).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _RunEnd(_ServerOnClock):
+    """The server's default with workers (their rates handed over) pushing every H_w steps
+    at their speeds until ``stop_s``, then closing."""
+
+    def __init__(self, cfg: RunEndConfig) -> None:
+        self.end, self.speeds = cfg, cfg.speeds_s_per_step
+        sim = SimConfig(
+            method="async_dn_dylu",
+            speeds_s_per_step=self.speeds,
+            total_steps=len(self.speeds),
+            seed=cfg.seed,
+            local_steps=cfg.local_steps,
+            job=dataclasses.replace(cfg.job, seed=cfg.seed),
+        )
+        torch.manual_seed(cfg.seed)
+        corpus = CharCorpus.default()
+        self.evaluator, self.eval_set = sim.job.build(corpus), sim.job.eval_set(corpus)
+        replicas = [Replica(sim, corpus, i) for i in range(len(self.speeds))]
+        super().__init__(sim, replicas, rates=[1.0 / s for s in self.speeds])
+        self.closing: list[tuple[int, int, int, int]] = []
+        self.before: dict | None = None
+        self.steps = 0
+
+    def on_release(self, i: int, t: float) -> None:
+        """Worker i's reply arrived at ``t``: it pulls; past ``stop_s`` it leaves, else trains a round."""
+        state, stop_s, speed = self.state, self.end.stop_s, self.speeds[i]
+        assert state.params is not None  # initialized before any worker starts
+        self.replicas[i].load(state.params, state.version)
+        if t >= stop_s:  # stopped before an inner step: nothing to push
+            state.leave(self.ids[i])
+            return
+        h_w = state.local_steps_for(self.ids[i])
+        k = min(h_w, math.ceil((stop_s - t) / speed - 1e-9))  # it stops after the step that passes stop_s
+        heapq.heappush(self.events, (t + k * speed, i, k, h_w))
+
+    def run(self) -> RunEndResult:
+        for i in range(len(self.speeds)):
+            self.on_release(i, 0.0)
+        self.loop()
+        state = self.state
+        final = eval_point(self.evaluator, self.eval_set, state.params, 0, 0, self.clock.t, state.version)
+        before = self.before or final  # every worker held at the stop: no closing push
+        status = state.status()
+        assert status.tokens == self.steps * self.cfg.job.tokens_per_step, "every applied step's tokens are counted"
+        return RunEndResult(
+            before_loss=before["eval_loss"],
+            before_version=before["version"],
+            final_loss=final["eval_loss"],
+            final_version=final["version"],
+            closing=self.closing,
+            steps=self.steps,
+            tokens=status.tokens,
+        )
+
+    def on_event(self, t: float, *event) -> None:  # (push time, worker, steps in the push, its H_w)
+        """Worker i trains its ``k`` steps and pushes at ``t``: a closing push from ``stop_s`` on."""
+        i, k, h_w = event
+        state = self.state
+        last = t >= self.end.stop_s  # its closing push: partial unless the round ended exactly at the stop
+        if last and self.before is None:
+            self.before = eval_point(self.evaluator, self.eval_set, state.params, 0, 0, t, state.version)
+        r = self.replicas[i]
+        r.train(k)
+        outcome = state.push(
+            self.manifest.pack_flat(r.base - r.flat()),  # Δ = θ_base − θ_local
+            worker_id=self.ids[i],
+            push_id=self.push_ids[i],
+            base_version=r.base_version,
+            num_local_steps=k,
+            num_tokens=k * self.cfg.job.tokens_per_step,
+            compute_s=k * self.speeds[i],
+            last=last and self.end.mark_closing,
+        )
+        self.push_ids[i] += 1
+        self.steps += k
+        if last:
+            self.closing.append((i, k, h_w, outcome.num_workers))
+            state.leave(self.ids[i])
+        else:
+            self.held.hold(outcome.group_id, i)
+        self.held.release_due(t, self.on_release)
