@@ -26,8 +26,9 @@ import time
 
 from asyncdiloco.bench import suite_real
 from asyncdiloco.bench.demo import DemoConfig, run_demo
+from asyncdiloco.bench.profiles import PROFILES
 from asyncdiloco.bench.sim import SimConfig
-from asyncdiloco.bench.suite import PROFILES
+from asyncdiloco.bench.suite_config import REAL_SUITES
 from asyncdiloco.worker.client import ParameterServerClient
 
 PROFILE = "uneven"
@@ -61,7 +62,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=suite_real.REAL_STEP_S)
     args = p.parse_args()
     suite_real.REAL_STEP_S = args.step_s  # server_flags passes it to every worker
-    cfg, prof = suite_real.REAL_SUITES["quick"], PROFILES[PROFILE]
+    cfg, prof = REAL_SUITES["quick"], PROFILES[PROFILE]
     sim_cfg = SimConfig(
         method=args.method,
         speeds_s_per_step=prof["speeds"],

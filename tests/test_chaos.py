@@ -2,13 +2,12 @@
 keep training while the server is SIGKILLed and restarted on its folder and port, each
 kill right after a log append (between logging a push and answering it); every push a
 worker saw acknowledged is in the write-ahead log exactly once, and one replay of the
-whole log gives the final server's model bit for bit. benchmarks/chaos_server_kills.py
+whole log gives the final server's model bit for bit. asyncdiloco/bench/chaos/server_kills.py
 runs the full 20 kills and reports the figures (docs/operations.md, "Chaos runs")."""
 
 from __future__ import annotations
 
 import json
-import pathlib
 import signal
 import subprocess
 import sys
@@ -17,14 +16,13 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.heavy]
 
-BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "chaos_server_kills.py"
 FLAGS = ["--kills", "3", "--workers", "2", "--mean-up-s", "2", "--tail-s", "2", "--seed", "1", "--after-append"]
 
 
 @pytest.mark.timeout(300)
 def test_three_server_kills_lose_no_acknowledged_push_and_apply_none_twice(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, str(BENCH), *FLAGS, "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "asyncdiloco.bench.chaos.server_kills", *FLAGS, "--out", str(tmp_path / "run")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -2,7 +2,7 @@
 asynchronous, that the host buffers are reused across syncs, and the NCCL allreduce's
 device buffer, copies and deadline (with a stand-in process group).
 
-What needs a GPU (pinned memory, NCCL itself) is benchmarks/gpu_check.sh's; these tests
+What needs a GPU (pinned memory, NCCL itself) is `python -m asyncdiloco.bench.gpu_check`'s; these tests
 fake the device flag (``FlatParams.on_cuda`` / ``devices``) or the backend instead.
 """
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh and asyncdiloco/bench/gpu_check.py where no GPU is: the script
+"""``python -m asyncdiloco.bench.gpu_check`` where no GPU is: the command
 skips cleanly, and the check's own logic (arguments, codec error bounds, NCCL's refusal,
 the summary, a codec check run on the CPU against a real server) is right."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script would run the checks")
 def test_the_script_skips_cleanly_without_a_gpu(tmp_path):
     done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "asyncdiloco.bench.gpu_check", "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=100,

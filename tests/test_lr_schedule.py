@@ -125,13 +125,13 @@ def test_default_inner_schedule_keeps_inner_lr_exactly():
 
 
 def test_simulator_replicas_follow_the_same_inner_schedule(monkeypatch):
-    from asyncdiloco.bench.sim import SimConfig, _Replica
+    from asyncdiloco.bench.sim import Replica, SimConfig
     from asyncdiloco.job.dataset import CharCorpus
 
     job = JobConfig(**TINY, inner_lr=1e-3, inner_lr_schedule="cosine", inner_warmup_steps=2, inner_total_steps=6)
     used = record_inner_lrs(monkeypatch)
     cfg = SimConfig(method="async_nesterov", speeds_s_per_step=(1.0,), total_steps=8, job=job)
-    replica = _Replica(cfg, CharCorpus.default(), 0)
+    replica = Replica(cfg, CharCorpus.default(), 0)
     replica.train(3)
     replica.load(replica.base)  # a pull does not restart the schedule: it is keyed by the replica's steps
     replica.train(5)

@@ -4,8 +4,9 @@ optional ``peer`` extra is installed)."""
 import pytest
 
 from asyncdiloco.bench import peer_sync
+from asyncdiloco.bench.peer_sync import peer_section
 from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
-from asyncdiloco.bench.suite import SuiteConfig, peer_section
+from asyncdiloco.bench.suite_config import SuiteConfig
 from asyncdiloco.job.config import JobConfig
 
 

@@ -13,7 +13,7 @@ import torch
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import DelayedNesterov, OuterOptimizer
-from asyncdiloco.bench.run_end import RunEndConfig, simulate_run_end
+from asyncdiloco.bench.sim_async import RunEndConfig, simulate_run_end
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig

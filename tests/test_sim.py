@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from asyncdiloco.bench.sim import METHODS, SimConfig, simulate
-from asyncdiloco.bench.suite import SuiteConfig, run_suite
+from asyncdiloco.bench.sim import METHODS, SimConfig
+from asyncdiloco.bench.simulate import simulate
+from asyncdiloco.bench.suite import run_suite
+from asyncdiloco.bench.suite_config import SuiteConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 
@@ -148,8 +150,6 @@ def test_suite_writes_runs_report_and_plots(tmp_path):
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
-    from asyncdiloco.bench.suite_real import run_real_suite
-
     cfg = SuiteConfig(
         profiles=("uneven",),
         methods=("sync_diloco", "async_dn_dylu"),
@@ -159,7 +159,7 @@ def test_real_clock_suite_runs_processes_to_a_token_budget(tmp_path):
         eval_every_steps=40,
         job=TINY,
     )
-    records = run_real_suite(cfg, str(tmp_path), progress=False)
+    records = run_suite(cfg, str(tmp_path), progress=False, clock="real")
     assert [r["method"] for r in records] == ["sync_diloco", "async_dn_dylu"]
     for r in records:
         assert r["clock"] == "real"

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from asyncdiloco.bench.sim_tier import REGION_PROFILES, TierSimConfig, simulate_tier
-from asyncdiloco.bench.suite import SuiteConfig, run_suite
+from asyncdiloco.bench.suite import run_suite
+from asyncdiloco.bench.suite_config import SuiteConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 

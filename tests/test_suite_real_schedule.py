@@ -7,7 +7,8 @@ import pytest
 
 from asyncdiloco.bench.profiles import PROFILES, Profile
 from asyncdiloco.bench.sim import SimConfig
-from asyncdiloco.bench.suite_real import REAL_STEP_S, REAL_SUITES, _changes_flag, real_schedule, server_flags
+from asyncdiloco.bench.suite_config import REAL_SUITES
+from asyncdiloco.bench.suite_real import REAL_STEP_S, changes_flag, real_schedule, server_flags
 from asyncdiloco.errors import ConfigError
 
 
@@ -38,8 +39,8 @@ def test_the_fastest_speed_counts_changed_speeds_too():
 
 
 def test_changes_become_the_worker_flag():
-    assert _changes_flag(((1.5, 5.741379), (3.0, 1.0))) == ("--slowdown-changes", "1.5000:5.74138,3.0000:1")
-    assert _changes_flag(()) == ()
+    assert changes_flag(((1.5, 5.741379), (3.0, 1.0))) == ("--slowdown-changes", "1.5000:5.74138,3.0000:1")
+    assert changes_flag(()) == ()
 
 
 @pytest.mark.parametrize("r", [0.0, -1.0, float("nan")])

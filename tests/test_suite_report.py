@@ -10,7 +10,8 @@ import json
 import pytest
 
 from asyncdiloco.bench import suite, suite_markdown
-from asyncdiloco.bench.suite import SuiteConfig, TuneGrid, pick
+from asyncdiloco.bench.suite import pick
+from asyncdiloco.bench.suite_config import SuiteConfig, TuneGrid
 from asyncdiloco.bench.suite_report import claims_json, summarize
 from asyncdiloco.errors import ConfigError
 

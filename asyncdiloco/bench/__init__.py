@@ -1,4 +1,5 @@
-"""The benchmark suite (virtual-clock simulator and real-clock runner), the demo that runs
-a server and workers as processes, the torchft peer, and the performance benchmarks
-(``bench.perf``). Needs the ``bench`` extra for plots.
+"""Measurements: the simulator, the sync-vs-async suite (one runner for both clocks), the
+demo, the peer row, the GPU check, the chaos runs (``chaos``) and the micro-benchmarks
+(``perf``); each runs as ``python -m asyncdiloco.bench.<name>``. The layout:
+docs/architecture.md, ``bench/``. Needs the ``bench`` extra for plots.
 """

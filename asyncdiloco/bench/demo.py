@@ -1,48 +1,8 @@
-"""The main job: a parameter server and N workers of different speeds, on loopback.
-
-``run_demo`` starts ``asyncdiloco server --port 0`` and N ``asyncdiloco worker``
-processes (worker i runs ``slowdowns[i]`` times slower), evaluates the global model on
-held-out text while they train, shows progress, and writes ``report.json`` and
-``loss_curve.png`` to the output folder. Every child process is reaped on exit, also on
-errors and Ctrl-C.
-
-The run stops on a token budget (``token_budget``, by default ``DEFAULT_TOKEN_BUDGET``:
-about 2 minutes of training on a quiet 2-core machine), so its result does not depend on
-how fast the machine is, with ``max_seconds`` of training as the cap; whichever comes
-first, the demo evaluates the global model (the report's ``stop_eval_loss``, the last
-evaluation while training) and then stops every worker (SIGTERM: each pushes its partial
-round as its closing push and leaves; the server applies those as the outer step's
-direct term alone, algo/outer.py ``step_closing``). ``final_eval_loss`` is the model
-after the closing pushes; ``stop`` says which bound ended the run ("tokens", "time", or
-"workers": every worker exited on its own first).
-
-``mode="sync"`` runs the same job (model, data, H, workers, speeds, time budget)
-through the synchronous quorum mode instead, so the two reports compare directly. The
-report then also carries ``rounds_committed``, ``rounds_failed``, ``round_time_s`` and,
-per worker, ``idle_s`` (time waiting for the quorum, in the allreduce and for the commit;
-in async mode ``idle_s`` is the time blocked in push and pull). Per async worker the report
-also gives ``blocked_s`` and ``blocked_fraction`` (blocked_s ÷ the worker's wall time);
-``--overlap`` workers (``worker_args``) bring that fraction down.
-
-``leave_rejoin=(i, leave_at_s, rejoin_at_s)`` emulates a worker that goes away and comes
-back: at ``leave_at_s`` seconds of training the demo sends worker i's process SIGTERM (it
-pushes its last pseudo-gradient and calls Leave), and a fresh process with the same
-``--worker-index`` joins at ``rejoin_at_s`` (a new worker id; it pulls the global model).
-The fresh process is started with the others and holds its Join until the demo releases
-it (``--join-when-file``) at ``rejoin_at_s``, once the server shows the old one left, so
-its start-up is not added to the time away. Seconds of training count from
-``train_start_s`` in the report: the moment the demo's status poll (every 0.25 s) first
-saw the global model initialized (the first worker's push of its initial parameters).
-``workers[]`` then has one entry per process, with ``index`` and ``rejoin``.
-
-``shards=S`` (> 1) runs the server as S shards (``asyncdiloco server --shards S
---shard-map out/shards.json``; async mode, raw or bf16 codec) and the workers with
-``--shard-map``. The evaluator then assembles θ from every shard at one version
-(worker/sharded.py ``ShardedClient.pull``); the status poll (version, tokens, workers)
-and the evaluation reports go to shard 0, which sequences every push; the report's
-server counters are shard 0's, except ``bytes_pushed`` and ``bytes_pulled``, summed over
-the shards (``ShardedClient.combined_status``), and it lists ``shard_addresses``.
-"""
+"""The demo: a parameter server and N workers of different speeds as processes on
+loopback (``run_demo``), stopped on a token budget or a time cap, evaluated while they
+train, every child reaped on exit. Async or sync mode, a worker that leaves and rejoins,
+a sharded server. What it runs, how it stops and every report field: docs/operations.md,
+"The demo"; the report itself is demo_report.py's."""
 
 from __future__ import annotations
 
@@ -198,8 +158,9 @@ def _file_stem(index: int, rejoin: bool) -> str:
     return f"worker-{index}" + ("-rejoin" if rejoin else "")
 
 
-def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    # GLOO_SOCKET_IFNAME=lo keeps sync-mode collectives on loopback.
+def spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
+    """Start ``cmd`` with one OpenMP thread, its output into ``log_path``; GLOO_SOCKET_IFNAME=lo
+    keeps sync-mode collectives on loopback."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
     with open(log_path, "wb") as logf:
         return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -285,7 +246,7 @@ class _Processes:
         if self.shard_map is not None:  # the server writes the map before the port file
             self.shard_map.unlink(missing_ok=True)
             cmd += ["--shards", str(self.cfg.shards), "--shard-map", str(self.shard_map)]
-        server = _spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
+        server = spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
         self.popens.append(server)
         return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
 
@@ -306,31 +267,15 @@ class _Processes:
     ) -> WorkerProcess:
         cfg, stem = self.cfg, _file_stem(i, rejoin)
         launcher = (cfg.per_worker_command[i] if i < len(cfg.per_worker_command) else ()) or self.python
-        cmd = [
-            *launcher,
-            "worker",
-            "--server",
-            address,
-            "--worker-index",
-            str(i),
-            "--slowdown",
-            str(self.speeds[i]),
-            "--max-seconds",
-            str(cfg.max_seconds + _WORKER_BACKSTOP_S if max_seconds is None else max_seconds),
-            "--stats-file",
-            str(self.out / f"{stem}.json"),
-            "--worker-name",
-            _worker_name(i, self.speeds[i], rejoin),
-            "--mode",
-            cfg.mode,
-            *WORKER_JOB.argv(cfg.job),
-            *(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()),
-            *cfg.worker_args,
-            *(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()),
-            *extra,
-        ]
-        (self.out / f"{stem}.json").unlink(missing_ok=True)  # a stale file from an earlier run in this folder
-        self.popens.append(_spawn(cmd, self.out / f"{stem}.log"))
+        max_s = cfg.max_seconds + _WORKER_BACKSTOP_S if max_seconds is None else max_seconds
+        cmd = [*launcher, "worker", "--server", address, "--worker-index", str(i), "--mode", cfg.mode]
+        stats = self.out / f"{stem}.json"
+        cmd += ["--slowdown", str(self.speeds[i]), "--max-seconds", str(max_s), "--stats-file", str(stats)]
+        cmd += ["--worker-name", _worker_name(i, self.speeds[i], rejoin), *WORKER_JOB.argv(cfg.job)]
+        cmd += [*(("--shard-map", str(self.shard_map)) if self.shard_map is not None else ()), *cfg.worker_args]
+        cmd += [*(cfg.per_worker_args[i] if i < len(cfg.per_worker_args) else ()), *extra]
+        stats.unlink(missing_ok=True)  # a stale file from an earlier run in this folder
+        self.popens.append(spawn(cmd, self.out / f"{stem}.log"))
         return WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
 
     def reap(self) -> None:

@@ -1,6 +1,6 @@
 """The demo's report: report.json from the server's last status and each worker
 process's stats file, the loss-curve plot, and the summary printed at the end (demo.py
-runs the demo; the fields are described there). A fleet on Ray (fleet/report.py) writes
+runs the demo; the fields: docs/operations.md, "The demo"). A fleet on Ray (fleet/report.py) writes
 the same report: ``report`` reads the run's settings and its workers through
 ``ReportedRun`` and ``ReportedWorker``, which the demo's ``DemoConfig`` and
 ``WorkerProcess`` and the fleet's own records both are."""
@@ -262,8 +262,7 @@ def plot(
     for ax, key, label in ((ax1, "wall_s", "wall time (s)"), (ax2, "tokens", "tokens applied (characters)")):
         ax.plot([c[key] for c in curve], [c["eval_loss"] for c in curve], marker="o", ms=3)
         ax.axhline(math.log(vocab_size), ls="--", c="gray", lw=0.8, label=f"ln(vocab) = {math.log(vocab_size):.2f}")
-        ax.set_xlabel(label)
-        ax.set_ylabel("held-out loss (nats/char)")
+        ax.set(xlabel=label, ylabel="held-out loss (nats/char)")
         ax.grid(alpha=0.3)
         ax.legend()
     kind = "synchronous (quorum allreduce)" if mode == "sync" else "asynchronous"

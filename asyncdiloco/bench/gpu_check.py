@@ -1,29 +1,11 @@
-"""The CUDA path, checked on a machine with a GPU (``benchmarks/gpu_check.sh`` runs this).
+"""The CUDA path, checked on a machine with a GPU in under 5 minutes: the demo with CUDA
+workers, every wire codec against a real server, a sync allreduce over NCCL, and
+push/pull timings against pinned-memory copies. One JSON line per check, then a summary;
+it prints ``SKIP_LINE`` and exits 0 without a GPU, exits 1 when a check failed and 124
+when ``GPU_CHECK_TIMEOUT_S`` (default 290 s) ran out. docs/operations.md, "Checking a GPU
+machine".
 
-Checks, each one JSON line on stdout (and in ``OUT/gpu_check.jsonl``), then a compact
-summary; about 3-4 minutes in all on one GPU:
-
-- ``demo``: ``asyncdiloco demo``'s job with 2 workers on ``--device cuda --overlap``
-  (async, real server and worker processes): the held-out loss must fall and
-  ``report.json`` must be written.
-- ``codec <name>``: for every wire codec (wire/codec.py), an in-process server and an
-  ``AsyncDiLoCoWorker`` whose model is on the GPU train 8 syncs; θ_base (what the worker
-  pulled) must equal the server's parameters within the codec's error
-  (``codec_tolerance``), the model equal θ_base exactly when the codec is lossless, and
-  the worker's host buffers must be pinned.
-- ``nccl``: two processes sum a pinned buffer with ``QuorumCollectives`` over NCCL (sync
-  mode's allreduce), on two GPUs when there are two, else both on one GPU, which NCCL
-  normally refuses ("Duplicate GPU detected"); that refusal is reported as
-  ``"refused"``, not as a failure. With two GPUs a sync-mode demo (one worker per GPU)
-  must commit rounds (``sync demo``).
-- ``transfer``: a model of ``--transfer-mib`` MiB (fp32) on the GPU: seconds per push +
-  pull with the raw codec over a loopback server, and per copy through the worker's
-  pinned buffers (``FlatParams.copy_into`` / ``load``), against plain pinned-memory copy
-  speed (``torch`` host-pinned → device and back) measured in the same run, as ratios.
-
-Exit status: 0 when every check passed or was refused by NCCL, and when the machine has
-no GPU (one line: ``SKIP_LINE``); 1 when a check failed. Nothing is installed: a CPU
-build of torch is a machine without a GPU.
+    python -m asyncdiloco.bench.gpu_check [--out DIR] [--only demo,codecs,nccl,transfer] [--transfer-mib N]
 """
 
 from __future__ import annotations
@@ -34,6 +16,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +30,7 @@ _DUPLICATE_GPU = ("Duplicate GPU detected", "ncclInvalidUsage")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``benchmarks/gpu_check.sh`` passes its arguments on).
+    """The command line.
 
     Raises:
         SystemExit: an unknown check name (argparse's usage error, status 2).
@@ -416,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(SKIP_LINE, flush=True)
         return 0
+    limit_s = int(os.environ.get("GPU_CHECK_TIMEOUT_S", "290"))
+    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.alarm(limit_s)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -439,6 +425,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu_check: {', '.join(gpus)}; torch {header['torch']} (CUDA {header['cuda']})")
     print("\n".join(summary_lines(results)), flush=True)
     return exit_status(results)
+
+
+def _out_of_time(signum: int, frame: Any) -> None:
+    limit = os.environ.get("GPU_CHECK_TIMEOUT_S", "290")
+    print(
+        f"gpu_check: stopped after the time limit of {limit} s (GPU_CHECK_TIMEOUT_S); the lines above are the "
+        "checks that finished",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(124)  # unwinds the checks' context managers, which stop their processes
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,23 +1,8 @@
-"""Our side of the suite's peer row: ``--mode sync`` on the job torchft's DiLoCo runs.
-
-``run_ours`` starts ``asyncdiloco server --mode sync`` (the suite's ``sync_diloco``
-flags: a quorum of every replica, Nesterov η=0.7 μ=0.9, H) and ``replicas`` CLI workers
-at equal speed, each training ``steps`` inner steps (``--max-steps``), on 127.0.0.1. The
-workers start with the server, not after it listens (each holds its join with
-``--join-when-file`` on the server's port file), as torchft's replicas start with its
-lighthouse. It measures what torchft's replicas measure (peer_torchft.py), the same way:
-
-- ``training_wall_s``: from the first worker's join (its ``train.run_worker`` about to
-  join, model and data built: torchft's replicas start their clock at the same point,
-  entering ``DiLoCo`` with the model built) to the last worker's last inner step (its
-  last round decided), on the wall clock, from the stats files;
-- ``command_wall_s``: from starting the first process to every process reaped (the
-  server's start-up and stop, every worker's start-up, the final evaluation);
-- ``median_round_s``: between two committed rounds, over the workers;
-- ``final_eval_loss``: the server's final global model on the held-out batches;
-- ``phases_s``: seconds from the start to the server listening, the first and last
-  join, the first round decided everywhere, the last inner step, the workers exited
-  and the final evaluation done (docs/performance.md, "Sync mode end to end").
+"""The suite's peer row, our side: ``run_ours`` runs ``asyncdiloco server --mode sync``
+(the suite's ``sync_diloco`` flags) and ``replicas`` CLI workers at equal speed on
+127.0.0.1, measuring what torchft's replicas measure (peer_torchft.py) the same way:
+training wall, whole-command wall, median round, final loss, phases. ``peer_section``
+writes the report's row. docs/performance.md, "Sync mode end to end".
 
     python -m asyncdiloco.bench.peer_sync --replicas 4 --steps 160 --local-steps 20 --out DIR [--with-torchft]
 """
@@ -26,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import socket
 import statistics
@@ -34,13 +18,12 @@ import subprocess
 import sys
 import time
 
+from asyncdiloco.bench import peer_torchft
+from asyncdiloco.bench.demo import spawn
+from asyncdiloco.bench.sim import SimConfig
+from asyncdiloco.bench.suite_config import SuiteConfig
+from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.job.config import JobConfig
-
-
-def _spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: float) -> int:
@@ -54,9 +37,7 @@ def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: fl
 
 
 def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str, ...]:
-    from asyncdiloco.bench.sim import SimConfig
-    from asyncdiloco.bench.suite_real import server_flags
-
+    """The suite's ``sync_diloco`` server flags on the real clock (a quorum of every replica)."""
     sim = SimConfig(
         method="sync_diloco",
         speeds_s_per_step=(1.0,) * replicas,
@@ -64,8 +45,7 @@ def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str,
         local_steps=local_steps,
         job=job,
     )
-    _mode, flags, _worker = server_flags(sim)
-    return flags
+    return SERVER_RUN.argv(sim.server_config("real"))
 
 
 def run_ours(
@@ -99,7 +79,7 @@ def run_ours(
     port = _free_port()
     address = f"127.0.0.1:{port}"
     server_cmd = [*python, "server", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)]
-    server = _spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
+    server = spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
     procs, workers = [server], []
     marks: dict[str, float] = {}
     try:
@@ -109,7 +89,7 @@ def run_ours(
             cmd = [*python, "worker", "--mode", "sync", "--server", address, "--worker-index", str(i)]
             cmd += ["--max-steps", str(steps), "--stats-file", str(stats), "--worker-name", f"replica-{i}"]
             cmd += ["--join-when-file", str(port_file)]
-            workers.append(_spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
+            workers.append(spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
         procs += workers
         _wait_for_port(server, port_file, deadline)
         marks["server_listening_s"] = time.monotonic() - started
@@ -194,13 +174,11 @@ def run_row(*, replicas: int, steps: int, local_steps: int, out_dir: str, job: J
     Raises:
         RuntimeError: either run failed (its logs are named).
     """
-    from asyncdiloco.bench.peer_torchft import run_peer, torchft_available
-
     out = pathlib.Path(out_dir)
     rows = [run_ours(replicas=replicas, steps=steps, local_steps=local_steps, out_dir=str(out / "ours"), job=job)]
-    if torchft_available():
+    if peer_torchft.torchft_available():
         rows.append(
-            run_peer(
+            peer_torchft.run_peer(
                 replicas=replicas,
                 steps=steps,
                 local_steps=local_steps,
@@ -234,6 +212,42 @@ def row_table(rows: list[dict]) -> str:
             f"{ours['command_wall_s'] / theirs['command_wall_s']:.2f} |\n"
         )
     return head + "".join(lines)
+
+
+def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
+    """The peer row: our ``--mode sync`` (``run_ours``: a server and 4 CLI workers)
+    and torchft's synchronous DiLoCo (https://github.com/pytorch/torchft) on the same
+    model, data order, H and token budget, 4 replicas at full speed, one after the other
+    in this run, each with its training wall and whole-command wall measured the same way;
+    torchft's line is left out, saying why, when it is not installed."""
+    head = (
+        "## Peer: synchronous DiLoCo, ours and torchft's (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
+    )
+    if progress:
+        print("peer: --mode sync, then torchft DiLoCo", flush=True)
+    job = cfg.job
+    try:
+        rows = run_row(
+            replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"), job=job
+        )
+    except RuntimeError as exc:
+        return head + f"peer run failed: {exc}\n"
+    (out / "peer.json").write_text(json.dumps(rows) + "\n")
+    missing = (
+        ""
+        if peer_torchft.torchft_available()
+        else "torchft is not installed, so its line was skipped: `pip install 'asyncdiloco[peer]'` (after torch) "
+        "adds it.\n\n"
+    )
+    return (
+        head
+        + missing
+        + row_table(rows)
+        + (
+            "\nTraining wall: the first replica's join to the last replica's last inner step; whole command: the "
+            'first process started to the last one reaped (docs/performance.md, "Sync mode end to end").\n'
+        )
+    )
 
 
 def main() -> None:

@@ -1,13 +1,8 @@
-"""Peer row of the benchmark suite: torchft's synchronous DiLoCo on the same job.
-
-Runs only when torchft is installed (``pip install 'asyncdiloco[peer]'``, i.e. torchft
-0.2.0, after torch; https://github.com/pytorch/torchft): a torchft lighthouse and N
-replica-group processes, each training the default job (same model, data order by
-replica index, H, outer Nesterov η=0.7 μ=0.9) with ``torchft.local_sgd.DiLoCo``. Every
-socket stays on 127.0.0.1: the lighthouse and the manager servers bind 127.0.0.1,
-replicas advertise 127.0.0.1, gloo uses ``lo``, and healing goes through the process
-group (``PGTransport``) instead of torchft's HTTP transport, which binds every interface
-and advertises the host name.
+"""The suite's peer row, torchft's side: torchft's synchronous DiLoCo
+(``torchft.local_sgd.DiLoCo``, https://github.com/pytorch/torchft) on the same job, when
+the ``peer`` extra is installed; a lighthouse and N replica-group processes, every socket
+on 127.0.0.1 (healing through the process group, not torchft's HTTP transport).
+docs/performance.md, "Sync mode end to end".
 
     python -m asyncdiloco.bench.peer_torchft --replicas 2 --steps 200 --local-steps 20 --out DIR
 """
@@ -143,36 +138,15 @@ def run_peer(
     command_started = time.monotonic()
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=replicas, join_timeout_ms=5000, quorum_tick_ms=100)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    shared = {"--replicas": replicas, "--lighthouse": lighthouse.address(), "--steps": steps}
+    shared |= {"--local-steps": local_steps, "--seed": seed, "--n-layer": n_layer, "--n-embd": n_embd}
+    shared |= {"--context-len": context_len, "--batch-size": batch_size}
+    argv = [x for flag, value in shared.items() for x in (flag, str(value))]
     procs = []
     try:
         for i in range(replicas):
-            cmd = [
-                sys.executable,
-                "-m",
-                "asyncdiloco.bench.peer_torchft",
-                "--replica-index",
-                str(i),
-                "--replicas",
-                str(replicas),
-                "--lighthouse",
-                lighthouse.address(),
-                "--steps",
-                str(steps),
-                "--local-steps",
-                str(local_steps),
-                "--seed",
-                str(seed),
-                "--n-layer",
-                str(n_layer),
-                "--n-embd",
-                str(n_embd),
-                "--context-len",
-                str(context_len),
-                "--batch-size",
-                str(batch_size),
-                "--out",
-                str(out / f"replica-{i}.json"),
-            ]
+            cmd = [sys.executable, "-m", "asyncdiloco.bench.peer_torchft", "--replica-index", str(i), *argv]
+            cmd += ["--out", str(out / f"replica-{i}.json")]
             with open(out / f"replica-{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + timeout_s

@@ -1,23 +1,14 @@
-"""The benchmark suite's worker profiles: speeds, links, noise and data per worker.
-
-Each ``Profile`` says what the virtual clock charges in one setting (sim_costs.py has
-the formulas): seconds per inner step per worker (with changes over time, and a worker
-that leaves and rejoins), one link per worker, per-step time noise, whether each worker
-draws its batches from its own slice of the corpus, and the model size the links are
-charged for.
-
-    uneven      Liu et al.'s notebook speeds, datacenter links, mild noise
-    jittery     the same mean speeds, heavy-tailed per-step noise and transient stalls
-    slow_link   DiLoCo's setting: 1 Gbit/s, 50–100 ms to the server, a 150 M-parameter model
-    non_iid     uneven speeds, each worker its own contiguous slice of the training text
-    homogeneous, straggler, changing, leave_rejoin: the full suite's earlier profiles
-"""
+"""The benchmark suite's worker profiles (``PROFILES``): per worker its speed, speed
+changes, a leave and rejoin, its link, per-step time noise, its slice of the data, and the
+model size the links are charged for. docs/algorithms.md, "What the virtual clock
+charges", lists them."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from asyncdiloco.bench.sim_costs import GBIT_S, NO_NOISE, Link, Noise
+from asyncdiloco.errors import ConfigError
 
 #: A datacenter link: 0.5 ms one way, 10 Gbit/s.
 DATACENTER = Link(latency_s=0.5e-3, bandwidth_Bps=10 * GBIT_S)
@@ -29,28 +20,45 @@ UNEVEN_SPEEDS = (0.58, 0.75, 1.51, 3.33)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Profile:
-    """One benchmark setting (virtual seconds; see the module docstring).
+    """One benchmark setting: the workers and what the virtual clock charges them
+    (virtual seconds; see the module docstring). ``sim.SimConfig`` is a profile plus a
+    method, budget and seed."""
 
-    Attributes:
-        speeds_s_per_step: mean seconds per inner step of each worker; the worker count.
-        speed_changes: (virtual time s, worker, new seconds per step), in any order.
-        leave_rejoin: (worker, leave at s, rejoin at s), or None.
-        links: one ``Link`` per worker (() = free communication).
-        noise: per-step time noise of every worker.
-        non_iid: worker i draws its batches from slice i of the training split.
-        wire_params: parameters whose bytes the links are charged for (None: the
-            trained model's ~60 k).
-        doc: one line for reports.
-    """
-
+    #: Mean seconds per inner step of each worker (virtual clock); its length is the worker count.
     speeds_s_per_step: tuple[float, ...]
+    #: Speed changes: (virtual time s, worker index, new seconds per step), in any order.
     speed_changes: tuple[tuple[float, int, float], ...] = ()
+    #: A worker that leaves and rejoins: (worker index, leave at s, rejoin at s), or None.
     leave_rejoin: tuple[int, float, float] | None = None
+    #: One link per worker (sim_costs.Link), or () for free communication.
     links: tuple[Link, ...] = ()
+    #: Per-step time noise of every worker (drawn per worker from (seed, worker)).
     noise: Noise = NO_NOISE
+    #: Non-IID data: worker i draws its batches from slice i of the training split
+    #: (``BatchStream`` shards); the held-out set stays the common one.
     non_iid: bool = False
+    #: Parameters whose bytes the links are charged for (None: the trained model's).
+    #: The trained model is tiny (~60 k parameters), so its transfers would be free; a
+    #: profile sets this to say "the virtual clock stands for a model of P parameters".
+    #: Every byte count a run reports is of this size (the charged bytes).
     wire_params: int | None = None
+    #: One line for reports.
     doc: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.speeds_s_per_step or any(not s > 0 for s in self.speeds_s_per_step):
+            raise ConfigError(f"speeds_s_per_step={self.speeds_s_per_step} is invalid: one positive value per worker")
+        if self.links and len(self.links) != len(self.speeds_s_per_step):
+            raise ConfigError(
+                f"links has {len(self.links)} entries for {len(self.speeds_s_per_step)} workers: give one per worker, "
+                "or () for free links"
+            )
+        if self.wire_params is not None and self.wire_params < 1:
+            raise ConfigError(f"wire_params={self.wire_params} is invalid: give a parameter count >= 1, or None")
+
+    def fields(self) -> dict:
+        """The profile's fields by name (to build a ``SimConfig`` of this profile)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Profile)}
 
     def describe(self) -> str:
         """One line: speeds, events, links, noise, data."""

@@ -1,16 +1,10 @@
 """The scale suite: the 1,000-worker simulation (sim_scale.py), the server's apply cost
-measured at several model sizes in the same run (``measure_apply``), the shards they
-call for, and the report: ``scale.jsonl`` (one JSON line per measurement and one for the simulation),
-``report.md`` and ``scale.png``.
+measured at several model sizes in the same run (``measure_apply``), the shards they call
+for (S = ceil(demanded ÷ sustained pushes/s); the "bookkeeping not divided" column solves
+demand · (bookkeeping + rest / S) ≤ 1), and ``scale.jsonl``, ``report.md`` and
+``scale.png``. docs/algorithms.md, "1,000 workers on the virtual clock".
 
     asyncdiloco bench --suite scale --workers 1000 --seed 0 --out DIR
-
-S needed = ceil(demanded pushes/s ÷ pushes/s one shard sustains), assuming a shard does
-1/S of every push's work. The registry's bookkeeping per push (the passes over the
-workers' table, measured as the cost with ``workers`` registered minus the cost with one)
-would not divide; the column "S, bookkeeping not divided" solves
-demand · (bookkeeping + rest / S) ≤ 1 for S instead ("never" when the bookkeeping alone
-exceeds a second per second).
 """
 
 from __future__ import annotations
@@ -197,22 +191,23 @@ def _s(n: int | None) -> str:
 
 
 def report_markdown(result: dict) -> str:
+    """report.md of a scale run: the demand and what one shard sustains, staleness, groups
+    and Delayed Nesterov, DyLU's H_w, churn, and the findings."""
+    lines = _shards_section(result) + _staleness_section(result["simulation"]) + _groups_section(result["simulation"])
+    lines += [*_findings(result), "", "Plot: scale.png. Raw: scale.jsonl.", ""]
+    return "\n".join(lines)
+
+
+def _shards_section(result: dict) -> list[str]:
     sim, applies = result["simulation"], result["apply"]
-    c, p, d, cpu = sim["config"], sim["pushes"], sim["demand"], sim["server_cpu"]
-    groups, stal = sim["groups"], sim["staleness"]
-    workers, H = c["workers"], c["local_steps"]
-    alive = [s["alive"] for s in sim["samples"]]
-    h_med = [s["h_w"][2] for s in sim["samples"] if s["h_w"]]
-    hist_h = sim["h_w_histogram"]
-    dn = sim["dn_buffer_histogram"]
-    dn_updates = sum(dn)
-    dn_mean = sum((i + 1) * n for i, n in enumerate(dn)) / max(1, dn_updates)
-    losses = [s["loss"] for s in sim["samples"]]
+    c, d, cpu = sim["config"], sim["demand"], sim["server_cpu"]
+    workers = c["workers"]
     lines = [
         f"# {workers:,} workers on the virtual clock",
         "",
         f"`asyncdiloco bench --suite scale --workers {workers} --seed {c['seed']}`: {c['duration_s']:g} virtual s; "
-        f"speeds {c['speeds']}; H = {H}; joins Poisson at {workers}/{c['mean_lifetime_s']:g} s, exponential "
+        f"speeds {c['speeds']}; H = {c['local_steps']}; joins Poisson at {workers}/{c['mean_lifetime_s']:g} s, "
+        "exponential "
         f"lifetimes of mean {c['mean_lifetime_s']:g} s, {c['crash_fraction']:.0%} of departures killed (no Leave); "
         f"a {c['numel']}-parameter noisy quadratic per worker. The server: its defaults ({sim['server']['outer']}, "
         f"DyLU, grouping window, lease {sim['server']['lease_s']:g} s). Real time {result['real_s']:.0f} s "
@@ -259,6 +254,13 @@ def report_markdown(result: dict) -> str:
         "than the fleet's, whose momentum moves once per ~N pushes. Extrapolated rows scale the largest measured "
         "size linearly in the parameters.",
         "",
+    ]
+    return lines
+
+
+def _staleness_section(sim: dict) -> list[str]:
+    p, stal = sim["pushes"], sim["staleness"]
+    return [
         "## Staleness",
         "",
         f"{p['sent']:,} pushes sent: {p['applied']:,} applied (the server counts {sim['applied_by_server']:,}), "
@@ -273,6 +275,21 @@ def report_markdown(result: dict) -> str:
         + " | ".join(str(n) for _, n in _binned(sim["staleness_histogram"], (0, 1, 10, 100, 500, 900, 1000)))
         + " |",
         "",
+    ]
+
+
+def _groups_section(sim: dict) -> list[str]:
+    """Groups and Delayed Nesterov, DyLU's H_w, churn and the model."""
+    c, p, groups = sim["config"], sim["pushes"], sim["groups"]
+    workers, H = c["workers"], c["local_steps"]
+    alive = [s["alive"] for s in sim["samples"]]
+    h_med = [s["h_w"][2] for s in sim["samples"] if s["h_w"]]
+    hist_h = sim["h_w_histogram"]
+    dn = sim["dn_buffer_histogram"]
+    dn_updates = sum(dn)
+    dn_mean = sum((i + 1) * n for i, n in enumerate(dn)) / max(1, dn_updates)
+    losses = [s["loss"] for s in sim["samples"]]
+    return [
         "## Groups and Delayed Nesterov",
         "",
         f"{groups['released']:,} push groups released (the server's `group_size_histogram`), mean "
@@ -309,12 +326,7 @@ def report_markdown(result: dict) -> str:
         "",
         "## What it says",
         "",
-        *_findings(result),
-        "",
-        "Plot: scale.png. Raw: scale.jsonl.",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def _findings(result: dict) -> list[str]:

@@ -1,29 +1,9 @@
-"""Virtual-clock simulator: asynchronous and synchronous DiLoCo in one process.
-
-Workers are scheduled on a virtual clock, but every inner step is real training (the
-default job's model and data), and every algorithm is the server's own code:
-asynchronous pushes go through ``ParameterServerState`` (outer optimizer, staleness
-weights, Delayed Nesterov, DyLU's rates, the grouping of replies by
-``schedule.GroupWindow``, push accounting) with the virtual clock injected; synchronous
-rounds apply the mean pseudo-gradient with the same ``OuterOptimizer``.
-
-What the clock charges (``sim_costs.py``): each inner step's duration is drawn from the
-worker's own RNG around its seconds per step (``Noise``: heavy-tailed jitter, stalls,
-drift); each push and pull costs its link's latency + bytes / bandwidth, and a sync
-round a quorum round trip plus a ring allreduce (``SimConfig.links``), for payloads of
-``wire_params`` parameters under the run's wire codec. DyLU's rates are never handed
-over: every simulated step's duration feeds the real worker's estimator
-(``sim_costs.RATE_PROBE``: algo/rates.py ``InnerStepRate``), which reports the rate before
-the first push as the real worker does, and every push carries its steps at that rate as
-``compute_s``. Runs are deterministic for a given seed. The loops live in
-``sim_async.py`` and ``sim_sync.py``.
-
-Methods (``METHODS``; Liu et al. 2024, arXiv 2401.09135, Table 1, and beyond it):
-``sync_localsgd``, ``sync_diloco``, ``sync_diloco_adaptive``, ``async_nesterov``,
-``async_nesterov_poly``, ``async_dn``, ``async_dn_dylu`` (the server's default),
-``async_dn_dylu_barrier``, ``async_dn_dylu_overlap``, ``async_dn_dylu_blockcheck``,
-``async_dn_dylu_stream``, ``async_dn_dylu_lookahead``.
-"""
+"""The virtual-clock simulator's shared parts: the methods (``METHODS``; Liu et al. 2024,
+arXiv 2401.09135, Table 1, and beyond it), one run's configuration (``SimConfig``: a
+profile plus method, budget and seed) and result (``SimResult``), the trained replica,
+the virtual clock and the held replies of a grouping window. The loops are in
+sim_async.py and sim_sync.py, what the clock charges in sim_costs.py, and ``simulate``
+in simulate.py. docs/algorithms.md, "What the virtual clock charges"."""
 
 from __future__ import annotations
 
@@ -37,12 +17,13 @@ import torch
 
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, SYNC_OUTER, OuterConfig
 from asyncdiloco.algo.schedule import GroupWindow
-from asyncdiloco.bench.sim_costs import FREE_LINK, NO_NOISE, Link, Noise, StepTimer
+from asyncdiloco.bench.profiles import Profile
+from asyncdiloco.bench.sim_costs import FREE_LINK, Link, StepTimer
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import evaluate, lm_loss
-from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.config import ServerConfig, SyncConfig
 from asyncdiloco.wire.codec import WIRE_CODECS
 
 
@@ -143,16 +124,13 @@ METHODS: dict[str, Method] = {
     ),
 }
 SYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "sync")
-ASYNC_METHODS = tuple(m for m, spec in METHODS.items() if spec.mode == "async")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SimConfig:
-    """One simulated run."""
+class SimConfig(Profile):
+    """One simulated run: a profile's workers (``Profile``'s fields) running ``method``."""
 
     method: str
-    #: Seconds per inner step of each worker (virtual clock); its length is the worker count.
-    speeds_s_per_step: tuple[float, ...]
     #: Budget: inner steps summed over workers, the same for every method. Steps are
     #: allotted when a round starts; a round that would exceed the budget is cut to what
     #: remains (sync: split evenly over the members, the first ones one step more).
@@ -175,41 +153,17 @@ class SimConfig:
     #: noise of its own (the curve keeps the cheaper set; its last point is the final
     #: model on that set).
     final_on_split: bool = False
-    #: Speed changes: (virtual time s, worker index, new seconds per step).
-    speed_changes: tuple[tuple[float, int, float], ...] = ()
-    #: A worker that leaves and rejoins: (worker index, leave at s, rejoin at s).
-    leave_rejoin: tuple[int, float, float] | None = None
-    #: One link per worker (sim_costs.Link), or () for free communication.
-    links: tuple[Link, ...] = ()
-    #: Per-step time noise of every worker (drawn per worker from (seed, worker)).
-    noise: Noise = NO_NOISE
-    #: Non-IID data: worker i draws its batches from slice i of the training split
-    #: (``BatchStream`` shards); the held-out set stays the common one.
-    non_iid: bool = False
-    #: Parameters whose bytes the links are charged for (None: the trained model's).
-    #: The trained model is tiny (~60 k parameters), so its transfers would be free; a
-    #: profile sets this to say "the virtual clock stands for a model of P parameters".
-    #: Every byte count the run reports is of this size (the charged bytes).
-    wire_params: int | None = None
     #: The async run's wire codec for pushes and pulls ("raw", "bf16", "int8"): the
     #: server's ``--wire-codec``; pseudo-gradients and pulled models go through it, and it
     #: sets the charged bytes. Sync rounds are always raw.
     wire_codec: str = "raw"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.method not in METHODS:
             raise ConfigError(f"method={self.method!r} is invalid: choose one of {tuple(METHODS)}")
-        if not self.speeds_s_per_step or any(not s > 0 for s in self.speeds_s_per_step):
-            raise ConfigError(f"speeds_s_per_step={self.speeds_s_per_step} is invalid: one positive value per worker")
         if self.total_steps < len(self.speeds_s_per_step):
             raise ConfigError(f"total_steps={self.total_steps} is invalid: must be >= the number of workers")
-        if self.links and len(self.links) != len(self.speeds_s_per_step):
-            raise ConfigError(
-                f"links has {len(self.links)} entries for {len(self.speeds_s_per_step)} workers: give one per worker, "
-                "or () for free links"
-            )
-        if self.wire_params is not None and self.wire_params < 1:
-            raise ConfigError(f"wire_params={self.wire_params} is invalid: give a parameter count >= 1, or None")
         if self.wire_codec not in WIRE_CODECS:
             raise ConfigError(f"wire_codec={self.wire_codec!r} is invalid: choose one of {WIRE_CODECS}")
 
@@ -227,21 +181,33 @@ class SimConfig:
             momentum=o.momentum if self.outer_momentum is None else self.outer_momentum,
         )
 
-    def server_config(self) -> ServerConfig:
-        """The server configuration this run uses (in-process, virtual clock)."""
+    def server_config(self, clock: str = "virtual") -> ServerConfig:
+        """The server this run uses: the method's mode, H, outer step, DyLU and grouping
+        (``METHODS``), with the server's auto grouping window unless ``grace_s`` is set.
+
+        Args:
+            clock: "virtual": the in-process server of the simulator (the run's wire
+                codec, leases that never expire on the virtual clock); "real": the
+                server process of a real-clock run (suite_real.py), whose sync quorum
+                needs every worker present (not the one away in ``leave_rejoin``) and
+                waits up to 30 s, with the method's local-steps rule.
+        """
         spec = METHODS[self.method]
-        return ServerConfig(
-            port=0,
-            mode=spec.mode,
-            local_steps=self.local_steps,
-            outer=self.outer(),
-            dylu=spec.dylu,
-            grouping=spec.grouping,
-            grace_s=self.grace_s,
-            wire_codec=self.wire_codec if spec.mode == "async" else "raw",
-            lease_s=86400,
-            histogram_buckets=64,
+        fields: dict = dict(
+            mode=spec.mode, local_steps=self.local_steps, outer=self.outer(), dylu=spec.dylu, grouping=spec.grouping
         )
+        if clock == "virtual":
+            codec = self.wire_codec if spec.mode == "async" else "raw"
+            return ServerConfig(
+                port=0, **fields, grace_s=self.grace_s, wire_codec=codec, lease_s=86400, histogram_buckets=64
+            )
+        if spec.mode == "sync":
+            present = len(self.speeds_s_per_step) - (
+                1 if self.leave_rejoin is not None else 0
+            )  # rounds go on without it
+            local_steps = "adaptive" if spec.adaptive else "fixed"  # the method's rule, whatever the server's default
+            fields["sync"] = SyncConfig(min_workers=present, join_timeout_s=30.0, local_steps=local_steps)
+        return ServerConfig(**fields)
 
 
 @dataclasses.dataclass
@@ -298,7 +264,7 @@ class SimResult:
         return next((p["time_s"] for p in self.curve if p["eval_loss"] <= target), None)
 
 
-class _Replica:
+class Replica:
     """One worker's model, inner optimizer and data stream."""
 
     def __init__(self, cfg: SimConfig, corpus: CharCorpus, index: int) -> None:
@@ -348,39 +314,6 @@ def _speed(cfg: SimConfig, worker: int, t: float) -> float:
     return s
 
 
-def simulate(cfg: SimConfig, progress: Callable[[int], None] | None = None) -> SimResult:
-    """Run one method on the virtual clock until ``total_steps`` inner steps are done.
-
-    Runs with one intra-op thread (restored afterwards): the small models are fastest
-    that way, and a fixed thread count keeps float reductions, hence results, identical
-    from machine to machine.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _simulate(cfg, progress)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _simulate(cfg: SimConfig, progress: Callable[[int], None] | None) -> SimResult:
-    torch.manual_seed(cfg.seed)
-    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, seed=cfg.seed))  # init and data order
-    corpus = CharCorpus.default()
-    evaluator = cfg.job.build(corpus)
-    eval_set = cfg.job.eval_set(corpus)
-    replicas = [_Replica(cfg, corpus, i) for i in range(len(cfg.speeds_s_per_step))]
-    if cfg.method in SYNC_METHODS:
-        from asyncdiloco.bench.sim_sync import run_sync as run
-    else:
-        from asyncdiloco.bench.sim_async import run_async as run
-    result = run(cfg, replicas, evaluator, eval_set, progress or (lambda _: None))
-    if not cfg.final_on_split:
-        return result
-    assert result.curve[-1]["steps"] == result.steps  # the last curve point loaded the final model into evaluator
-    return dataclasses.replace(result, final_eval_loss=evaluate(evaluator, cfg.job.split_set(corpus)))
-
-
 def step_timers(cfg: SimConfig) -> list[StepTimer]:
     """Each worker's step timer: its seconds per step (with ``speed_changes``) and the
     run's noise, drawn from the worker's own RNG seeded by (seed, worker)."""
@@ -394,7 +327,7 @@ def wire_numel(cfg: SimConfig, numel: int) -> int:
     return numel if cfg.wire_params is None else cfg.wire_params
 
 
-def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, version) -> dict:
+def eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, version) -> dict:
     pos = 0
     with torch.no_grad():
         for p in evaluator.parameters():
@@ -409,7 +342,7 @@ def _eval_point(evaluator, eval_set, flat, steps, tokens_per_step, time_s, versi
     }
 
 
-def _present(cfg: SimConfig, worker: int, t: float) -> bool:
+def present(cfg: SimConfig, worker: int, t: float) -> bool:
     if cfg.leave_rejoin is None or cfg.leave_rejoin[0] != worker:
         return True
     _, leave, rejoin = cfg.leave_rejoin

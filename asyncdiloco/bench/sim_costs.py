@@ -1,19 +1,8 @@
-"""What the virtual-clock simulator charges: links, payload bytes, step-time noise, and
-the workers' own rate estimates.
-
-- ``Link``: one worker's connection, one-way latency and bandwidth. A push or a pull of
-  B bytes costs ``latency_s + B / bandwidth_Bps`` (``Link.transfer_s``).
-- ``sync_round_comm_s``: synchronous DiLoCo's communication per round: a quorum round
-  trip to the server, then a ring allreduce over the members' links.
-- ``wire_bytes``: the bytes of one push or pull of P fp32 parameters under a wire codec
-  (``wire/codec.py``'s own arithmetic).
-- ``Noise`` and ``StepTimer``: each worker's inner-step durations, drawn from a per-worker
-  RNG seeded by (seed, worker): heavy-tailed multiplicative noise, transient stalls and
-  slow drift around the profile's seconds per step.
-- ``WorkerRate``: the rate a worker reports before its first push and carries with each push, estimated as the
-  real worker times it (``worker/base.py`` ``_report_rate``). The simulator builds one
-  per registration through ``RATE_PROBE`` (swap that name to change the estimator).
-"""
+"""What the virtual-clock simulator charges: links (``Link``: latency + bytes ÷ bandwidth;
+``sync_round_comm_s``: a quorum round trip and a ring allreduce), payload bytes under a wire
+codec (``wire_bytes``), per-worker step-time noise (``Noise``, ``StepTimer``), and the
+workers' own rate estimates (``WorkerRate``, built per registration by ``RATE_PROBE``).
+docs/algorithms.md, "What the virtual clock charges"."""
 
 from __future__ import annotations
 

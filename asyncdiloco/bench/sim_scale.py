@@ -1,34 +1,8 @@
-"""1,000 workers on the virtual clock: the parameter server's own state code at fleet scale.
-
-``simulate`` drives ``ParameterServerState`` (the server's defaults: Delayed Nesterov with
-N = the live workers, DyLU, the grouping window, the lease) with ``workers`` simulated
-workers on sim.py's virtual clock and its ``HeldReplies``. Each worker does what
-``asyncdiloco worker`` does, through the same state methods the gRPC servicer calls: Join
-(reporting its inner-step rate), a pull (``open_pull``: its H_w comes in the header), H_w
-inner steps, a push (every check, staleness, the outer step, the group), the reply once
-its group is released (``finish_push``), heartbeats every ``lease_s / 3``, and Leave.
-
-The workers train no network: each runs H_w steps of SGD on a noisy quadratic
-f(θ) = ½ Σ_i a_i (θ_i − θ*_i)² in closed form (``_Quadratic``), so a thousand of them cost
-microseconds each, while the pseudo-gradients still carry a signal whose loss shows
-whether the global model converges. What is measured is the server and its algorithms.
-
-- Speeds: seconds per inner step, heavy-tailed: Pareto (shape α, the fastest x_m) or
-  log-normal (median, σ); drawn per worker, fixed for its life.
-- Churn: joins are a Poisson process of rate ``workers / mean_lifetime_s`` (so the
-  population stays near ``workers``), each worker lives an exponential lifetime, and a
-  share ``crash_fraction`` of departures never call Leave (killed): the server finds out
-  from its expected-workers rule and then the lease.
-- Demand: pushes per virtual second the workers send (a virtual second is a second of
-  the workers' compute); "unthrottled": Σ 1 / (H_w · s_w) over the live workers, what
-  they would send if no reply were held.
-- What one shard sustains: the server's CPU time (thread time, one torch thread) of every
-  push, its reply and its pull, measured in the run; ``scale_report.measure_apply`` times the same
-  path at larger models, with 1 and with ``workers`` registered workers. S needed =
-  ceil(demanded ÷ sustained), assuming the per-push work divides by S (each shard applies
-  its 1/S of every tensor); the registry's per-push bookkeeping does not divide (every
-  shard would keep the workers' table, or shard 0 would sequence for all), which is why
-  the report separates it.
+"""1,000 workers on the virtual clock: the parameter server's own state code at fleet
+scale. Each simulated worker does what ``asyncdiloco worker`` does through the methods the
+gRPC servicer calls (join, pull, push, the held reply, heartbeats, leave), with
+heavy-tailed speeds and churn, and trains a noisy quadratic in closed form, so the cost
+measured is the server's. docs/algorithms.md, "1,000 workers on the virtual clock".
 
     asyncdiloco bench --suite scale --workers 1000 --seed 0 --out DIR
 """
@@ -486,17 +460,6 @@ class _Run:
         counts = dict(self.counts)
         counts["refused"] = sum(v for k, v in self.refused.items() if not k.startswith("heartbeat_"))
         counts["expired"] = sum(1 for s in st.workers if s.state == "expired")
-        cpu = self.cpu
-        per_push_kinds = ("push", "reply", "pull")
-        push_work_cpu_s = sum(cpu.cpu_s.get(k, 0.0) for k in per_push_kinds)
-        per_push_cpu_s = push_work_cpu_s / max(1, counts["sent"])
-        demand = counts["sent"] / end
-        second_half = self.pushes_per_bin[len(self.pushes_per_bin) // 2 :]
-        demand_late = sum(second_half) / (len(second_half) * cfg.sample_every_s) if second_half else 0.0
-        peak = max(self.pushes_per_bin) / cfg.sample_every_s
-        sustained = 1.0 / per_push_cpu_s if per_push_cpu_s > 0 else math.inf
-        hist = list(st.staleness_histogram)
-        groups = list(st.group_size_histogram)
         return {
             "kind": "simulation",
             "config": {**dataclasses.asdict(cfg), "speeds": cfg.describe_speeds()},
@@ -509,13 +472,34 @@ class _Run:
             "pushes": counts,
             "refused_by_reason": self.refused,
             "applied_by_server": st.applied_pushes,
+            **self._staleness_and_groups(st),
+            "dn_buffer_histogram": self.dn_buffers,
+            "dn_open_arrivals": state.outer.arrivals if isinstance(state.outer, DelayedNesterov) else 0,
+            "h_w_histogram": self.h_assigned,
+            "held_s": {
+                "mean": statistics.fmean(self.held_s) if self.held_s else 0.0,
+                "p50": statistics.median(self.held_s) if self.held_s else 0.0,
+                "max": max(self.held_s, default=0.0),
+            },
+            "utilisation": sum(w.busy_s for w in self.workers) / live_s if live_s > 0 else 0.0,
+            **self._demand_and_cpu(counts["sent"]),
+            "pushes_per_bin": self.pushes_per_bin,
+            "samples": self.samples,
+            "divergence_warnings": st.divergence_warnings,
+            "version": st.version,
+        }
+
+    def _staleness_and_groups(self, st) -> dict:
+        """The record's staleness and group fields, from the server's status."""
+        hist, groups = list(st.staleness_histogram), list(st.group_size_histogram)
+        return {
             "staleness_histogram": _bin_counts(hist),
             "staleness": {
                 "mean": sum(i * n for i, n in enumerate(hist)) / max(1, sum(hist)),
                 "p50": _quantile(hist, 0.5),
                 "p99": _quantile(hist, 0.99),
                 "max": len(_bin_counts(hist)) - 1,
-                "max_staleness": state.config.outer.max_staleness,
+                "max_staleness": self.state.config.outer.max_staleness,
             },
             "group_size_histogram": groups,
             "groups": {
@@ -526,15 +510,18 @@ class _Run:
                 "p50": _quantile(groups, 0.5, 1),
                 "max": len(groups),
             },
-            "dn_buffer_histogram": self.dn_buffers,
-            "dn_open_arrivals": state.outer.arrivals if isinstance(state.outer, DelayedNesterov) else 0,
-            "h_w_histogram": self.h_assigned,
-            "held_s": {
-                "mean": statistics.fmean(self.held_s) if self.held_s else 0.0,
-                "p50": statistics.median(self.held_s) if self.held_s else 0.0,
-                "max": max(self.held_s, default=0.0),
-            },
-            "utilisation": sum(w.busy_s for w in self.workers) / live_s if live_s > 0 else 0.0,
+        }
+
+    def _demand_and_cpu(self, sent: int) -> dict:
+        """Pushes/s the workers demanded, and what one shard sustains at the CPU time measured."""
+        cfg, cpu, end = self.cfg, self.cpu, self.cfg.duration_s
+        per_push_cpu_s = sum(cpu.cpu_s.get(k, 0.0) for k in ("push", "reply", "pull")) / max(1, sent)
+        demand = sent / end
+        second_half = self.pushes_per_bin[len(self.pushes_per_bin) // 2 :]
+        demand_late = sum(second_half) / (len(second_half) * cfg.sample_every_s) if second_half else 0.0
+        peak = max(self.pushes_per_bin) / cfg.sample_every_s
+        sustained = 1.0 / per_push_cpu_s if per_push_cpu_s > 0 else math.inf
+        return {
             "demand": {
                 "pushes_per_s": demand,
                 "pushes_per_s_second_half": demand_late,
@@ -551,8 +538,4 @@ class _Run:
                 "s_needed": math.ceil(demand / sustained),
                 "s_needed_peak": math.ceil(peak / sustained),
             },
-            "pushes_per_bin": self.pushes_per_bin,
-            "samples": self.samples,
-            "divergence_warnings": st.divergence_warnings,
-            "version": st.version,
         }

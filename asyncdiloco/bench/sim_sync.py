@@ -1,30 +1,9 @@
-"""The simulator's synchronous loop: DiLoCo / LocalSGD rounds on a virtual clock.
-
-Every round, the members present at its start each run their local steps from the
-global model θ (durations from their ``StepTimer``), then meet at a quorum and a ring
-allreduce of their pseudo-gradients; the mean Δ takes one outer step with the server's
-own ``OuterOptimizer``. A round lasts
-
-    max_w (Σ of member w's step durations) + sync_round_comm_s(members' links, B)
-
-with B the raw fp32 bytes of ``wire_params`` parameters (sim_costs.py: quorum round
-trip 2 × max latency, ring 2(N − 1)·(max latency + (B/N)/min bandwidth)).
-
-Local steps per member:
-
-- ``sync_diloco``, ``sync_localsgd``: H each.
-- ``sync_diloco_adaptive``: H_w = DyLU's rule (``dylu_local_steps``) over the members'
-  *estimated* rates, H for the fastest, so the members finish at about the same time.
-  A member's rate is estimated as the real member and server do it: every step's
-  duration feeds the member's own estimator (``RATE_PROBE``: the worker's
-  ``InnerStepRate``); a member without a rate at the server times its first steps in its
-  first round (first step untimed, then 3 timed) and reports, running at least those 4;
-  every round's vote carries compute_s = its steps at the estimated rate, which the
-  server's ``StepRateMeter`` folds in (moving average, weight 0.5).
-
-Budget: the round that would exceed ``total_steps`` is cut to what remains (plain: split
-evenly, the first members one step more; adaptive: in proportion to H_w).
-"""
+"""The simulator's synchronous loop: DiLoCo / LocalSGD rounds on a virtual clock. Each
+round the members present train their local steps from θ (``sync_diloco_adaptive``: H_w
+by DyLU's rule over their measured rates), then pay a quorum round trip and a ring
+allreduce; the mean Δ takes one step of the server's ``OuterOptimizer``. A round that
+would exceed the budget is cut to what remains. docs/algorithms.md, "What the virtual
+clock charges"."""
 
 from __future__ import annotations
 
@@ -32,7 +11,7 @@ import torch
 
 from asyncdiloco.algo.outer import make_outer_optimizer
 from asyncdiloco.algo.schedule import StepRateMeter, dylu_local_steps
-from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, _eval_point, _present, step_timers, wire_numel
+from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, eval_point, present, step_timers, wire_numel
 from asyncdiloco.bench.sim_costs import RATE_PROBE, WorkerRate, ring_allreduce_bytes, sync_round_comm_s, wire_bytes
 
 
@@ -64,6 +43,33 @@ def _cut(h: dict[int, int], remaining: int, proportional: bool) -> dict[int, int
     return out
 
 
+def _adaptive_steps(cfg: SimConfig, members, meter, timers, estimators, probed: dict, t: float) -> dict[int, int]:
+    """H_w of each member by DyLU's rule over the rates the server has; a member without
+    one probes first (its durations go into ``probed``) and runs at least those steps."""
+    for r in members:
+        if r.index not in meter.rates:  # no rate yet: it times its first steps
+            probed[r.index], rate = _probe(timers[r.index], estimators[r.index], t)
+            meter.report(r.index, rate)
+    rates = {r.index: meter.rates[r.index] for r in members}
+    h = dylu_local_steps(rates, cfg.local_steps)
+    return {w: max(n, len(probed.get(w, ()))) for w, n in h.items()}
+
+
+def _member_round(r, n: int, theta: torch.Tensor, timer, estimator: WorkerRate, probed: list, t: float) -> float:
+    """Member ``r`` trains ``n`` steps from θ; returns their summed durations (seconds)."""
+    durations = probed[:n]
+    fresh = timer.steps_s(t + sum(durations), n - len(durations))
+    for d in fresh:  # the probe's steps were seen already
+        estimator.step(d)
+    durations += fresh
+    r.load(theta)
+    r.train(n)
+    compute = sum(durations)
+    r.busy_s += compute
+    estimator.reporting = False  # from its first vote on, each carries compute_s
+    return compute
+
+
 def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResult:
     """Synchronous rounds (module docstring) until ``total_steps`` inner steps are done."""
     adaptive = METHODS[cfg.method].adaptive
@@ -73,7 +79,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     meter = StepRateMeter()
     estimators = [RATE_PROBE() for _ in replicas]  # each member's own (worker/base.py step_rate)
     tps = cfg.job.tokens_per_step
-    curve = [_eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
+    curve = [eval_point(evaluator, eval_set, theta, 0, tps, 0.0, 0)]
     t, steps, rounds, pushes, next_eval = 0.0, 0, 0, 0, cfg.eval_every_steps
     n_bytes = wire_bytes("raw", wire_numel(cfg, theta.numel()))  # sync rounds travel raw
     bytes_up = bytes_down = 0.0
@@ -81,20 +87,14 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
     groups: list[int] = []
     log: list[list[int]] = []
     while steps < cfg.total_steps:
-        members = [r for r in replicas if _present(cfg, r.index, t)]
+        members = [r for r in replicas if present(cfg, r.index, t)]
         if not members:  # everyone away: the round starts when the worker is back
             assert cfg.leave_rejoin is not None  # only a leave empties a round
             t = cfg.leave_rejoin[2]
             continue
-        probed: dict[int, list[float]] = {}
+        probed: dict[int, list[float]] = {}  # a new member's probe: its first steps' durations
         if adaptive:
-            for r in members:
-                if r.index not in meter.rates:  # no rate yet: it times its first steps
-                    probed[r.index], rate = _probe(timers[r.index], estimators[r.index], t)
-                    meter.report(r.index, rate)
-            rates = {r.index: meter.rates[r.index] for r in members}
-            h = dylu_local_steps(rates, cfg.local_steps)
-            h = {w: max(n, len(probed.get(w, ()))) for w, n in h.items()}
+            h = _adaptive_steps(cfg, members, meter, timers, estimators, probed, t)
         else:
             h = {r.index: cfg.local_steps for r in members}
         h = _cut(h, cfg.total_steps - steps, proportional=adaptive)
@@ -105,19 +105,9 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
             n = h[r.index]
             if n == 0:
                 continue
-            durations = probed.get(r.index, [])[:n]
-            now = t + sum(durations)
-            fresh = timers[r.index].steps_s(now, n - len(durations))
-            for d in fresh:  # the probe's steps were seen already
-                estimators[r.index].step(d)
-            durations += fresh
-            r.load(theta)
-            r.train(n)
-            compute = sum(durations)
-            r.busy_s += compute
+            compute = _member_round(r, n, theta, timers[r.index], estimators[r.index], probed.get(r.index, []), t)
             compute_end = max(compute_end, t + compute)
             deltas.add_(r.base - r.flat())
-            estimators[r.index].reporting = False  # from its first vote on, each carries compute_s
             meter.record(r.index, n, t + compute, estimators[r.index].compute_s(n, compute))  # steps / v_w
             ran += 1
         outer.step(deltas.div_(ran), version=rounds)  # mean pseudo-gradient, the server's outer code
@@ -136,7 +126,7 @@ def run_sync(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimResu
         log.append([h.get(i, 0) for i in range(len(replicas))])
         progress(steps)
         if steps >= next_eval or steps >= cfg.total_steps:
-            curve.append(_eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
+            curve.append(eval_point(evaluator, eval_set, theta, steps, tps, t, rounds))
             next_eval = (steps // cfg.eval_every_steps + 1) * cfg.eval_every_steps
     return SimResult(
         cfg,

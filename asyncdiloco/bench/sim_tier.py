@@ -1,29 +1,8 @@
-"""Two regions on the virtual clock: one flat parameter server against a hierarchical tier.
-
-The workers of region A sit next to the server (a fast link), those of region B far from
-it (a slow link: every transfer pays ``latency_s + bytes / bytes_per_s``). Every inner
-step is real training, every apply the server's own code (``ParameterServerState`` with
-the virtual clock injected), as in sim.py; transfers take virtual time:
-
-* ``flat``: one server in region A with every worker; a B worker's push and its pull
-  each cross the slow link, and the worker waits for both (no overlap).
-* ``tier``: a regional server in each region (ps/upstream.py's semantics: every K
-  regional pushes it cuts Δ_region = θ_base − S, pushes it to the global server, pulls
-  θ_g and rebases with ``upstream.rebase_onto``); region A's regional server sits next to
-  the global one, region B's across the slow link, so only B's every-K push and pull pay
-  it. At the end each region pushes what is left, so the global model holds every step.
-
-Both run the same workers, speeds, seeds, H and token budget, with the server's default
-outer optimizer (Delayed Nesterov, DyLU) on the flat server and on every regional one,
-replies not grouped (``grouping="off"``: transfers, not windows, decide when a worker
-resumes). The global server of the tier runs the server's defaults too; the regional
-servers join it with the region role, so it averages each Δ_region in as
-θ ← θ − s(τ)·Δ_region/R over the R = 2 regions (ps/apply.py; outer.py ``average_in``), as
-the central synchronizer of Decoupled DiLoCo (arXiv 2604.21428) and HALoS's global server
-(arXiv 2506.04531, Sec. 3) combine their groups. The model is evaluated on the server the
-workers' progress reaches (flat: the server; tier: the global one), every
-``eval_every_steps`` inner steps applied there.
-"""
+"""Two regions on the virtual clock: one flat parameter server (``flat``) against a
+hierarchical tier (``tier``: a regional server per region, pushing every K regional pushes
+to a global server that averages the regions in), with the same workers, speeds, seeds, H
+and budget; region B's transfers cross a slow link. Training and every apply are real, as
+in sim_async.py. docs/algorithms.md, "Hierarchical tier"."""
 
 from __future__ import annotations
 
@@ -35,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from asyncdiloco.algo.config import ASYNC_OUTER, DEFAULT_LOCAL_STEPS, OuterConfig
-from asyncdiloco.bench.sim import SimConfig, VirtualClock, _eval_point, _Replica
+from asyncdiloco.bench.sim import Replica, SimConfig, VirtualClock, eval_point
+from asyncdiloco.bench.sim_costs import Link
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
@@ -48,18 +28,6 @@ from asyncdiloco.wire.tensors import Manifest
 TIER_METHODS = ("flat", "tier")
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """A network path: ``latency_s`` seconds, then ``bytes_per_s`` bytes per second."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    def seconds(self, num_bytes: int) -> float:
-        """Virtual seconds one transfer of ``num_bytes`` takes."""
-        return self.latency_s + num_bytes / self.bytes_per_s
-
-
 #: name -> worker speeds (s/step), each worker's region (0 = A, next to the server; 1 = B),
 #: the links inside a region and between the regions. The default job's model is 60480
 #: fp32 parameters (241,920 bytes): the slow link moves it in 0.5 + 4.8 s, a quarter of
@@ -68,8 +36,8 @@ REGION_PROFILES: dict[str, dict] = {
     "two_region": {
         "speeds": (1.0, 1.0, 1.0, 1.0),
         "regions": (0, 0, 1, 1),
-        "fast": Link(0.01, 100e6),
-        "slow": Link(0.5, 50e3),
+        "fast": Link(latency_s=0.01, bandwidth_Bps=100e6),
+        "slow": Link(latency_s=0.5, bandwidth_Bps=50e3),
     },
 }
 
@@ -149,7 +117,7 @@ class _Region:
 
 
 def simulate_tier(cfg: TierSimConfig, progress: Callable[[int], None] | None = None) -> TierSimResult:
-    """Run ``cfg`` to its budget (one torch thread, restored afterwards, as sim.simulate)."""
+    """Run ``cfg`` to its budget (one torch thread, restored afterwards, as simulate.py does)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -172,7 +140,7 @@ class _Run:
             method="async_dn_dylu", speeds_s_per_step=self.speeds, total_steps=cfg.total_steps, job=cfg.job,
             seed=cfg.seed,
         )  # fmt: skip
-        self.replicas = [_Replica(shim, corpus, i) for i in range(len(self.speeds))]  # the sim's workers
+        self.replicas = [Replica(shim, corpus, i) for i in range(len(self.speeds))]  # the sim's workers
         self.manifest = Manifest.from_module(self.replicas[0].model)
         self.n_bytes = self.manifest.total_bytes
         self.clock = VirtualClock()
@@ -203,7 +171,7 @@ class _Run:
             for i in range(len(self.speeds))
         ]
         self.push_ids = [1] * len(self.speeds)
-        self.curve = [_eval_point(self.evaluator, self.eval_set, self.top.params, 0, cfg.job.tokens_per_step, 0.0, 0)]
+        self.curve = [eval_point(self.evaluator, self.eval_set, self.top.params, 0, cfg.job.tokens_per_step, 0.0, 0)]
 
     def _server(self, config: ServerConfig, theta0: torch.Tensor) -> ParameterServerState:
         """A state on the virtual clock, initialized with θ_0 (by a worker that then leaves)."""
@@ -224,7 +192,7 @@ class _Run:
         self.total_bytes += num_bytes
         if link is self.slow:
             self.slow_bytes += num_bytes
-        return link.seconds(num_bytes)
+        return link.transfer_s(num_bytes)
 
     def _at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, args))
@@ -326,7 +294,7 @@ class _Run:
         self.last_apply_s = t
         cfg = self.cfg
         if self.steps_global >= self.next_eval or self.steps_global >= cfg.total_steps:
-            point = _eval_point(
+            point = eval_point(
                 self.evaluator, self.eval_set, self.top.params, self.steps_global, cfg.job.tokens_per_step, t,
                 self.top.version,
             )  # fmt: skip

@@ -1,26 +1,11 @@
-"""The sync-vs-async benchmark suite on the virtual clock.
+"""The sync-vs-async benchmark suite: one runner for both clocks (``run_suite``).
 
-Runs every method (sim.METHODS) on worker-speed profiles with the same model, data,
-token budget and seeds, and writes ``runs.jsonl`` (one line per run), ``report.md``
-(suite_report.py and suite_markdown.py: two tables per profile, mean ± std over seeds, the claims of Liu et al.
-2024, arXiv 2401.09135, and issue 25's against the best-tuned synchronous baseline),
-``claims.json`` (the same claims, machine-readable), ``tuning.json`` and PNG plots.
+Virtual clock: the tuning grid, then every (profile, row, seed), spread over worker
+processes; real clock: one demo per run (suite_real.py). Both write ``runs.jsonl``,
+``report.md``, ``claims.json`` and plots from records of the same fields. What runs, the
+tuning stage and how to read the report: docs/algorithms.md, "The benchmark suite".
 
-**Tuning stage.** Before the evaluation, each method of ``SuiteConfig.tuned`` runs every
-outer (η, μ) of ``TuneGrid`` on one profile and a seed that is not an evaluation seed, with
-the evaluation's budget; the cell of lowest final loss is its pick, and the method is then
-evaluated with it on every profile and seed. The other methods (``SuiteConfig.methods``:
-sync LocalSGD, standard sync DiLoCo with its paper's η 0.7, μ 0.9, naive async Nesterov)
-run with their own outer step, as references. A method in both lists gives two rows, the
-tuned one named ``<method>_tuned``.
-
-Equal tokens: every method trains exactly ``total_steps`` inner steps summed over the
-workers (steps are allotted when a round starts; the round that would exceed the budget
-is cut to what remains). Runs are independent and deterministic, so they are spread
-over ``processes`` worker processes (one torch thread each); a tuned method's evaluation
-runs start as soon as its grid is done.
-
-    asyncdiloco bench --suite quick --clock virtual --out DIR
+    asyncdiloco bench --suite quick [--clock real] --out DIR
 """
 
 from __future__ import annotations
@@ -36,152 +21,14 @@ import pathlib
 import time
 from typing import NamedTuple
 
-from asyncdiloco.algo.config import DEFAULT_LOCAL_STEPS
-from asyncdiloco.bench.profiles import PROFILES
-from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, simulate, staleness_mean
+from asyncdiloco.bench.peer_sync import peer_section
+from asyncdiloco.bench.sim import METHODS, SimConfig, SimResult, staleness_mean
+from asyncdiloco.bench.simulate import simulate
+from asyncdiloco.bench.suite_config import SuiteConfig, sim_config
 from asyncdiloco.bench.suite_markdown import write_outputs
-from asyncdiloco.bench.suite_report import (
-    BEYOND_METHODS,
-    DEFAULT_METHOD,
-    TUNED_SUFFIX,
-    add_targets,
-    claims_json,
-    summarize,
-)
-from asyncdiloco.errors import ConfigError
-from asyncdiloco.job.config import JobConfig
-
-__all__ = ["PROFILES", "SUITES", "SuiteConfig", "TuneGrid", "claims_json", "run_suite", "summarize", "write_outputs"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TuneGrid:
-    """The tuning stage's grid: every tuned method runs every (η, μ) on one profile and seed."""
-
-    #: The profile the grid runs on.
-    profile: str = "uneven"
-    #: The grid's seed; never an evaluation seed, so no pick is selected on the runs it is judged by.
-    seed: int = 100
-    #: Outer learning rates η.
-    lrs: tuple[float, ...] = (0.7, 1.0)
-    #: Outer momenta μ.
-    momenta: tuple[float, ...] = (0.6, 0.8, 0.9)
-
-    def cells(self) -> list[tuple[float, float]]:
-        """Every (η, μ) of the grid, η-major."""
-        return [(lr, mom) for lr in self.lrs for mom in self.momenta]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SuiteConfig:
-    profiles: tuple[str, ...]
-    #: Methods run with their own outer step (the references).
-    methods: tuple[str, ...] = tuple(METHODS)
-    #: Methods whose outer η, μ the tuning stage picks before they are evaluated (row
-    #: ``<method>_tuned`` when the method is also in ``methods``, else ``<method>``).
-    tuned: tuple[str, ...] = ()
-    tune: TuneGrid = TuneGrid()
-    seeds: tuple[int, ...] = (0, 1, 2)
-    #: Inner steps summed over workers, identical for every method.
-    total_steps: int = 4000
-    local_steps: int = DEFAULT_LOCAL_STEPS
-    #: Evaluate every this many inner steps (summed over workers): fine enough that the
-    #: time to a baseline's loss resolves a 3x speed-up (the async runs reach it in tens of evaluations).
-    eval_every_steps: int = 40
-    #: ``runs.jsonl``'s ``target_loss`` = claim (c)'s baseline's final curve loss × (1 + target_margin);
-    #: the report uses no margin.
-    target_margin: float = 0.0
-    #: Processes the runs are spread over (0 = the number of CPU cores).
-    processes: int = 0
-    #: The model and data every run trains (small, so the quick suite fits in minutes). The
-    #: curve is evaluated on its ``eval_set`` (32 batches: 16,384 characters, 27 ms an
-    #: evaluation on one core), the final model on the whole validation split (``final_on_split``).
-    job: JobConfig = dataclasses.field(
-        default_factory=lambda: JobConfig(n_layer=1, n_embd=64, context_len=32, batch_size=16, eval_batches=32)
-    )
-    #: Score each run's final model on the whole validation split (``JobConfig.split_set``:
-    #: 111,104 characters here), so the seed spread of the final loss is the training's.
-    final_on_split: bool = True
-    #: Two-region profiles (sim_tier.py ``REGION_PROFILES``): a flat server against the
-    #: hierarchical tier, one tier run per K in ``tier_every`` (suite_tier.py).
-    regions: tuple[str, ...] = ()
-    tier_every: tuple[int, ...] = (1, 4, 16)
-    #: End with the peer row (our ``--mode sync`` and torchft's DiLoCo, real processes).
-    peer: bool = True
-
-    def __post_init__(self) -> None:
-        from asyncdiloco.bench.sim_tier import REGION_PROFILES
-
-        unknown = [p for p in (*self.profiles, *((self.tune.profile,) if self.tuned else ())) if p not in PROFILES]
-        if unknown:
-            raise ConfigError(f"profiles {unknown} are unknown: choose from {sorted(PROFILES)}")
-        unknown = [m for m in (*self.methods, *self.tuned) if m not in METHODS]
-        if unknown:
-            raise ConfigError(f"methods {unknown} are unknown: choose from {sorted(METHODS)}")
-        if "sync_localsgd" in self.tuned:
-            raise ConfigError("sync_localsgd cannot be tuned (plain averaging has no outer η, μ): list it in methods")
-        if self.tuned and (not self.tune.lrs or not self.tune.momenta):
-            raise ConfigError(f"the tuning grid {self.tune} is empty: give at least one η and one μ")
-        if self.tuned and self.tune.seed in self.seeds:
-            raise ConfigError(
-                f"the tuning seed {self.tune.seed} is an evaluation seed {self.seeds}: pick another, so that no "
-                "method is tuned on the runs it is judged by"
-            )
-        unknown = [p for p in self.regions if p not in REGION_PROFILES]
-        if unknown:
-            raise ConfigError(f"regions {unknown} are unknown: choose from {sorted(REGION_PROFILES)}")
-        if any(k < 1 for k in self.tier_every):
-            raise ConfigError(f"tier_every={self.tier_every} is invalid: every K must be >= 1 regional push")
-        if len(self.seeds) < 1:
-            raise ConfigError("give at least one seed (3 or more for mean ± std)")
-
-    def rows(self) -> list[tuple[str, str, bool]]:
-        """The report's rows: (row name, simulator method, tuned), references first."""
-        refs = [(m, m, False) for m in self.methods]
-        return refs + [(m + TUNED_SUFFIX if m in self.methods else m, m, True) for m in self.tuned]
-
-
-#: The references every suite runs with their own outer step: claims (a) and (b).
-REFERENCES = ("sync_localsgd", "sync_diloco", "async_nesterov")
-#: The tuned methods: sync DiLoCo (the tuned copy), sync DiLoCo with speed-proportional
-#: local steps, the default and the first method beyond the paper, momentum look-ahead
-#: (``full``: all of them).
-TUNED = ("sync_diloco", "sync_diloco_adaptive", DEFAULT_METHOD, BEYOND_METHODS[0])
-
-SUITES = {
-    #: 4 profiles × 7 rows × 3 seeds, after 4 methods × 6 cells of tuning: 108 runs.
-    "quick": SuiteConfig(profiles=("uneven", "jittery", "slow_link", "non_iid"), methods=REFERENCES, tuned=TUNED),
-    #: Every profile, the other methods of the paper as references, every method beyond the
-    #: paper tuned, and the two-region section: 42 tuning runs, 8 × 13 × 3 = 312 evaluation runs.
-    "full": SuiteConfig(
-        profiles=tuple(PROFILES),
-        methods=(*REFERENCES, "async_nesterov_poly", "async_dn", "async_dn_dylu_barrier"),
-        tuned=(*TUNED[:-1], *BEYOND_METHODS),
-        regions=("two_region",),
-    ),
-    #: Only the two-region section (flat server vs hierarchical tier).
-    "tier": SuiteConfig(profiles=(), regions=("two_region",), tier_every=(1, 2, 4, 8, 16)),
-}
-
-
-def sim_config(cfg: SuiteConfig, profile: str, method: str, seed: int) -> SimConfig:
-    """The simulator run of (profile, method, seed) in suite ``cfg`` (profiles.py)."""
-    prof = PROFILES[profile]
-    return SimConfig(
-        method=method,
-        speeds_s_per_step=prof.speeds_s_per_step,
-        total_steps=cfg.total_steps,
-        local_steps=cfg.local_steps,
-        seed=seed,
-        eval_every_steps=cfg.eval_every_steps,
-        speed_changes=prof.speed_changes,
-        leave_rejoin=prof.leave_rejoin,
-        links=prof.links,
-        noise=prof.noise,
-        non_iid=prof.non_iid,
-        wire_params=prof.wire_params,
-        job=cfg.job,
-    )
+from asyncdiloco.bench.suite_real import rate_section, run_real
+from asyncdiloco.bench.suite_report import add_targets
+from asyncdiloco.bench.suite_tier import run_tier, tier_configs, tier_section
 
 
 def _sim(cfg: SuiteConfig, profile: str, method: str, seed: int, cell: tuple[float, float] | None) -> SimConfig:
@@ -259,24 +106,50 @@ def tuned_runs(cfg: SuiteConfig, method: str, cell: tuple[float, float]) -> list
 
 
 def run_suite(
-    cfg: SuiteConfig, out_dir: str, progress: bool = True, pool: concurrent.futures.Executor | None = None
+    cfg: SuiteConfig,
+    out_dir: str,
+    progress: bool = True,
+    pool: concurrent.futures.Executor | None = None,
+    *,
+    clock: str = "virtual",
+    real_s_per_step: float | None = None,
 ) -> list[dict]:
-    """Tune, then run every (profile, row, seed); write runs.jsonl, tuning.jsonl,
-    tuning.json, report.md, claims.json and plots.
+    """Run every (profile, row, seed) of ``cfg`` on ``clock`` ("virtual" or "real") and
+    write runs.jsonl, report.md, claims.json and plots (virtual: tuning.jsonl and
+    tuning.json too); the records, in report order.
 
     Args:
-        pool: where the runs go (``submit(_run_one, (profile, SimConfig))``); None: a pool
-            of ``cfg.processes`` spawned processes.
+        pool: virtual clock: where the runs go (``submit(_run_one, (profile, SimConfig))``);
+            None: a pool of ``cfg.processes`` spawned processes.
+        real_s_per_step: real clock: r of ``suite_real.real_schedule`` for the profiles
+            with speed changes or a leave; None: measured per such profile.
     """
-    from tqdm import tqdm
-
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not cfg.profiles:  # only the two-region section
+    if clock == "virtual" and not cfg.profiles:  # only the two-region section
         (out / "report.md").write_text(
             "# Two regions — benchmark report (virtual clock)\n" + _tier_section(cfg, out, progress)
         )
         return []
+    tuning = None
+    if clock == "real":
+        records = run_real(cfg, out, progress, real_s_per_step)
+        extra = rate_section(records) + "\n" + peer_section(cfg, out, progress)
+    else:
+        records, tuning = _run_virtual(cfg, out, progress, pool)
+        extra = ("\n" + peer_section(cfg, out, progress) if cfg.peer else "") + _tier_section(cfg, out, progress)
+    add_targets(records, cfg.target_margin)
+    write_outputs(records, cfg, out, clock, extra, tuning)
+    return records
+
+
+def _run_virtual(
+    cfg: SuiteConfig, out: pathlib.Path, progress: bool, pool: concurrent.futures.Executor | None
+) -> tuple[list[dict], dict | None]:
+    """The tuning grid, then every evaluation run, spread over ``pool``: (records in
+    report order, tuning.json's summary or None)."""
+    from tqdm import tqdm
+
     for name in ("runs.jsonl", "tuning.jsonl"):
         (out / name).unlink(missing_ok=True)
     rows, grid = cfg.rows(), cfg.tune.cells()
@@ -286,9 +159,7 @@ def run_suite(
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=n_runs, disable=not progress, unit="run", dynamic_ncols=True))
         if pool is None:
-            processes = min(n_runs, cfg.processes or os.cpu_count() or 1)
-            spawn = multiprocessing.get_context("spawn")
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn))
+            pool = stack.enter_context(_executor(cfg.processes, n_runs))
         jobs: dict[concurrent.futures.Future, Run] = {}
 
         def submit(runs: list[Run]) -> None:
@@ -301,81 +172,68 @@ def run_suite(
             done, _ = concurrent.futures.wait(jobs, return_when=concurrent.futures.FIRST_COMPLETED)
             for fut in done:
                 run = jobs.pop(fut)
-                rec = fut.result()
-                outer = _sim(cfg, run.profile, run.method, run.seed, run.cell).outer()
-                rec.update(method=run.row, sim_method=run.method, mode=METHODS[run.method].mode)
-                rec.update(tuned=run.cell is not None, outer_lr=outer.lr, outer_momentum=outer.momentum)
+                rec = _label(cfg, run, fut.result())
                 bar.set_postfix_str(f"{run.profile} {run.row} seed {run.seed}: {rec['final_eval_loss']:.3f}")
                 bar.update(1)
                 if run.tuning:
                     assert run.cell is not None  # every grid run has its (η, μ)
-                    rec["tuning"] = True
                     losses[run.method][run.cell] = rec["final_eval_loss"]
-                    with open(out / "tuning.jsonl", "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    _append(out / "tuning.jsonl", rec)
                     if len(losses[run.method]) == len(grid):  # its grid is done: evaluate its pick
                         submit(tuned_runs(cfg, run.method, pick(losses[run.method])))
                     continue
                 records.append(rec)
-                with open(out / "runs.jsonl", "a") as f:  # as they finish; rewritten in order at the end
-                    f.write(json.dumps(rec) + "\n")
+                _append(out / "runs.jsonl", rec)  # as they finish; rewritten in order at the end
     order = {(p, row[0]): i for i, (p, row) in enumerate((p, r) for p in cfg.profiles for r in rows)}
     records.sort(key=lambda r: (order[r["profile"], r["method"]], cfg.seeds.index(r["seed"])))
-    add_targets(records, cfg.target_margin)
     tuning = tuning_summary(cfg, {m: {c: losses[m][c] for c in grid} for m in cfg.tuned}) if cfg.tuned else None
-    extra = ("\n" + peer_section(cfg, out, progress) if cfg.peer else "") + _tier_section(cfg, out, progress)
-    write_outputs(records, cfg, out, "virtual", extra, tuning)
-    return records
+    return records, tuning
 
 
-#: suite_real.py's name for ``add_targets``.
-_add_targets = add_targets
+def _label(cfg: SuiteConfig, run: Run, rec: dict) -> dict:
+    """A finished run's record with its row, method, mode and outer step (and ``tuning``)."""
+    outer = _sim(cfg, run.profile, run.method, run.seed, run.cell).outer()
+    rec.update(method=run.row, sim_method=run.method, mode=METHODS[run.method].mode)
+    rec.update(tuned=run.cell is not None, outer_lr=outer.lr, outer_momentum=outer.momentum)
+    if run.tuning:
+        rec["tuning"] = True
+    return rec
+
+
+def _append(path: pathlib.Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def _tier_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool) -> str:
-    """The two-region section (suite_tier.py; "" without ``cfg.regions``)."""
-    from asyncdiloco.bench.suite_tier import run_tier_section
-
-    return ("\n" + run_tier_section(cfg, out, progress)) if cfg.regions else ""
-
-
-def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> str:
-    """The peer row: our ``--mode sync`` (bench/peer_sync.py: a server and 4 CLI workers)
-    and torchft's synchronous DiLoCo (https://github.com/pytorch/torchft) on the same
-    model, data order, H and token budget, 4 replicas at full speed, one after the other
-    in this run, each with its training wall and whole-command wall measured the same way;
-    torchft's line is left out, saying why, when it is not installed."""
-    from asyncdiloco.bench.peer_sync import row_table, run_row
-    from asyncdiloco.bench.peer_torchft import torchft_available
-
-    head = (
-        "## Peer: synchronous DiLoCo, ours and torchft's (4 replicas, equal speeds, same model, data, H and tokens)\n\n"
-    )
+    """The two-region runs, spread over ``cfg.processes``, and their section (suite_tier.py;
+    "" without ``cfg.regions``)."""
+    runs = [run for p in cfg.regions for run in tier_configs(cfg, p)]
+    if not runs:
+        return ""
     if progress:
-        print("peer: --mode sync, then torchft DiLoCo", flush=True)
-    job = cfg.job
-    try:
-        rows = run_row(
-            replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"), job=job
-        )
-    except RuntimeError as exc:
-        return head + f"peer run failed: {exc}\n"
-    (out / "peer.json").write_text(json.dumps(rows) + "\n")
-    missing = (
-        ""
-        if torchft_available()
-        else "torchft is not installed, so its line was skipped: `pip install 'asyncdiloco[peer]'` (after torch) "
-        "adds it.\n\n"
-    )
-    return (
-        head
-        + missing
-        + row_table(rows)
-        + (
-            "\nTraining wall: the first replica's join to the last replica's last inner step; whole command: the "
-            'first process started to the last one reaped (docs/performance.md, "Sync mode end to end").\n'
-        )
-    )
+        print(f"two regions: {len(runs)} runs (flat server vs tier)", flush=True)
+    with _executor(cfg.processes, len(runs)) as pool:
+        records = list(pool.map(run_tier, runs))  # in order: the file does not depend on timing
+    return "\n" + tier_section(records, cfg, out)
+
+
+class _Inline(concurrent.futures.Executor):
+    """Runs each call in this process as it is submitted (one process: no pool to start)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(fn(*args, **kwargs))
+        return fut
+
+
+def _executor(processes: int, n_runs: int) -> concurrent.futures.Executor:
+    """Where independent runs go: ``processes`` spawned processes (0: one per CPU core, at
+    most one per run), or this process when that is one."""
+    n = min(n_runs, processes or os.cpu_count() or 1)
+    if n <= 1:
+        return _Inline()
+    return concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
 
 
 def _record(profile: str, r: SimResult, real_s: float) -> dict:

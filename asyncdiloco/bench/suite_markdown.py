@@ -27,7 +27,7 @@ from asyncdiloco.bench.suite_report import (
 )
 
 if TYPE_CHECKING:
-    from asyncdiloco.bench.suite import SuiteConfig
+    from asyncdiloco.bench.suite_config import SuiteConfig
 
 
 def _pct(x: float | None, sign: str = "+") -> str:
@@ -241,49 +241,7 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
     if tuning:
         lines += tuning_markdown(tuning)
     for profile, p in summary.items():
-        rows = p["rows"]
-        bases = [b for b in dict.fromkeys((p["baseline_c"], p["strongest"])) if b is not None]
-        lines += [
-            _profile_heading(profile, records),
-            "",
-            "Rows: " + "; ".join(_row_doc(n, s) for n, s in rows.items()) + ".",
-            "",
-            f"T = {p['equal_wall_s']:.0f} s. Baselines: claim (c) `{p['baseline_c'] or 'not run'}`; strongest "
-            f"synchronous `{p['strongest'] or 'not run'}`"
-            + ("" if p["strongest_tuned"] or p["strongest"] is None else " (no sync row was tuned)")
-            + ".",
-            "",
-            "| row | final loss | loss at T | "
-            + " | ".join(f"time to {b}'s final loss (s) | speed-up" for b in bases)
-            + " | wall (s) | "
-            + " | ".join(f"wall ratio vs {b}" for b in bases)
-            + " |",
-            "|---|---|---|" + "---|---|" * len(bases) + "---|" + "---|" * len(bases),
-        ]
-        for name, s in rows.items():
-            cells = [name if not s["diverged"] else f"{name} (diverged {s['diverged']}/{s['seeds']})"]
-            cells += [_fmt(s["loss"]), _fmt(s["loss_at_equal_wall"])]
-            for b in bases:
-                v = s["vs"][b]
-                t = _fmt(v["time"], 0) if v["speedup"] is not None else f"never on {_unreached(v['reached'])}"
-                cells += [t, _x(v["speedup"])]
-            cells.append(_fmt(s["wall"], 0))
-            cells += [_x(s["vs"][b]["wall_ratio"]) for b in bases]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines += [
-            "",
-            "| row | outer steps | MB moved | comm (s) | utilisation | true τ (mean) | true τ histogram | "
-            "group sizes | arrival counter τ (mean) |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name, s in rows.items():
-            mb = (s["bytes"][0] / 1e6, s["bytes"][1] / 1e6)
-            lines.append(
-                f"| {name} | {_fmt(s['outer_steps'], 0)} | {_fmt(mb, 1)} | {_fmt(s['comm_s'], 1)} | "
-                f"{_fmt(s['util'], 2)} | {_fmt(s['true_staleness'], 2)} | {s['true_staleness_hist'] or '—'} | "
-                f"{s['group_hist'] or '—'} | {_fmt(s['staleness'], 2)} |"
-            )
-        lines.append("")
+        lines += _profile_tables(profile, p, records)
     lines += [
         "Histograms are summed over the seeds: true τ `[n(τ=0), n(τ=1), …]`; group sizes `[n(1 push), n(2), …]`. "
         "The arrival counter is the server's in-group τ (the k-th push of a group counts k − 1), not versions.",
@@ -305,6 +263,54 @@ def report_markdown(records: list[dict], cfg: SuiteConfig, clock: str = "virtual
         "",
     ]
     return "\n".join(lines)
+
+
+def _profile_tables(profile: str, p: dict, records: list[dict]) -> list[str]:
+    """One profile's two tables: loss and time against the baselines; what it cost."""
+    rows = p["rows"]
+    bases = [b for b in dict.fromkeys((p["baseline_c"], p["strongest"])) if b is not None]
+    lines = [
+        _profile_heading(profile, records),
+        "",
+        "Rows: " + "; ".join(_row_doc(n, s) for n, s in rows.items()) + ".",
+        "",
+        f"T = {p['equal_wall_s']:.0f} s. Baselines: claim (c) `{p['baseline_c'] or 'not run'}`; strongest "
+        f"synchronous `{p['strongest'] or 'not run'}`"
+        + ("" if p["strongest_tuned"] or p["strongest"] is None else " (no sync row was tuned)")
+        + ".",
+        "",
+        "| row | final loss | loss at T | "
+        + " | ".join(f"time to {b}'s final loss (s) | speed-up" for b in bases)
+        + " | wall (s) | "
+        + " | ".join(f"wall ratio vs {b}" for b in bases)
+        + " |",
+        "|---|---|---|" + "---|---|" * len(bases) + "---|" + "---|" * len(bases),
+    ]
+    for name, s in rows.items():
+        cells = [name if not s["diverged"] else f"{name} (diverged {s['diverged']}/{s['seeds']})"]
+        cells += [_fmt(s["loss"]), _fmt(s["loss_at_equal_wall"])]
+        for b in bases:
+            v = s["vs"][b]
+            t = _fmt(v["time"], 0) if v["speedup"] is not None else f"never on {_unreached(v['reached'])}"
+            cells += [t, _x(v["speedup"])]
+        cells.append(_fmt(s["wall"], 0))
+        cells += [_x(s["vs"][b]["wall_ratio"]) for b in bases]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| row | outer steps | MB moved | comm (s) | utilisation | true τ (mean) | true τ histogram | "
+        "group sizes | arrival counter τ (mean) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in rows.items():
+        mb = (s["bytes"][0] / 1e6, s["bytes"][1] / 1e6)
+        lines.append(
+            f"| {name} | {_fmt(s['outer_steps'], 0)} | {_fmt(mb, 1)} | {_fmt(s['comm_s'], 1)} | "
+            f"{_fmt(s['util'], 2)} | {_fmt(s['true_staleness'], 2)} | {s['true_staleness_hist'] or '—'} | "
+            f"{s['group_hist'] or '—'} | {_fmt(s['staleness'], 2)} |"
+        )
+    lines.append("")
+    return lines
 
 
 def _unreached(reached: str) -> str:

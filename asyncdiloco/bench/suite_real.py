@@ -1,42 +1,10 @@
-"""The sync-vs-async suite on the real clock: a real server and worker processes.
-
-Each run is ``asyncdiloco demo`` (demo.py) on 127.0.0.1 with the method's server flags,
-the profile's speeds as per-step slowdowns (``--slowdown``, relative to the fastest
-worker) of steps padded to ``REAL_STEP_S`` at full speed (``--step-s``) and a token
-budget: the workers are stopped once the server has applied the budget, so every method
-trains on the same number of tokens and the protocol, queuing and staleness are real.
-Records have the fields of the virtual-clock suite (suite.py), so ``report.md`` and the
-plots are made by the same code; each async record also has ``rates`` (``rate_figures``:
-per worker its measured compute rate, the rate DyLU used, H_w and the ratio errors), and
-report.md a table of them (``rate_section``).
-
-The profiles of ``REAL_PROFILES`` run (the virtual suite's links, noise and non-IID
-data are not emulated on the real clock), including the two with events in time
-(``real_schedule``): a speed change becomes the worker's ``--slowdown-changes``, a leave
-and rejoin the demo's ``leave_rejoin``. Virtual seconds are mapped onto real seconds of
-training by the same scale that maps the speeds::
-
-    real_s = virtual_s × r / v_min
-
-where v_min is the profile's fastest speed (virtual s per inner step, over its initial
-speeds and its changes) and r the measured real seconds per inner step of a full-speed
-worker (``--slowdown 1``) under the profile's load: a worker of speed v runs
-``--slowdown v/v_min``, so it takes r·v/v_min real s per step, and an event at virtual time
-t lands after the same number of that worker's steps as on the virtual clock. r comes from
-a short calibration demo per profile with events (``calibrate_real_s_per_step``: the
-profile's initial speeds, async Nesterov with polynomial weights, ``CALIBRATION_STEPS``),
-since on shared cores r under the profile's load is a multiple of a lone process's step time. Each record says
-which r and scale it ran with (``schedule``) and the r measured in the run itself
-(``measured_real_s_per_step``). A speed change counts from its worker's own start of
-training, the leave and rejoin from the demo's ``train_start_s``; the workers begin
-training within about a second of each other (``workers[].train_started_s`` in each run's
-report.json says when each did), which is not mapped; a rejoining process is started early
-and held back, so its start-up is not added to the time away. The time a worker is away
-counts as neither busy nor idle in ``utilisation``.
-
-    asyncdiloco bench --suite quick --clock real --out DIR   # uneven, 3 seeds
-    asyncdiloco bench --suite full --clock real --out DIR    # all five profiles
-"""
+"""The suite's runs on the real clock (suite.py ``run_suite(..., clock="real")``): each
+(profile, method, seed) is a demo of real processes with the method's server flags
+(``server_flags``), the profile's speeds as slowdowns of padded steps (``REAL_STEP_S``),
+its speed changes and leave mapped onto real seconds by a calibrated scale
+(``real_schedule``), and the suite's token budget; its record has the virtual suite's
+fields plus DyLU's measured rates (``rate_figures``). docs/algorithms.md, "The benchmark
+suite" ("Clocks") and the real-clock results."""
 
 from __future__ import annotations
 
@@ -49,25 +17,10 @@ import time
 from asyncdiloco.bench.demo import DemoConfig, run_demo
 from asyncdiloco.bench.profiles import PROFILES, Profile
 from asyncdiloco.bench.sim import METHODS, SimConfig, staleness_mean
-from asyncdiloco.bench.suite import SuiteConfig, _add_targets, peer_section, write_outputs
+from asyncdiloco.bench.suite_config import SuiteConfig, sim_config
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.flags.settings import SERVER_RUN
-from asyncdiloco.ps.config import ServerConfig, SyncConfig
 
-#: The methods the real clock runs: what claims (b), (c), the strongest synchronous
-#: baseline (sync DiLoCo with adaptive steps) and the method beyond the paper need
-#: (``full`` adds sync LocalSGD for claim (a)); each real run costs the start-up of a
-#: server and four worker processes.
-REAL_METHODS = ("sync_diloco", "sync_diloco_adaptive", "async_nesterov", "async_dn_dylu", "async_dn_dylu_overlap")
-#: The profiles the real clock emulates (speeds, speed changes, a leave and rejoin).
-REAL_PROFILES = ("homogeneous", "uneven", "straggler", "changing", "leave_rejoin")
-#: Real-clock suites: ``quick`` runs the one profile the claims are about (estimated 30
-#: minutes with ``REAL_STEP_S`` 0.05; 8 min 40 s before steps were padded); ``full`` runs
-#: all of ``REAL_PROFILES``. The budget is the virtual suite's.
-REAL_SUITES = {
-    "quick": SuiteConfig(profiles=("uneven",), methods=REAL_METHODS),
-    "full": SuiteConfig(profiles=REAL_PROFILES, methods=("sync_localsgd", *REAL_METHODS)),
-}
 #: Seconds between the demo's evaluations of the global model: fine enough that the time
 #: to the target resolves a 3x speed-up of runs that train for tens of seconds.
 REAL_EVAL_EVERY_S = 0.5
@@ -131,7 +84,7 @@ def real_schedule(profile: Profile, real_s_per_step: float) -> RealSchedule:
     )
 
 
-def _changes_flag(changes: tuple[tuple[float, float], ...]) -> tuple[str, ...]:
+def changes_flag(changes: tuple[tuple[float, float], ...]) -> tuple[str, ...]:
     return ("--slowdown-changes", ",".join(f"{t:.4f}:{f:.6g}" for t, f in changes)) if changes else ()
 
 
@@ -180,112 +133,94 @@ def measured_real_s_per_step(run_dir: pathlib.Path) -> float | None:
     return busy_s / steps if steps else None
 
 
-def server_config(cfg: SimConfig) -> ServerConfig:
-    """The server a method runs on the real clock: the settings the simulator gives its
-    server (``sim.METHODS``: mode, H, the outer step, DyLU, grouping); the grouping
-    window is the server's own auto window, as in the simulator. A sync quorum needs
-    every worker present (not the one away in ``leave_rejoin``) and waits up to 30 s;
-    ``sync_diloco_adaptive`` runs ``--sync-local-steps adaptive``."""
-    spec = METHODS[cfg.method]
-    server = ServerConfig(
-        mode=spec.mode, local_steps=cfg.local_steps, outer=cfg.outer(), dylu=spec.dylu, grouping=spec.grouping
-    )
-    if spec.mode != "sync":
-        return server
-    present = len(cfg.speeds_s_per_step) - (1 if cfg.leave_rejoin is not None else 0)  # rounds go on without it
-    local_steps = "adaptive" if spec.adaptive else "fixed"  # the method's rule, whatever the server's default
-    return dataclasses.replace(
-        server, sync=SyncConfig(min_workers=present, join_timeout_s=30.0, local_steps=local_steps)
-    )
-
-
 def server_flags(cfg: SimConfig) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """(mode, ``asyncdiloco server`` flags, ``asyncdiloco worker`` flags) of a method: the
-    flags that rebuild ``server_config(cfg)`` in the demo's server process."""
-    server = server_config(cfg)
+    flags that rebuild ``cfg.server_config("real")`` in the demo's server process."""
+    server = cfg.server_config("real")
     overlap = ("--overlap",) if METHODS[cfg.method].overlap else ()
     return server.mode, SERVER_RUN.argv(server), (*overlap, "--step-s", str(REAL_STEP_S))
 
 
-def run_real_suite(
-    cfg: SuiteConfig, out_dir: str, progress: bool = True, real_s_per_step: float | None = None
-) -> list[dict]:
-    """Run every (profile, method, seed) with real processes; write runs.jsonl, report.md, plots.
+def run_real(cfg: SuiteConfig, out: pathlib.Path, progress: bool, real_s_per_step: float | None) -> list[dict]:
+    """Run every (profile, method, seed) of ``cfg`` as a demo, one after the other; write
+    each record to runs.jsonl as it finishes (suite.py ``run_suite`` writes the report).
 
     Args:
         real_s_per_step: r of ``real_schedule`` for the profiles with speed changes or a
             leave; None: measured per such profile by ``calibrate_real_s_per_step``.
     """
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "runs.jsonl"
     jsonl.unlink(missing_ok=True)
     records = []
     runs = [(p, m, s) for p in cfg.profiles for m in cfg.methods for s in cfg.seeds]
     schedules: dict[str, tuple[RealSchedule, float, str]] = {}  # profile -> (schedule, r, where r came from)
     for k, (profile, method, seed) in enumerate(runs, 1):
-        prof = PROFILES[profile]
-        speeds = prof.speeds_s_per_step
         if profile not in schedules:
-            r, source = real_s_per_step, "given"
-            if r is None and (prof.speed_changes or prof.leave_rejoin is not None):
-                if progress:
-                    print(f"calibrating {profile}: real seconds per step at slowdown 1", flush=True)
-                r, source = (
-                    calibrate_real_s_per_step(profile, cfg, out / "runs" / f"{profile}-calibration"),
-                    "calibration",
-                )
-            elif r is None:
-                r, source = 1.0, "unused"  # fixed speeds: only the slowdowns matter
-            schedules[profile] = (real_schedule(prof, r), r, source)
-        sched, r, source = schedules[profile]
-        sim_cfg = SimConfig(
-            method=method,
-            speeds_s_per_step=speeds,
-            total_steps=cfg.total_steps,
-            local_steps=cfg.local_steps,
-            seed=seed,
-            job=cfg.job,
-            speed_changes=prof.speed_changes,
-            leave_rejoin=prof.leave_rejoin,
-        )
-        mode, flags, worker_args = server_flags(sim_cfg)
-        job = dataclasses.replace(cfg.job, seed=seed)
-        run_dir = out / "runs" / f"{profile}-{method}-{seed}"
-        demo = DemoConfig(
-            num_workers=len(speeds),
-            max_seconds=1200.0,
-            out_dir=str(run_dir),
-            slowdowns=sched.slowdowns,
-            server_args=flags,
-            job=job,
-            eval_every_s=REAL_EVAL_EVERY_S,
-            worker_args=worker_args,
-            mode=mode,
-            token_budget=cfg.total_steps * job.tokens_per_step,
-            leave_rejoin=sched.leave_rejoin,
-            per_worker_args=tuple(_changes_flag(c) for c in sched.slowdown_changes),
-        )
+            schedules[profile] = _schedule(cfg, profile, out, progress, real_s_per_step)
         if progress:
             print(f"[{k}/{len(runs)}] {profile} {method} seed {seed}", flush=True)
-        started = time.monotonic()
-        report = run_demo(demo, progress=False)
-        rec = _record(profile, method, seed, sim_cfg, report, time.monotonic() - started)
-        rec["schedule"] = {
-            "real_s_per_step": r if source != "unused" else None,
-            "real_s_per_step_from": source,
-            "real_s_per_virtual_s": sched.real_s_per_virtual_s if source != "unused" else None,
-            "slowdowns": list(sched.slowdowns),
-            "slowdown_changes": [list(map(list, c)) for c in sched.slowdown_changes],
-            "leave_rejoin": list(sched.leave_rejoin) if sched.leave_rejoin else None,
-        }
-        rec["measured_real_s_per_step"] = measured_real_s_per_step(run_dir) if mode == "async" else None
+        rec = _run_one(cfg, profile, method, seed, schedules[profile], out / "runs" / f"{profile}-{method}-{seed}")
         records.append(rec)
         with open(jsonl, "a") as f:
             f.write(json.dumps(rec) + "\n")
-    _add_targets(records, cfg.target_margin)
-    write_outputs(records, cfg, out, "real", rate_section(records) + "\n" + peer_section(cfg, out, progress))
     return records
+
+
+def _schedule(
+    cfg: SuiteConfig, profile: str, out: pathlib.Path, progress: bool, real_s_per_step: float | None
+) -> tuple[RealSchedule, float, str]:
+    """``profile``'s schedule on the real clock, its r and where r came from."""
+    prof = PROFILES[profile]
+    r, source = real_s_per_step, "given"
+    if r is None and (prof.speed_changes or prof.leave_rejoin is not None):
+        if progress:
+            print(f"calibrating {profile}: real seconds per step at slowdown 1", flush=True)
+        r, source = calibrate_real_s_per_step(profile, cfg, out / "runs" / f"{profile}-calibration"), "calibration"
+    elif r is None:
+        r, source = 1.0, "unused"  # fixed speeds: only the slowdowns matter
+    return real_schedule(prof, r), r, source
+
+
+def _run_one(
+    cfg: SuiteConfig,
+    profile: str,
+    method: str,
+    seed: int,
+    schedule: tuple[RealSchedule, float, str],
+    run_dir: pathlib.Path,
+) -> dict:
+    """One demo of (profile, method, seed) to the suite's token budget: its record."""
+    sched, r, source = schedule
+    sim_cfg = sim_config(cfg, profile, method, seed)
+    mode, flags, worker_args = server_flags(sim_cfg)
+    job = dataclasses.replace(cfg.job, seed=seed)
+    demo = DemoConfig(
+        num_workers=len(sim_cfg.speeds_s_per_step),
+        max_seconds=1200.0,
+        out_dir=str(run_dir),
+        slowdowns=sched.slowdowns,
+        server_args=flags,
+        job=job,
+        eval_every_s=REAL_EVAL_EVERY_S,
+        worker_args=worker_args,
+        mode=mode,
+        token_budget=cfg.total_steps * job.tokens_per_step,
+        leave_rejoin=sched.leave_rejoin,
+        per_worker_args=tuple(changes_flag(c) for c in sched.slowdown_changes),
+    )
+    started = time.monotonic()
+    report = run_demo(demo, progress=False)
+    rec = _record(profile, method, seed, sim_cfg, report, time.monotonic() - started)
+    rec["schedule"] = {
+        "real_s_per_step": r if source != "unused" else None,
+        "real_s_per_step_from": source,
+        "real_s_per_virtual_s": sched.real_s_per_virtual_s if source != "unused" else None,
+        "slowdowns": list(sched.slowdowns),
+        "slowdown_changes": [list(map(list, c)) for c in sched.slowdown_changes],
+        "leave_rejoin": list(sched.leave_rejoin) if sched.leave_rejoin else None,
+    }
+    rec["measured_real_s_per_step"] = measured_real_s_per_step(run_dir) if mode == "async" else None
+    return rec
 
 
 #: How far a worker's rate ratio (v_w / v of the fastest) as DyLU used it may be from the

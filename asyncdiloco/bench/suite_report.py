@@ -1,32 +1,8 @@
-"""The sync-vs-async suite's numbers: what every method measured, and the claims it shows.
-
-Works on the records of either clock (suite.py's virtual clock, suite_real.py's real
-processes): one dict per run with ``profile``, ``method`` (the report's row), ``seed``,
-``final_eval_loss``, ``virtual_wall_s`` (seconds of training on the run's clock),
-``curve`` (evaluations ``{steps, tokens, time_s, version, eval_loss}``), ``utilisation``,
-``updates``, the histograms and bytes; optionally ``sim_method`` (the simulator method a
-row runs), ``tuned``, ``outer_lr``/``outer_momentum``, ``outer_steps``, ``comm_s`` and the
-true staleness (outer steps between the model a push started from and its apply).
-
-What the report measures, per profile and row (docs/algorithms.md, "Reading the report"):
-
-- **final loss**: the held-out loss of the final model, at the token budget every row
-  shares (equal tokens). The curve's evaluations may use a smaller set than the final one
-  (the virtual clock: 16 k characters during training, the whole validation split at the
-  end); every time below reads the curve, and compares it with curve values only.
-- **loss at equal wall time**: each row's curve read at T, the earliest time by which some
-  row has finished its budget on every seed (min over rows of the max over seeds of the
-  last evaluation's time); the curve's value at T is its last evaluation at or before T.
-- **time to a baseline's final loss** (no margin): L_b = the mean over the baseline's
-  seeds of its curve's last value; a row's time = the first evaluation at or below L_b,
-  mean over seeds (undefined unless every seed gets there). The baseline's own time: each
-  of its seeds' first evaluation at or below that seed's own last value.
-  **speed-up** = the baseline's own time ÷ the row's time.
-- **wall ratio at equal tokens** = the baseline's mean wall ÷ the row's mean wall.
-
-The claim rule (``CLAIM_RULE``): a claim is shown only when it still holds with twice the
-seed spread counted against it. suite_markdown.py writes report.md from these numbers.
-"""
+"""The sync-vs-async suite's numbers, from the records of either clock: per profile and
+row the final loss, the loss at equal wall time, the time to a baseline's final loss and
+the speed-up, the wall ratio at equal tokens, and the claims with the rule that shows them
+(``CLAIM_RULE``: a claim holds with twice the seed spread counted against it).
+suite_markdown.py writes report.md from them. docs/algorithms.md, "Reading the report"."""
 
 from __future__ import annotations
 

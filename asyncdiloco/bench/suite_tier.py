@@ -1,20 +1,14 @@
-"""The suite's two-region section: one flat server against the hierarchical tier
-(sim_tier.py) on each of ``SuiteConfig.regions``, same workers, speeds, seeds, H and
-token budget, the tier for each K in ``SuiteConfig.tier_every``.
-
-Writes ``regions.jsonl`` (one line per run) and returns the report's markdown section:
-final loss, time to the target (the flat server's final loss + ``target_margin``),
-wall time and the bytes over the slow link, mean ± std over the seeds.
+"""The suite's two-region section: the runs (the flat server against the tier for each K
+in ``SuiteConfig.tier_every``, sim_tier.py, on each of ``SuiteConfig.regions``), their
+records, ``regions.jsonl`` and the report's section; suite.py runs them.
+docs/algorithms.md, "Hierarchical tier".
 
     asyncdiloco bench --suite tier --out DIR
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import multiprocessing
-import os
 import pathlib
 import statistics
 import time
@@ -39,7 +33,8 @@ def tier_configs(cfg, profile: str) -> list[TierSimConfig]:
     return runs
 
 
-def _run_one(run: TierSimConfig) -> dict:
+def run_tier(run: TierSimConfig) -> dict:
+    """One two-region run, timed: its JSON line."""
     started = time.monotonic()
     return tier_record(simulate_tier(run), time.monotonic() - started)
 
@@ -67,21 +62,9 @@ def tier_record(r: TierSimResult, real_s: float) -> dict:
     }
 
 
-def run_tier_section(cfg, out: pathlib.Path, progress: bool = True) -> str:
-    """Run every two-region run of suite ``cfg`` (spread over ``cfg.processes``; 1: in
-    this process); write
-    regions.jsonl; return the report section ("" when ``cfg.regions`` is empty)."""
-    runs = [run for p in cfg.regions for run in tier_configs(cfg, p)]
-    if not runs:
-        return ""
-    if progress:
-        print(f"two regions: {len(runs)} runs (flat server vs tier)", flush=True)
-    processes = min(len(runs), cfg.processes or os.cpu_count() or 1)
-    if processes == 1:
-        records = [_run_one(run) for run in runs]
-    else:
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-            records = list(pool.map(_run_one, runs))  # in order: the file does not depend on timing
+def tier_section(records: list[dict], cfg, out: pathlib.Path) -> str:
+    """Write ``regions.jsonl`` (``records``, in run order, with their targets) and return
+    the report's section."""
     add_targets(records, cfg.target_margin)
     (out / "regions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return tier_markdown(records, cfg)
@@ -126,8 +109,8 @@ def tier_markdown(records: list[dict], cfg) -> str:
         fast, slow = prof["fast"], prof["slow"]
         lines += [
             f"### {profile}: seconds/step {list(prof['speeds'])}, regions {list(prof['regions'])}, fast link "
-            f"{fast.latency_s:g} s + {fast.bytes_per_s / 1e6:g} MB/s, slow link {slow.latency_s:g} s + "
-            f"{slow.bytes_per_s / 1e6:g} MB/s",
+            f"{fast.latency_s:g} s + {fast.bandwidth_Bps / 1e6:g} MB/s, slow link {slow.latency_s:g} s + "
+            f"{slow.bandwidth_Bps / 1e6:g} MB/s",
             "",
             "| method | final loss | time to target (s) | reached | wall (s) | slow-link MB | pushes up |",
             "|---|---|---|---|---|---|---|",

@@ -90,7 +90,8 @@ def _run(args: argparse.Namespace) -> int:
         keep_large_blocks()  # as the server process: the apply cost is timed as a server pays it
         run_scale(ScaleConfig(workers=args.workers, seed=args.seed), out, progress=not args.no_progress)
     elif args.clock == "real":
-        from asyncdiloco.bench.suite_real import REAL_SUITES, run_real_suite
+        from asyncdiloco.bench.suite import run_suite
+        from asyncdiloco.bench.suite_config import REAL_SUITES
 
         if args.suite not in REAL_SUITES:
             from asyncdiloco.errors import ConfigError
@@ -100,9 +101,10 @@ def _run(args: argparse.Namespace) -> int:
                 f"drop --clock real, or choose --suite {' or '.join(REAL_SUITES)}"
             )
 
-        run_real_suite(REAL_SUITES[args.suite], out, progress=not args.no_progress)
+        run_suite(REAL_SUITES[args.suite], out, progress=not args.no_progress, clock="real")
     else:
-        from asyncdiloco.bench.suite import SUITES, run_suite
+        from asyncdiloco.bench.suite import run_suite
+        from asyncdiloco.bench.suite_config import SUITES
 
         run_suite(SUITES[args.suite], out, progress=not args.no_progress)
     print((pathlib.Path(out) / "report.md").read_text(), flush=True)

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from asyncdiloco.bench.perf._harness import emit, median_seconds, parse_sizes
+from asyncdiloco.bench.perf.harness import emit, median_seconds, parse_sizes
 from asyncdiloco.wire.codec import make_codec
 from asyncdiloco.wire.tensors import Manifest
 

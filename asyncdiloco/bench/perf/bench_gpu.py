@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from asyncdiloco.bench.perf._harness import MIB, emit, parse_sizes
+from asyncdiloco.bench.perf.harness import MIB, emit, parse_sizes
 from asyncdiloco.bench.perf.targets import GPU_COPIES, GPU_PUSH_PULL, target_for
 
 

@@ -1,22 +1,7 @@
-"""The worker's time blocked on communication, with and without overlap (target ≤ 0.05 with; targets.py).
-
-A real server process (``asyncdiloco server`` on 127.0.0.1) and one ``AsyncDiLoCoWorker``
-in this process training an MLP with AdamW on random regression batches, sized so that
-one push + pull is a noticeable fraction of H inner steps. The same number of rounds runs
-with ``overlap`` off and on, alternating, ``--repeats`` times; medians are reported.
-
-ratio = blocked_s / wall_s over a window of ``--rounds`` rounds that starts after the
-first sync point (warm-up) and ends at the last one: ``blocked_s`` is the training
-thread's time in sync points and merges (``WorkerStats.blocked_s``: the whole push +
-pull without overlap; snapshot, Δ, packing, waits and merges with it), ``wall_s`` the
-window's wall time. Also recorded: ``comm_s`` (push + pull time, on any thread), the
-inner steps per second and the speed-up in steps per second of overlap over no overlap.
-
-    python -m asyncdiloco.bench.perf.bench_overlap [--rounds 10] [--repeats 3] [--local-steps 8] [--out FILE]
-
-Timings on shared cores are noisy: the background sync, the server and the inner steps
-compete for the same cores (which also slows the inner steps with overlap on).
-"""
+"""The worker's time blocked on communication, with and without overlap (target ≤ 0.05
+with; targets.py): one ``AsyncDiLoCoWorker`` training an MLP against a real server
+process, ``overlap`` off and on, alternating. Measures; asserts nothing.
+docs/performance.md, "Overlap"."""
 
 from __future__ import annotations
 
@@ -26,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.bench.perf._harness import MIB, emit, median, server_process
+from asyncdiloco.bench.perf.harness import MIB, emit, median, server_process
 from asyncdiloco.bench.perf.targets import OVERLAP, target_for
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
@@ -93,16 +78,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    flags = (
-        "--local-steps",
-        str(args.local_steps),
-        "--outer-optimizer",
-        "sgd",
-        "--outer-lr",
-        "0.5",
-        "--outer-momentum",
-        "0",
-    )
+    flags = ("--local-steps", str(args.local_steps), *"--outer-optimizer sgd --outer-lr 0.5 --outer-momentum 0".split())
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with server_process(*flags) as (_, address):
         for _ in range(args.repeats):

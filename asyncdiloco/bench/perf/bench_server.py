@@ -36,7 +36,7 @@ import torch
 from asyncdiloco._malloc import keep_large_blocks
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import OuterOptimizer
-from asyncdiloco.bench.perf._harness import (
+from asyncdiloco.bench.perf.harness import (
     MIB,
     cpu_seconds,
     emit,

@@ -32,7 +32,7 @@ import torch
 
 from asyncdiloco._malloc import keep_large_blocks
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.bench.perf._harness import MIB, emit, median, median_seconds, parse_sizes, server_process
+from asyncdiloco.bench.perf.harness import MIB, emit, median, median_seconds, parse_sizes, server_process
 from asyncdiloco.bench.perf.targets import TRANSPORT, target_for
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState

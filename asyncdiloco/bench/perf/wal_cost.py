@@ -1,21 +1,7 @@
-"""Cost of durability: pushes/s of the parameter server with and without the write-ahead log.
-
-For each model size, applies the same sequence of pseudo-gradients (sgd outer step)
-three ways — in memory only, with the log but no fsync, with the log fsynced before
-every acknowledgement (the default of ``--checkpoint-dir``) — and prints one JSON line
-per (size, mode):
-
-    {"layer": "state", "params": 10000, "mode": "wal+fsync", "pushes_per_s": 812.3, "ms_per_push": 1.23, ...}
-
-``layer: state`` calls ``ParameterServerState.begin_push/apply_push`` in-process (the
-server's own work, no network); ``layer: grpc`` pushes through a real gRPC server on
-127.0.0.1 with one client. Checkpoints are taken every 100 pushes in both WAL modes, so
-their cost is included. Asserts nothing.
-
-Run from the repository root:
-
-    python -m asyncdiloco.bench.perf.wal_cost [--pushes 300] [--sizes 10000,1000000] [--dir /path/on/the/disk/to/test]
-"""
+"""Cost of durability: pushes/s of the parameter server in memory only, with the
+write-ahead log without fsync, and with the log fsynced (the default with
+``--checkpoint-dir``), in-process and through gRPC. Measures; asserts nothing.
+docs/performance.md, "Durability"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,11 @@
-"""Chaos: many concurrent workers against one parameter server (issue 15, third chaos item).
+"""Chaos: many concurrent in-process workers against one parameter server process.
 
-    .venv/bin/python benchmarks/chaos_concurrent.py [--workers 64] [--seconds 60] [--params 262144]
-        [--local-steps 10] [--server-flag=--grouping=off ...] [--out FILE]
+``--workers`` ``AsyncDiLoCoWorker`` threads train small linear models for ``--seconds``
+and close; JSON lines report errors (refused pushes, failed syncs, applied counts that
+disagree) and the server's memory over the run. Measures; asserts nothing.
+docs/operations.md, "Limits".
 
-Starts ``asyncdiloco server`` in its own process (default flags unless ``--server-flag``
-adds some) and ``--workers`` in-process ``AsyncDiLoCoWorker`` threads in this one, each
-training its own ``nn.Linear`` model of about ``--params`` parameters on random data with
-SGD, syncing every H = ``--local-steps`` inner steps, for ``--seconds`` seconds; then
-every worker closes (its final push, Leave).
-
-Reports, as JSON lines:
-
-- ``errors``: exceptions out of the workers' threads, their failed syncs and refused
-  pushes, the server's refused pushes, and pushes the workers counted applied against
-  the server's count (they must agree: nothing lost or applied twice);
-- ``memory``: the server's RSS sampled every 0.5 s: idle before the model arrived, the
-  peak (VmHWM) and the median of the last quarter of the run, each as growth over idle
-  and as a ratio to θ + m (parameters and outer momentum, fp32); the last quarter's
-  median against the second quarter's says whether it keeps growing;
-- ``summary``: one line with the figures above.
-
-Measures; asserts nothing.
+    python -m asyncdiloco.bench.chaos.many_workers [--workers 64] [--seconds 60] [--params 262144]
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from asyncdiloco.bench.perf._harness import MIB, emit, reset_peak_rss, rss_bytes, server_process
+from asyncdiloco.bench.perf.harness import MIB, emit, reset_peak_rss, rss_bytes, server_process
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
@@ -42,7 +27,7 @@ from asyncdiloco.worker.config import WorkerConfig
 SAMPLE_S = 0.5
 
 
-def _model(params: int, seed: int) -> nn.Module:
+def _model(params: int, seed: int) -> nn.Linear:
     """A square ``nn.Linear`` with about ``params`` parameters (weight and bias)."""
     width = max(1, int(params**0.5))
     torch.manual_seed(seed)
@@ -80,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
         time.sleep(1.0)
         idle = rss_bytes(proc.pid)
         reset_peak_rss(proc.pid)
-        stop, results, errors = threading.Event(), [], []
+        stop, results, errors = threading.Event(), [], []  # type: ignore[var-annotated]
         started = threading.Barrier(args.workers + 1)
         threads = [
             threading.Thread(target=_train, args=(k, address, args.params, stop, results, errors, started), daemon=True)

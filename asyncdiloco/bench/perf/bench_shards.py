@@ -1,17 +1,8 @@
-"""Push/pull throughput and each shard's CPU time per push through 1, 2 and 4 shards.
+"""Push/pull throughput and each shard's CPU time per push through 1, 2 and 4 shard
+processes, with worker threads pushing seeded pseudo-gradients and pulling. Measures;
+asserts nothing. docs/performance.md, "A sharded server".
 
-    .venv/bin/python benchmarks/bench_shards.py [--shards 1,2,4] [--numel 4000000] [--pushes 20] [--workers 2]
-
-For each S, starts S shard processes on 127.0.0.1 (``asyncdiloco server --shard-index i
---shard-map FILE``, default outer optimizer, raw codec, grouping off, DyLU off), joins
-``--workers`` clients (worker/sharded.py) with a model of ``--numel`` fp32 elements in
-16 tensors, pushes the initial parameters, then each worker runs ``--pushes`` rounds of
-push (a seeded pseudo-gradient) + pull on its own thread. Prints one JSON line per S:
-pushes/s and push+pull bytes/s over the whole run (wall), and per shard the process CPU
-seconds (user + system, /proc/PID/stat, measured over the timed rounds only) per push.
-On a machine with fewer cores than S + workers the wall gain is bounded by the cores; the
-per-shard CPU time per push is the number that shows the work split ~1/S.
-Measures, asserts nothing.
+    python -m asyncdiloco.bench.perf.bench_shards [--shards 1,2,4] [--numel 4000000] [--pushes 20] [--workers 2]
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""How much of the seed-to-seed spread of the suite's final loss is its held-out set's.
+"""How much of the seed-to-seed spread of the suite's final loss is its held-out set's:
+METHOD runs once per seed on the suite's profile, model and budget, and each final model
+is evaluated on several held-out sets (random windows of 4,096 to 65,536 characters with
+three generator seeds, and the whole validation split). One JSON line per seed and per
+set. Measures, asserts nothing. docs/algorithms.md, "The benchmark suite" ("Held-out set").
 
-    .venv/bin/python benchmarks/heldout_spread.py METHOD [--profile uneven] [--seeds 0,1,2] [--steps 4000]
-
-Runs METHOD (sim.METHODS) on the suite's profile, model and budget once per seed
-(suite.py ``sim_config``), keeps each final model and evaluates it on several held-out
-sets: random validation windows (``dataset.eval_batches``) of 4,096, 16,384 and 65,536
-characters with generator seeds 1234 (the job's), 7 and 8, and the whole validation split
-(``dataset.split_batches``). Prints one JSON line per seed (its losses) and one per set
-(mean, std and std/mean over the seeds). Measures, asserts nothing.
+    python -m asyncdiloco.bench.heldout_spread METHOD [--profile uneven] [--seeds 0,1,2] [--steps 4000]
 """
 
 from __future__ import annotations
@@ -19,15 +16,16 @@ import statistics
 
 import torch
 
-from asyncdiloco.bench import sim
-from asyncdiloco.bench.suite import SuiteConfig, sim_config
+from asyncdiloco.bench import simulate as simulator
+from asyncdiloco.bench.sim import METHODS
+from asyncdiloco.bench.suite_config import SuiteConfig, sim_config
 from asyncdiloco.job.dataset import CharCorpus, eval_batches, split_batches
 from asyncdiloco.job.models import evaluate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("method", choices=sorted(sim.METHODS))
+    parser.add_argument("method", choices=sorted(METHODS))
     parser.add_argument("--profile", default="uneven")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=4000)
@@ -44,17 +42,17 @@ def main() -> None:
     sets["whole validation split"] = split_batches(corpus, job.batch_size, job.context_len)
     split_len = len(sets["whole validation split"])
     finals: list[torch.Tensor] = []
-    evaluate_as_sim = sim.evaluate
+    evaluate_as_sim = simulator.evaluate
 
     def keep_final(model, batches):  # the simulator scores the final model on the split last
         if len(batches) == split_len:
             finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         return evaluate_as_sim(model, batches)
 
-    sim.evaluate = keep_final
+    simulator.evaluate = keep_final
     losses: dict[str, list[float]] = {name: [] for name in sets}
     for seed in (int(s) for s in args.seeds.split(",")):
-        sim.simulate(dataclasses.replace(sim_config(cfg, args.profile, args.method, seed), final_on_split=True))
+        simulator.simulate(dataclasses.replace(sim_config(cfg, args.profile, args.method, seed), final_on_split=True))
         torch.set_num_threads(1)
         model = job.build(corpus)
         pos = 0

@@ -1,44 +1,13 @@
 """kill -9 the parameter server at random during an async run: is any acknowledged push
 lost, or any applied twice?
 
-    .venv/bin/python benchmarks/chaos_server_kills.py [--kills 20] [--workers 4] [--seed 0]
-        [--mean-up-s 3] [--local-steps 5] [--checkpoint-every 10] [--max-backoff-s 2]
-        [--after-append] [--tail-s 5] [--out DIR]
+Worker processes (this module with ``--worker``) train and record every push reply; the
+server is SIGKILLed ``--kills`` times and restarted on its folder and port; every log
+segment and checkpoint is archived as it appears, and the acknowledged pushes are checked
+against the log and one replay of it. Measures; asserts nothing. docs/operations.md,
+"Chaos runs".
 
-Starts ``asyncdiloco server --checkpoint-dir STATE`` on 127.0.0.1 (a free port, kept for
-every restart) and ``--workers`` worker processes (this script with ``--worker``: the
-library's ``AsyncDiLoCoWorker`` training the default job's model on its own data order).
-Once every worker has had a push acknowledged, it SIGKILLs the server ``--kills`` times,
-each after an exponentially distributed time (mean ``--mean-up-s``, seeded) from the
-moment the server's port file appeared, and restarts it at once on the same folder and
-port (``--after-append``: after the drawn time, at the next log append, so the kill lands
-between logging a push and answering it, or in the middle of the append). After the last
-restart the workers train ``--tail-s`` more seconds, push their last steps and leave; then
-the server gets SIGTERM.
-
-The records compared:
-
-- **acknowledged**: each worker writes one JSON line per push reply it received (its
-  ``ParameterServerClient.push`` is wrapped): worker id, push id, ``applied``,
-  ``duplicate``. A reply with ``applied`` true is an acknowledgement.
-- **applied**: every ``PUSH`` record of the write-ahead log (ps/wal.py; a push is logged
-  and fsynced before it is applied, and replayed on start-up, so the log is the set of
-  applied pushes). The server prunes old segments and checkpoints, so a thread hard-links
-  each ``wal-*.log`` and ``ckpt-*`` file into an archive folder as soon as it appears
-  (same inode: later appends and the start-up's cut of a torn tail show in the archive).
-  The archive is complete when its records' LSNs run 1..last without a gap.
-
-Checks (one JSON line each kill, then one summary line): ``lost`` = acknowledged pushes
-without a log record; ``applied_twice`` = (worker, push id) pairs logged more than once;
-``version_matches`` = the final global version equals the number of logged
-pseudo-gradients; ``replay_identical`` = the final server's θ and outer-optimizer state
-equal, bit for bit, a single replay of the whole archived log from the first (empty)
-checkpoint; ``completed`` = every worker exited 0 and the server stopped cleanly. What the
-kills hit: ``acknowledged_as_duplicate`` (pushes logged by a server that died before
-answering, answered on their resend), ``torn_tails_cut`` (appends cut by a kill, dropped at
-the next start), ``leases_expired`` (workers dated by their last logged contact that
-expired at a restart and rejoined). Measures; asserts nothing (the exit status is 0 unless
-the run itself could not be carried out).
+    python -m asyncdiloco.bench.chaos.server_kills [--kills 20] [--workers 4] [--seed 0] [--after-append] [--out DIR]
 """
 
 from __future__ import annotations
@@ -218,24 +187,9 @@ class Server:
         """Spawn it and wait for its port file; returns the seconds that took."""
         self.port_file.unlink(missing_ok=True)
         self.lives += 1
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "server",
-            "--port",
-            str(self.port),
-            "--port-file",
-            str(self.port_file),
-            "--checkpoint-dir",
-            str(self.state),
-            "--local-steps",
-            str(self.args.local_steps),
-            "--checkpoint-every",
-            str(self.args.checkpoint_every),
-            "--drain-s",
-            "0",
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "server", "--port", str(self.port), "--drain-s", "0"]
+        cmd += ["--port-file", str(self.port_file), "--checkpoint-dir", str(self.state)]
+        cmd += ["--local-steps", str(self.args.local_steps), "--checkpoint-every", str(self.args.checkpoint_every)]
         log = open(self.out / f"server-{self.lives:02d}.log", "w")  # noqa: SIM115 - the child holds it
         started = time.monotonic()
         self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -412,21 +366,9 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
         first_start_s = server.start()
         address = f"127.0.0.1:{server.port}"
         for i in range(args.workers):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                "--server",
-                address,
-                "--index",
-                str(i),
-                "--acks",
-                str(ack_files[i]),
-                "--stop-file",
-                str(stop_file),
-                "--max-backoff-s",
-                str(args.max_backoff_s),
-            ]
+            cmd = [sys.executable, "-m", "asyncdiloco.bench.chaos.server_kills", "--worker", "--server", address]
+            cmd += ["--index", str(i), "--acks", str(ack_files[i]), "--stop-file", str(stop_file)]
+            cmd += ["--max-backoff-s", str(args.max_backoff_s)]
             log = open(out / f"worker-{i}.log", "w")  # noqa: SIM115 - the child holds it
             workers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()

@@ -1,30 +1,12 @@
 """kill -9 random workers during a run of the default job, restart them on their state
 folders, and compare the final loss with a fault-free run of the same job.
 
-    .venv/bin/python benchmarks/chaos_worker_kills.py [--modes async,sync] [--workers 4]
-        [--max-steps 300] [--mtbf-s 30] [--repeats 1] [--seed 0] [--out DIR]
+Kills arrive as a Poisson process (mean ``--mtbf-s``, seeded); each restarts the worker at
+once with the same command, and every worker stops after ``--max-steps`` inner steps over
+all its lives. One JSON line per kill, per run and per mode. Measures; asserts nothing.
+docs/operations.md, "Chaos runs".
 
-For each repeat and each mode it runs the same job twice: fault-free, then with kills.
-A run is ``asyncdiloco server --mode MODE`` (its defaults otherwise: H = 20, ...) on
-127.0.0.1 and ``--workers`` ``asyncdiloco worker`` processes (the default job's model and
-data, worker i with ``--worker-index i``, equal speeds), each with its own
-``--state-dir`` and ``--max-steps``. With kills, failures arrive as a Poisson process over
-the whole run (exponential gaps, mean ``--mtbf-s``, seeded by ``--seed`` + the repeat),
-counted from the moment the global model is initialized: each SIGKILLs one worker drawn
-at random among those still training and restarts it at once with the same command, so
-it resumes as itself from its state folder (its name, inner optimizer, data position,
-step count and unsent steps); the inner steps since its last save are trained again.
-Every worker stops after ``--max-steps`` inner steps in all its lives together, so both
-runs do the same work. When every worker has exited, the global model's held-out loss
-(nats/char; the evaluator of ``asyncdiloco eval``) is measured and the server is stopped.
-
-One JSON line per kill and per run (with ``steps_off``: how many inner steps the server's
-token count differs from workers × max_steps; 0 when no step was lost or counted twice,
-negative in sync runs with kills, where a restarted member heals and drops its steps since
-the last round), one per mode and repeat with the relative difference of the final losses,
-``(with kills − fault-free) / fault-free``, and one summary per mode over the repeats.
-Async runs are not deterministic (the order pushes arrive in varies), so ``--repeats`` > 1
-also shows how much two fault-free runs differ. Measures; asserts nothing.
+    python -m asyncdiloco.bench.chaos.worker_kills [--modes async,sync] [--workers 4] [--repeats 1] [--seed 0]
 """
 
 from __future__ import annotations
@@ -60,20 +42,8 @@ class Run:
 
     def start_server(self) -> None:
         port_file = self.folder / "port"
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "server",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            "--mode",
-            self.mode,
-            "--drain-s",
-            "0",
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "server", "--port", "0", "--port-file", str(port_file)]
+        cmd += ["--mode", self.mode, "--drain-s", "0"]
         with open(self.folder / "server.log", "w") as log:
             self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -86,28 +56,10 @@ class Run:
     def start_worker(self, i: int) -> None:
         """Start (or restart, on its state folder) worker ``i``."""
         self.lives[i] += 1
-        cmd = [
-            sys.executable,
-            "-m",
-            "asyncdiloco",
-            "worker",
-            "--server",
-            self.address,
-            "--mode",
-            self.mode,
-            "--worker-name",
-            f"w{i}",
-            "--worker-index",
-            str(i),
-            "--state-dir",
-            str(self.folder / f"state-{i}"),
-            "--max-steps",
-            str(self.args.max_steps),
-            "--stats-file",
-            str(self.folder / f"stats-{i}.json"),
-            "--train-log",
-            str(self.folder / f"train-{i}.jsonl"),
-        ]
+        cmd = [sys.executable, "-m", "asyncdiloco", "worker", "--server", self.address, "--mode", self.mode]
+        cmd += ["--worker-name", f"w{i}", "--worker-index", str(i), "--max-steps", str(self.args.max_steps)]
+        cmd += ["--state-dir", str(self.folder / f"state-{i}"), "--stats-file", str(self.folder / f"stats-{i}.json")]
+        cmd += ["--train-log", str(self.folder / f"train-{i}.jsonl")]
         with open(self.folder / f"worker-{i}.log", "a") as log:
             log.write(f"===== life {self.lives[i]}\n")
             log.flush()

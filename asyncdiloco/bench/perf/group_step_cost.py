@@ -1,17 +1,9 @@
-"""What a torchrun group's per-step exchange (worker/group.py) adds to a DDP inner step.
+"""What a torchrun group's per-step exchange (worker/group.py) adds to a DDP inner step:
+gloo ranks on 127.0.0.1 time blocks of plain DDP steps against blocks of DDP steps plus
+the group's exchange, and a due step's outcome with and without rank 0's keep-alive.
+Measures; asserts nothing. docs/operations.md, "A torchrun group as one worker".
 
-    .venv/bin/python benchmarks/group_step_cost.py [--steps 200] [--world 2] [--default-job]
-
-Starts ``--world`` gloo ranks on 127.0.0.1 (CPU), each training a small character model
-(``--default-job``: the CLI worker's default model; job/models.py, DDP-wrapped) on its
-own batches, and times ``--steps`` inner steps of two kinds in alternating blocks of 20
-consecutive steps (so a busy machine slows both alike): plain DDP steps, and DDP steps
-followed by the group's exchange (``LocalGroup.exchange``: the all_reduce of 3 int64
-every grouped worker does after each inner step). Prints one JSON line from rank 0: the
-median per-step time of each kind's blocks, their ratio, the exchange alone, and a due
-step's outcome (``share_outcome`` with the model unchanged) without and with rank 0's
-keep-alive thread around the (here empty) sync (``LocalGroup.leading``).
-Measures, asserts nothing.
+    python -m asyncdiloco.bench.perf.group_step_cost [--steps 200] [--world 2] [--default-job]
 """
 
 from __future__ import annotations
@@ -40,14 +32,14 @@ BLOCK = 20
 
 #: The small model (the tests' tiny job): the exchange's share of a step is larger here than
 #: with a real model, so the ratio is an upper bound.
-SMALL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "context_len": 16, "batch_size": 8}
+SMALL = JobConfig(n_layer=1, n_embd=32, n_head=2, context_len=16, batch_size=8)
 
 
 def _rank(rank: int, world: int, init_file: str, steps: int, default_job: bool) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    job = JobConfig() if default_job else JobConfig(**SMALL)
+    job = JobConfig() if default_job else SMALL
     corpus = CharCorpus.default()
     model = DistributedDataParallel(job.build(corpus))
     inner, _ = job.build_inner(model.parameters())

@@ -1,6 +1,6 @@
 """One sync round of many members on one in-process server: how many long-polled calls it takes.
 
-    .venv/bin/python benchmarks/quorum_many.py [--members 256] [--channels 8] [--rpc-threads 64]
+    python -m asyncdiloco.bench.perf.quorum_many [--members 256] [--channels 8] [--rpc-threads 64]
 
 Starts a sync server on 127.0.0.1 (port 0, metrics on), joins ``--members`` workers over
 ``--channels`` clients and one more that does not ask (so the quorum waits until every
@@ -19,6 +19,7 @@ import json
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import torch
 
@@ -74,7 +75,8 @@ def main() -> None:
             kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
         )  # fmt: skip
         replies: dict[int, pb.QuorumReply] = {}
-        rounds = srv.state.mode.rounds
+        mode: Any = srv.state.mode  # the sync mode's rounds and held waits
+        rounds = mode.rounds
 
         def ask(i: int) -> None:
             replies[i] = clients[i % len(clients)].quorum(
@@ -114,7 +116,7 @@ def main() -> None:
             "votes_s": round(voted_s, 3),
             "quorum_calls": _calls(srv.metrics_port, "Quorum"),
             "commit_calls": _calls(srv.metrics_port, "Commit"),
-            "peak_held_calls": srv.state.mode.peak_held_waits,
+            "peak_held_calls": mode.peak_held_waits,
         }
         print(json.dumps(result))
     finally:
