@@ -130,7 +130,6 @@ LONG_MODULES = {
     "asyncdiloco.worker.async_worker": "being renovated (issue 26)",
     "asyncdiloco.worker.sync_worker": "being renovated (issue 26)",
     "asyncdiloco.worker.base": "being renovated (issue 26)",
-    "asyncdiloco.bench.demo": "being renovated (issue 26)",
     "asyncdiloco.worker.client": "being renovated (issue 26)",
 }
 
@@ -148,18 +147,7 @@ def test_no_module_is_over_the_line_cap_without_a_reason():
 
 
 #: (module, private name imported from another module of the package) pairs allowed, with the reason.
-PRIVATE_IMPORTS = {
-    ("asyncdiloco.bench.run_end", "asyncdiloco.bench.sim._eval_point"): "being renovated",
-    ("asyncdiloco.bench.run_end", "asyncdiloco.bench.sim._Replica"): "being renovated",
-    ("asyncdiloco.bench.sim_async", "asyncdiloco.bench.sim._eval_point"): "being renovated",
-    ("asyncdiloco.bench.sim_async", "asyncdiloco.bench.sim._present"): "being renovated",
-    ("asyncdiloco.bench.sim_async", "asyncdiloco.bench.sim._Replica"): "being renovated",
-    ("asyncdiloco.bench.sim_sync", "asyncdiloco.bench.sim._eval_point"): "being renovated",
-    ("asyncdiloco.bench.sim_sync", "asyncdiloco.bench.sim._present"): "being renovated",
-    ("asyncdiloco.bench.sim_tier", "asyncdiloco.bench.sim._eval_point"): "being renovated",
-    ("asyncdiloco.bench.sim_tier", "asyncdiloco.bench.sim._Replica"): "being renovated",
-    ("asyncdiloco.bench.suite_real", "asyncdiloco.bench.suite._add_targets"): "being renovated",
-}
+PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 def _private_imports(path: pathlib.Path, module: str) -> list[tuple[int, str]]:
@@ -189,17 +177,6 @@ def test_no_private_name_is_imported_from_another_module():
 #: Import cycles allowed inside a layer (each its set of modules), with the reason.
 CYCLES = {
     frozenset({"asyncdiloco.ps.buffers", "asyncdiloco.ps.live"}): "being renovated",
-    frozenset({"asyncdiloco.bench.sim", "asyncdiloco.bench.sim_async", "asyncdiloco.bench.sim_sync"}): (
-        "being renovated"
-    ),
-    frozenset(
-        {
-            "asyncdiloco.bench.peer_sync",
-            "asyncdiloco.bench.suite",
-            "asyncdiloco.bench.suite_markdown",
-            "asyncdiloco.bench.suite_real",
-        }
-    ): "being renovated",
 }
 
 
