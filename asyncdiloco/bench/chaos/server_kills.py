@@ -32,6 +32,8 @@ from typing import Any
 #: Seconds a server may take from spawn to its port file, and workers to finish at the end.
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 180.0
+#: The flags the result line repeats.
+RUN_SETTINGS = "kills workers seed mean_up_s local_steps checkpoint_every max_backoff_s after_append".split()
 
 
 # ---------------------------------------------------------------------- the workers
@@ -61,35 +63,14 @@ def worker_main(argv: list[str]) -> int:
     push = ParameterServerClient.push
 
     def recorded_push(self: ParameterServerClient, payload: torch.Tensor, **kw: Any) -> Any:
+        ids = {"worker_id": kw["worker_id"], "push_id": kw["push_id"]}
         try:
             reply = push(self, payload, **kw)
         except Exception as exc:
-            acks.write(
-                json.dumps(
-                    {
-                        "t": time.time(),
-                        "worker_id": kw["worker_id"],
-                        "push_id": kw["push_id"],
-                        "error": type(exc).__name__,
-                    }
-                )
-            )
-            acks.write("\n")
+            acks.write(json.dumps({"t": time.time(), **ids, "error": type(exc).__name__}) + "\n")
             raise
-        acks.write(
-            json.dumps(
-                {
-                    "t": time.time(),
-                    "worker_id": kw["worker_id"],
-                    "push_id": kw["push_id"],
-                    "kind": int(kw.get("kind", 0)),
-                    "applied": reply.applied,
-                    "duplicate": reply.duplicate,
-                    "version": reply.version,
-                }
-            )
-            + "\n"
-        )
+        outcome = {"kind": int(kw.get("kind", 0)), "applied": reply.applied, "duplicate": reply.duplicate}
+        acks.write(json.dumps({"t": time.time(), **ids, **outcome, "version": reply.version}) + "\n")
         return reply
 
     ParameterServerClient.push = recorded_push  # type: ignore[method-assign]
@@ -107,19 +88,8 @@ def worker_main(argv: list[str]) -> int:
             lm_loss(model(x), y).backward()
             inner.step()  # every H-th step pushes and pulls
             inner.zero_grad(set_to_none=True)
-    st = worker.stats
-    print(
-        json.dumps(
-            {
-                "index": args.index,
-                "inner_steps": st.inner_steps,
-                "pushes_applied": st.pushes_applied,
-                "pushes_refused": st.pushes_refused,
-                "sync_failures": st.sync_failures,
-            }
-        ),
-        flush=True,
-    )
+    counters = ("inner_steps", "pushes_applied", "pushes_refused", "sync_failures")
+    print(json.dumps({"index": args.index, **{k: getattr(worker.stats, k) for k in counters}}), flush=True)
     acks.close()
     return 0
 
@@ -354,6 +324,12 @@ def check(out: pathlib.Path, archive: Archive, ack_files: list[pathlib.Path]) ->
 
 
 # ---------------------------------------------------------------------- the run
+def _event(event: str, began: float, **fields: Any) -> None:
+    """One progress line: the event, its fields and the seconds since ``began``."""
+    elapsed_s = round(time.monotonic() - began, 1)
+    print(json.dumps({"bench": "chaos_server_kills", "event": event, **fields, "elapsed_s": elapsed_s}), flush=True)
+
+
 def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     rng = random.Random(args.seed)
     server = Server(out, args)
@@ -378,17 +354,7 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
             if time.monotonic() - began > START_TIMEOUT_S * 2:
                 raise RuntimeError(f"the workers did not get a push acknowledged; see {out}")
             time.sleep(0.1)
-        print(
-            json.dumps(
-                {
-                    "bench": "chaos_server_kills",
-                    "event": "steady",
-                    "first_start_s": round(first_start_s, 2),
-                    "elapsed_s": round(time.monotonic() - began, 1),
-                }
-            ),
-            flush=True,
-        )
+        _event("steady", began, first_start_s=round(first_start_s, 2))
         for n in range(1, args.kills + 1):
             up_s = rng.expovariate(1.0 / args.mean_up_s)
             time.sleep(up_s)
@@ -396,19 +362,14 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
                 up_s += _wait_for_an_append(server.state)
             server.kill()
             restart_s = server.start()
-            print(
-                json.dumps(
-                    {
-                        "bench": "chaos_server_kills",
-                        "event": "kill",
-                        "kill": n,
-                        "up_s": round(up_s, 3),
-                        "restart_s": round(restart_s, 2),
-                        "acknowledged_so_far": sum(_acked_count(ack_files)),
-                        "elapsed_s": round(time.monotonic() - began, 1),
-                    }
-                ),
-                flush=True,
+            acknowledged = sum(_acked_count(ack_files))
+            _event(
+                "kill",
+                began,
+                kill=n,
+                up_s=round(up_s, 3),
+                restart_s=round(restart_s, 2),
+                acknowledged_so_far=acknowledged,
             )
         time.sleep(args.tail_s)
         stop_file.touch()
@@ -431,14 +392,7 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
         archive.stop()
     result = {
         "bench": "chaos_server_kills",
-        "kills": args.kills,
-        "workers": args.workers,
-        "seed": args.seed,
-        "mean_up_s": args.mean_up_s,
-        "local_steps": args.local_steps,
-        "checkpoint_every": args.checkpoint_every,
-        "max_backoff_s": args.max_backoff_s,
-        "after_append": args.after_append,
+        **{k: getattr(args, k) for k in RUN_SETTINGS},
         "worker_exit_codes": worker_rcs,
         "server_exit_code": server_rc,
         "completed": all(rc == 0 for rc in worker_rcs) and server_rc == 0,

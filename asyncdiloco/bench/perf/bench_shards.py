@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,18 +19,11 @@ from pathlib import Path
 
 import torch
 
+from asyncdiloco.bench.perf.harness import cpu_seconds
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.shards import write_shard_addresses
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.sharded import ShardedClient
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def free_ports(n: int) -> list[int]:
@@ -73,15 +65,12 @@ def run(count: int, numel: int, pushes: int, workers: int, folder: Path) -> dict
                 time.sleep(0.2)
         theta = torch.randn(manifest.numel, generator=torch.Generator().manual_seed(0))
         first = next(k for k, j in enumerate(joined) if j.initialize)
+        initial = manifest.pack_flat(theta)
         clients[first].push(
-            manifest.pack_flat(theta),
-            worker_id=joined[first].worker_id,
-            push_id=1,
-            base_version=0,
-            kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            initial, worker_id=joined[first].worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
         )
         payloads = [manifest.pack_flat(torch.randn(manifest.numel) * 1e-3) for _ in range(workers)]
-        cpu0 = [cpu_s(p.pid) for p in procs]
+        cpu0 = [cpu_seconds(p.pid) for p in procs]
         t0 = time.perf_counter()
 
         def loop(k: int) -> None:
@@ -96,7 +85,7 @@ def run(count: int, numel: int, pushes: int, workers: int, folder: Path) -> dict
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        cpu = [cpu_s(p.pid) - c for p, c in zip(procs, cpu0)]
+        cpu = [cpu_seconds(p.pid) - c for p, c in zip(procs, cpu0)]
         total = pushes * workers
         for c in clients:
             c.close()
