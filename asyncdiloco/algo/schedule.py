@@ -252,10 +252,6 @@ class GroupGate:
         self._clock = clock
         self._cond = threading.Condition()
 
-    @property
-    def enabled(self) -> bool:
-        return self.window.mode != "off"
-
     def arrive(self, worker_id: int, live: set[int], window_s: float, buffer_complete: bool = False) -> int:
         with self._cond:
             group_id = self.window.arrive(worker_id, self._clock(), live, window_s, buffer_complete)

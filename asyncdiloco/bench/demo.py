@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncdiloco.bench import demo_report
+from asyncdiloco.bench.perf.harness import wait_for_port
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.flags.settings import WORKER_JOB
 from asyncdiloco.job.config import JobConfig
@@ -190,17 +191,6 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     return proc.returncode
 
 
-def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: float, log_path: pathlib.Path) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_file.exists():
-            return int(port_file.read_text())
-        if proc.poll() is not None:
-            raise AsyncDiLoCoError(f"the server exited with status {proc.returncode}; see {log_path}")
-        time.sleep(0.05)
-    raise AsyncDiLoCoError(f"the server did not listen within {timeout_s:g} s; see {log_path}")
-
-
 @dataclasses.dataclass
 class Outcome:
     """What a finished demo saw: the server's last status, the eval curve, the processes."""
@@ -248,7 +238,7 @@ class _Processes:
             cmd += ["--shards", str(self.cfg.shards), "--shard-map", str(self.shard_map)]
         server = spawn([*cmd, *self.cfg.server_args], self.out / "server.log")
         self.popens.append(server)
-        return f"127.0.0.1:{_wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
+        return f"127.0.0.1:{wait_for_port(server, port_file, self.cfg.startup_timeout_s, self.out / 'server.log')}"
 
     def start_workers(self, address: str) -> list[WorkerProcess]:
         """One process per worker, plus the ``leave_rejoin`` worker's fresh process (the

@@ -12,28 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 from asyncdiloco.bench import peer_torchft
 from asyncdiloco.bench.demo import spawn
+from asyncdiloco.bench.perf.harness import free_ports, wait_for_port
 from asyncdiloco.bench.sim import SimConfig
 from asyncdiloco.bench.suite_config import SuiteConfig
 from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.job.config import JobConfig
-
-
-def _wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, deadline: float) -> int:
-    while time.monotonic() < deadline:
-        if port_file.exists() and port_file.read_text().strip():
-            return int(port_file.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode}; see {port_file.parent}/server.log")
-        time.sleep(0.01)
-    raise RuntimeError(f"the server did not listen in time; see {port_file.parent}/server.log")
 
 
 def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str, ...]:
@@ -76,7 +65,7 @@ def run_ours(
     port_file.unlink(missing_ok=True)
     started, started_unix = time.monotonic(), time.time()
     deadline = started + timeout_s
-    port = _free_port()
+    (port,) = free_ports()  # the workers start with the server, before it listens
     address = f"127.0.0.1:{port}"
     server_cmd = [*python, "server", "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)]
     server = spawn([*server_cmd, "--drain-s", "0", *_server_flags(replicas, local_steps, job)], out / "server.log")
@@ -91,7 +80,7 @@ def run_ours(
             cmd += ["--join-when-file", str(port_file)]
             workers.append(spawn([*cmd, *WORKER_JOB.argv(job)], out / f"worker-{i}.log"))
         procs += workers
-        _wait_for_port(server, port_file, deadline)
+        wait_for_port(server, port_file, deadline - time.monotonic(), out / "server.log")
         marks["server_listening_s"] = time.monotonic() - started
         for w in workers:
             w.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -118,14 +107,6 @@ def run_ours(
     row = summarize(results, command_wall_s, loss, replicas * steps * job.tokens_per_step)
     row["phases_s"] = marks | _phases(results, started_unix)
     return row
-
-
-def _free_port() -> int:
-    """A free loopback port for the server, so the workers can start with it (a bench-only
-    shortcut: another process could take it in between, and the run then fails loudly)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _phases(results: list[dict], started_unix: float) -> dict[str, float]:

@@ -259,10 +259,6 @@ class SimResult:
         """Busy ÷ wall, averaged over workers."""
         return sum(self.busy_s) / (len(self.busy_s) * self.wall_s) if self.wall_s > 0 else 0.0
 
-    def time_to(self, target: float) -> float | None:
-        """Virtual seconds until the held-out loss first reached ``target`` (None: never)."""
-        return next((p["time_s"] for p in self.curve if p["eval_loss"] <= target), None)
-
 
 class Replica:
     """One worker's model, inner optimizer and data stream."""

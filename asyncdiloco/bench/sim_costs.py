@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from asyncdiloco.algo.rates import RATE_SKIP_STEPS, InnerStepRate
+from asyncdiloco.algo.rates import InnerStepRate
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.wire.codec import make_codec
 from asyncdiloco.wire.tensors import Manifest, TensorSpec
@@ -210,11 +210,6 @@ class WorkerRate:
         """A push's ``compute_s`` for ``steps`` steps (``measured_s``, their summed
         durations, while no step was timed)."""
         return self.meter.seconds_for(steps) or measured_s
-
-    @property
-    def steps_to_first_report(self) -> int:
-        """Inner steps from a registration's start to its first report (warm-up included)."""
-        return RATE_SKIP_STEPS + RATE_PROBE_STEPS
 
 
 #: The estimator a simulated worker uses (swap to change it).

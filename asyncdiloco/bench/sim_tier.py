@@ -97,10 +97,6 @@ class TierSimResult:
     worker_pushes: int
     upward_pushes: int
 
-    def time_to(self, target: float) -> float | None:
-        """Virtual seconds until the evaluated loss first reached ``target`` (None: never)."""
-        return next((p["time_s"] for p in self.curve if p["eval_loss"] <= target), None)
-
 
 class _Region:
     """A regional server of the tier and its link state (upstream.py's, on the virtual clock)."""

@@ -310,9 +310,8 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
             ConfigError: the state is of another stream (seed, worker index, batch size
                 or context length differ).
         """
-        defaults = {"shard": 0, "num_shards": 1}  # states saved before shards existed
         for name in ("seed", "worker_index", "batch_size", "context_len", "shard", "num_shards"):
-            saved = state.get(name, defaults.get(name))
+            saved = state[name]
             if saved != getattr(self, name):
                 raise ConfigError(
                     f"the saved data position is of a stream with {name}={saved}, this one has "

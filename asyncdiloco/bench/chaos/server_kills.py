@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any
 
+from asyncdiloco.bench.perf.harness import exit_on_sigterm
+
 #: Seconds a server may take from spawn to its port file, and workers to finish at the end.
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 180.0
@@ -402,10 +404,6 @@ def run(args: argparse.Namespace, out: pathlib.Path) -> dict:
     return result
 
 
-def _exit_on_sigterm(*_: object) -> None:
-    raise SystemExit(143)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -447,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", help="keep the logs, the state folder and the archive here (default: a temp folder, removed)"
     )
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the finally blocks reap the children
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # the finally blocks reap the children
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=False)

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from asyncdiloco.bench.perf.harness import exit_on_sigterm, wait_for_port
+
 #: Seconds a server may take to listen, and a run to finish.
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 1800.0
@@ -46,12 +48,8 @@ class Run:
         cmd += ["--mode", self.mode, "--drain-s", "0"]
         with open(self.folder / "server.log", "w") as log:
             self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not port_file.exists():
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not listen; see {self.folder}/server.log")
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
+        port = wait_for_port(self.server, port_file, START_TIMEOUT_S, self.folder / "server.log")
+        self.address = f"127.0.0.1:{port}"
 
     def start_worker(self, i: int) -> None:
         """Start (or restart, on its state folder) worker ``i``."""
@@ -198,10 +196,6 @@ def run_once(args: argparse.Namespace, folder: pathlib.Path, mode: str, kill_see
     return result
 
 
-def _exit_on_sigterm(*_: object) -> None:
-    raise SystemExit(143)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="async,sync", help="comma-separated: async, sync (default %(default)s)")
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill times and victims (default %(default)s)")
     p.add_argument("--out", help="keep every run's logs and state folders here (default: a temp folder, removed)")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the finally blocks reap the children
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # the finally blocks reap the children
     modes = args.modes.split(",")
     with tempfile.TemporaryDirectory(prefix="chaos-workers-") as tmp:
         out = pathlib.Path(args.out) if args.out else pathlib.Path(tmp)

@@ -270,63 +270,28 @@ def main() -> None:
     sizes = parse_sizes(args.sizes)
     if args.only in (None, "outer_step"):
         for n in sizes:
-            r = bench_outer_step(n, args.repeats)
-            emit(
-                {
-                    "bench": "server",
-                    "measure": OUTER_STEP,
-                    "model_mib": n / MIB,
-                    "target": target_for(OUTER_STEP),
-                    **r,
-                },
-                args.out,
-            )
+            row = {"bench": "server", "measure": OUTER_STEP, "model_mib": n / MIB, "target": target_for(OUTER_STEP)}
+            emit({**row, **bench_outer_step(n, args.repeats)}, args.out)
     if args.only in (None, "peak_rss"):
         for n in sizes:
+            row = {"bench": "server", "measure": PEAK_RSS, "model_mib": n / MIB}
+            row["target"] = target_for(PEAK_RSS, model_mib=n / MIB)
             for then_pull, codec in ((False, "raw"), (True, "raw"), (True, "bf16")):
-                r = bench_peak_rss(n, pushers=8, then_pull=then_pull, codec=codec)
-                emit(
-                    {
-                        "bench": "server",
-                        "measure": PEAK_RSS,
-                        "model_mib": n / MIB,
-                        "target": target_for(PEAK_RSS, model_mib=n / MIB),
-                        **r,
-                    },
-                    args.out,
-                )
+                emit({**row, **bench_peak_rss(n, pushers=8, then_pull=then_pull, codec=codec)}, args.out)
     if args.only in (None, "push_rate"):
         alone = in_process_pushes_per_s(1_000_000)
         procs, threads = (int(n) for n in args.push_workers.lower().split("x"))
+        note = (
+            f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
+            f"here {procs * threads} clients ({procs} processes) and the server share the same "
+            f"{os.cpu_count()} cores"
+        )
         for path, bulk, one_message in PATHS[:2] if args.address else PATHS:
-            r = bench_push_rate(
-                1_000_000,
-                procs=procs,
-                threads=threads,
-                seconds=args.push_seconds,
-                bulk=bulk,
-                address=args.address,
-                one_message=one_message,
-            )
-            note = (
-                f"the server's work alone, in one process without network, applies {alone:.0f} pushes/s; "
-                f"here {procs * threads} clients ({procs} processes) and the server share the same "
-                f"{os.cpu_count()} cores"
-            )
-            emit(
-                {
-                    "bench": "server",
-                    "measure": PUSH_RATE,
-                    "model_mib": 4e6 / MIB,
-                    "path": path,
-                    "workers": procs * threads,
-                    "target": target_for(PUSH_RATE, path) if procs * threads == 16 else None,
-                    "in_process_pushes_per_s": alone,
-                    "note": note,
-                    **r,
-                },
-                args.out,
-            )
+            r = bench_push_rate(1_000_000, procs, threads, args.push_seconds, bulk, args.address, one_message)
+            row = {"bench": "server", "measure": PUSH_RATE, "model_mib": 4e6 / MIB, "path": path}
+            row["workers"] = procs * threads
+            row["target"] = target_for(PUSH_RATE, path) if procs * threads == 16 else None
+            emit({**row, "in_process_pushes_per_s": alone, "note": note, **r}, args.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,21 +18,11 @@ from pathlib import Path
 
 import torch
 
-from asyncdiloco.bench.perf.harness import cpu_seconds
+from asyncdiloco.bench.perf.harness import cpu_seconds, free_ports
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.shards import write_shard_addresses
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.sharded import ShardedClient
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def start_shards(count: int, folder: Path) -> tuple[list[subprocess.Popen], list[str]]:

@@ -1,4 +1,4 @@
-"""Shared helpers of the micro-benchmarks: JSON lines, medians, a server process, RSS.
+"""Shared helpers of the benchmarks: JSON lines, medians, server processes and ports, RSS.
 
 Benchmarks measure and print; they assert nothing and are not collected by pytest.
 Every ratio is taken against a baseline measured in the same run, because the machines
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from asyncdiloco.errors import AsyncDiLoCoError
 
 MIB = 1024 * 1024
 
@@ -84,6 +87,40 @@ def server_process(*flags: str, env: dict | None = None) -> Iterator[tuple[subpr
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` free loopback ports, for servers whose clients must know the port before it
+    listens (another process could take one in between: the run then fails loudly)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: float, log_path: pathlib.Path) -> int:
+    """The port a server process wrote to ``port_file`` (``--port-file``) once it listens.
+
+    Raises:
+        AsyncDiLoCoError: the process exited first, or did not listen within ``timeout_s``
+            seconds; the message names ``log_path``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise AsyncDiLoCoError(f"the server exited with status {proc.returncode}; see {log_path}")
+        time.sleep(0.01)
+    raise AsyncDiLoCoError(f"the server did not listen within {timeout_s:g} s; see {log_path}")
+
+
+def exit_on_sigterm(*_: object) -> None:
+    """A SIGTERM handler that exits (status 143) through the ``finally`` blocks, which reap the children."""
+    raise SystemExit(143)
 
 
 def cpu_seconds(pid: int) -> float:
