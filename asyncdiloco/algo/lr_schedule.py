@@ -1,25 +1,13 @@
-"""Learning-rate schedules: linear warmup, then constant or cosine decay to a floor.
+"""Learning-rate schedules: linear warmup, then constant or cosine decay to a floor
+(docs/operations.md, "Learning-rate schedules"). The outer η is keyed by the version v an
+update is applied at (the updates applied before it), the inner lr by the worker's inner
+step k (``LambdaLR``).
 
-One schedule shape serves both optimizers, keyed by different counters:
-
-- the **outer** optimizer's η is keyed by the **version** v the update is applied at,
-  i.e. the number of outer updates applied before it (0 for the first one): the update
-  that takes the global model from version v to v + 1 uses η · lr_factor(v). The
-  server, its write-ahead-log replay and every sync-mode member use this v.
-- the **inner** optimizer's lr is keyed by the worker's own **inner step** k (0 for
-  its first ``inner.step()``), through ``torch.optim.lr_scheduler.LambdaLR``.
-
-The factor f(t) multiplies the peak learning rate (W = ``warmup``, T = ``total``,
-r = ``min_ratio``; t is 0-based):
-
-- warmup, t < W:       f(t) = (t + 1) / W   (the first update already moves; t = W − 1 is the peak)
-- ``constant``, t ≥ W: f(t) = 1
-- ``cosine``, W ≤ t < T: f(t) = r + (1 − r) · ½ · (1 + cos(π · (t − W) / (T − W)))
-- ``cosine``, t ≥ T:   f(t) = r   (stays at the floor)
-
-Warmup then cosine annealing as in SGDR (Loshchilov & Hutter 2017, arXiv 1608.03983,
-Eq. 5, one cycle without restarts), the schedule DiLoCo's inner AdamW uses (Douillard
-et al. 2023, arXiv 2311.08105, Sec. 3: linear warmup, cosine decay).
+The factor f(t) multiplies the peak rate (W = ``warmup``, T = ``total``, r = ``min_ratio``,
+t 0-based): f(t) = (t + 1) / W for t < W; then 1 (``constant``), or (``cosine``)
+r + (1 − r) · ½ · (1 + cos(π · (t − W) / (T − W))) for t < T and r from T on. Warmup then
+cosine annealing as in SGDR (Loshchilov & Hutter 2017, arXiv 1608.03983, Eq. 5, one cycle),
+the schedule of DiLoCo's inner AdamW (Douillard et al. 2023, arXiv 2311.08105, Sec. 3).
 """
 
 from __future__ import annotations

@@ -26,11 +26,8 @@ Staleness weights (τ = versions applied since the worker's base version):
 ``polynomial`` (1+τ)^−a and ``hinge`` 1 if τ ≤ b else 1/(a(τ−b)+1)
 (FedAsync, Xie et al. 2019, arXiv 1903.03934, Sec. 5.2).
 
-η may follow a schedule keyed by the version v an update is applied at (the number of
-updates applied before it, so the first update is v = 0): every η above is then
-η_v = η · lr_factor(v) (``OuterConfig.lr_schedule``; warmup and cosine decay as in
-lr_schedule.py). The caller passes v; the async server, its log replay, the sync-mode
-server and every sync member pass the same v for the same update.
+With a schedule every η above is η_v = η · lr_factor(v), v the version the update is
+applied at (lr_schedule.py); every caller passes the same v for the same update.
 
 All updates are in place and allocate nothing per step; the kernel is torch's fused SGD.
 A step may run block by block (``on_block``), bit-identical to one pass

@@ -1,11 +1,6 @@
-"""The ``asyncdiloco`` command: the parser built from the subcommands (one module each:
-server.py, worker.py, demo.py, bench.py, status.py, eval.py, export.py, launch.py), logging, and the
-one-line error report.
-
-Thin: each subcommand parses its flags into the config dataclasses (flags.py) and calls
-the library. Errors from the library are printed as one line and exit with status 2
-(bad configuration) or 1 (could not run); a reader that closed stdout's pipe early
-(``| head``) ends the command with status 1 and no traceback.
+"""The ``asyncdiloco`` command: the parser built from the subcommands (one module each),
+logging, and the one-line error report: a library error exits with status 2 (bad
+configuration) or 1 (could not run), a closed stdout pipe (``| head``) with 1 and no traceback.
 """
 
 from __future__ import annotations

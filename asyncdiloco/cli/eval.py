@@ -1,11 +1,6 @@
-"""``asyncdiloco eval``: the held-out loss of a running server's global model, printed
-and reported to the server (tools/evaluator.py).
-
-Once, or with ``--every S`` every S seconds (a version already evaluated is skipped)
-until ``--max-evals`` evaluations or Ctrl-C. Each evaluation prints ``version V:
-held-out loss L nats/char`` (``--json``: one JSON line). The model-shape flags must be
-those the workers train with (the default job's by default); a different model is refused,
-naming the first parameter that differs.
+"""``asyncdiloco eval``: the held-out loss of a running server's global model, printed and
+reported to the server, once or ``--every S`` seconds (tools/evaluator.py;
+docs/operations.md, "Held-out loss").
 """
 
 from __future__ import annotations

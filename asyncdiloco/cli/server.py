@@ -1,10 +1,5 @@
-"""``asyncdiloco server``: the parameter server process, until SIGINT or SIGTERM.
-
-Prints one line once it listens (after writing ``--port-file``, so a watcher of either
-knows it is ready) and one line of counters when it stops. On the signal the health
-service says NOT_SERVING at once, the server serves on for ``--drain-s`` seconds (so
-probes route new work elsewhere), then stops with a grace of ``GRACE_S`` for the calls
-in flight.
+"""``asyncdiloco server``: the parameter server process, until SIGINT or SIGTERM; it drains
+for ``--drain-s`` and gives the calls in flight ``GRACE_S`` (docs/operations.md, "Health").
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``asyncdiloco status``: the run at a glance from the server's ``Status`` (tools/status_view.py).
-
-Once, or every S seconds with ``--watch`` until Ctrl-C (the screen is cleared between
-refreshes only when stdout is a terminal). ``--json`` prints one JSON object (with
-``--watch``, one JSON line per refresh). A server that cannot be reached is one line on
-stderr and exit status 1; while watching, a failed refresh after the first is one line
-and the watch goes on (the server may be restarting).
+"""``asyncdiloco status``: the run at a glance from the server's ``Status``, once or with
+``--watch`` (tools/status_view.py; docs/operations.md, "Status from the command line").
 """
 
 from __future__ import annotations

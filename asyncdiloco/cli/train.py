@@ -54,37 +54,25 @@ def run_worker(
     or synchronous (``SyncDiLoCoWorker``) when ``sync`` is given.
 
     Args:
-        worker_config: server address and client settings.
-        job: model, data and inner optimizer settings.
+        worker_config, job: the client's settings; the model, data and inner optimizer.
         worker_index: selects this worker's batch order.
-        slowdown: F ≥ 1; inside each inner step (before the optimizer step) the worker
-            sleeps (F − 1) × a step's compute time, so its steps take F times longer
-            (emulates a weaker machine; ``_Pace``).
-        step_s: ≥ 0; every inner step computes at least this many seconds at full speed
-            (padded with a sleep inside the step, then slowed by F): emulates a larger
-            model, so that a round lasts as long against its push and pull as it would
-            (0: the job's own step time).
-        slowdown_changes: ((t_s, F), ...): from t_s seconds after the worker began
-            training (joined and holds the global model) it runs F times slower instead;
-            times strictly increasing, each F ≥ 1 (``slowdown_at``).
-        max_steps: stop after this many inner steps (None: no bound).
-        max_seconds: stop after this many seconds of training (None: no bound).
+        slowdown: F ≥ 1: every inner step takes F times longer (``_Pace``).
+        slowdown_changes: ((t_s, F), ...): from t_s seconds of training on, F instead
+            (``slowdown_at``).
+        step_s: ≥ 0: every inner step lasts at least this many seconds at full speed
+            (an emulated larger model; 0: the job's own step time).
+        max_steps, max_seconds: stop after this many inner steps / seconds of training
+            (None: no bound; one of them is needed).
         on_step: called after every inner step with (step, loss in nats/char).
-        on_start: called once training begins (joined, global model pulled): the
-            moment ``slowdown_changes`` and ``max_seconds`` count from.
-        on_join: called right before the join (model and data built); on_end: once the
-            last inner step (and its sync) is done, before the Leave. The peer row's
-            training wall runs from the first to the second (bench/peer_sync.py).
-        stop: once set, training ends after the current inner step (never in the middle
-            of a sync); the worker then pushes its last steps and leaves. Set before
-            training began, it ends right after the join (still with a Leave).
-        wait_to_join: called once the model and data are ready, before the join; it
-            blocks until the worker may join and returns False to give up (nothing is
-            trained and the server never hears of this worker).
-        train_log: the process log's, JSON lines' and TensorBoard's log points
-            (train_log.py); None: ``TrainLogConfig()``, the process log every 20 steps.
-        sync: run as a sync-mode worker with these settings (the server must run
-            ``--mode sync``); None: asynchronous.
+        on_start: called once training begins (joined, global model pulled);
+            ``slowdown_changes`` and ``max_seconds`` count from then.
+        on_join, on_end: called right before the join, and once the last inner step
+            (and its sync) is done, before the Leave (bench/peer_sync.py's phases).
+        stop: once set, training ends after the current inner step; the worker then
+            pushes its last steps and leaves (set before training: right after the join).
+        wait_to_join: blocks until the worker may join; False: give up without joining.
+        train_log: the training log's points (train_log.py; None: ``TrainLogConfig()``).
+        sync: run as a sync-mode worker with these settings (None: asynchronous).
         device: where the model, its inner optimizer state and the batches live
             ("cpu", "cuda", "cuda:N"; the worker's θ_base stays on the host).
     Returns:

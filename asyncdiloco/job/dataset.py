@@ -28,15 +28,7 @@ _MAX_SEED = 2**63 - 1
 
 
 def load_text(path: str | os.PathLike | None = None) -> str:
-    """Read a UTF-8 text corpus.
-
-    Args:
-        path: File to read. ``None`` reads the embedded Tiny Shakespeare
-            (1,115,394 characters) shipped as package data in
-            ``asyncdiloco/job/data/``.
-
-    Returns:
-        The whole file as one string.
+    """The whole UTF-8 text of ``path`` (None: the embedded Tiny Shakespeare).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -51,19 +43,14 @@ def load_text(path: str | os.PathLike | None = None) -> str:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CharCorpus:
-    """A character vocabulary and the train/validation split of one text.
+    """A character vocabulary and the train/validation split of one text (build it with
+    ``from_text`` or ``default``)."""
 
-    Build it with ``CharCorpus.from_text(text)`` or ``CharCorpus.default()``.
-
-    Attributes:
-        vocab: The sorted distinct characters of the text; id ``i`` is ``vocab[i]``.
-        train: Training ids, shape (N_train,), int64: the first
-            ``1 - val_fraction`` of the text.
-        val: Held-out validation ids, shape (N_val,), int64: the rest of the text.
-    """
-
+    #: The sorted distinct characters of the text; id ``i`` is ``vocab[i]``.
     vocab: str
+    #: Training ids, (N_train,) int64: the first ``1 - val_fraction`` of the text.
     train: torch.Tensor
+    #: Held-out validation ids, (N_val,) int64: the rest of the text.
     val: torch.Tensor
     _stoi: dict[str, int] = field(init=False, repr=False)
 
@@ -91,19 +78,12 @@ class CharCorpus:
 
     @classmethod
     def from_text(cls, text: str, val_fraction: float = 0.1) -> CharCorpus:
-        """Build the vocabulary from ``text`` and split it deterministically.
-
-        Args:
-            text: The whole corpus.
-            val_fraction: Share of characters, at the end of the text, held out
-                for validation; in (0, 0.5].
-
-        Returns:
-            The corpus; ``len(train) + len(val) == len(text)``.
+        """The vocabulary of ``text`` and its split: the last ``val_fraction`` of the
+        characters, in (0, 0.5], held out for validation.
 
         Raises:
-            ValueError: ``val_fraction`` is outside (0, 0.5], or ``text`` is too
-                short to leave at least one character in each split.
+            ConfigError: ``val_fraction`` is outside (0, 0.5], or ``text`` is too short to
+                leave a character in each split.
         """
         if not 0.0 < val_fraction <= 0.5:
             raise ConfigError(
@@ -126,14 +106,7 @@ class CharCorpus:
 
     @classmethod
     def default(cls, val_fraction: float = 0.1) -> CharCorpus:
-        """The embedded Tiny Shakespeare corpus (65 characters in the vocabulary).
-
-        Args:
-            val_fraction: As in ``from_text``.
-
-        Returns:
-            The corpus.
-        """
+        """The embedded Tiny Shakespeare corpus (65 characters in the vocabulary)."""
         return cls.from_text(load_text(), val_fraction=val_fraction)
 
     @property
@@ -142,16 +115,10 @@ class CharCorpus:
         return len(self.vocab)
 
     def encode(self, text: str) -> torch.Tensor:
-        """Map characters to ids.
-
-        Args:
-            text: Characters, each of which must be in ``vocab``.
-
-        Returns:
-            Ids, shape (len(text),), int64.
+        """The ids of ``text``, shape (len(text),), int64.
 
         Raises:
-            ValueError: ``text`` holds a character outside the vocabulary.
+            ConfigError: ``text`` holds a character outside the vocabulary.
         """
         try:
             return torch.tensor([self._stoi[ch] for ch in text], dtype=torch.long)
@@ -162,17 +129,10 @@ class CharCorpus:
             ) from None
 
     def decode(self, ids: torch.Tensor) -> str:
-        """Map ids back to characters.
-
-        Args:
-            ids: Ids of any shape (flattened in row-major order), integer dtype,
-                each in [0, vocab_size).
-
-        Returns:
-            The decoded string.
+        """The characters of ``ids`` (any shape, read in row-major order, integer dtype).
 
         Raises:
-            ValueError: an id is outside [0, vocab_size).
+            ConfigError: an id is outside [0, vocab_size).
         """
         flat = ids.reshape(-1).tolist()
         bad = [i for i in flat if not 0 <= i < self.vocab_size]
@@ -197,7 +157,7 @@ def sample_batch(
         y: Targets, shape (B, T), int64: ``data[s + 1 : s + T + 1]``, x shifted by one.
 
     Raises:
-        ValueError: ``data`` is not 1-D int64, ``batch_size`` or ``context_len``
+        ConfigError: ``data`` is not 1-D int64, ``batch_size`` or ``context_len``
             is below 1, or the split is not longer than one context window.
     """
     if data.dim() != 1 or data.dtype != torch.long:
@@ -242,7 +202,7 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
             default (0 of 1) is the whole split.
 
     Raises:
-        ValueError: an argument is out of range (see ``sample_batch``), or the shard is
+        ConfigError: an argument is out of range (see ``sample_batch``), or the shard is
             not in [0, num_shards).
 
     Yields:
@@ -330,23 +290,12 @@ class BatchStream(Iterator[tuple[torch.Tensor, torch.Tensor]]):
 def eval_batches(
     corpus: CharCorpus, batch_size: int, context_len: int, num_batches: int, seed: int = 1234
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed set of held-out batches from the validation split.
-
-    The same arguments give bit-identical batches in every call and process
-    (same torch version), so losses measured at different times are comparable.
-
-    Args:
-        corpus: The corpus; batches come from ``corpus.val``.
-        batch_size: B, windows per batch, >= 1.
-        context_len: T, ids per window, >= 1 and < len(corpus.val).
-        num_batches: How many batches, >= 1.
-        seed: Seed of the generator the windows are drawn from, >= 0.
-
-    Returns:
-        ``num_batches`` pairs (x, y), each of shape (B, T), int64.
+    """``num_batches`` fixed held-out batches (x, y) of ``corpus.val``, each (B, T) int64,
+    their windows drawn with ``seed``: bit-identical in every call and process (same torch
+    version), so losses measured at different times compare.
 
     Raises:
-        ValueError: an argument is out of range (see ``sample_batch``).
+        ConfigError: an argument is out of range (see ``sample_batch``).
     """
     if num_batches < 1:
         raise ConfigError(f"num_batches={num_batches} must be >= 1.")

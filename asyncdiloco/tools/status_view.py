@@ -1,13 +1,7 @@
-"""The server's ``Status`` as a plain dict (``asyncdiloco status --json``) and as a text
-table (``asyncdiloco status``).
-
-``status_dict`` turns a ``StatusReply`` into JSON-ready values, snake_case keys with their
-units in the names (``last_seen_s``, ``steps_per_s``); ``render`` draws the same numbers
-for a terminal (docs/operations.md "Status from the command line").
-
-The staleness summary comes from the histogram: ``staleness_histogram[τ]`` pushes were
-applied with staleness τ, the last bucket counting every τ at or above its index, so a
-``max`` in that bucket is a lower bound (``max_is_lower_bound``).
+"""The server's ``Status`` as a plain dict (``asyncdiloco status --json``; keys with their
+units, ``last_seen_s``) and as a text table (``asyncdiloco status``); docs/operations.md,
+"Status from the command line". The last bucket of the staleness histogram counts every
+larger τ, so a ``max`` there is a lower bound (``max_is_lower_bound``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Wire codec cost: encode+decode throughput of bf16 and int8 ÷ a plain ``copy_`` of the
-same fp32 bytes into a preallocated buffer, measured in the same run, and the wire-bytes
-ratio (encoded ÷ fp32 bytes).
+"""Wire codec cost (docs/performance.md, "Codecs"): per (codec, model size) one JSON line
+with ``ratio`` = seconds of a plain ``copy_`` of the fp32 bytes ÷ (encode + decode
+seconds), ``encode_gb_s`` / ``decode_gb_s`` (fp32 GB/s), ``wire_ratio`` (encoded ÷ fp32
+bytes) and ``breakeven_link_gb_s`` (the link speed below which a codec saves time).
+Single-threaded torch, preallocated buffers, medians of repeats.
 
     python -m asyncdiloco.bench.perf.bench_codec [--sizes 4,64,256] [--repeats 5] [--out FILE]
-
-One JSON line per (codec, model size): ``ratio`` = copy seconds ÷ (encode + decode
-seconds) (1.0 = a codec round trip costs what one copy costs), ``encode_gb_s`` and
-``decode_gb_s`` in fp32 GB/s, ``wire_ratio``, and ``breakeven_link_gb_s``: the link speed
-below which the bytes saved outweigh one encode plus one decode. Single-threaded torch, medians of repeats,
-all buffers preallocated (as the worker and server use the codecs).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The worker's CUDA path against pinned-memory copy speed, measured in the same run; rows
-only when a CUDA device is present (else one line saying it was skipped).
-
-- ``device copies``: the worker's θ_local device → pinned host copy and θ_g host → device
-  load (``FlatParams.copy_into`` / ``load``, the copies every sync makes) ÷ torch's own
-  pinned H2D + D2H copies of the same bytes (target ≤ 1.2: they are the same copies, plus
-  the per-tensor views of a model of 8 tensors).
-- ``push+pull from a CUDA model``: one sync (H = 1: push Δ, pull θ_g through a server on
-  127.0.0.1, raw fp32) ÷ the same pinned copies (no target: it is bounded by the host's
-  transport, ``bench_transport``).
+"""The worker's CUDA path against torch's pinned-memory copies of the same bytes, in the
+same run (docs/performance.md, "GPU rows"; targets: targets.py); without a CUDA device one line
+saying it was skipped. Rows: ``device copies`` (``FlatParams.copy_into`` / ``load``, the
+copies every sync makes) and ``push+pull from a CUDA model`` (one H = 1 sync through a
+server on 127.0.0.1, bounded by the host's transport).
 
     python -m asyncdiloco.bench.perf.bench_gpu [--sizes 4,64,256] [--out FILE]
 """

@@ -1,22 +1,14 @@
-"""The parameter server's own costs, each against a baseline in the same run.
+"""The parameter server's own costs, each against a baseline in the same run
+(docs/performance.md, "Server costs and memory"; targets: targets.py):
 
-- ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷
-  ``torch.optim.SGD(nesterov=True, fused=True)`` on the same tensor (target ≤ 1.1).
-- ``peak_rss``: server peak RSS growth while 8 workers push at once ÷ (parameters +
-  momentum) bytes (target ≤ 1.8 from 64 MiB); once with pushes only, once with each worker pulling
-  right after its push, as workers do, and that again with the bf16 wire codec. Growth =
-  peak VmHWM during the pushes − RSS of the idle server process before the model arrived.
-  By design a raw fp32 server holds θ, m and the receive budget (at least one payload),
-  which also holds the versions still being pulled (pulls read θ in place: ps/live.py);
-  a bf16 one (Δ decoded per block inside the step) adds θ encoded for the pulls and up to
-  --pull-snapshots encoded versions.
-- ``push_rate``: pushes applied per second, 1M-parameter model, 16 concurrent workers
-  (2 processes × 8 threads), replies not held for push groups (targets ≥ 300 over gRPC,
-  ≥ 500 over the bulk channel), on three paths: ``grpc-one`` (each 4 MB push one PushOne
-  message, as clients send it), ``grpc-stream`` (the same pushes as Push streams, as to a
-  server without PushOne) and ``bulk-tcp``; each row also gives the server process's CPU
-  time per applied push (``server_cpu_ms_per_push``, all its threads), which the other
-  jobs on shared cores disturb less than the rate. Targets: targets.py.
+- ``outer_step``: ``OuterOptimizer.step`` (nesterov) on a flat fp32 vector ÷ torch's fused
+  ``SGD(nesterov=True)`` on the same tensor.
+- ``peak_rss``: the server's peak RSS growth over its idle RSS while 8 workers push at once
+  (pushes only; push then pull; that with the bf16 codec) ÷ (parameters + momentum) bytes;
+  each row's ``note`` compares it with what the server holds by design.
+- ``push_rate``: pushes applied per second, 1M parameters, 16 workers (2 processes × 8
+  threads), replies not held for groups, over ``grpc-one`` (PushOne), ``grpc-stream``
+  (Push streams) and ``bulk-tcp``, with the server's CPU ms per applied push.
 
     python -m asyncdiloco.bench.perf.bench_server [--sizes 4,64,256] [--repeats 5] [--out FILE]
         [--only push_rate --address HOST:PORT]   (a server started by hand, e.g. under py-spy)

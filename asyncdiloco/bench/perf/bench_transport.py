@@ -1,23 +1,15 @@
-"""Push+pull throughput through the parameter server ÷ raw TCP loopback throughput.
+"""Push+pull throughput through the parameter server ÷ raw TCP loopback throughput
+(docs/performance.md, "Transport: gRPC and the bulk channel"; targets: targets.py).
 
-Baseline (same run): two processes on 127.0.0.1, ``sendall`` of 1 MiB memoryview
-slices into ``recv_into`` a preallocated buffer (``SLICE_BYTES``) — the ceiling for
-moving bytes between two processes on the machine it runs on.
-Measured: one worker process (this one) pushes a pseudo-gradient of the model's size and
-pulls the new global model from an ``asyncdiloco server`` process; throughput is
-2 × model bytes ÷ (push + pull seconds). Each round pairs one raw TCP transfer with one
-push+pull; ``ratio`` is the median of the rounds' ratios (the machine's load drifts, so
-pairs taken moments apart are compared), over ``--repeats`` rounds. Two paths per size,
-one JSON line each: gRPC ("grpc-stream") and the bulk data channel ("bulk-tcp", server
-started with ``--bulk-port 0``). Both also report ``transfer_only_ratio``: the same bytes
-moved by a retried push (read and discarded by the server) and a pull of an unchanged
-version (cached snapshot), i.e. the transport without the server's per-push work; and
-``server_work_s``: that work alone, in this process without a network (the chunk copies
-into place, CRC-32 on both sides, validation, the outer step, the snapshot's encoding).
+Each round pairs one raw TCP transfer between two processes (1 MiB ``sendall`` /
+``recv_into`` slices: the machine's ceiling) with one push of the model's size and one
+pull from an ``asyncdiloco server`` process, over gRPC ("grpc-stream") or the bulk channel
+("bulk-tcp"); ``ratio`` is the median over rounds of 2 × model bytes ÷ (push + pull s) ÷
+raw. ``transfer_only_ratio``: the same with a retried push and a pull of an unchanged
+version (the transport without the server's work); ``server_work_s``: that work alone,
+in this process.
 
     python -m asyncdiloco.bench.perf.bench_transport [--sizes 4,64,256] [--repeats 3] [--paths grpc,bulk] [--out FILE]
-
-Targets (issue 16; targets.py): ratio ≥ 0.6 with gRPC alone, ≥ 0.9 with the bulk channel.
 """
 
 from __future__ import annotations
