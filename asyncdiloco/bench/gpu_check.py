@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncdiloco.bench.perf.harness import median_seconds
+
 SKIP_LINE = "skipped: no GPU (torch.cuda.is_available() is False)"
 CHECKS = ("demo", "codecs", "nccl", "transfer")
 #: Substrings of NCCL's refusal of two ranks on one device.
@@ -322,9 +324,9 @@ def check_transfer(mib: int, repeats: int = 5) -> dict:
             p.grad = torch.zeros_like(p)
         with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address)) as worker:
             flat, buf = worker.flat, worker._base
-            copy_in = _wall_seconds(lambda: flat.copy_into(buf), repeats)
-            load = _wall_seconds(lambda: flat.load(buf), repeats)
-            sync = _wall_seconds(opt.step, repeats)  # H = 1: every step pushes Δ and pulls θ_g
+            copy_in = median_seconds(lambda: flat.copy_into(buf), repeats)
+            load = median_seconds(lambda: flat.load(buf), repeats)
+            sync = median_seconds(opt.step, repeats)  # H = 1: every step pushes Δ and pulls θ_g
             pinned = buf.is_pinned()
     finally:
         srv.stop(None)
@@ -344,17 +346,6 @@ def check_transfer(mib: int, repeats: int = 5) -> dict:
         f"(H2D {nbytes / h2d / 1e9:.1f} GB/s, D2H {nbytes / d2h / 1e9:.1f} GB/s); worker copies "
         f"{(copy_in + load) / pinned_s:.2f}x, push+pull {sync:.2f} s = {sync / pinned_s:.1f}x",
     }
-
-
-def _wall_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall seconds of ``fn`` (which waits for its own CUDA work)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
 
 
 # --------------------------------------------------------------------- running

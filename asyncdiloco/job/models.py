@@ -121,14 +121,8 @@ class Block(nn.Module):
 
 
 class CharTransformer(nn.Module):
-    """Character-level GPT.
-
-    Use ``build_model(config, seed)`` for a reproducibly initialised instance;
-    constructing it directly initialises from the global torch RNG.
-
-    Args:
-        config: The model's shape.
-    """
+    """Character-level GPT of shape ``config``, initialised from the global torch RNG
+    (``build_model(config, seed)``: reproducibly)."""
 
     def __init__(self, config: CharTransformerConfig) -> None:
         super().__init__()
@@ -160,16 +154,11 @@ class CharTransformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Next-character logits.
-
-        Args:
-            idx: Character ids, shape (B, T), int64, each in [0, V), T <= context_len.
-
-        Returns:
-            Logits, shape (B, T, V), float32; ``logits[b, t]`` predicts ``idx[b, t + 1]``.
+        """Next-character logits (B, T, V) float32 of ids ``idx`` (B, T) int64 in [0, V), T <=
+        context_len; ``logits[b, t]`` predicts ``idx[b, t + 1]``.
 
         Raises:
-            ValueError: ``idx`` is not 2-D int64, or T > context_len.
+            ConfigError: ``idx`` is not 2-D int64, or T > context_len.
         """
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise ConfigError(f"idx must be a (B, T) int64 tensor, got {idx.dtype} of shape {tuple(idx.shape)}.")
@@ -189,17 +178,11 @@ class CharTransformer(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-character cross-entropy.
-
-    Args:
-        logits: Shape (B, T, V), float.
-        targets: Shape (B, T), int64, each in [0, V).
-
-    Returns:
-        Scalar loss in nats per character (ln V for a uniform prediction).
+    """Mean next-character cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T)
+    int64: a scalar in nats per character (ln V for a uniform prediction).
 
     Raises:
-        ValueError: the shapes do not match.
+        ConfigError: the shapes do not match.
     """
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ConfigError(
@@ -211,18 +194,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(config: CharTransformerConfig, seed: int) -> CharTransformer:
-    """Build a ``CharTransformer`` whose initial parameters depend only on ``seed``.
-
-    The same (config, seed) gives bit-identical parameters in any process; the
-    caller's global torch RNG state is left untouched.
-
-    Args:
-        config: The model's shape.
-        seed: Initialisation seed.
-
-    Returns:
-        The model, float32 on the CPU, in training mode.
-    """
+    """A ``CharTransformer`` (float32, CPU, training mode) whose initial parameters depend
+    only on ``seed``: bit-identical in any process; the global torch RNG is left untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = CharTransformer(config)
@@ -232,21 +205,11 @@ def build_model(config: CharTransformerConfig, seed: int) -> CharTransformer:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean held-out loss over a fixed set of batches.
-
-    The model is put in eval mode (no dropout) and restored to its previous mode.
-
-    Args:
-        model: A model mapping (B, T) int64 ids to (B, T, V) logits.
-        batches: Pairs (x, y), each (B, T) int64, e.g. from ``dataset.eval_batches``;
-            moved to the model's device.
-
-    Returns:
-        Mean of the per-batch losses, in nats per character (the per-character
-        mean when all batches have the same shape).
+    """Mean held-out loss of ``model`` ((B, T) int64 ids → (B, T, V) logits, run in eval
+    mode) over ``batches`` of (x, y), each (B, T) int64: nats per character.
 
     Raises:
-        ValueError: ``batches`` is empty.
+        ConfigError: ``batches`` is empty.
     """
     device = next(model.parameters()).device
     was_training = model.training
