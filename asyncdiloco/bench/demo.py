@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncdiloco.bench import demo_report
-from asyncdiloco.bench.perf.harness import wait_for_port
+from asyncdiloco.bench.perf.harness import reap, wait_for_port
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
 from asyncdiloco.flags.settings import WORKER_JOB
 from asyncdiloco.job.config import JobConfig
@@ -167,19 +167,6 @@ def spawn(cmd: list[str], log_path: pathlib.Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
-def _reap(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """The exit code of a worker; one still running gets ``grace_s`` to finish its final
     push, then SIGTERM, then SIGKILL."""
@@ -187,7 +174,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
         try:
             return proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            _reap([proc])
+            reap([proc])
     return proc.returncode
 
 
@@ -269,7 +256,7 @@ class _Processes:
         return WorkerProcess(i, self.speeds[i], rejoin, self.popens[-1])
 
     def reap(self) -> None:
-        _reap(self.popens)
+        reap(self.popens)
 
     def shard_addresses(self) -> list[str]:
         """Every shard's address, shard 0 first (after ``start_server``); empty: one server."""
@@ -545,7 +532,7 @@ def _leave_or_rejoin(
         return False
     if leaver.popen.poll() is None and train_s - leaver.left_s > _LEAVE_GRACE_S:
         log.warning("worker %d still running %g s after it was asked to leave; stopping it", index, _LEAVE_GRACE_S)
-        _reap([leaver.popen])  # a second SIGTERM interrupts it, then SIGKILL
+        reap([leaver.popen])  # a second SIGTERM interrupts it, then SIGKILL
     gone = not any(w.worker_name == leaver.name and w.alive for w in st.workers)  # it called Leave
     if train_s >= rejoin_s and gone:
         pathlib.Path(cfg.out_dir, f"{rejoiner.stem}.go").touch()

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from asyncdiloco.bench.perf.harness import exit_on_sigterm
+from asyncdiloco.bench.perf.harness import exit_on_sigterm, wait_for_port
 
 #: Seconds a server may take from spawn to its port file, and workers to finish at the end.
 START_TIMEOUT_S = 120.0
@@ -166,16 +166,7 @@ class Server:
         started = time.monotonic()
         self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        while not self.port_file.exists():
-            if self.popen.poll() is not None:
-                raise RuntimeError(
-                    f"server life {self.lives} exited with {self.popen.returncode} before listening; "
-                    f"see {self.out}/server-{self.lives:02d}.log"
-                )
-            if time.monotonic() - started > START_TIMEOUT_S:
-                raise RuntimeError(f"server life {self.lives} did not listen within {START_TIMEOUT_S:g} s")
-            time.sleep(0.02)
-        self.port = int(self.port_file.read_text())
+        self.port = wait_for_port(self.popen, self.port_file, START_TIMEOUT_S, pathlib.Path(log.name))
         return time.monotonic() - started
 
     def kill(self) -> None:

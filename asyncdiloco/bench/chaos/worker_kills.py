@@ -83,24 +83,17 @@ class Run:
     def status(self):  # noqa: ANN201 - pb.StatusReply
         from asyncdiloco.worker.client import ParameterServerClient
 
-        client = ParameterServerClient(self.address)
-        try:
+        with ParameterServerClient(self.address) as client:
             return client.status()
-        finally:
-            client.close()
 
     def final_loss(self) -> tuple[float, int]:
         from asyncdiloco.job.config import JobConfig
         from asyncdiloco.tools.evaluator import Evaluator
         from asyncdiloco.worker.client import ParameterServerClient
 
-        client = ParameterServerClient(self.address)
-        try:
-            ev = Evaluator(client, JobConfig(), name="chaos")
-            result = ev.evaluate_global(report=False)
+        with ParameterServerClient(self.address) as client:
+            result = Evaluator(client, JobConfig(), name="chaos").evaluate_global(report=False)
             return result.loss, result.version
-        finally:
-            client.close()
 
     def reap(self) -> None:
         for p in [*self.workers, self.server]:

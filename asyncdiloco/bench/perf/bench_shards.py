@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from asyncdiloco.bench.perf.harness import cpu_seconds, free_ports
+from asyncdiloco.bench.perf.harness import cpu_seconds, free_ports, reap
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.shards import write_shard_addresses
 from asyncdiloco.wire.tensors import Manifest
@@ -91,14 +91,7 @@ def run(count: int, numel: int, pushes: int, workers: int, folder: Path) -> dict
             "max_shard_cpu_ms_per_push": round(1000 * max(cpu) / total, 2),
         }
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=30)
+        reap(procs, timeout_s=30)
 
 
 def main() -> int:

@@ -81,12 +81,7 @@ def server_process(*flags: str, env: dict | None = None) -> Iterator[tuple[subpr
                 time.sleep(0.05)
             yield proc, f"127.0.0.1:{int(port_file.read_text())}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            reap([proc], timeout_s=20)
 
 
 def free_ports(n: int = 1) -> list[int]:
@@ -116,6 +111,20 @@ def wait_for_port(proc: subprocess.Popen, port_file: pathlib.Path, timeout_s: fl
             raise AsyncDiLoCoError(f"the server exited with status {proc.returncode}; see {log_path}")
         time.sleep(0.01)
     raise AsyncDiLoCoError(f"the server did not listen within {timeout_s:g} s; see {log_path}")
+
+
+def reap(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process of ``procs`` still running; SIGKILL those not gone within ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def exit_on_sigterm(*_: object) -> None:
