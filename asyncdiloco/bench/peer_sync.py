@@ -21,6 +21,7 @@ from asyncdiloco.bench.demo import spawn
 from asyncdiloco.bench.perf.harness import free_ports, wait_for_port
 from asyncdiloco.bench.sim import SimConfig
 from asyncdiloco.bench.suite_config import SuiteConfig
+from asyncdiloco.errors import AsyncDiLoCoError
 from asyncdiloco.flags.settings import SERVER_RUN
 from asyncdiloco.job.config import JobConfig
 
@@ -52,7 +53,7 @@ def run_ours(
         ``training_wall_s``, ``command_wall_s``, ``median_round_s`` (seconds),
         ``final_eval_loss`` (nats/char), ``outer_steps`` (rounds committed), ``tokens``.
     Raises:
-        RuntimeError: the server did not start, or a worker failed (its log is named).
+        AsyncDiLoCoError: the server did not start; RuntimeError: a worker failed (the logs are named).
     """
     from asyncdiloco.flags.settings import WORKER_JOB
     from asyncdiloco.tools.evaluator import Evaluator  # imported now, not after training
@@ -153,7 +154,7 @@ def run_row(*, replicas: int, steps: int, local_steps: int, out_dir: str, job: J
     other in this call: one result dict each (``run_ours``'s and ``run_peer``'s keys).
 
     Raises:
-        RuntimeError: either run failed (its logs are named).
+        RuntimeError / AsyncDiLoCoError: either run failed (its logs are named).
     """
     out = pathlib.Path(out_dir)
     rows = [run_ours(replicas=replicas, steps=steps, local_steps=local_steps, out_dir=str(out / "ours"), job=job)]
@@ -211,7 +212,7 @@ def peer_section(cfg: SuiteConfig, out: pathlib.Path, progress: bool = True) -> 
         rows = run_row(
             replicas=4, steps=cfg.total_steps // 4, local_steps=cfg.local_steps, out_dir=str(out / "peer"), job=job
         )
-    except RuntimeError as exc:
+    except (RuntimeError, AsyncDiLoCoError) as exc:
         return head + f"peer run failed: {exc}\n"
     (out / "peer.json").write_text(json.dumps(rows) + "\n")
     missing = (

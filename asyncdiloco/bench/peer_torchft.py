@@ -18,6 +18,9 @@ import sys
 import time
 from datetime import timedelta
 
+#: The job's settings a replica takes from its flags (the rest: ``JobConfig``'s defaults).
+JOB_SETTINGS = ("seed", "n_layer", "n_embd", "context_len", "batch_size")
+
 
 def torchft_available() -> bool:
     try:
@@ -48,13 +51,7 @@ def _replica(args: argparse.Namespace) -> None:
 
     tfm.ManagerServer = loopback_manager_server
     torch.set_num_threads(1)
-    job = JobConfig(
-        n_layer=args.n_layer,
-        n_embd=args.n_embd,
-        context_len=args.context_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
+    job = JobConfig(**{k: getattr(args, k) for k in JOB_SETTINGS})
     corpus = CharCorpus.default()
     model = job.build(corpus)
     inner = torch.optim.AdamW(model.parameters(), lr=job.inner_lr, weight_decay=job.weight_decay)
@@ -198,21 +195,8 @@ def main() -> None:
     if args.replica_index is not None:
         _replica(args)
         return
-    print(
-        json.dumps(
-            run_peer(
-                replicas=args.replicas,
-                steps=args.steps,
-                local_steps=args.local_steps,
-                out_dir=args.out,
-                seed=args.seed,
-                n_layer=args.n_layer,
-                n_embd=args.n_embd,
-                context_len=args.context_len,
-                batch_size=args.batch_size,
-            )
-        )
-    )
+    run = {k: getattr(args, k) for k in ("replicas", "steps", "local_steps", *JOB_SETTINGS)}
+    print(json.dumps(run_peer(out_dir=args.out, **run)))
 
 
 if __name__ == "__main__":

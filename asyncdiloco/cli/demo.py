@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         token_budget=_token_budget(args.max_tokens),
     )
     _warn_if_overwriting(cfg.out_dir)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM reaps the children like Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM reaps the children like Ctrl-C
     report = run_demo(cfg, progress=not args.no_progress)
     return 0 if report["final_eval_loss"] < report["initial_eval_loss"] else 1
 
@@ -156,7 +156,3 @@ def _warn_if_overwriting(out_dir: str) -> None:
             out_dir,
             when,
         )
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt

@@ -159,13 +159,9 @@ def run(args: argparse.Namespace) -> int:
     fleet = spec(args)
     if args.local_cpus is not None and args.address:
         raise ConfigError(f"--local-cpus is invalid with --address {args.address}: drop one of them")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # SIGTERM ends the actors like Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends the actors like Ctrl-C
     result = launch(fleet, address=args.address, local_cpus=args.local_cpus)
     print(f"asyncdiloco launch: report at {result.report_path}", flush=True)
     report = result.report
     finished = not result.failed and not result.stopped
     return 0 if finished and report["final_eval_loss"] < report["initial_eval_loss"] else 1
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
