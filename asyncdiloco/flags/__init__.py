@@ -1,6 +1,4 @@
 """The settings of the server and the workers, each declared once as a command-line flag
-(``settings.py``: the tables; ``table.py``: the machinery) and used for argparse, for
-building the configs, and for the argv of the processes the demo and the real-clock suite
-start. Sits above ``ps``, ``worker`` and ``job`` (it names their config fields) and below
-``bench`` and ``cli``.
+(settings.py: the tables; table.py: the machinery). Sits above ``ps``, ``worker`` and
+``job`` (it names their config fields) and below ``bench`` and ``cli``.
 """

@@ -1,11 +1,7 @@
-"""The command line's settings, each declared once: its flag, the config field it sets
-(a dotted path: ``outer.lr`` is ``ServerConfig.outer.lr``), how its text parses, its
-choices and its help with the unit; the default comes from the config dataclass.
-
-Each table (table.py) gives the argparse arguments, builds the config from the parsed
-flags, and writes the argv that rebuilds a config in a child process (the demo's and
-the real-clock suite's server and workers). Every config field is in a table or in the
-table's exclusions below, with the reason (tests/test_flags.py checks both).
+"""The command line's settings, one ``Flag`` each: its flag, the config field it sets (a
+dotted path: ``outer.lr`` is ``ServerConfig.outer.lr``), how its text parses, its choices
+and its help with the unit. Every config field is in a table or in the table's exclusions
+below, with the reason (tests/test_flags.py checks both).
 """
 
 from __future__ import annotations

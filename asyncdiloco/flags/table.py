@@ -1,16 +1,8 @@
-"""A command-line setting declared once (``Flag``) and a table of them (``FlagTable``)
-with its three uses:
-
-- ``add_to(parser)``: the argparse arguments, with the default read from the config
-  dataclass itself (and, where the default is None or empty, what that means);
-- ``build(table.given(args))``: the config from the flags given; a flag not given
-  leaves the field at the config's own default;
-- ``argv(config)``: the flags that rebuild ``config`` in a child process: config → argv
-  → parse → config is the identity (tests/test_flags.py).
-
-A field is a dotted path below the table's config class: ``outer.lr`` is
-``ServerConfig.outer.lr``. A nested config that is None by default (durability,
-security) is built once one of its flags is given. The tables themselves are in settings.py.
+"""A command-line setting declared once (``Flag``) and a table of them (``FlagTable``) with
+its three uses: ``add_to(parser)`` (the argparse arguments, each default read from the
+config dataclass), ``build(table.given(args))`` (the config from the flags given; the
+rest keep the config's defaults) and ``argv(config)`` (the flags that rebuild ``config``
+in a child process: config → argv → parse → config is the identity, tests/test_flags.py).
 """
 
 from __future__ import annotations
