@@ -1,7 +1,5 @@
-"""The outer optimizer's configuration (``OuterConfig``) and the defaults each mode uses.
-
-Frozen, keyword-only, validated in ``__post_init__``: a bad value raises ``ConfigError``
-naming the field, the value, the allowed range and the fix.
+"""The outer optimizer's configuration (``OuterConfig``, validated in ``__post_init__``) and
+the defaults each mode uses.
 """
 
 from __future__ import annotations

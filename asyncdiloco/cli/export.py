@@ -1,8 +1,5 @@
 """``asyncdiloco export``: the newest durable global model of a checkpoint folder as a
-safetensors file (tools/export.py), loadable by parameter name into the workers' model.
-
-Reads the folder without changing or locking it, so it runs while the server does. Prints
-one line: the file, the global version, the parameters and the bytes written.
+safetensors file (tools/export.py; docs/operations.md "Getting the model out").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The two kinds of Ray actor of a fleet, as plain classes (launch.py wraps them with
 ``ray.remote``; nothing here imports Ray): ``ServerActor``, the parameter server in the
-actor's process, reporting where workers reach it; ``WorkerActor``, ``asyncdiloco worker``
-run as the actor's child process (under ``torchrun`` for a group of N > 1 ranks) with its
-name, state folder, token and stats file. The worker is a child process because the
-command is the worker (its flags, SIGTERM handling, stats file and exit status); Ray ends
-it with its actor (docs/operations.md "A fleet on Ray").
+actor's process, and ``WorkerActor``, ``asyncdiloco worker`` as the actor's child process
+(under ``torchrun`` for a group of N > 1 ranks), which Ray ends with its actor
+(docs/operations.md "A fleet on Ray").
 """
 
 from __future__ import annotations

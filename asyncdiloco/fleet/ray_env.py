@@ -1,13 +1,6 @@
 """Ray, imported only when a fleet is launched (the ``ray`` extra), and the driver's
-connection to a cluster.
-
-``connect(None)`` starts a Ray of this machine alone for this launch: every Ray process
-binds and speaks 127.0.0.1 only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray take the
-loopback address as the node's own, as it does on a laptop; ``_node_ip_address`` alone is
-resolved by Ray to the machine's outward address), without the dashboard and without
-usage statistics (``RAY_DISABLE_USAGE_STATS=1``). ``connect("HEAD:6379")`` (or "auto")
-joins a cluster started with ``ray start``; a HOST:PORT where nothing listens is refused
-after a short TCP connect (``check_reachable``) instead of Ray's own minutes of retries.
+connection: a Ray of this machine alone on 127.0.0.1 only (``connect(None)``), or a
+cluster started with ``ray start`` (docs/operations.md "A fleet on Ray").
 """
 
 from __future__ import annotations

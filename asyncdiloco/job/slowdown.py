@@ -1,6 +1,7 @@
-"""A worker's artificial slowness: the demo and the benchmark suite give workers of one
-machine different speeds by sleeping after each inner step; a schedule changes the
-factor during the run."""
+"""A worker's artificial slowness (``--slowdown``, ``--slowdown-changes``): the demo and the
+benchmark suite give the workers of one machine different speeds, and a schedule changes
+a worker's factor during the run.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""kill -9 the parameter server at random during an async run: is any acknowledged push
-lost, or any applied twice?
-
-Worker processes (this module with ``--worker``) train and record every push reply; the
-server is SIGKILLed ``--kills`` times and restarted on its folder and port; every log
-segment and checkpoint is archived as it appears, and the acknowledged pushes are checked
-against the log and one replay of it. Measures; asserts nothing. docs/operations.md,
-"Chaos runs".
+"""kill -9 the parameter server at random during an async run: is an acknowledged push
+lost, or one applied twice? Worker processes (this module with ``--worker``) record every
+push reply; every log segment and checkpoint is archived as it appears and checked
+against the replies and one replay (docs/operations.md, "Chaos runs").
 
     python -m asyncdiloco.bench.chaos.server_kills [--kills 20] [--workers 4] [--seed 0] [--after-append] [--out DIR]
 """

@@ -1,10 +1,6 @@
-"""kill -9 random workers during a run of the default job, restart them on their state
-folders, and compare the final loss with a fault-free run of the same job.
-
-Kills arrive as a Poisson process (mean ``--mtbf-s``, seeded); each restarts the worker at
-once with the same command, and every worker stops after ``--max-steps`` inner steps over
-all its lives. One JSON line per kill, per run and per mode. Measures; asserts nothing.
-docs/operations.md, "Chaos runs".
+"""kill -9 random workers (a seeded Poisson process, mean ``--mtbf-s``) during a run of the
+default job, restart them on their state folders, and compare the final loss with a
+fault-free run (docs/operations.md, "Chaos runs"). One JSON line per kill, run and mode.
 
     python -m asyncdiloco.bench.chaos.worker_kills [--modes async,sync] [--workers 4] [--repeats 1] [--seed 0]
 """

@@ -1,11 +1,7 @@
-"""The performance suite: bench_transport.py, bench_server.py, bench_codec.py,
-bench_overlap.py and (rows only with a CUDA device) bench_gpu.py, one JSON-lines file
-and a markdown summary of each target met or missed, with what the measurement says
-about the gap.
+"""The performance suite: every ``SCRIPTS`` benchmark into DIR/perf.jsonl, and DIR/perf.md,
+each target met or missed with what the measurement says about the gap.
 
     python -m asyncdiloco.bench.perf.perf_suite --out DIR [--sizes 4,64,256]   (or: asyncdiloco bench --suite perf)
-
-Writes DIR/perf.jsonl (one line per measurement) and DIR/perf.md.
 """
 
 from __future__ import annotations
@@ -20,9 +16,6 @@ import time
 from asyncdiloco.bench.perf.targets import SIGNS
 
 SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap", "bench_gpu")
-
-#: measure -> (how to read it, whether larger is better); the targets: targets.py
-_TARGETS = SIGNS
 
 
 def _value(rec: dict) -> float:
@@ -51,7 +44,7 @@ def summarize(records: list[dict]) -> str:
     for r in records:
         if "measure" not in r or not ("ratio" in r or "pushes_per_s" in r):  # a diagnostic line; in perf.jsonl
             continue
-        sign, larger = _TARGETS.get(r["measure"], ("?", True))
+        sign, larger = SIGNS.get(r["measure"], ("?", True))
         v = _value(r)
         note = r.get("note", "")
         head = f"| {r['measure']} | {_variant(r)} | {r['model_mib']:.0f} MiB | {v:.3g}"

@@ -1,15 +1,11 @@
-"""One sync round of many members on one in-process server: how many long-polled calls it takes.
+"""One sync round of ``--members`` members on one in-process server: how many long-polled
+Quorum and Commit calls it takes (docs/protocol.md, "Long-polled waits"). Every member
+asks on its own thread while one extra worker holds the quorum back; the extra worker
+leaves, the quorum forms, rank 0 uploads a round result and every member votes. One JSON
+line: seconds to the last assignment and for the votes, the calls the server's gRPC
+metrics counted, and the most calls held at once.
 
     python -m asyncdiloco.bench.perf.quorum_many [--members 256] [--channels 8] [--rpc-threads 64]
-
-Starts a sync server on 127.0.0.1 (port 0, metrics on), joins ``--members`` workers over
-``--channels`` clients and one more that does not ask (so the quorum waits until every
-member's request is registered), then: every member asks for the quorum on its own thread
-(the real Quorum RPC, long-polled: docs/protocol.md, "Long-polled waits"); the extra worker
-leaves, the quorum of all members forms; rank 0 uploads a round result and every member
-votes (Commit). Prints one JSON line: seconds from the leave to the last member's
-assignment and for the votes, the Quorum and Commit calls the server's gRPC metrics
-counted, and the most calls held at once. Measures, asserts nothing.
 """
 
 from __future__ import annotations
