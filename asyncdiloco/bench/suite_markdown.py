@@ -160,7 +160,7 @@ def tuning_markdown(tuning: dict) -> list[str]:
         own = tuning["own"].get(method)
         row = []
         for cell in cells:
-            loss = losses.get(_cell_key(cell))
+            loss = losses.get(f"{cell[0]:g},{cell[1]:g}")  # suite.py's key of a cell
             text = "—" if loss is None else f"{loss:.4f}"
             row.append(f"**{text}**" if cell == pick else text)
         own_text = "—" if own is None else f"η {own[0]:g}, μ {own[1]:g}"
@@ -176,10 +176,6 @@ def tuning_markdown(tuning: dict) -> list[str]:
                 "",
             ]
     return lines
-
-
-def _cell_key(cell: tuple[float, float]) -> str:
-    return f"{cell[0]:g},{cell[1]:g}"
 
 
 def _profile_heading(profile: str, records: list[dict]) -> str:

@@ -166,13 +166,11 @@ class FlagTable:
         if f.required:
             kwargs["required"] = True
         if f.action == "value":
-            kwargs.update(type=self._parser_of(f), choices=f.choices, metavar=f.metavar)
+            parse = f.parse if f.parse is not None else _scalar_of(field_type(self.config, f.field))
+            kwargs.update(type=parse, choices=f.choices, metavar=f.metavar)
         else:
             kwargs["action"] = argparse.BooleanOptionalAction if f.action == "on_off" else "store_true"
         group.add_argument(f.flag, *f.aliases, **kwargs)
-
-    def _parser_of(self, f: Flag) -> Callable[[str], Any]:
-        return f.parse if f.parse is not None else _scalar_of(field_type(self.config, f.field))
 
     def _defaults(self) -> list[tuple[str, Any]]:
         """(label, default config) for each value of the fields others depend on."""

@@ -18,10 +18,6 @@ from asyncdiloco.bench.perf.targets import SIGNS
 SCRIPTS = ("bench_transport", "bench_server", "bench_codec", "bench_overlap", "bench_gpu")
 
 
-def _value(rec: dict) -> float:
-    return rec["pushes_per_s"] if "pushes_per_s" in rec else rec["ratio"]
-
-
 def _variant(rec: dict) -> str:
     """What distinguishes rows of one measure: the path, pattern, codec or overlap."""
     parts = [str(rec[k]) for k in ("path", "pattern", "codec") if k in rec]
@@ -45,7 +41,7 @@ def summarize(records: list[dict]) -> str:
         if "measure" not in r or not ("ratio" in r or "pushes_per_s" in r):  # a diagnostic line; in perf.jsonl
             continue
         sign, larger = SIGNS.get(r["measure"], ("?", True))
-        v = _value(r)
+        v = r["pushes_per_s"] if "pushes_per_s" in r else r["ratio"]
         note = r.get("note", "")
         head = f"| {r['measure']} | {_variant(r)} | {r['model_mib']:.0f} MiB | {v:.3g}"
         if r.get("target") is None:  # a baseline row (overlap off, the codecs, small models): no target
