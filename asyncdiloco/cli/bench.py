@@ -10,7 +10,7 @@ import logging
 import pathlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,22 +54,29 @@ QUIET_LOGGERS = ("asyncdiloco.ps", "asyncdiloco.worker", "asyncdiloco.bench")
 
 
 @contextlib.contextmanager
-def _library_logs(verbose: int) -> Iterator[None]:
-    """During the bench: the library's INFO lines only with -v, and every log line
-    written through tqdm (``logging_redirect_tqdm``) so none tears the progress bar."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+def quiet_logs(names: Sequence[str], verbose: int) -> Iterator[None]:
+    """The loggers ``names`` at WARNING or above unless -v (``verbose`` ≥ 1); their levels
+    are put back afterwards, as an in-process caller (a test) had them."""
+    loggers = [logging.getLogger(name) for name in names]
     levels = [lg.level for lg in loggers]
     if verbose < 1:
         for lg in loggers:
             lg.setLevel(max(logging.WARNING, lg.getEffectiveLevel()))
     try:
-        with logging_redirect_tqdm():
-            yield
+        yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _library_logs(verbose: int) -> Iterator[None]:
+    """During the bench: the library's INFO lines only with -v, and every log line
+    written through tqdm (``logging_redirect_tqdm``) so none tears the progress bar."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with quiet_logs(QUIET_LOGGERS, verbose), logging_redirect_tqdm():
+        yield
 
 
 def run(args: argparse.Namespace) -> int:

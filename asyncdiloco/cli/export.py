@@ -5,10 +5,8 @@ safetensors file (tools/export.py; docs/operations.md "Getting the model out").
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
-from collections.abc import Iterator
 
+from asyncdiloco.cli.bench import quiet_logs
 from asyncdiloco.flags.settings import EXPORT
 
 
@@ -38,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from asyncdiloco.tools.export import export_global_model
 
     durability = EXPORT.build(EXPORT.given(args)).durability
-    with _restore_lines_only_if_verbose(args.verbose):
+    with quiet_logs(("asyncdiloco.ps",), args.verbose):  # the restore's INFO lines only with -v
         done = export_global_model(durability.checkpoint_dir, args.out, dtype=args.dtype)
     print(
         f"asyncdiloco export: wrote {done.path}: version {done.version}, {len(done.manifest.tensors)} parameters "
@@ -46,17 +44,3 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
-
-
-@contextlib.contextmanager
-def _restore_lines_only_if_verbose(verbose: int) -> Iterator[None]:
-    """The restore's own INFO lines ("restored version ...") only with -v; the server
-    loggers' level is put back afterwards, as an in-process caller (a test) had it."""
-    ps_log = logging.getLogger("asyncdiloco.ps")
-    before = ps_log.level
-    if verbose == 0:
-        ps_log.setLevel(max(logging.WARNING, ps_log.getEffectiveLevel()))
-    try:
-        yield
-    finally:
-        ps_log.setLevel(before)

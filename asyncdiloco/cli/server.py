@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import pathlib
 import signal
 import threading
 
+from asyncdiloco._atomic import write_atomically
 from asyncdiloco.cli.shards import add_shard_flags, run_shards, sharded
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.port_file:  # written before the "listening" line, which tells watchers it is ready
         assert server.port is not None, "a started server has its port"
-        _write_port_file(args.port_file, server.port)
+        write_atomically(pathlib.Path(args.port_file), lambda f: f.write(f"{server.port}\n".encode()))
     print(f"asyncdiloco server listening on {server.address}", flush=True)
     if parent is not None:
         print(f"asyncdiloco server: regional tier of {parent.parent}, pushing every {parent.every}", flush=True)
@@ -173,11 +174,3 @@ def _final_line(st, mode: str) -> str:
         f"asyncdiloco server stopped at version {st.version}: {st.applied_pushes} pushes applied, "
         f"{st.rejected_pushes} refused, {st.pulls} pulls"
     )
-
-
-def _write_port_file(path: str, port: int) -> None:
-    """Atomically: a reader sees no file or the whole port."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n")
-    os.replace(tmp, path)

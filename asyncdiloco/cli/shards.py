@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import signal
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncdiloco._atomic import write_atomically
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
 
@@ -151,9 +151,7 @@ def run_shards(args: argparse.Namespace, cfg: ServerConfig, stopping: dict[str, 
 
     manifest()
     if args.port_file:
-        tmp = f"{args.port_file}.tmp"
-        Path(tmp).write_text(f"{servers[0].port}\n")
-        os.replace(tmp, args.port_file)
+        write_atomically(Path(args.port_file), lambda f: f.write(f"{servers[0].port}\n".encode()))
     for s in servers:
         print(
             f"asyncdiloco server: shard {s.config.shard_index} of {s.config.shard_count} listening on {s.address}",
