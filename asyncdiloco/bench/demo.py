@@ -426,17 +426,17 @@ class _Watch:
                 train_s = time.monotonic() - self.training_since
                 self.rejoined = _leave_or_rejoin(cfg, self.leaver, self.rejoiner, st, train_s)
         if st.initialized and time.monotonic() - self.last_eval >= cfg.eval_every_s:
-            result = self.ev.evaluate_global()
-            self.loss, self.last_eval = result.loss, time.monotonic()
-            self.curve.append(
-                {
-                    "wall_s": self.last_eval - self.started,
-                    "version": result.version,
-                    "tokens": st.tokens,
-                    "eval_loss": self.loss,
-                }
-            )
+            self.evaluate(st.tokens)
         return st
+
+    def evaluate(self, tokens: int) -> dict:
+        """Evaluate the global model now (the loss reported to the server); returns its
+        curve point, appended to ``curve``."""
+        result = self.ev.evaluate_global()
+        self.loss, self.last_eval = result.loss, time.monotonic()
+        point = {"wall_s": self.last_eval - self.started, "version": result.version, "tokens": tokens}
+        self.curve.append({**point, "eval_loss": result.loss})
+        return self.curve[-1]
 
     def stop_workers(self, why: str, st: pb.StatusReply) -> None:
         """Training ends (``why``: "tokens" or "time"): evaluate the global model as it is
@@ -444,18 +444,9 @@ class _Watch:
         worker (SIGTERM: each pushes its partial round and leaves)."""
         self.stop = why
         try:
-            result = self.ev.evaluate_global()
+            self.stop_point = dict(self.evaluate(st.tokens))
         except AsyncDiLoCoError as exc:
             log.info("the evaluation at the stop was skipped: %s", exc)
-        else:
-            self.loss, self.last_eval = result.loss, time.monotonic()
-            self.stop_point = {
-                "wall_s": self.last_eval - self.started,
-                "version": result.version,
-                "tokens": st.tokens,
-                "eval_loss": result.loss,
-            }
-            self.curve.append(dict(self.stop_point))
         for w in self.workers:
             if w.popen.poll() is None:
                 w.popen.terminate()
