@@ -43,23 +43,21 @@ def staleness_summary(histogram: list[int]) -> dict[str, Any]:
     }
 
 
+#: The ``WorkerStatus`` fields a worker's entry repeats under their own names.
+WORKER_FIELDS = (
+    "state alive steps_per_s local_steps_per_round applied_pushes rejected_pushes tokens local_steps last_seen_s "
+    "mean_staleness last_staleness"
+).split()
+#: The ``StatusReply`` counters the status repeats under their own names.
+COUNTERS = (
+    "pushes_per_s applied_pushes rejected_pushes duplicate_pushes pulls tokens bytes_pushed bytes_pulled "
+    "divergence_warnings"
+).split()
+
+
 def worker_dict(w: pb.WorkerStatus) -> dict[str, Any]:
-    return {
-        "name": w.worker_name,
-        "id": w.worker_id,
-        "state": w.state,
-        "alive": w.alive,
-        "steps_per_s": w.steps_per_s,
-        "local_steps_per_round": w.local_steps_per_round,
-        "applied_pushes": w.applied_pushes,
-        "rejected_pushes": w.rejected_pushes,
-        "tokens": w.tokens,
-        "local_steps": w.local_steps,
-        "last_seen_s": w.last_seen_s,
-        "mean_staleness": w.mean_staleness,
-        "last_staleness": w.last_staleness,
-        "ranks": w.ranks or 1,
-    }
+    named = {k: getattr(w, k) for k in WORKER_FIELDS}
+    return {"name": w.worker_name, "id": w.worker_id, **named, "ranks": w.ranks or 1}
 
 
 def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
@@ -91,15 +89,7 @@ def status_dict(st: pb.StatusReply, *, address: str = "", all_workers: bool = Fa
         "outer_optimizer": st.outer_optimizer,
         "staleness_weighting": st.staleness_weighting,
         "run_config": {f.name: getattr(st.run_config, f.name) for f in st.run_config.DESCRIPTOR.fields},
-        "pushes_per_s": st.pushes_per_s,
-        "applied_pushes": st.applied_pushes,
-        "rejected_pushes": st.rejected_pushes,
-        "duplicate_pushes": st.duplicate_pushes,
-        "pulls": st.pulls,
-        "tokens": st.tokens,
-        "bytes_pushed": st.bytes_pushed,
-        "bytes_pulled": st.bytes_pulled,
-        "divergence_warnings": st.divergence_warnings,
+        **{k: getattr(st, k) for k in COUNTERS},
         "staleness": staleness_summary(list(st.staleness_histogram)),
         "eval": _eval_dict(st),
         "live_workers": sum(1 for w in st.workers if w.alive and w.state not in GONE_STATES),

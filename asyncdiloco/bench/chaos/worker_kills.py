@@ -133,14 +133,8 @@ def run_once(args: argparse.Namespace, folder: pathlib.Path, mode: str, kill_see
             if next_kill is not None and now >= next_kill:
                 i = rng.choice(live)
                 run.kill_and_restart(i)
-                kill = {
-                    "bench": "chaos_worker_kills",
-                    "event": "kill",
-                    "mode": mode,
-                    "worker": i,
-                    "at_s": round(now - train_start, 1),
-                    "life": run.lives[i],
-                }
+                kill = {"bench": "chaos_worker_kills", "event": "kill", "mode": mode, "worker": i}
+                kill.update(at_s=round(now - train_start, 1), life=run.lives[i])
                 kills.append(kill)
                 print(json.dumps(kill), flush=True)
                 next_kill = now + rng.expovariate(1.0 / args.mtbf_s)
