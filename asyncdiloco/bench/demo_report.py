@@ -59,14 +59,10 @@ class ReportedWorker(Protocol):
 
 def _run_config(rc: pb.RunConfig) -> dict:
     """What the server dictated (RunConfig): the outer step, H, DyLU and grouping."""
+    fields = "mode outer_optimizer outer_lr outer_momentum local_steps dylu grouping".split()
+    named = {k: getattr(rc, k) for k in fields}
     return {
-        "mode": rc.mode,
-        "outer_optimizer": rc.outer_optimizer,
-        "outer_lr": rc.outer_lr,
-        "outer_momentum": rc.outer_momentum,
-        "local_steps": rc.local_steps,
-        "dylu": rc.dylu,
-        "grouping": rc.grouping,
+        **named,
         "group_window_s": round(rc.group_window_s, 3),
         "group_max_wait_s": round(rc.group_max_wait_s, 3),
         "wire_codec": rc.wire_codec or "raw",
@@ -150,15 +146,12 @@ def _server_counters(status: pb.StatusReply) -> dict:
     hist = list(status.staleness_histogram)
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
+    pushes = {k: getattr(status, k) for k in ("version", "applied_pushes", "rejected_pushes", "duplicate_pushes")}
+    moved = {k: getattr(status, k) for k in ("bytes_pushed", "bytes_pulled", "pulls")}
     return {
-        "version": status.version,
-        "applied_pushes": status.applied_pushes,
-        "rejected_pushes": status.rejected_pushes,
-        "duplicate_pushes": status.duplicate_pushes,
+        **pushes,
         "staleness_histogram": hist,
-        "bytes_pushed": status.bytes_pushed,
-        "bytes_pulled": status.bytes_pulled,
-        "pulls": status.pulls,
+        **moved,
         "tokens_applied": status.tokens,
         "outer_optimizer": status.outer_optimizer,
         "staleness_weighting": status.staleness_weighting,
