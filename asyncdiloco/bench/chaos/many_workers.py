@@ -131,14 +131,8 @@ def run(args: argparse.Namespace) -> None:
     }
     emit(errors_rec, args.out)
     emit(memory_rec, args.out)
-    total_errors = (
-        len(errors)
-        + hung
-        + errors_rec["sync_failures"]
-        + errors_rec["pushes_refused_by_workers"]
-        + st.rejected_pushes
-        + abs(applied_by_workers - st.applied_pushes)
-    )
+    total_errors = len(errors) + hung + errors_rec["sync_failures"] + errors_rec["pushes_refused_by_workers"]
+    total_errors += st.rejected_pushes + abs(applied_by_workers - st.applied_pushes)
     emit(
         {
             "bench": "chaos_concurrent",

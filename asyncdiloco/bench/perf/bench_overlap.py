@@ -79,41 +79,20 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     flags = ("--local-steps", str(args.local_steps), *"--outer-optimizer sgd --outer-lr 0.5 --outer-momentum 0".split())
+    shape = {"h": args.local_steps, **{k: getattr(args, k) for k in ("rounds", "width", "depth", "batch")}}
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with server_process(*flags) as (_, address):
         for _ in range(args.repeats):
             for overlap in (False, True):  # alternating, so drift in the machine's load hits both
-                runs[overlap].append(
-                    run_once(
-                        address,
-                        overlap=overlap,
-                        h=args.local_steps,
-                        rounds=args.rounds,
-                        width=args.width,
-                        depth=args.depth,
-                        batch=args.batch,
-                    )
-                )
+                runs[overlap].append(run_once(address, overlap=overlap, **shape))
     base_rate = median([r["steps_per_s"] for r in runs[False]])
     for overlap in (False, True):
         rs = runs[overlap]
-        record = {
-            "bench": "overlap",
-            "measure": OVERLAP,
-            "overlap": overlap,
-            "ratio": median([r["ratio"] for r in rs]),
-            "model_mib": rs[0]["model_bytes"] / MIB,
-            "local_steps": args.local_steps,
-            "rounds": args.rounds,
-            "repeats": args.repeats,
-            "blocked_s": median([r["blocked_s"] for r in rs]),
-            "comm_s": median([r["comm_s"] for r in rs]),
-            "wall_s": median([r["wall_s"] for r in rs]),
-            "comm_per_round_s": median([r["comm_s"] for r in rs]) / args.rounds,
-            "steps_per_s": median([r["steps_per_s"] for r in rs]),
-            "speedup_vs_no_overlap": median([r["steps_per_s"] for r in rs]) / base_rate,
-            "ratios": [round(r["ratio"], 4) for r in rs],
-        }
+        med = {k: median([r[k] for r in rs]) for k in ("ratio", "blocked_s", "comm_s", "wall_s", "steps_per_s")}
+        record = {"bench": "overlap", "measure": OVERLAP, "overlap": overlap, **med}
+        record.update(model_mib=rs[0]["model_bytes"] / MIB, local_steps=args.local_steps, rounds=args.rounds)
+        record.update(repeats=args.repeats, comm_per_round_s=med["comm_s"] / args.rounds)
+        record.update(speedup_vs_no_overlap=med["steps_per_s"] / base_rate, ratios=[round(r["ratio"], 4) for r in rs])
         if overlap:
             record["target"] = target_for(OVERLAP)
         emit(record, args.out)
