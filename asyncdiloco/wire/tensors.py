@@ -1,14 +1,7 @@
-"""Tensor <-> chunk-stream codec: manifests, payload packing, chunking and reassembly.
-
-A *payload* is the concatenation, in manifest order, of every tensor's raw
-little-endian bytes in its manifest dtype (C order, no padding). It is held as one 1-D
-``torch.uint8`` CPU tensor so it can be filled and read without intermediate copies; it
-travels as chunks of at most ``chunk_bytes`` (see ``proto/.../parameter_server.proto``),
-and ``PayloadAssembler`` copies each arriving chunk straight into its place in a
-preallocated buffer while it checks the sequence and a CRC-32 of the whole.
-
-Device handling is explicit: tensors on CUDA are copied into a pinned CPU payload (the
-only buffer the wire reads), and decoded tensors are CPU tensors the caller moves.
+"""Tensor <-> chunk-stream codec: manifests, payload packing, chunking and reassembly
+(docs/protocol.md, "Payloads and chunks"). A payload is one 1-D ``torch.uint8`` CPU tensor,
+filled and read without intermediate copies; tensors on CUDA are copied into a pinned CPU
+payload, and decoded tensors are CPU tensors the caller moves.
 """
 
 from __future__ import annotations
