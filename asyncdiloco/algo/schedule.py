@@ -265,10 +265,7 @@ class GroupGate:
             self._cond.notify_all()
 
     def wait(
-        self,
-        group_id: int,
-        max_wait_s: float = math.inf,
-        refresh: Callable[[], tuple[set[int], float]] | None = None,
+        self, group_id: int, max_wait_s: float = math.inf, refresh: Callable[[], tuple[set[int], float]] | None = None
     ) -> float:
         """Block until group ``group_id`` is released, or ``max_wait_s`` (the caller's
         deadline); returns the seconds waited (clock seconds).

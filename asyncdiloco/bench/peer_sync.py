@@ -39,13 +39,7 @@ def _server_flags(replicas: int, local_steps: int, job: JobConfig) -> tuple[str,
 
 
 def run_ours(
-    *,
-    replicas: int,
-    steps: int,
-    local_steps: int,
-    out_dir: str,
-    job: JobConfig,
-    timeout_s: float = 600,
+    *, replicas: int, steps: int, local_steps: int, out_dir: str, job: JobConfig, timeout_s: float = 600
 ) -> dict:
     """Run ``--mode sync`` with ``replicas`` CLI workers of ``steps`` inner steps each.
 

@@ -143,13 +143,7 @@ def bench_push_rate(
 
 
 def _push_rate_at(
-    address: str,
-    numel: int,
-    procs: int,
-    threads: int,
-    seconds: float,
-    one_message: bool,
-    server_pid: int | None = None,
+    address: str, numel: int, procs: int, threads: int, seconds: float, one_message: bool, server_pid: int | None = None
 ) -> dict:
     ctx = mp.get_context("spawn")
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
