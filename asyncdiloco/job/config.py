@@ -76,17 +76,9 @@ class JobConfig:
         )
 
     def build_inner(self, params: Iterable) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-        """The inner optimizer (AdamW, as in DiLoCo) and its lr scheduler.
-
-        Call ``scheduler.step()`` after every ``inner.step()``: inner step k (0-based)
-        then runs at inner_lr · lr_factor(k), warmup and cosine decay as in DiLoCo's
-        inner optimizer (lr_schedule.py). The default schedule keeps inner_lr exactly.
-
-        Args:
-            params: the model's parameters (an iterable of tensors or parameter groups).
-        Returns:
-            (inner optimizer, ``torch.optim.lr_scheduler.LambdaLR`` over it).
-        """
+        """The inner optimizer over ``params`` (AdamW, as in DiLoCo) and its ``LambdaLR``
+        scheduler: with ``scheduler.step()`` after every ``inner.step()``, inner step k
+        (0-based) runs at inner_lr · lr_factor(k) (lr_schedule.py; the default: inner_lr)."""
         inner = torch.optim.AdamW(params, lr=self.inner_lr, weight_decay=self.weight_decay)
         return inner, torch.optim.lr_scheduler.LambdaLR(inner, functools.partial(lr_factor, self.inner_schedule()))
 

@@ -94,21 +94,12 @@ def evaluate_every(
     max_evals: int | None = None,
     wait: Callable[[float], object],
 ) -> int:
-    """Evaluate the global model, then again ``every_s`` seconds after each attempt,
-    skipping a version already evaluated, until ``max_evals`` evaluations (None: no end)
-    or until ``wait`` returns true.
-
-    A server with no model yet, or one that cannot be reached (restarting), is asked
-    again at the next attempt; a manifest mismatch ends the loop with its error.
-
-    Args:
-        evaluator: what evaluates and reports.
-        every_s: seconds between attempts, > 0.
-        on_result: called with each evaluation.
-        max_evals: stop after this many evaluations; None: until ``wait`` says stop.
-        wait: ``wait(seconds)`` sleeps, and returns true to stop (``threading.Event.wait``).
-    Returns:
-        The number of evaluations made.
+    """Evaluate the global model, then again ``every_s`` (> 0) seconds after each attempt,
+    skipping a version already evaluated and calling ``on_result`` with each evaluation,
+    until ``max_evals`` evaluations (None: no end) or until ``wait(seconds)`` (it sleeps,
+    as ``threading.Event.wait``) returns true. A server with no model yet, or one that
+    cannot be reached (restarting), is asked again at the next attempt; a manifest
+    mismatch ends the loop with its error. Returns the number of evaluations made.
     """
     done, last = 0, None
     while max_evals is None or done < max_evals:
