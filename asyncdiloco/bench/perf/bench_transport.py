@@ -161,7 +161,7 @@ def main() -> None:
     paths = [x for x in args.paths.split(",") if x]
     torch.set_num_threads(1)
     keep_large_blocks()  # as the worker CLI does
-    server_flags = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0")
+    server_flags: tuple[str, ...] = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--outer-momentum", "0")
     server_flags += ("--chunk-bytes", str(args.chunk_bytes))
     for n in parse_sizes(args.sizes):
         work = server_work_s(n, args.repeats)
