@@ -1,85 +1,12 @@
-"""The asynchronous DiLoCo worker: wraps a model and its inner optimizer.
+"""The asynchronous DiLoCo worker (``AsyncDiLoCoWorker``): wraps a model and its inner optimizer.
 
-The user's loop stays a plain PyTorch loop::
-
-    worker = AsyncDiLoCoWorker(model, inner_opt, WorkerConfig(server="10.0.0.5:29500"),
-                               tokens_per_step=batch * context)
-    with worker:                       # joins; pulls (or initializes) the global model
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            inner_opt.step()           # every H-th step also syncs with the server
-            inner_opt.zero_grad()
-
-A post-step hook on the inner optimizer counts inner steps; every H steps (H from the
-server) the worker pushes the pseudo-gradient Δ = θ_base − θ_local against the version
-θ_base was pulled at, then pulls the new global parameters into the model (DiLoCo,
-Douillard et al. 2023, arXiv 2311.08105, Alg. 1; asynchronous variant as in Liu et al.
-2024, arXiv 2401.09135, Sec. 3). The inner optimizer's state is kept across rounds.
-
-Faults. The invariant: every inner step's progress is applied by the server once, or
-dropped (counted in ``WorkerStats``, with its reason), or not sent yet, which is exactly
-θ_base − θ_local; the steps and tokens the server is told follow the same split. So, by
-what a push or pull raises (the class decides, errors.py; never the message):
-
-- ``errors.RETRY_LATER`` (unreachable, busy, not initialized, checkpoint failed): the
-  worker keeps training locally and retries at later sync points with exponential
-  backoff. An unacknowledged push is retried with the same ``push_id`` (the server
-  applies it at most once), and the steps trained meanwhile stay in θ_base − θ_local and
-  in the counts: the pull after the retry keeps them on top of the global model. Once a
-  push is acknowledged θ_base is lowered by it, so progress made while a pull failed is
-  pushed later as a residual and never counted twice.
-- ``errors.DROP_AND_REPULL`` (stale, a version never served, non-finite or out-of-range
-  values, too large), a Δ that is not finite here (checked before sending), and a retry
-  answered as a duplicate never applied: that pseudo-gradient and the steps since are
-  dropped (``_drop_unsent``: the model restarts from θ_base at once, from the global
-  model at the pull that follows), counted and logged, and training goes on. After
-  ``WorkerConfig.max_dropped_in_a_row`` drops in a row (a model that diverges every
-  round, a worker too slow for ``max_staleness``) the sync raises once, the newest
-  drop's class, naming the count and the fix.
-- ``PayloadCorruptedError``: the client has sent it again a few times already, over
-  gRPC too when the bulk channel corrupted every try (client.py); if every try arrived
-  corrupted it is raised, the push kept for a retry.
-- ``UnknownWorkerError`` (the lease lapsed): rejoin at the next sync point. If the server
-  resumes the registration (a named worker), the unacknowledged push is retried with its
-  id and the unsent steps are kept, as after a restart below; otherwise its outcome is
-  unknown, so it is dropped with the steps since (``not_resumed``), never sent twice.
-- Anything else (``ManifestMismatchError``, ``ModeMismatchError``,
-  ``WorkerSupersededError``, ``UnauthenticatedError``, an internal error) is raised: the
-  user must change something.
-
-Wire codec (wire/codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
-and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
-Because θ_base is lowered by decode(encode(Δ)), exactly what the server received, the
-quantisation error stays in θ_base − θ_local and is pushed next round: error feedback
-for free (Seide et al. 2014; Karimireddy et al. 2019, arXiv 1901.09847). With bf16 or
-int8 it also survives the pull: the model is loaded with θ_pulled − (θ_base − θ_local),
-so a value too small to register in its block (int8) still accumulates until it does.
-
-Overlap (``WorkerConfig.overlap``): the push and the next pull run in a background
-thread while the next inner steps proceed, and the new global model is merged keeping
-the progress made meanwhile; see overlap.py for the rule and its sources.
-
-Restarts (``WorkerConfig.state_dir``, state_dir.py): before each push is sent
-(write-ahead, ``_save_before_sending``), and after a sync that sent none, the worker saves
-``state_dict()``: θ_base and its version, the model's θ_local (θ_base − θ_local is what
-the server has not received: the codec's residual, overlap's steps since the snapshot),
-an unacknowledged push, the push counter,
-the round's step count, the inner optimizer and the caller's ``extra``. A worker built on
-that folder loads it: the model holds θ_local again. When the server resumes its
-registration (same name, ``JoinReply.resumed``) it first retries the saved push with its
-push id (applied at most once: the server answers a retry with its original outcome),
-then pulls the newest global model keeping θ_base − θ_local on top of it, and counts on
-from the saved step. A restart so loses at most the inner steps since the last save;
-those are trained again on the same data when the caller restores its data position, and
-never into another Δ under an id the server already holds. A folder behind a push the
-server holds (a failed save) is not continued: ``JoinReply.last_push_id`` at or past the
-saved counter drops what was not sent (``not_resumed``) and goes on with new ids.
-If the server does not know the worker (a fresh run), only the inner optimizer and
-``extra`` carry over and the model is the global one (or initializes it).
-
-Device handling: parameters may live on any device; the worker keeps θ_base and its
-buffers as fp32 on the CPU (pinned when the model is on CUDA) and copies explicitly.
+Every H inner steps it pushes the pseudo-gradient Δ = θ_base − θ_local against the version
+θ_base was pulled at, then pulls the new global model (DiLoCo, Douillard et al. 2023, arXiv
+2311.08105, Alg. 1; asynchronous as in Liu et al. 2024, arXiv 2401.09135, Sec. 3). The push
+and pull are push_pull.py's ``push_then_pull``, run inline or, with ``WorkerConfig.overlap``,
+on a background thread; ``_merge`` adopts the outcome either way. docs/algorithms.md ("The
+worker's sync") has the rules (error feedback, the overlap merge), docs/operations.md ("When
+a sync fails", "Restarting a worker") what each fault and a restart do.
 """
 
 from __future__ import annotations
@@ -94,27 +21,25 @@ import torch
 from torch import nn
 
 from asyncdiloco.errors import (
-    DROP_AND_REPULL,
     RETRY_LATER,
     AsyncDiLoCoError,
     InvalidPayloadError,
     NotInitializedError,
-    PayloadCorruptedError,
     UnknownWorkerError,
     error_for_reason,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
-from asyncdiloco.worker.overlap import (
+from asyncdiloco.worker.push_pull import (
     NON_FINITE,
     BackgroundSync,
-    PushToSend,
+    PendingPush,
     SyncLink,
     SyncOutcome,
     SyncRequest,
     check_finite_delta,
+    push_then_pull,
 )
 
 log = logging.getLogger(__name__)
@@ -183,39 +108,6 @@ class WorkerStats:
         return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
 
 
-@dataclasses.dataclass
-class _PendingPush:
-    """A pseudo-gradient push until the server acknowledged or refused it."""
-
-    payload: torch.Tensor | None  # uint8, from _encode_delta (None until overlap's background thread encodes it)
-    push_id: int
-    base_version: int
-    num_local_steps: int
-    num_tokens: int
-    compute_s: float
-    #: Sent while the worker closes: the server does not hold its reply for a group.
-    last: bool = False
-
-    def send(
-        self, client: ParameterServerClient, worker_id: int, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT
-    ) -> pb.PushReply:
-        """Push ``payload`` with this push's id, base version and counts (``client.push``,
-        with its exceptions); the blocking path and overlap's background thread both send
-        through here."""
-        assert self.payload is not None, "a push is encoded before it is sent"
-        return client.push(
-            self.payload,
-            worker_id=worker_id,
-            push_id=self.push_id,
-            base_version=self.base_version,
-            num_local_steps=self.num_local_steps,
-            num_tokens=self.num_tokens,
-            compute_s=self.compute_s,
-            kind=kind,
-            last=self.last,
-        )
-
-
 #: Why a push answered ``duplicate`` without ``applied`` is dropped: its id is at or below
 #: the highest one the server applied for this worker, and its outcome is no longer known.
 _NOT_APPLIED = (
@@ -244,12 +136,6 @@ _FIXES = {
     "unknown_version": "the server's version went back (a restart from an older checkpoint): check its checkpoints",
 }
 _FIX_OTHERWISE = "the server's log says why it refused them"
-
-
-def _payload_of(pending: PushToSend) -> torch.Tensor:
-    """The payload of a push that was sent (it was encoded before)."""
-    assert pending.payload is not None, "a sent push has its payload"
-    return pending.payload
 
 
 def _drop_words(push_id: int, reason: str, exc: BaseException) -> str:
@@ -306,10 +192,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._scratch = self.flat.host_buffer()  # θ_local, then Δ, (N,) fp32
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self._next_push_id = 1
-        self._pending: _PendingPush | None = None
+        self._pending: PendingPush | None = None
+        self._link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
         if config.overlap:
-            link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
-            self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
+            self._overlap = BackgroundSync(self._link, snapshot=self.flat.host_buffer())
         self._closing = False
         #: The push counter of a restored state (or, during a rejoin, of this registration)
         #: until the Join says whether the server resumed it (``_number_pushes``).
@@ -326,10 +212,10 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._resuming = self._number_pushes(self._register())
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             payload = self.manifest.pack_flat(self.flat.copy_into(self._base))  # always raw, exact
-            self._send_payload(
-                _PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
-                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            self.client.push(
+                payload, worker_id=self.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
             )
+            self.stats.bytes_pushed += payload.numel()
             self._must_initialize = False
             self.version = 0
             self._pending, self._resuming = None, False  # the model is the global one now
@@ -340,8 +226,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         try:
             if self._resuming:
                 self._continue_unsent()
-            else:
-                self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+            else:  # raises NotInitializedError until the initial parameters arrive
+                self._merge(push_then_pull(self._link, self._request(push=False)))
         except NotInitializedError:
             self._take_over_initialization_if_told()
             raise
@@ -376,10 +262,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         retry the unacknowledged push with its push id (a refused one is dropped with the
         steps after it, as at any sync point), then pull keeping θ_base − θ_local, what
         the server has not received, and count on from the steps since the last push."""
-        self._carry_residual = True  # a drop below clears it
-        if self._pending is not None:
-            self._push_round()
-        self._pull_and_load()
+        self._carry_residual = True  # a drop clears it
+        self._merge(push_then_pull(self._link, self._request()))
         self._resuming = False
         self._save_state()
 
@@ -471,10 +355,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         """
         if self._overlap is not None:
             return self._overlapped_sync_point(self._overlap)
-        self._push_round()
-        self._pull_and_load()
+        self._pack_push()
+        merged = self._merge(push_then_pull(self._link, self._request()))
         self._raise_if_dropping_every_push()
-        return True
+        return merged
 
     # ------------------------------------------------------------- overlap
     def _overlapped_sync_point(self, overlap: BackgroundSync) -> bool | None:
@@ -493,18 +377,23 @@ class AsyncDiLoCoWorker(WorkerBase):
             else:
                 self.flat.copy_into(overlap.snapshot)  # a pull only
         # else: a retry: the snapshot still holds θ_local at the time the pending Δ was taken
-        overlap.submit(
-            SyncRequest(
-                worker_id=self.worker_id,
-                pending=self._pending,
-                base=self._base,
-                snapshot=overlap.snapshot,
-                theta_g=self._scratch,
-                pull_buffer=self._wire_buffer("pull"),
-                carry_residual=self.codec.name != "raw",
-            )
-        )
+        overlap.submit(self._request(overlap.snapshot))
         return None
+
+    def _request(self, snapshot: torch.Tensor | None = None, *, push: bool = True, pull: bool = True) -> SyncRequest:
+        """The push + pull of this sync point: the pending push (``push``), θ_base, and the
+        snapshot of θ_local (overlap; None inline: the model holds it)."""
+        return SyncRequest(
+            worker_id=self.worker_id,
+            pending=self._pending if push else None,
+            base=self._base,
+            snapshot=snapshot,
+            theta_g=self._scratch,
+            pull_buffer=self._wire_buffer("pull") if pull else None,
+            lossy=self.codec.name != "raw",
+            keep_unsent=self._carry_residual or (snapshot is None and self._steps_since_sync > 0),
+            pull=pull,
+        )
 
     def _events_due(self) -> bool:
         return super()._events_due() or (self._overlap is not None and self._overlap.done())
@@ -519,51 +408,59 @@ class AsyncDiLoCoWorker(WorkerBase):
                 self.stats.blocked_s += time.monotonic() - started
 
     def _wait_and_merge(self) -> bool:
+        """Adopt the background sync in flight, waiting for it."""
         assert self._overlap is not None, "merging needs overlap"
-        return self._merge(self._overlap.wait(), self._overlap.snapshot)
+        out = self._overlap.wait()
+        self.stats.comm_s += out.comm_s
+        merged = self._merge(out, background=True)
+        self._backoff_s = self.config.initial_backoff_s
+        self._raise_if_dropping_every_push()
+        return merged
 
-    def _merge(self, out: SyncOutcome, correction: torch.Tensor) -> bool:
-        """Training thread: apply a finished background sync (rule in overlap.py).
+    def _merge(self, out: SyncOutcome, *, background: bool = False) -> bool:
+        """Training thread: adopt a finished ``push_then_pull`` (docs/algorithms.md, "The
+        worker's sync"): record the push's outcome, then load the new global model keeping
+        what the server has not received, θ_local ← θ_local(now) + c (or θ_g' itself).
 
-        Args:
-            out: the sync's outcome.
-            correction: c = θ_g' − θ_local(t0), fp32 (N,) (the overlap's snapshot buffer).
+        Returns:
+            True when the model now holds the new global model (False: a push only).
         Raises:
             whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
             NotInitializedError, PayloadCorruptedError, ...), after recording what the
-            server acknowledged before it; the newest drop's class after
-            ``config.max_dropped_in_a_row`` drops in a row (``_sync_once``).
+            server acknowledged before it.
         """
-        self.stats.comm_s += out.comm_s
         self.stats.corrupted_transfers = self.client.corrupted_transfers
         dropped = self._record_push_outcome(out)
         if out.error is not None:
             raise out.error
-        assert out.run_config is not None and out.version is not None, "a sync without error pulled"
-        theta_g = self._scratch  # θ_g', decoded by the background thread
+        if not out.pulled:
+            return False
+        assert out.run_config is not None and out.version is not None, "a pull's outcome"
+        theta_g = self._scratch  # θ_g', decoded by push_then_pull
         self.local_steps = out.run_config.local_steps or self.local_steps
-        if dropped:  # restart from the global model, as without overlap
+        if dropped or out.correction is None:  # restart from the global model
             self.flat.load(theta_g)
         else:
-            self.flat.add(correction)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
-            self._extend_round_by_held_steps(out)
+            self.flat.add(out.correction)  # θ_local ← θ_local(now) + c
+            if background:
+                self._extend_round_by_held_steps(out)
         self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
-        self._carry_residual = False  # the correction already kept it (overlap.py)
+        self._carry_residual = False  # the correction kept it
         self._set_codec(out.run_config)
         self.version = out.version
+        if not background and self._steps_since_sync == 0:
+            self._start_round()
         self.stats.pulls += 1
         self.stats.bytes_pulled += out.bytes_pulled
-        self._backoff_s = self.config.initial_backoff_s
-        self._save_after_sync()  # adopted, on the training thread, before the next sync starts
-        self._raise_if_dropping_every_push()
+        if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
+            self._save_after_sync()  # adopted, on the training thread, before the next sync starts
         return True
 
     def _record_push_outcome(self, out: SyncOutcome) -> bool:
-        """What the server did with the push a background sync carried: acknowledged
-        (θ_base lowered unless the pull completed), dropped (refused, answered as never
-        applied, or not finite: ``_drop_unsent``), or not known yet (kept for a retry;
-        after UnknownWorkerError for the rejoin, which retries it if the server resumes
-        this worker).
+        """What the server did with the push a sync carried: acknowledged, dropped
+        (refused, answered as never applied, or not finite: ``_drop_unsent``), or not known
+        yet (kept for a retry; after UnknownWorkerError for the rejoin, which retries it if
+        the server resumes this worker).
 
         Returns:
             True when it was dropped: the merge restarts from θ_g'.
@@ -572,9 +469,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         if pending is None:
             return False
         if out.push_reply is not None:
-            self.stats.bytes_pushed += _payload_of(pending).numel()
+            assert pending.payload is not None, "a sent push has its payload"
+            self.stats.bytes_pushed += pending.payload.numel()
             if out.push_reply.applied:
-                self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
+                self._push_acknowledged(out.push_reply)
                 return False
             self.stats.pushes_refused += 1
             self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
@@ -620,35 +518,24 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ------------------------------------------------------------- internals
     def _push_round(self) -> None:
-        """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local. A Δ
-        that is not finite, a refusal in ``errors.DROP_AND_REPULL`` and a retry answered
-        as never applied drop it (``_drop_unsent``); an outcome not known yet keeps it
-        for a later sync point (an UnknownWorkerError: for the rejoin)."""
-        pending = self._pending
-        if pending is None:
-            if self._steps_since_sync == 0:
-                return
-            try:
-                pending = self._new_pending(self._scratch)
-            except InvalidPayloadError as exc:  # Δ is not finite (nothing was sent, no push id taken)
-                self._drop_unsent(NON_FINITE, str(exc))
-                return
-            self._save_before_sending()
-        try:
-            reply = self._send_payload(pending)
-        except PayloadCorruptedError:
-            raise  # every resend arrived corrupted (client.py): kept, retried at a later sync point
-        except DROP_AND_REPULL as exc:
-            self.stats.pushes_refused += 1
-            self._drop_unsent(exc.reason, _drop_words(pending.push_id, exc.reason, exc))
-            return
-        if not reply.applied:
-            self.stats.pushes_refused += 1
-            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
-            return
-        self._push_acknowledged(reply, pending, lower_base=True)
+        """Push without a pull (the final pushes at close): the pending push (a retry) or a
+        new one with Δ = θ_base − θ_local."""
+        self._pack_push()
+        self._merge(push_then_pull(self._link, self._request(pull=False)))
 
-    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> _PendingPush:
+    def _pack_push(self) -> None:
+        """Inline: pack a new push with Δ = θ_base − θ_local unless one is pending or no
+        step ran; a Δ that is not finite is dropped (nothing sent, no push id taken)."""
+        if self._pending is not None or self._steps_since_sync == 0:
+            return
+        try:
+            self._new_pending(self._scratch)
+        except InvalidPayloadError as exc:
+            self._drop_unsent(NON_FINITE, str(exc))
+            return
+        self._save_before_sending()
+
+    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> PendingPush:
         """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
         pending push carrying the steps and tokens since the last one (with ``encode``
         False, Δ and its payload are left to overlap's background thread).
@@ -662,7 +549,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             delta = torch.sub(self._base, local, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
             check_finite_delta(delta, self.worker_id, self._steps_since_sync)
             payload = self._encode_delta(delta)
-        self._pending = _PendingPush(
+        self._pending = PendingPush(
             payload=payload,
             push_id=self._next_push_id,
             base_version=self.version,
@@ -681,13 +568,11 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._tokens_since_sync = 0
         self._round_steps = None
 
-    def _push_acknowledged(self, reply: pb.PushReply, pending: PushToSend, *, lower_base: bool) -> None:
+    def _push_acknowledged(self, reply: pb.PushReply) -> None:
+        """The server applied the pending push (``push_then_pull`` lowered θ_base by what it
+        received unless the pull completed; a lossy codec's residual is then kept)."""
         self._pending = None
-        if lower_base:
-            # The server now holds this Δ: lower θ_base by exactly what it received, so
-            # steps taken before the next successful pull are pushed later as a residual.
-            self._base.sub_(self._decode_payload(_payload_of(pending), self._scratch))
-            self._carry_residual = self.codec.name != "raw"
+        self._carry_residual = self.codec.name != "raw"
         self._note_applied()
         self.stats.pushes_applied += 1
         self.stats.held_s += reply.held_s
@@ -723,36 +608,6 @@ class AsyncDiLoCoWorker(WorkerBase):
             steps,
             reason,
         )
-
-    def _send_payload(self, pending: _PendingPush, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
-        reply = pending.send(self.client, self.worker_id, kind)
-        self.stats.bytes_pushed += _payload_of(pending).numel()
-        return reply
-
-    def _pull_and_load(self) -> None:
-        """Pull the global model into θ_base and the model, keeping on top of it what the
-        server has not received, θ_base − θ_local: the codec's residual of an acknowledged
-        push, and the inner steps trained since the pending push was packed (a retry), whose
-        step and token counts then stay for the next push."""
-        pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
-        self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
-        keep = self._carry_residual or self._steps_since_sync > 0
-        if keep:  # keep what the server has not received (θ_base − θ_local)
-            torch.sub(self._base, self.flat.copy_into(self._scratch), out=self._scratch)  # unsent, (N,)
-        self._decode_payload(pulled.payload, self._base)
-        if keep:
-            self.flat.load(torch.sub(self._base, self._scratch, out=self._scratch))  # θ_pulled − unsent
-        else:
-            self.flat.load(self._base)
-        self._carry_residual = False
-        self.version = pulled.version
-        self.local_steps = pulled.run_config.local_steps or self.local_steps
-        if self._steps_since_sync == 0:
-            self._start_round()
-        self.stats.pulls += 1
-        self.stats.bytes_pulled += pulled.payload.numel()
-        if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
-            self._save_after_sync()
 
     def _before_rejoin(self) -> None:
         """Keep what the server has not acknowledged for the Join to decide: a resumed
@@ -835,7 +690,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         )
         return state
 
-    def _encode_for_saving(self, pending: _PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
+    def _encode_for_saving(self, pending: PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
         """Overlap packs a push on the training thread and leaves Δ = θ_base − θ_local(t0)
         to its background thread, not started yet when the push is saved: encode it here
         the same way, and the push then carries these bytes (the background sends them
@@ -869,4 +724,4 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._steps_since_sync = int(state["steps_since_sync"])  # counted on if the server resumes this worker
         self._tokens_since_sync = int(state["tokens_since_sync"])
         saved = state.get("pending")
-        self._pending = None if saved is None else _PendingPush(**saved)
+        self._pending = None if saved is None else PendingPush(**saved)

@@ -413,7 +413,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 "worker %d: no quorum within %.1f s: %s; training on locally, next try in %d inner steps",
                 self.worker_id,
                 waited_s,
-                q.reason or "no reason given (a server from before QuorumReply.reason)",
+                q.reason,
                 self.local_steps,
             )
             return None
