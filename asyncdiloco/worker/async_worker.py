@@ -196,7 +196,6 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
         if config.overlap:
             self._overlap = BackgroundSync(self._link, snapshot=self.flat.host_buffer())
-        self._closing = False
         #: The push counter of a restored state (or, during a rejoin, of this registration)
         #: until the Join says whether the server resumed it (``_number_pushes``).
         self._restored_push_id: int | None = None
@@ -290,9 +289,8 @@ class AsyncDiLoCoWorker(WorkerBase):
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("the sync in flight at close failed: %s", exc)
             self.stats.blocked_s += time.monotonic() - started
-        if self.worker_id and not self._needs_rejoin and self.config.push_on_close:
-            self._closing = True  # the final pushes' replies are not held for a group
-            if self._pending is not None:
+        if self.worker_id and not self._lost and self.config.push_on_close:
+            if self._pending is not None:  # the final pushes' replies are not held for a group
                 self._pending.last = True
             for _ in range(2):  # a pending retry, then the steps taken since it was packed
                 if not (self._steps_since_sync > 0 or self._pending):
@@ -304,7 +302,7 @@ class AsyncDiLoCoWorker(WorkerBase):
                     kept = "kept in the state folder for a restart" if self.state_dir is not None else "not sent"
                     log.warning("final push not acknowledged (%s); its steps are %s", exc, kept)
                     break
-        if self.worker_id and not self._needs_rejoin:
+        if self.worker_id and not self._lost:
             self._save_state()  # the final pushes' ids (and one that failed, to retry) for a restart
         self._close_connection()
         if self._overlap is not None:
@@ -396,11 +394,14 @@ class AsyncDiLoCoWorker(WorkerBase):
         )
 
     def _events_due(self) -> bool:
-        return super()._events_due() or (self._overlap is not None and self._overlap.done())
+        return self._sync_due() or (self._overlap is not None and self._overlap.done())
 
-    def _after_step_events(self) -> None:
-        super()._after_step_events()  # the step is counted (it belongs to the next round); may sync
-        if self._overlap is not None and self._overlap.done():  # non-blocking check
+    def _step_events(self) -> None:
+        """The sync point when due (the step is counted: it belongs to the next round), then
+        the merge of a background sync that finished (a non-blocking check)."""
+        if self._sync_due():
+            self._sync_point()
+        if self._overlap is not None and self._overlap.done():
             started = time.monotonic()
             try:
                 self._guarded(self._wait_and_merge)
@@ -520,22 +521,22 @@ class AsyncDiLoCoWorker(WorkerBase):
     def _push_round(self) -> None:
         """Push without a pull (the final pushes at close): the pending push (a retry) or a
         new one with Δ = θ_base − θ_local."""
-        self._pack_push()
+        self._pack_push(last=True)
         self._merge(push_then_pull(self._link, self._request(pull=False)))
 
-    def _pack_push(self) -> None:
+    def _pack_push(self, *, last: bool = False) -> None:
         """Inline: pack a new push with Δ = θ_base − θ_local unless one is pending or no
         step ran; a Δ that is not finite is dropped (nothing sent, no push id taken)."""
         if self._pending is not None or self._steps_since_sync == 0:
             return
         try:
-            self._new_pending(self._scratch)
+            self._new_pending(self._scratch, last=last)
         except InvalidPayloadError as exc:
             self._drop_unsent(NON_FINITE, str(exc))
             return
         self._save_before_sending()
 
-    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> PendingPush:
+    def _new_pending(self, local: torch.Tensor, *, encode: bool = True, last: bool = False) -> PendingPush:
         """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
         pending push carrying the steps and tokens since the last one (with ``encode``
         False, Δ and its payload are left to overlap's background thread).
@@ -556,7 +557,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
             compute_s=self._round_compute_s(self._steps_since_sync),
-            last=self._closing,
+            last=last,
         )
         self._next_push_id += 1
         self._start_round()
@@ -661,7 +662,8 @@ class AsyncDiLoCoWorker(WorkerBase):
             push (``push_id``, ``base_version``, ``num_local_steps``, ``num_tokens``,
             ``compute_s`` and its ``payload``, uint8 as sent) or None.
         """
-        self._check_group_state_dict()  # before the merge below
+        if self.group is not None:  # before the merge below
+            self.group.check_state_dict(merge_in_flight=self._overlap is not None and self._overlap.in_flight)
         if self._overlap is not None and self._overlap.in_flight:
             self._guarded(self._wait_and_merge)  # θ_base and the pending push are the background's until then
         state = super().state_dict(extra)

@@ -1,26 +1,15 @@
-"""What the asynchronous and the synchronous worker share.
+"""What the asynchronous and the synchronous worker share (``WorkerBase``).
 
-``WorkerBase`` owns the plumbing around the user's model and inner optimizer: joining
-with retries (and taking over initialization from an initializer that vanished), the
-post-step hook that counts inner steps and calls ``sync()`` every H of them, the
-heartbeat thread, the wire codec the server dictates (``_encode_delta`` /
-``_decode_payload``, wire/codec.py), and the context manager. Copies between the model
-and flat fp32 vectors are flat.py's (``self.flat``). ``AsyncDiLoCoWorker``
-(async_worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py) add what a sync point does.
-
-With ``WorkerConfig.state_dir`` the base also owns the worker's state folder
-(state_dir.py): its name, the common part of ``state_dict`` (name, model layout, inner
-optimizer, the caller's ``extra``) and the save (``_save_state``, at the sync points each
-subclass chooses); the subclasses add their own part.
-
-The step hook is installed by ``join``, once the server has said what H is: before it a
-step would count towards a sync point of a registration that does not exist yet. A worker
-used without ``with`` and never joined joins from a pre-step hook before its first inner
-step, so that step already trains the global model.
+It owns the worker's life (``WorkerState``: join with retries, rejoin, close), the hooks on
+the inner optimizer (count inner steps, sync every H of them), the heartbeat, the wire
+codec the server dictates, the state folder's common part, and the torchrun group it may
+train in (group.py). async_worker.py and sync_worker.py add what a sync point does;
+docs/architecture.md ("worker/") and docs/operations.md describe the behaviour.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -50,13 +39,36 @@ from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.flat import FlatParams
 from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
-from asyncdiloco.worker.group_member import GroupMember
 from asyncdiloco.worker.sharded import ShardedClient, shard_addresses
 from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
 
 log = logging.getLogger(__name__)
 
 _Worker = TypeVar("_Worker", bound="WorkerBase")
+
+
+class WorkerState(enum.Enum):
+    """Where a worker is in its life (``WorkerBase.state``)::
+
+    NEW -> JOINING -> TRAINING -> CLOSED
+                        |   ^
+                        v   |
+                      LOST -> REJOINING
+    """
+
+    #: Built; joins at ``join()`` (``with``), or before its first inner step.
+    NEW = "new"
+    #: ``join()`` runs: registering, then initializing, resuming or pulling the global model.
+    JOINING = "joining"
+    #: Joined: syncs every H inner steps.
+    TRAINING = "training"
+    #: The server forgot this worker (its lease lapsed, or the server restarted without it):
+    #: the next sync point rejoins.
+    LOST = "lost"
+    #: A rejoin began and was cut short (an outage): the next sync point goes on with it.
+    REJOINING = "rejoining"
+    #: ``close()`` ran.
+    CLOSED = "closed"
 
 
 class WorkerCounters(Protocol):
@@ -70,13 +82,13 @@ class WorkerCounters(Protocol):
     blocked_s: float
 
 
-class WorkerBase(GroupMember):
+class WorkerBase:
     """Base of the workers; see the subclasses for the algorithms.
 
     Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
     ``self.stats`` the ``WorkerCounters``, and implement ``_join_once`` (register,
-    initialize or load the global model), ``_sync_once`` and ``close``; with a state
-    folder they extend ``state_dict`` / ``load_state_dict`` and call
+    initialize or load the global model), ``_sync_once`` and ``_close_worker``; with a
+    state folder they extend ``state_dict`` / ``load_state_dict`` and call
     ``_restore_saved_state`` at the end of their ``__init__`` and ``_save_state`` after
     every sync they adopt.
 
@@ -97,15 +109,32 @@ class WorkerBase(GroupMember):
         tokens_per_step: int,
         process_group: Any = "auto",
     ) -> None:
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.config = config
+        self.model, self.inner_optimizer, self.config = model, inner_optimizer, config
         self.tokens_per_step = tokens_per_step
         #: The torchrun group this process trains in as one worker (group.py; None: alone).
         self.group: LocalGroup | None = resolve_group(process_group)
         #: A rank > 0 of a group: it mirrors rank 0 and never contacts the server.
         self.follower = self.group is not None and not self.group.is_leader
-        core = unwrap_model(model)  # DDP's module: the same parameters, named without "module."
+        core = self._unwrap(model)
+        self.manifest = Manifest.from_module(core)
+        #: The model's parameters as one flat fp32 vector: every copy to and from it.
+        self.flat = FlatParams(core)
+        self._open_state_dir()
+        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
+        self.codec: WireCodec = make_codec("raw", self.manifest)
+        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
+        self._pull_wire: torch.Tensor | None = None
+        if not self.follower:  # a follower has no client: it never contacts the server
+            self.client = self._connect()
+        self.state = WorkerState.NEW
+        self._registration_defaults()
+        self._round_defaults()
+        self._install_hooks(core)
+
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        """DDP's module (the same parameters, named without "module."); warns when a group's
+        model is not DDP."""
+        core = unwrap_model(model)
         if self.group is not None and core is model:
             log.warning(
                 "rank %d: the model is not DistributedDataParallel; the %d ranks train apart between syncs and only "
@@ -113,11 +142,14 @@ class WorkerBase(GroupMember):
                 self.group.rank,
                 self.group.world_size,
             )
-        self.manifest = Manifest.from_module(core)
-        #: The name this worker joins under: ``config.worker_name``, else the one saved in
-        #: ``config.state_dir``, else (with a state folder) a new unique one saved there.
+        return core
+
+    def _open_state_dir(self) -> None:
+        """The state folder (None: ``config.state_dir`` unset, or a follower), locked while
+        the worker runs, and the name this worker joins under: ``config.worker_name``, else
+        the one saved there, else (with a folder) a new unique one saved there."""
+        config = self.config
         self.worker_name = config.worker_name
-        #: The worker's state folder (None: ``config.state_dir`` unset, or a follower), locked while it runs.
         self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir and not self.follower else None
         if self.state_dir is not None:
             try:
@@ -132,84 +164,80 @@ class WorkerBase(GroupMember):
         #: ``extra`` of the state this worker was restored from ({} when none was).
         self.restored_extra: dict[str, Any] = {}
         self._saves = 0
-        #: The model's parameters as one flat fp32 vector: every copy to and from it.
-        self.flat = FlatParams(core)
-        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
-        self.codec: WireCodec = make_codec("raw", self.manifest)
-        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
-        self._pull_wire: torch.Tensor | None = None
-        if not self.follower:  # a follower has no client: it never contacts the server
-            addresses = shard_addresses(config.server)
-            if len(addresses) == 1:
-                self.client = ParameterServerClient(
-                    addresses[0],
-                    rpc_timeout_s=config.rpc_timeout_s,
-                    timeout_s_per_mib=config.timeout_s_per_mib,
-                    security=config.security,
-                    bulk_channel=config.bulk_channel,
-                )
-            else:  # a sharded server (async mode): the same calls over every shard (sharded.py)
-                if self.mode != "async":
-                    raise ConfigError(
-                        f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
-                        f"runs async mode only; give one server address for --mode {self.mode}"
-                    )
-                sharded = ShardedClient(
-                    addresses,
-                    rpc_timeout_s=config.rpc_timeout_s,
-                    timeout_s_per_mib=config.timeout_s_per_mib,
-                    security=config.security,
-                )
-                self.client = cast(ParameterServerClient, sharded)  # the async worker's subset of its calls
-        self._stop_requested = False  # request_stop() was called on this rank
-        self._group_stopping = False  # some rank's request arrived with a step's exchange
-        self._group_joined = False  # the group's join completed on every rank
-        self._group_broken = False  # an exception or a failed collective: no more group collectives
-        self._in_shared = False  # rank 0 runs a step whose outcome the group shares
+
+    def _connect(self) -> ParameterServerClient:
+        """The client: one server, or every shard of a sharded one (async mode, sharded.py)."""
+        config = self.config
+        addresses = shard_addresses(config.server)
+        if len(addresses) == 1:
+            return ParameterServerClient(
+                addresses[0],
+                rpc_timeout_s=config.rpc_timeout_s,
+                timeout_s_per_mib=config.timeout_s_per_mib,
+                security=config.security,
+                bulk_channel=config.bulk_channel,
+            )
+        if self.mode != "async":
+            raise ConfigError(
+                f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
+                f"runs async mode only; give one server address for --mode {self.mode}"
+            )
+        sharded = ShardedClient(
+            addresses,
+            rpc_timeout_s=config.rpc_timeout_s,
+            timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
+        )
+        return cast(ParameterServerClient, sharded)  # the async worker's subset of its calls
+
+    def _registration_defaults(self) -> None:
+        """What the server tells at Join (replaced by ``_register``)."""
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
-        #: Overlap under a grouping server: the step count (since the last push) at which this
-        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
-        self._round_steps: int | None = None
+        self._lease_s = 60.0
         #: The server groups push replies (RunConfig.grouping): overlap trains on while a
         #: reply is held, up to a round more, instead of blocking at the next sync point.
         self._grouped = False
-        self._lease_s = 60.0
-        self._steps_since_sync = 0
-        self._tokens_since_sync = 0
-        self._backoff_s = config.initial_backoff_s
-        self._next_attempt = 0.0
-        self._needs_rejoin = False
+        #: This registration must push the initial parameters (the server chose it, or the
+        #: chosen initializer vanished).
+        self._must_initialize = False
         #: Set when the server said another process joined under this worker's name since:
         #: the next sync point raises it (this process must stop; nothing is retried).
         self._superseded: WorkerSupersededError | None = None
-        self._rejoining = False
+        self._stop = threading.Event()  # close() began (wakes the heartbeat)
+        self._stop_requested = False  # request_stop() was called on this rank
+        self._heartbeat: threading.Thread | None = None
+
+    def _round_defaults(self) -> None:
+        """The counters of the current round, the backoff, and the drops in a row."""
+        self._steps_since_sync = 0
+        self._tokens_since_sync = 0
+        #: Overlap under a grouping server: the step count (since the last push) at which this
+        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
+        self._round_steps: int | None = None
+        self._backoff_s = self.config.initial_backoff_s
+        self._next_attempt = 0.0
         #: Pseudo-gradients dropped in a row (refused, or not finite) since one was applied,
         #: and the newest drop's (exception class, what happened, the fix) for the error
         #: ``_raise_if_dropping_every_push`` raises at ``config.max_dropped_in_a_row``.
         self._dropped_in_a_row = 0
         self._last_drop: tuple[type[AsyncDiLoCoError], str, str] | None = None
-        self._must_initialize = False
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        #: v_w, this worker's inner steps per second of compute (algo/rates.py): each step
-        #: is timed from its first forward pass with gradients (a pre-hook on the model) to
-        #: the end of the inner optimizer's step (the step hook, before any sync), so held
-        #: replies, transfers, saves, evaluation and the caller's work between steps are
-        #: not in it. Reported before the first push (``_report_rate``) and with every push.
+        #: v_w, this worker's inner steps per second of compute (algo/rates.py), timed from
+        #: the first forward pass with gradients to the end of the inner optimizer's step.
+        #: Reported before the first push (``_report_rate``) and with every push.
         self.step_rate = InnerStepRate()
-        # DyLU from the first round: the rate is reported until the first push's reply takes over.
-        self._rate_known = True  # until ``_register`` says whether the server wants it
+        self._rate_known = True  # until ``_register`` says whether the server wants it (DyLU)
         self._rate_reported_at = 0  # step_rate.timed_steps at the last report
-        #: Counts inner steps and syncs every H of them; installed by ``join``.
+
+    def _install_hooks(self, core: nn.Module) -> None:
+        """The pre-step hook that joins a worker nobody joined, and the forward pre-hook that
+        starts timing an inner step (rank 0 or alone); the post-step hook comes with ``join``."""
         self._step_hook: RemovableHandle | None = None
-        #: Marks the start of an inner step's compute (rank 0 or alone: followers report nothing).
         self._forward_hook: RemovableHandle | None = (
             None if self.follower else core.register_forward_pre_hook(self._step_begins)
         )
-        #: Joins before the first inner step when nobody called ``join`` (no ``with``).
-        self._join_hook: RemovableHandle | None = inner_optimizer.register_step_pre_hook(
-            lambda *_: self._join_before_first_step()
+        self._join_hook: RemovableHandle | None = self.inner_optimizer.register_step_pre_hook(
+            self._join_before_first_step
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -228,23 +256,25 @@ class WorkerBase(GroupMember):
                 f"join() after close(): this worker has left the server at {self.config.server} and closed its "
                 f"channel; create a new {type(self).__name__} (with the same model and inner optimizer) to join again"
             )
-        if self.group is not None and not self.follower:
+        self.state = WorkerState.JOINING
+        group = self.group
+        if group is not None and not self.follower:
             try:
-                with self.group.leading():  # the followers wait through keep-alives while it retries
+                with group.leading():  # the followers wait through keep-alives while it retries
                     self._join_with_retries()
             except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
-                self._share_join(error=exc)
+                group.share_join(self.flat, self.inner_optimizer, self.restored_extra, exc)
                 raise
-            self._share_join()
-        elif self.group is not None:
-            self._share_join()
+        if group is not None:
+            self.restored_extra = group.share_join(self.flat, self.inner_optimizer, self.restored_extra, None)
         else:
             self._join_with_retries()
+        self.state = WorkerState.TRAINING
         if self._heartbeat is None and not self.follower:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
             self._heartbeat.start()
         if self._step_hook is None:  # H is known now: count inner steps from here on
-            self._step_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+            self._step_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def _join_with_retries(self) -> None:
         """``join``'s retry loop around ``_join_once`` (rank 0 of a group, or a worker alone)."""
@@ -272,7 +302,7 @@ class WorkerBase(GroupMember):
                 if wait_s == delay:
                     delay = min(2 * delay, self.config.max_backoff_s)
 
-    def _join_before_first_step(self) -> None:
+    def _join_before_first_step(self, *_: object) -> None:
         """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
         the step about to run trains the global model and counts towards the first sync."""
         if self._step_hook is None and not self._stop.is_set():
@@ -301,7 +331,12 @@ class WorkerBase(GroupMember):
         """
         if self.group is None:
             return self._sync_point()
-        return self._shared(self._sync_point)
+        return self.group.shared(self.flat, self._sync_point)
+
+    @property
+    def _lost(self) -> bool:
+        """The server forgot this worker: the next sync point rejoins (or goes on rejoining)."""
+        return self.state in (WorkerState.LOST, WorkerState.REJOINING)
 
     def _sync_point(self) -> bool:
         """``sync`` on this process: rank 0 of a group, or a worker alone."""
@@ -311,7 +346,7 @@ class WorkerBase(GroupMember):
             return False
         started = time.monotonic()
         try:
-            return self._guarded(self._rejoin if self._needs_rejoin else self._sync_once)
+            return self._guarded(self._rejoin if self._lost else self._sync_once)
         finally:
             self._count_sync_time(time.monotonic() - started)
 
@@ -334,7 +369,8 @@ class WorkerBase(GroupMember):
             return False
         except UnknownWorkerError as exc:
             log.warning("%s; rejoining", exc)
-            self._needs_rejoin = True
+            if self.state is not WorkerState.REJOINING:
+                self.state = WorkerState.LOST
             return False
         if done is None:
             return False
@@ -354,14 +390,13 @@ class WorkerBase(GroupMember):
     def _rejoin(self) -> bool:
         """Register again (the lease lapsed, or the server restarted without this worker)
         and load the global model; what the server had not received is the subclass's
-        (``_before_rejoin``)."""
-        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
+        (``_before_rejoin``). A rejoin cut short by an outage resumes where it stopped."""
+        if self.state is WorkerState.LOST:
             self.worker_id = 0
             self._before_rejoin()
-            self._rejoining = True
+            self.state = WorkerState.REJOINING
         self._join_once()
-        self._rejoining = False
-        self._needs_rejoin = False
+        self.state = WorkerState.TRAINING
         log.info("rejoined as worker %d", self.worker_id)
         return True
 
@@ -478,7 +513,7 @@ class WorkerBase(GroupMember):
 
     def _close_connection(self) -> None:
         """Leave (best effort), stop the heartbeat, close the channel."""
-        if self.worker_id and not self._needs_rejoin:
+        if self.worker_id and not self._lost:
             try:
                 self.client.leave(self.worker_id)
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
@@ -503,7 +538,8 @@ class WorkerBase(GroupMember):
         Raises:
             ConfigError: called on a follower (rank > 0) of a group: the group's state is rank 0's.
         """
-        self._check_group_state_dict()
+        if self.group is not None:
+            self.group.check_state_dict(merge_in_flight=False)
         return {
             "format": STATE_FORMAT,
             "mode": self.mode,
@@ -576,8 +612,8 @@ class WorkerBase(GroupMember):
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is not None:  # this rank leaves the loop alone: its close is no collective
-            self._group_broken = True
+        if exc_type is not None and self.group is not None:  # this rank leaves alone: its close is no collective
+            self.group.broken = True
         self.close()
 
     def close(self) -> None:
@@ -588,19 +624,20 @@ class WorkerBase(GroupMember):
             return
         self._stop.set()
         self._remove_hooks()
-        if self.group is None:
+        group = self.group
+        if group is None:
             self._close_worker()
-            return
-        ordered = self._group_joined and not self._group_broken
-        self._group_broken = True  # no collective after this one
-        if not ordered:
+        elif not group.joined or group.broken:
+            group.broken = True  # no collective after this
             if not self.follower:
                 self._close_worker()
-            return
-        try:
-            self._shared(lambda: self._close_worker() if not self.follower else None, broken_ok=True)
-        except RuntimeError as exc:  # a rank that left alone exited: the collective fails, close goes on
-            log.warning("rank %d: the group's close exchange failed (%s)", self.group.rank, exc)
+        else:
+            group.broken = True  # no collective after this one
+            try:
+                group.shared(self.flat, lambda: self._close_worker() if not self.follower else None, broken_ok=True)
+            except RuntimeError as exc:  # a rank that left alone exited: the collective fails, close goes on
+                log.warning("rank %d: the group's close exchange failed (%s)", group.rank, exc)
+        self.state = WorkerState.CLOSED
 
     def _close_worker(self) -> None:
         raise NotImplementedError
@@ -619,7 +656,9 @@ class WorkerBase(GroupMember):
         if torch.is_grad_enabled():
             self.step_rate.begin()
 
-    def _after_inner_step(self) -> None:
+    def _after_inner_step(self, *_: object) -> None:
+        """Post-step hook on the inner optimizer: count the step, then (rank 0 or alone)
+        the step's events: the sync point every H steps, a finished background sync's merge."""
         if not self.follower:
             self.step_rate.end()  # first: the sync below is not compute
         self.stats.inner_steps += 1
@@ -631,22 +670,58 @@ class WorkerBase(GroupMember):
             return
         try:
             if self.group is not None:
-                self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
-                return
-            if not self._rate_known:
-                self._report_rate()
-            self._after_step_events()
+                self._lead_step(self.group)
+            else:
+                if not self._rate_known:
+                    self._report_rate()
+                self._step_events()
         finally:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
+
+    def _lead_step(self, group: LocalGroup) -> None:
+        """Rank 0's step exchange: the followers' tokens arrive before the sync point, so
+        the push carries them; then a due step runs and every rank takes its outcome. Until
+        the first push (DyLU) every step is due: its rate report is a heartbeat the
+        followers wait for through rank 0's keep-alives too."""
+        due = self._events_due() or not self._rate_known
+        totals = group.step_exchange(tokens=0, stop=self._stop_requested, due=due)
+        self._tokens_since_sync += totals.tokens
+        self.stats.tokens += totals.tokens
+        if due:
+            group.shared(self.flat, self._due_step)
+
+    def _due_step(self) -> None:
+        if not self._rate_known:
+            self._report_rate()
+        self._step_events()
+
+    def _follow_step(self) -> None:
+        """A follower's step: its tokens go to rank 0 with the exchange; a due step is mirrored."""
+        assert self.group is not None, "a follower is in a group"
+        tokens, self._tokens_since_sync, self._steps_since_sync = self._tokens_since_sync, 0, 0
+        self.stats.blocked_s += self.group.follow_step(self.flat, tokens, self._stop_requested)
+
+    def request_stop(self) -> None:
+        """Ask to stop training after the current inner step: ``should_stop`` turns True
+        at once for a worker alone, and on every rank of a group after the next inner
+        step (the request rides on that step's exchange), so that every rank's loop
+        ends after the same step and none is left alone in a collective."""
+        self._stop_requested = True
+
+    @property
+    def should_stop(self) -> bool:
+        """``request_stop`` was called (alone), or some rank's request reached every rank
+        with an inner step's exchange (group): end the training loop now."""
+        return self._stop_requested if self.group is None else self.group.stopping
 
     def _sync_due(self) -> bool:
         return self._steps_since_sync >= (self._round_steps or self.local_steps)
 
     def _events_due(self) -> bool:
-        """Rank 0, before a step's exchange: whether ``_after_step_events`` may change the model."""
+        """Rank 0, before a step's exchange: whether ``_step_events`` may change the model."""
         return self._sync_due()
 
-    def _after_step_events(self) -> None:
+    def _step_events(self) -> None:
         """What the step hook does after counting (rank 0 or alone): the sync point when due."""
         if self._sync_due():
             self._sync_point()
@@ -740,13 +815,13 @@ class WorkerBase(GroupMember):
         period = self.config.heartbeat_s or self._lease_s / 3
         while not self._stop.wait(period):
             worker_id = self.worker_id
-            if not worker_id or self._needs_rejoin:
+            if not worker_id or self._lost:
                 continue
             try:
                 self.client.heartbeat(worker_id)
             except UnknownWorkerError:
-                if worker_id == self.worker_id:
-                    self._needs_rejoin = True
+                if worker_id == self.worker_id and self.state is WorkerState.TRAINING:
+                    self.state = WorkerState.LOST
             except WorkerSupersededError as exc:  # the next sync point raises it
                 self._superseded = exc
                 return

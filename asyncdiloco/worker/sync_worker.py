@@ -251,7 +251,7 @@ class SyncDiLoCoWorker(WorkerBase):
         already trained (a rate report's reply, ``_report_rate``)."""
         h = self.local_steps
         steps = self._steps_since_sync
-        return steps >= h and (self._needs_rejoin or not self._tried or steps % h == 0)
+        return steps >= h and (self._lost or not self._tried or steps % h == 0)
 
     def _wants_rate(self, run_config: pb.RunConfig) -> bool:
         """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``):
