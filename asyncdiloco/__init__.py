@@ -30,9 +30,9 @@ _EXPORTS = {
     "ParameterServer": "asyncdiloco.ps.server",
     "Manifest": "asyncdiloco.wire.tensors",
     "AsyncDiLoCoWorker": "asyncdiloco.worker.async_worker",
-    "WorkerStats": "asyncdiloco.worker.async_worker",
+    "WorkerStats": "asyncdiloco.worker.stats",
     "SyncDiLoCoWorker": "asyncdiloco.worker.sync_worker",
-    "SyncWorkerStats": "asyncdiloco.worker.sync_worker",
+    "SyncWorkerStats": "asyncdiloco.worker.stats",
     "load_global_model": "asyncdiloco.worker.global_model",
     **{
         name: "asyncdiloco.errors"
@@ -123,7 +123,8 @@ if TYPE_CHECKING:
     from asyncdiloco.ps.server import ParameterServer
     from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
     from asyncdiloco.wire.tensors import Manifest
-    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
     from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
     from asyncdiloco.worker.global_model import load_global_model
-    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
+    from asyncdiloco.worker.stats import SyncWorkerStats, WorkerStats
+    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker

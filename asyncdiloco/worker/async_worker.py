@@ -11,7 +11,6 @@ a sync fails", "Restarting a worker") what each fault and a restart do.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -31,8 +30,17 @@ from asyncdiloco.errors import (
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
 from asyncdiloco.worker.config import WorkerConfig
-from asyncdiloco.worker.push_pull import (
+from asyncdiloco.worker.drops import (
+    FIX_OTHERWISE,
+    FIXES,
     NON_FINITE,
+    NOT_APPLIED,
+    NOT_APPLIED_WORDS,
+    NOT_RESUMED,
+    drop_words,
+    reset_diverged_state,
+)
+from asyncdiloco.worker.push_pull import (
     BackgroundSync,
     PendingPush,
     SyncLink,
@@ -41,108 +49,9 @@ from asyncdiloco.worker.push_pull import (
     check_finite_delta,
     push_then_pull,
 )
+from asyncdiloco.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class WorkerStats:
-    """Counters of one worker (units in the names)."""
-
-    inner_steps: int = 0
-    tokens: int = 0
-    pushes_applied: int = 0
-    #: Pushes the server refused (stale, invalid, too large) or answered as never applied.
-    pushes_refused: int = 0
-    #: Pseudo-gradients dropped instead of applied, and the inner steps and tokens whose
-    #: progress went with them (the worker restarted from the global model): refused by
-    #: the server, not finite here, or of a registration the server did not resume.
-    pseudo_gradients_dropped: int = 0
-    steps_dropped: int = 0
-    tokens_dropped: int = 0
-    #: Why, per drop: reason code -> pseudo-gradients dropped for it. A refusal's reason
-    #: (errors.py: ``stale_push``, ``unknown_version``, ``invalid_payload``,
-    #: ``payload_too_large``), or ``non_finite`` (Δ not finite, found before sending),
-    #: ``not_applied`` (a retry answered as a duplicate that was never applied),
-    #: ``not_resumed`` (a rejoin the server did not resume: an unacknowledged push's
-    #: outcome is unknown).
-    drops: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: Parameters whose inner-optimizer state held NaN/Inf after a non-finite Δ and was
-    #: cleared (``WorkerBase._reset_diverged_optimizer_state``).
-    optimizer_states_cleared: int = 0
-    sync_failures: int = 0
-    #: Pushes and pulls whose payload arrived corrupted and were sent again (client.py).
-    corrupted_transfers: int = 0
-    pulls: int = 0
-    bytes_pushed: int = 0
-    bytes_pulled: int = 0
-    #: Seconds of communication (push, pull, join): the whole sync without overlap; with
-    #: overlap mostly the background thread's time, so it may exceed ``blocked_s``.
-    comm_s: float = 0.0
-    #: Seconds the training thread spent in sync points and merges instead of training:
-    #: the whole sync without overlap; with overlap the snapshot, Δ, packing, waits for a
-    #: sync still in flight, the merge and rejoins.
-    blocked_s: float = 0.0
-    #: Seconds the server held this worker's push replies while their groups formed
-    #: (``PushReply.held_s``; part of ``comm_s``).
-    held_s: float = 0.0
-    #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
-    wall_s: float = 0.0
-    #: Seconds in the inner steps that were timed, and how many (algo/rates.py: first
-    #: forward pass to the end of the optimizer step; the first step is not timed); at
-    #: close, v_w, the rate this worker reported last (inner steps per second of compute;
-    #: 0: none timed), and H_w, the steps per round the server told it last.
-    compute_s: float = 0.0
-    timed_steps: int = 0
-    steps_per_s: float = 0.0
-    local_steps_per_round: int = 0
-    #: What became of the push ``close`` sent: "applied", "refused", "dropped" (Δ was not
-    #: finite: nothing sent), "not acknowledged" (the server could not be reached in time;
-    #: kept in ``state_dir`` for a restart) or "" (nothing to push).
-    final_push: str = ""
-    #: τ of every applied push, in order.
-    staleness: list[int] = dataclasses.field(default_factory=list, repr=False)
-
-    @property
-    def mean_staleness(self) -> float:
-        return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
-
-
-#: Why a push answered ``duplicate`` without ``applied`` is dropped: its id is at or below
-#: the highest one the server applied for this worker, and its outcome is no longer known.
-_NOT_APPLIED = (
-    "answered as a duplicate that was not applied (its id is at or below the newest one the server applied "
-    "for this worker)"
-)
-
-#: ``WorkerStats.drops`` keys of the drops without a refusal (a refusal's key is its reason).
-NOT_APPLIED = "not_applied"
-NOT_RESUMED = "not_resumed"
-
-#: What the user can change when every push is dropped, by drop reason.
-_FIXES = {
-    NON_FINITE: (
-        "the local model diverges every round: check the data and the loss for NaN/Inf, lower the inner "
-        "learning rate (--inner-lr) or clip the gradients"
-    ),
-    "invalid_payload": (
-        "the server refuses its values (not finite, or over --max-abs-value): lower the inner learning rate "
-        "(--inner-lr) or clip the gradients"
-    ),
-    "payload_too_large": "start the server with a larger --max-payload-bytes, or a smaller --wire-codec",
-    "stale_push": (
-        "every push arrives too stale: start the server with a larger --max-staleness, or lower H (--local-steps)"
-    ),
-    "unknown_version": "the server's version went back (a restart from an older checkpoint): check its checkpoints",
-}
-_FIX_OTHERWISE = "the server's log says why it refused them"
-
-
-def _drop_words(push_id: int, reason: str, exc: BaseException) -> str:
-    """How a dropped push is named in the log and in the error after too many drops."""
-    if reason == NON_FINITE:
-        return str(exc)
-    return f"push {push_id} refused ({exc})"
 
 
 class AsyncDiLoCoWorker(WorkerBase):
@@ -476,12 +385,12 @@ class AsyncDiLoCoWorker(WorkerBase):
                 self._push_acknowledged(out.push_reply)
                 return False
             self.stats.pushes_refused += 1
-            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
+            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {NOT_APPLIED_WORDS}")
             return True
         if out.refused is not None:
             if out.drop_reason != NON_FINITE:
                 self.stats.pushes_refused += 1
-            self._drop_unsent(out.drop_reason, _drop_words(pending.push_id, out.drop_reason, out.refused))
+            self._drop_unsent(out.drop_reason, drop_words(pending.push_id, out.drop_reason, out.refused))
             return True
         return False
 
@@ -574,7 +483,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         received unless the pull completed; a lossy codec's residual is then kept)."""
         self._pending = None
         self._carry_residual = self.codec.name != "raw"
-        self._note_applied()
+        self.drops.applied()
         self.stats.pushes_applied += 1
         self.stats.held_s += reply.held_s
         self.stats.staleness.append(reply.staleness)
@@ -595,13 +504,13 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._start_round()
         stats = self.stats
         if reason == NON_FINITE:
-            stats.optimizer_states_cleared += self._reset_diverged_optimizer_state()
+            stats.optimizer_states_cleared += reset_diverged_state(self.inner_optimizer, self.worker_id)
         stats.pseudo_gradients_dropped += 1
         stats.steps_dropped += steps
         stats.tokens_dropped += tokens
         stats.drops[reason] = stats.drops.get(reason, 0) + 1
         error = InvalidPayloadError if reason == NON_FINITE else error_for_reason(reason) or AsyncDiLoCoError
-        self._note_drop(error, what, _FIXES.get(reason, _FIX_OTHERWISE))
+        self.drops.note(error, what, FIXES.get(reason, FIX_OTHERWISE))
         log.warning(
             "worker %d: %s; dropped, with its %d inner steps (reason %s); restarting from the global model",
             self.worker_id,

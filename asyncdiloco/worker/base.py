@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,12 +34,13 @@ from asyncdiloco.errors import (
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.drops import DropStreak
 from asyncdiloco.worker.flat import FlatParams
 from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
-from asyncdiloco.worker.sharded import ShardedClient, shard_addresses
-from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
+from asyncdiloco.worker.sharded import connect
+from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_state, manifest_entries
+from asyncdiloco.worker.stats import WorkerCounters
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +69,6 @@ class WorkerState(enum.Enum):
     REJOINING = "rejoining"
     #: ``close()`` ran.
     CLOSED = "closed"
-
-
-class WorkerCounters(Protocol):
-    """The counters every worker's ``stats`` has (units in the names)."""
-
-    inner_steps: int
-    tokens: int
-    sync_failures: int
-    corrupted_transfers: int
-    comm_s: float
-    blocked_s: float
 
 
 class WorkerBase:
@@ -125,7 +114,7 @@ class WorkerBase:
         self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
         self._pull_wire: torch.Tensor | None = None
         if not self.follower:  # a follower has no client: it never contacts the server
-            self.client = self._connect()
+            self.client = connect(config, self.mode)
         self.state = WorkerState.NEW
         self._registration_defaults()
         self._round_defaults()
@@ -165,31 +154,6 @@ class WorkerBase:
         self.restored_extra: dict[str, Any] = {}
         self._saves = 0
 
-    def _connect(self) -> ParameterServerClient:
-        """The client: one server, or every shard of a sharded one (async mode, sharded.py)."""
-        config = self.config
-        addresses = shard_addresses(config.server)
-        if len(addresses) == 1:
-            return ParameterServerClient(
-                addresses[0],
-                rpc_timeout_s=config.rpc_timeout_s,
-                timeout_s_per_mib=config.timeout_s_per_mib,
-                security=config.security,
-                bulk_channel=config.bulk_channel,
-            )
-        if self.mode != "async":
-            raise ConfigError(
-                f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
-                f"runs async mode only; give one server address for --mode {self.mode}"
-            )
-        sharded = ShardedClient(
-            addresses,
-            rpc_timeout_s=config.rpc_timeout_s,
-            timeout_s_per_mib=config.timeout_s_per_mib,
-            security=config.security,
-        )
-        return cast(ParameterServerClient, sharded)  # the async worker's subset of its calls
-
     def _registration_defaults(self) -> None:
         """What the server tells at Join (replaced by ``_register``)."""
         self.worker_id = 0
@@ -217,11 +181,8 @@ class WorkerBase:
         self._round_steps: int | None = None
         self._backoff_s = self.config.initial_backoff_s
         self._next_attempt = 0.0
-        #: Pseudo-gradients dropped in a row (refused, or not finite) since one was applied,
-        #: and the newest drop's (exception class, what happened, the fix) for the error
-        #: ``_raise_if_dropping_every_push`` raises at ``config.max_dropped_in_a_row``.
-        self._dropped_in_a_row = 0
-        self._last_drop: tuple[type[AsyncDiLoCoError], str, str] | None = None
+        #: Pseudo-gradients dropped in a row, and the error raised at the limit.
+        self.drops = DropStreak(self.config.max_dropped_in_a_row)
         #: v_w, this worker's inner steps per second of compute (algo/rates.py), timed from
         #: the first forward pass with gradients to the end of the inner optimizer's step.
         #: Reported before the first push (``_report_rate``) and with every push.
@@ -408,63 +369,9 @@ class WorkerBase:
     def _forget_unsent(self) -> None:
         """Drop what was meant for the old registration (subclasses that keep some)."""
 
-    # ------------------------------------------------------------ dropped pushes
-    def _reset_diverged_optimizer_state(self) -> int:
-        """After a non-finite pseudo-gradient: clear the inner optimizer's per-parameter
-        state (AdamW's moments and step, SGD's momentum buffer) of every parameter whose
-        state holds a NaN or ±Inf. One NaN gradient is enough to poison it, and restarting
-        the model from the global one would not help: every later step would make θ_local
-        NaN again. A cleared state starts afresh at the next step, as for a new
-        parameter (``torch.optim.Optimizer`` creates it lazily).
-
-        Returns:
-            How many parameters' states were cleared.
-        """
-        cleared = 0
-        state = self.inner_optimizer.state
-        for param in list(state.keys()):
-            values = [v for v in state[param].values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-            if any(not bool(torch.isfinite(v).all()) for v in values):
-                state[param] = {}
-                cleared += 1
-        if cleared:
-            log.warning(
-                "worker %d: the inner optimizer's state of %d parameter(s) held NaN/Inf (e.g. from one NaN "
-                "gradient); cleared, they start afresh at the next step",
-                self.worker_id,
-                cleared,
-            )
-        return cleared
-
-    def _note_drop(self, error: type[AsyncDiLoCoError], what: str, fix: str) -> None:
-        """One more pseudo-gradient dropped in a row: ``what`` happened to it (a refusal
-        of class ``error``, or a local check), and ``fix`` is what the user can change."""
-        self._dropped_in_a_row += 1
-        self._last_drop = (error, what, fix)
-
-    def _note_applied(self) -> None:
-        """A pseudo-gradient was applied: the drops in a row start again from 0."""
-        self._dropped_in_a_row = 0
-
     def _raise_if_dropping_every_push(self) -> None:
-        """After ``config.max_dropped_in_a_row`` drops in a row, raise once (the count
-        starts again, so a caller who catches it and trains on is told again after as
-        many more): a worker whose every push is dropped does not spin silently.
-
-        Raises:
-            the newest drop's class (InvalidPayloadError for a diverged model,
-            StalePushError, PayloadTooLargeError, ...), naming the count, the limit,
-            the newest drop and the fix.
-        """
-        limit = self.config.max_dropped_in_a_row
-        if not limit or self._dropped_in_a_row < limit or self._last_drop is None:
-            return
-        error, what, fix = self._last_drop
-        count, self._dropped_in_a_row = self._dropped_in_a_row, 0
-        raise error(
-            f"worker {self.worker_id} ({self.worker_name or 'unnamed'}): the last {count} pseudo-gradients were all "
-            f"dropped, none applied (the limit is max_dropped_in_a_row={limit}); the newest: {what}; {fix}"
-        )
+        """``DropStreak.raise_at_limit`` for this worker."""
+        self.drops.raise_at_limit(f"worker {self.worker_id} ({self.worker_name or 'unnamed'})")
 
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server
@@ -560,22 +467,12 @@ class WorkerBase:
         """
         if self.follower:
             return  # rank 0's state reaches the followers when the group joins
-        what = f"the state of worker {state.get('worker_name')!r}"
         if self.worker_id:
-            raise ConfigError(f"load_state_dict after join: {what} must be loaded before the worker joins")
-        check_manifest(state, self.manifest, what)
-        if state.get("mode") != self.mode:
             raise ConfigError(
-                f"{what} was saved by a {state.get('mode')}-mode worker; this one runs mode {self.mode!r}: "
-                f"run it with --mode {state.get('mode')}, or give another --state-dir"
+                f"load_state_dict after join: the state of worker {state.get('worker_name')!r} must be loaded "
+                f"before the worker joins"
             )
-        name = str(state["worker_name"])
-        if self.config.worker_name and self.config.worker_name != name:
-            raise ConfigError(
-                f"{what} was saved under another name than worker_name={self.config.worker_name!r}; "
-                f"give worker_name={name!r} (or none)"
-            )
-        self.worker_name = name
+        self.worker_name = check_state(state, self.manifest, self.mode, self.config.worker_name)
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.restored_extra = dict(state.get("extra", {}))
 
@@ -596,16 +493,7 @@ class WorkerBase:
         if self.state_dir is None:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
-        summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
-        summary.update(saves=self._saves + 1, pid=os.getpid(), extra=state["extra"])
-        try:
-            self.state_dir.save(state, summary)
-        except OSError as exc:
-            log.warning(
-                "worker %s: state not saved in %s (%s); training on", self.worker_name, self.state_dir.path, exc
-            )
-            return
-        self._saves += 1
+        self._saves += self.state_dir.save_worker_state(state, self._saves + 1)
 
     def __enter__(self: _Worker) -> _Worker:
         self.join()

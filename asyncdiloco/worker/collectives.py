@@ -49,12 +49,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import time
 from typing import Any
 
 import torch
 
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.flat import synchronize
 
 #: Seconds between the host's checks of an NCCL allreduce in flight.
@@ -346,3 +348,93 @@ class QuorumCollectives:
             else:
                 self._device = dist.ProcessGroupGloo.create_default_device()
         return self._device
+
+
+class RoundFailed(Exception):
+    """A phase of this member's round failed; the message is the reason it votes failure with."""
+
+
+#: The largest finite float32, the sum's overflow threshold.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
+    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
+    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
+    finite, or the agreement would have skipped the round) and Σ w.
+
+    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
+    below float32's overflow threshold (half of it leaves room for the rounding of the
+    float32 products and sums), members whose contributions are what they announced cannot
+    make the sum overflow: a contribution did not match its announcement (a faulty or
+    altered member, memory corrupted between the agreement and the sum), and no honest
+    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
+    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
+    mismatch too: the weights are finite by construction.
+    """
+    largest = max(announced, default=0.0)
+    rank = announced.index(largest) if announced else 0
+    bound = total_weight * largest
+    if not math.isfinite(total_weight) or bound <= _FLOAT32_MAX / 2:
+        return (
+            f"the round's sum is not finite although every member announced a finite pseudo-gradient (Σw = "
+            f"{total_weight:.6g}, largest ‖Δ‖∞ announced {largest:.3g}, so the sum is at most {bound:.3g}, far from "
+            f"float32's overflow at {_FLOAT32_MAX:.3g}): a member's contribution did not match its announcement; "
+            f"every member skips the round and restarts from round {q.round}. Check that every member runs the same "
+            f"asyncdiloco version, and the members' memory and hardware"
+        )
+    who = f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {largest:.3g})" if announced else "unknown"
+    return (
+        f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
+        f"pseudo-gradient was {who}: lower that worker's inner learning rate"
+    )
+
+
+def largest_magnitude(x: torch.Tensor) -> float:
+    """max |x| of a 1-D float tensor; inf when it holds a NaN or ±inf (0 when empty)."""
+    if not x.numel():
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    return math.inf if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def agree(pg: QuorumProcessGroup, q: pb.QuorumReply, n: int, largest: float) -> list[float]:
+    """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one small
+    MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)); member r sets a_r, the
+    others 0. Every member then decides alike: a size mismatch (a gloo sum of unequal
+    buffers aborts the process) or a non-finite Δ anywhere fails the round on every member,
+    naming the member, and the sum is not run.
+
+    Args:
+        n: this member's allreduce buffer size, floats.
+        largest: this member's ‖Δ‖∞ (inf when not finite, never NaN: max with NaN depends
+            on the order).
+    Returns:
+        Every member's ‖Δ‖∞, by rank.
+    Raises:
+        RoundFailed: the sizes differ, or a member's Δ is not finite.
+        RuntimeError (from torch.distributed): a peer died or hung.
+    """
+    facts = torch.zeros(2 + q.world_size, dtype=torch.float64)
+    facts[0], facts[1] = n, -n
+    facts[2 + q.rank] = largest
+    pg.all_max(facts)
+    most, least = int(facts[0]), -int(facts[1])
+    if most != least:
+        raise RoundFailed(
+            f"the members' allreduce buffers differ in size ({least} to {most} floats; this member's "
+            f"is {n}): the sum is not run; every member must run the same asyncdiloco version on the same model"
+        )
+    by_rank = facts[2:].tolist()
+    bad = [int(q.members[r]) for r, a in enumerate(by_rank) if not math.isfinite(a)]
+    if bad:
+        who = (
+            f"worker {bad[0]} sent a non-finite pseudo-gradient"
+            if len(bad) == 1
+            else f"workers {bad} sent non-finite pseudo-gradients"
+        )
+        raise RoundFailed(
+            f"{who} (NaN/Inf): every member skips the round and restarts from round {q.round}; "
+            f"lower that worker's inner learning rate or clip its gradients"
+        )
+    return by_rank

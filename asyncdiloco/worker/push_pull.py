@@ -20,10 +20,7 @@ from asyncdiloco.errors import DROP_AND_REPULL, AsyncDiLoCoError, InvalidPayload
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
-
-#: The drop reason of a pseudo-gradient found not finite before it was sent (a diverged
-#: local model; ``WorkerStats.drops``).
-NON_FINITE = "non_finite"
+from asyncdiloco.worker.drops import NON_FINITE
 
 
 @dataclasses.dataclass

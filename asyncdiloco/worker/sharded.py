@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -42,6 +42,7 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.shards import ShardMap
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient, Pulled
+from asyncdiloco.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -296,3 +297,32 @@ class ShardedClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def connect(config: WorkerConfig, mode: str) -> ParameterServerClient:
+    """A worker's client: one server, or every shard of a sharded one (async mode).
+
+    Raises:
+        ConfigError: ``config.server`` lists several shards for a sync-mode worker.
+    """
+    addresses = shard_addresses(config.server)
+    if len(addresses) == 1:
+        return ParameterServerClient(
+            addresses[0],
+            rpc_timeout_s=config.rpc_timeout_s,
+            timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
+            bulk_channel=config.bulk_channel,
+        )
+    if mode != "async":
+        raise ConfigError(
+            f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
+            f"runs async mode only; give one server address for --mode {mode}"
+        )
+    sharded = ShardedClient(
+        addresses,
+        rpc_timeout_s=config.rpc_timeout_s,
+        timeout_s_per_mib=config.timeout_s_per_mib,
+        security=config.security,
+    )
+    return cast(ParameterServerClient, sharded)  # the async worker's subset of its calls

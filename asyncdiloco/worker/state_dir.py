@@ -188,6 +188,25 @@ class WorkerStateDir:
         if self.state is not None:
             check_manifest(self.state, manifest, f"the state in state_dir {str(self.path)!r}")
 
+    def save_worker_state(self, state: dict[str, Any], saves: int) -> bool:
+        """``save`` a worker's ``state_dict()`` with its summary (its plain values, the
+        ``saves`` count, the pid, ``extra``). A failed write after the first is logged and
+        training goes on (a restart then resumes from the previous save).
+
+        Returns:
+            Whether it was saved.
+        Raises:
+            ConfigError: this process's first save failed (the folder is not writable).
+        """
+        summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
+        summary.update(saves=saves, pid=os.getpid(), extra=state["extra"])
+        try:
+            self.save(state, summary)
+        except OSError as exc:
+            log.warning("worker %s: state not saved in %s (%s); training on", state["worker_name"], self.path, exc)
+            return False
+        return True
+
     def save(self, state: dict[str, Any], summary: dict[str, Any]) -> None:
         """Write ``state`` atomically as ``state.pt`` (then ``summary`` as ``state.json``).
 
@@ -309,3 +328,27 @@ def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None
         f"{what} belongs to a model of another layout ({diff}); start the worker with the model it was saved "
         f"with, or give another (or an empty) --state-dir for this one"
     )
+
+
+def check_state(state: dict[str, Any], manifest: Manifest, mode: str, worker_name: str) -> str:
+    """Whether a worker's ``state_dict()`` may be loaded into this worker: the same model
+    layout and mode, and the same name when ``worker_name`` is set.
+
+    Returns:
+        The saved worker name.
+    Raises:
+        ConfigError: it is of another model, mode or name, naming the fix.
+    """
+    what = f"the state of worker {state.get('worker_name')!r}"
+    check_manifest(state, manifest, what)
+    if state.get("mode") != mode:
+        raise ConfigError(
+            f"{what} was saved by a {state.get('mode')}-mode worker; this one runs mode {mode!r}: "
+            f"run it with --mode {state.get('mode')}, or give another --state-dir"
+        )
+    name = str(state["worker_name"])
+    if worker_name and worker_name != name:
+        raise ConfigError(
+            f"{what} was saved under another name than worker_name={worker_name!r}; give worker_name={name!r} (or none)"
+        )
+    return name
