@@ -11,6 +11,7 @@ a sync fails", "Restarting a worker") what each fault and a restart do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -52,6 +53,11 @@ from asyncdiloco.worker.push_pull import (
 from asyncdiloco.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
+
+
+def _saved_fields(pending: PendingPush) -> dict[str, Any]:
+    """A pending push's fields a restart needs, but its payload (``PendingPush(**saved)``)."""
+    return {k: v for k, v in dataclasses.asdict(pending).items() if k not in ("payload", "last")}
 
 
 class AsyncDiLoCoWorker(WorkerBase):
@@ -141,12 +147,11 @@ class AsyncDiLoCoWorker(WorkerBase):
             raise
 
     def _number_pushes(self, reply: pb.JoinReply) -> bool:
-        """Where this registration's push ids start (push_id 1 is the initial parameters'),
-        and whether it continues a restored state or the registration a rejoin left: only
-        when the server resumed this worker's id and holds no push past that counter. The
-        counter is then kept, so the push that may have been in flight (when the worker
-        died, or when its lease lapsed) is answered with its original outcome; otherwise
-        what the server had not acknowledged is dropped and ids go on after ``last_push_id``.
+        """Where this registration's push ids start (1 is the initial parameters'), and
+        whether it continues a restored state or a rejoined registration: only when the
+        server resumed this worker's id and holds no push past the saved counter (a push
+        then in flight is answered with its outcome); otherwise what the server had not
+        acknowledged is dropped and ids go on after ``last_push_id``.
 
         Returns:
             True when the join continues (``_continue_unsent``).
@@ -184,13 +189,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         """``close``: wait for and merge a sync in flight (overlap), push the steps since
         the last sync (if ``push_on_close``: an unacknowledged push first, then the
         residual), leave, release."""
-        rate = self.step_rate
-        self.stats.compute_s, self.stats.timed_steps, self.stats.steps_per_s = (
-            rate.compute_s,
-            rate.timed_steps,
-            rate.steps_per_s,
-        )
-        self.stats.local_steps_per_round = self.local_steps
+        rate, stats = self.step_rate, self.stats
+        stats.compute_s, stats.timed_steps, stats.steps_per_s = rate.compute_s, rate.timed_steps, rate.steps_per_s
+        stats.local_steps_per_round = self.local_steps
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
             try:
@@ -221,9 +222,7 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _final_push(self) -> None:
         """``_push_round`` at close, retried with backoff for up to ``join_timeout_s`` while
-        the server cannot answer (``errors.RETRY_LATER``; e.g. the call's deadline expired
-        during a wait on the server). A retry keeps the push id, so a push the server
-        applied meanwhile is answered as applied, never applied twice.
+        the server cannot answer (``errors.RETRY_LATER``), under the same push id.
 
         Raises:
             The last attempt's exception once the time is up; other refusals at once.
@@ -484,9 +483,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._pending = None
         self._carry_residual = self.codec.name != "raw"
         self.drops.applied()
-        self.stats.pushes_applied += 1
-        self.stats.held_s += reply.held_s
-        self.stats.staleness.append(reply.staleness)
+        self.stats.count_applied(reply.held_s, reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
@@ -502,13 +499,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._carry_residual = False
         self.flat.load(self._base)
         self._start_round()
-        stats = self.stats
         if reason == NON_FINITE:
-            stats.optimizer_states_cleared += reset_diverged_state(self.inner_optimizer, self.worker_id)
-        stats.pseudo_gradients_dropped += 1
-        stats.steps_dropped += steps
-        stats.tokens_dropped += tokens
-        stats.drops[reason] = stats.drops.get(reason, 0) + 1
+            self.stats.optimizer_states_cleared += reset_diverged_state(self.inner_optimizer, self.worker_id)
+        self.stats.count_drop(reason, steps, tokens)
         error = InvalidPayloadError if reason == NON_FINITE else error_for_reason(reason) or AsyncDiLoCoError
         self.drops.note(error, what, FIXES.get(reason, FIX_OTHERWISE))
         log.warning(
@@ -535,22 +528,15 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------- saved state
     def _save_before_sending(self) -> None:
-        """Write-ahead: a new push is in the state folder before any byte of it is sent,
-        with the model, counters and the caller's data position as they are when it was
-        packed. A process that dies at any point after this restarts with that push and
-        retries exactly its bytes under its id (the server answers it once: applied, or
-        with its first outcome). Were only the sync before saved, the restarted worker
-        would train the same steps again into another Δ under the same id, and the
-        server's "duplicate, applied" (the first Δ's outcome) would lose or double-count
-        steps."""
+        """Write-ahead: a new push is in the state folder before any byte of it is sent, so
+        a restart retries exactly its bytes under its id (docs/operations.md, "Restarting a
+        worker", says why)."""
         self._save_state()
         self._push_saved = self.state_dir is not None
 
     def _save_after_sync(self) -> None:
-        """The save after an adopted sync, skipped when that sync's push was saved before
-        it was sent (``_save_before_sending``): a restart from that save retries the push
-        (answered with its outcome) and pulls, which leads where this save would stand, so
-        one save per sync is enough."""
+        """The save after an adopted sync, skipped when its push was saved before it was
+        sent (a restart from that save leads to where this one would stand)."""
         if self._push_saved:
             self._push_saved = False
             return
@@ -590,22 +576,13 @@ class AsyncDiLoCoWorker(WorkerBase):
             tokens_since_sync=self._tokens_since_sync,
             pending=None
             if pending is None or payload is None
-            else {
-                "payload": payload.clone(),
-                "push_id": pending.push_id,
-                "base_version": pending.base_version,
-                "num_local_steps": pending.num_local_steps,
-                "num_tokens": pending.num_tokens,
-                "compute_s": pending.compute_s,
-            },
+            else {**_saved_fields(pending), "payload": payload.clone()},
         )
         return state
 
     def _encode_for_saving(self, pending: PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
-        """Overlap packs a push on the training thread and leaves Δ = θ_base − θ_local(t0)
-        to its background thread, not started yet when the push is saved: encode it here
-        the same way, and the push then carries these bytes (the background sends them
-        instead of encoding Δ again).
+        """Overlap leaves Δ = θ_base − θ_local(t0) to its background thread, not started yet
+        when the push is saved: encode it here, and the push then carries these bytes.
 
         Returns:
             The payload, uint8; None when Δ is not finite (the background thread drops it).
@@ -620,7 +597,7 @@ class AsyncDiLoCoWorker(WorkerBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` before the worker joins: the model holds the saved
         θ_local, and the first join continues the saved round if the server resumes
-        this worker's registration (see the module docstring).
+        this worker's registration (docs/operations.md, "Restarting a worker").
 
         Raises:
             ConfigError: as ``WorkerBase.load_state_dict``.

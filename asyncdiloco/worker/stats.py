@@ -81,6 +81,19 @@ class WorkerStats:
     def mean_staleness(self) -> float:
         return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
 
+    def count_applied(self, held_s: float, staleness: int) -> None:
+        """One push applied: its reply was held ``held_s`` seconds, its staleness τ."""
+        self.pushes_applied += 1
+        self.held_s += held_s
+        self.staleness.append(staleness)
+
+    def count_drop(self, reason: str, steps: int, tokens: int) -> None:
+        """One pseudo-gradient dropped for ``reason``, with its inner steps and tokens."""
+        self.pseudo_gradients_dropped += 1
+        self.steps_dropped += steps
+        self.tokens_dropped += tokens
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
 
 @dataclasses.dataclass
 class SyncWorkerStats:
