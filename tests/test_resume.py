@@ -28,6 +28,7 @@ from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.state_dir import STATE_FILE, WorkerStateDir
 from asyncdiloco.worker.state_file import read_state
+from asyncdiloco.worker.wire_buffers import WorkerWire
 from tests.helpers import FakeClock, assert_same, crash, fingerprint
 
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
@@ -472,13 +473,13 @@ def test_overlap_with_a_state_folder_encodes_each_push_once(start_server, tmp_pa
     srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off", wire_codec="bf16")
     folder = tmp_path / "w"
     encoded: list[int] = []
-    real_encode = AsyncDiLoCoWorker._encode_delta  # noqa: SLF001 - counts the encodings
+    real_encode = WorkerWire.encode  # counts the encodings
 
     def counting_encode(self, delta, out=None):
         encoded.append(1)
         return real_encode(self, delta, out)
 
-    monkeypatch.setattr(AsyncDiLoCoWorker, "_encode_delta", counting_encode)
+    monkeypatch.setattr(WorkerWire, "encode", counting_encode)
     worker, model, opt = _worker(srv, folder, name="w1", overlap=True)
     sent, saved = [], []
     real_push = worker.client.push

@@ -108,7 +108,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self._next_push_id = 1
         self._pending: PendingPush | None = None
-        self._link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
+        self._link = SyncLink(self.client, self.manifest, encode=self.wire.encode, decode=self.wire.decode)
         if config.overlap:
             self._overlap = BackgroundSync(self._link, snapshot=self.flat.host_buffer())
         #: The push counter of a restored state (or, during a rejoin, of this registration)
@@ -295,8 +295,8 @@ class AsyncDiLoCoWorker(WorkerBase):
             base=self._base,
             snapshot=snapshot,
             theta_g=self._scratch,
-            pull_buffer=self._wire_buffer("pull") if pull else None,
-            lossy=self.codec.name != "raw",
+            pull_buffer=self.wire.buffer("pull") if pull else None,
+            lossy=self.wire.codec.name != "raw",
             keep_unsent=self._carry_residual or (snapshot is None and self._steps_since_sync > 0),
             pull=pull,
         )
@@ -355,7 +355,7 @@ class AsyncDiLoCoWorker(WorkerBase):
                 self._extend_round_by_held_steps(out)
         self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
         self._carry_residual = False  # the correction kept it
-        self._set_codec(out.run_config)
+        self.wire.adopt(out.run_config)
         self.version = out.version
         if not background and self._steps_since_sync == 0:
             self._start_round()
@@ -457,7 +457,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         if encode:
             delta = torch.sub(self._base, local, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
             check_finite_delta(delta, self.worker_id, self._steps_since_sync)
-            payload = self._encode_delta(delta)
+            payload = self.wire.encode(delta)
         self._pending = PendingPush(
             payload=payload,
             push_id=self._next_push_id,
@@ -481,7 +481,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         """The server applied the pending push (``push_then_pull`` lowered θ_base by what it
         received unless the pull completed; a lossy codec's residual is then kept)."""
         self._pending = None
-        self._carry_residual = self.codec.name != "raw"
+        self._carry_residual = self.wire.codec.name != "raw"
         self.drops.applied()
         self.stats.count_applied(reply.held_s, reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
@@ -592,7 +592,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             check_finite_delta(delta, self.worker_id, pending.num_local_steps)
         except InvalidPayloadError:
             return None
-        return self._encode_delta(delta).clone()
+        return self.wire.encode(delta).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` before the worker joins: the model holds the saved

@@ -32,15 +32,15 @@ from asyncdiloco.errors import (
     WorkerSupersededError,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.drops import DropStreak
 from asyncdiloco.worker.flat import FlatParams
 from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
 from asyncdiloco.worker.sharded import connect
-from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_state, manifest_entries
+from asyncdiloco.worker.state_dir import STATE_FORMAT, check_state, manifest_entries, open_for_worker
 from asyncdiloco.worker.stats import WorkerCounters
+from asyncdiloco.worker.wire_buffers import WorkerWire
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,8 @@ _Worker = TypeVar("_Worker", bound="WorkerBase")
 
 
 class WorkerState(enum.Enum):
-    """Where a worker is in its life (``WorkerBase.state``)::
-
-    NEW -> JOINING -> TRAINING -> CLOSED
-                        |   ^
-                        v   |
-                      LOST -> REJOINING
-    """
+    """Where a worker is in its life (``WorkerBase.state``): NEW -> JOINING -> TRAINING ->
+    CLOSED, and TRAINING -> LOST -> REJOINING -> TRAINING when the server forgot it."""
 
     #: Built; joins at ``join()`` (``with``), or before its first inner step.
     NEW = "new"
@@ -65,21 +60,17 @@ class WorkerState(enum.Enum):
     #: The server forgot this worker (its lease lapsed, or the server restarted without it):
     #: the next sync point rejoins.
     LOST = "lost"
-    #: A rejoin began and was cut short (an outage): the next sync point goes on with it.
+    #: A rejoin runs; cut short by an outage, the next sync point goes on with it.
     REJOINING = "rejoining"
     #: ``close()`` ran.
     CLOSED = "closed"
 
 
 class WorkerBase:
-    """Base of the workers; see the subclasses for the algorithms.
-
-    Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
-    ``self.stats`` the ``WorkerCounters``, and implement ``_join_once`` (register,
-    initialize or load the global model), ``_sync_once`` and ``_close_worker``; with a
-    state folder they extend ``state_dict`` / ``load_state_dict`` and call
-    ``_restore_saved_state`` at the end of their ``__init__`` and ``_save_state`` after
-    every sync they adopt.
+    """Base of the workers. Subclasses set ``mode`` ("async" or "sync": the server mode
+    they need) and ``self.stats`` (``WorkerCounters``), implement ``_join_once``,
+    ``_sync_once`` and ``_close_worker``, extend ``state_dict`` / ``load_state_dict``, and
+    call ``_restore_saved_state`` at the end of their ``__init__``.
 
     Raises:
         ConfigError: ``config.state_dir`` is in use by another worker, holds the state
@@ -109,10 +100,8 @@ class WorkerBase:
         #: The model's parameters as one flat fp32 vector: every copy to and from it.
         self.flat = FlatParams(core)
         self._open_state_dir()
-        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
-        self.codec: WireCodec = make_codec("raw", self.manifest)
-        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
-        self._pull_wire: torch.Tensor | None = None
+        #: The server's wire codec for pushes and pulls, and their payload buffers.
+        self.wire = WorkerWire(self.manifest, self.flat)
         if not self.follower:  # a follower has no client: it never contacts the server
             self.client = connect(config, self.mode)
         self.state = WorkerState.NEW
@@ -121,8 +110,7 @@ class WorkerBase:
         self._install_hooks(core)
 
     def _unwrap(self, model: nn.Module) -> nn.Module:
-        """DDP's module (the same parameters, named without "module."); warns when a group's
-        model is not DDP."""
+        """DDP's module (the same parameters, named without "module."); warns for a group without DDP."""
         core = unwrap_model(model)
         if self.group is not None and core is model:
             log.warning(
@@ -134,19 +122,10 @@ class WorkerBase:
         return core
 
     def _open_state_dir(self) -> None:
-        """The state folder (None: ``config.state_dir`` unset, or a follower), locked while
-        the worker runs, and the name this worker joins under: ``config.worker_name``, else
-        the one saved there, else (with a folder) a new unique one saved there."""
+        """The state folder (``open_for_worker``; None for a follower) and the caller's part."""
         config = self.config
-        self.worker_name = config.worker_name
-        self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir and not self.follower else None
-        if self.state_dir is not None:
-            try:
-                self.state_dir.check_manifest(self.manifest)
-                self.worker_name = self.state_dir.resolve_name(config.worker_name)
-            except ConfigError:
-                self.state_dir.close()
-                raise
+        folder = None if self.follower else config.state_dir
+        self.state_dir, self.worker_name = open_for_worker(folder, config.worker_name, self.manifest)
         #: Called at every save: the caller's own state to keep with the worker's, a dict
         #: of ``torch.save``-able values (the CLI keeps its data position and LR schedule).
         self.extra_state: Callable[[], dict[str, Any]] | None = None
@@ -155,18 +134,13 @@ class WorkerBase:
         self._saves = 0
 
     def _registration_defaults(self) -> None:
-        """What the server tells at Join (replaced by ``_register``)."""
+        """What the server tells at Join (``_register``) and the heartbeat learns."""
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
         self._lease_s = 60.0
-        #: The server groups push replies (RunConfig.grouping): overlap trains on while a
-        #: reply is held, up to a round more, instead of blocking at the next sync point.
-        self._grouped = False
-        #: This registration must push the initial parameters (the server chose it, or the
-        #: chosen initializer vanished).
-        self._must_initialize = False
-        #: Set when the server said another process joined under this worker's name since:
-        #: the next sync point raises it (this process must stop; nothing is retried).
+        self._grouped = False  # the server groups push replies: overlap trains on while one is held
+        self._must_initialize = False  # this registration pushes the initial parameters
+        #: Another process joined under this worker's name: the next sync point raises it.
         self._superseded: WorkerSupersededError | None = None
         self._stop = threading.Event()  # close() began (wakes the heartbeat)
         self._stop_requested = False  # request_stop() was called on this rank
@@ -176,23 +150,20 @@ class WorkerBase:
         """The counters of the current round, the backoff, and the drops in a row."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        #: Overlap under a grouping server: the step count (since the last push) at which this
-        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
+        #: Overlap under grouping: the step count of this round's sync point (None: H_w).
         self._round_steps: int | None = None
         self._backoff_s = self.config.initial_backoff_s
         self._next_attempt = 0.0
         #: Pseudo-gradients dropped in a row, and the error raised at the limit.
         self.drops = DropStreak(self.config.max_dropped_in_a_row)
-        #: v_w, this worker's inner steps per second of compute (algo/rates.py), timed from
-        #: the first forward pass with gradients to the end of the inner optimizer's step.
-        #: Reported before the first push (``_report_rate``) and with every push.
+        #: v_w, inner steps per second of compute (algo/rates.py; ``_report_rate``).
         self.step_rate = InnerStepRate()
         self._rate_known = True  # until ``_register`` says whether the server wants it (DyLU)
         self._rate_reported_at = 0  # step_rate.timed_steps at the last report
 
     def _install_hooks(self, core: nn.Module) -> None:
-        """The pre-step hook that joins a worker nobody joined, and the forward pre-hook that
-        starts timing an inner step (rank 0 or alone); the post-step hook comes with ``join``."""
+        """The pre-step hook that joins a worker nobody joined and the forward pre-hook that times
+        a step (rank 0 or alone); the post-step hook comes with ``join``."""
         self._step_hook: RemovableHandle | None = None
         self._forward_hook: RemovableHandle | None = (
             None if self.follower else core.register_forward_pre_hook(self._step_begins)
@@ -203,9 +174,9 @@ class WorkerBase:
 
     # ------------------------------------------------------------ lifecycle
     def join(self) -> None:
-        """Register with the server, then initialize the global model (first worker of
-        a fresh server) or load it into ``model``. Retries until ``join_timeout_s``
-        (plus one lease while waiting for another worker's initial parameters).
+        """Register, then initialize the global model (first worker of a fresh server) or
+        load it into ``model``; retries until ``join_timeout_s`` (plus one lease while
+        waiting for another worker's initial parameters).
 
         Raises:
             ServerUnavailableError: no server, or no initial parameters, in time.
@@ -264,8 +235,8 @@ class WorkerBase:
                     delay = min(2 * delay, self.config.max_backoff_s)
 
     def _join_before_first_step(self, *_: object) -> None:
-        """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
-        the step about to run trains the global model and counts towards the first sync."""
+        """Pre-step hook: a worker nobody joined joins now, so the step about to run trains the
+        global model and counts towards the first sync."""
         if self._step_hook is None and not self._stop.is_set():
             self.join()
 
@@ -280,15 +251,13 @@ class WorkerBase:
         raise NotImplementedError
 
     def sync(self) -> bool:
-        """Sync with the server now (normally called by the inner optimizer hook every H
-        steps): ``_sync_once``, or a rejoin after the server forgot this worker. In a
-        group every rank calls it (rank 0 syncs, the others take its outcome).
+        """Sync with the server now (the step hook calls it every H steps): ``_sync_once``,
+        or a rejoin after the server forgot this worker. In a group every rank calls it.
 
         Returns:
-            True when the model now holds a new global model; False when the sync did
-            not complete (see the subclass), runs on in the background (overlap), or
-            the server was unreachable: training goes on locally and a later sync point
-            retries, with exponential backoff.
+            True when the model now holds a new global model; False when the sync did not
+            complete, runs on in the background (overlap), or the server was unreachable
+            (training goes on; a later sync point retries, with exponential backoff).
         """
         if self.group is None:
             return self._sync_point()
@@ -312,14 +281,10 @@ class WorkerBase:
             self._count_sync_time(time.monotonic() - started)
 
     def _guarded(self, step: Callable[[], bool | None]) -> bool:
-        """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
-        policy: an unreachable server (or any refusal in ``errors.RETRY_LATER``) backs
-        off, a forgotten worker rejoins next time; the rest is raised (the subclasses
-        drop a refused pseudo-gradient themselves, so what reaches here is for the user).
-
-        ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
-        now runs in the background: its outcome resets or grows the backoff later).
-        """
+        """Run ``step`` (a sync, a rejoin, or a merge) with the fault policy: an unreachable
+        server (``errors.RETRY_LATER``) backs off, a forgotten worker rejoins next time, the
+        rest is raised. ``step`` returns True/False (done or not: the backoff is reset) or
+        None (a sync runs in the background: its merge decides)."""
         try:
             done = step()
         except RETRY_LATER as exc:
@@ -349,9 +314,8 @@ class WorkerBase:
         raise NotImplementedError
 
     def _rejoin(self) -> bool:
-        """Register again (the lease lapsed, or the server restarted without this worker)
-        and load the global model; what the server had not received is the subclass's
-        (``_before_rejoin``). A rejoin cut short by an outage resumes where it stopped."""
+        """Register again (the lease lapsed, or the server restarted without this worker) and
+        load the global model; a rejoin cut short by an outage resumes where it stopped."""
         if self.state is WorkerState.LOST:
             self.worker_id = 0
             self._before_rejoin()
@@ -362,12 +326,8 @@ class WorkerBase:
         return True
 
     def _before_rejoin(self) -> None:
-        """What a rejoin does with what the old registration had not sent: dropped by
-        default (``_forget_unsent``); the async worker keeps it for a resumed registration."""
-        self._forget_unsent()
-
-    def _forget_unsent(self) -> None:
-        """Drop what was meant for the old registration (subclasses that keep some)."""
+        """What a rejoin does with what the old registration had not sent (nothing here;
+        the async worker keeps it for a resumed registration)."""
 
     def _raise_if_dropping_every_push(self) -> None:
         """``DropStreak.raise_at_limit`` for this worker."""
@@ -380,10 +340,14 @@ class WorkerBase:
         reply = self.client.join(self.manifest, self.worker_name, steps_per_s=self.step_rate.steps_per_s, ranks=ranks)
         if reply.run_config.mode != self.mode:
             self.client.leave(reply.worker_id)
-            raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
+            server_mode = reply.run_config.mode
+            raise ModeMismatchError(
+                f"mode mismatch: the server at {self.config.server} runs --mode {server_mode} but this worker runs "
+                f"--mode {self.mode}; start the worker with --mode {server_mode}, or the server with --mode {self.mode}"
+            )
         self.worker_id = reply.worker_id
         self._must_initialize = reply.initialize
-        self._set_codec(reply.run_config)
+        self.wire.adopt(reply.run_config)
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
         self._grouped = reply.run_config.grouping not in ("", "off")
@@ -398,22 +362,12 @@ class WorkerBase:
         return reply
 
     def _wants_rate(self, run_config: pb.RunConfig) -> bool:
-        """Whether the server sizes H_w by this worker's rate, so it must time its first
-        inner steps and report them (``_report_rate``): async DyLU (``RunConfig.dylu``);
-        the sync worker overrides it."""
+        """Whether the server sizes H_w by this worker's rate (``_report_rate``): async DyLU."""
         return run_config.dylu
 
-    def _mode_mismatch_message(self, server_mode: str) -> str:
-        """Refusal of a server of the other mode, in the command line's words (both the
-        worker and the server take ``--mode``)."""
-        return (
-            f"mode mismatch: the server at {self.config.server} runs --mode {server_mode} but this worker runs "
-            f"--mode {self.mode}; start the worker with --mode {server_mode}, or the server with --mode {self.mode}"
-        )
-
     def _take_over_initialization_if_told(self) -> None:
-        """While the global model is missing: ask whether the chosen initializer is gone
-        and this worker must push its parameters instead (the next attempt does)."""
+        """While the global model is missing: whether this worker must push its parameters
+        instead of a vanished initializer (the next attempt does)."""
         if self.client.heartbeat(self.worker_id).initialize:
             self._must_initialize = True
             log.info("worker %d takes over initializing the global model", self.worker_id)
@@ -434,14 +388,10 @@ class WorkerBase:
 
     # ---------------------------------------------------------- saved state
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What every worker saves (the subclasses add their own part).
+        """What every worker saves (the subclasses add their own part): ``format``, ``mode``,
+        ``worker_name``, ``worker_id`` (informational), ``manifest`` ([[name, shape, dtype]]),
+        ``inner_optimizer`` (its ``state_dict()``) and ``extra`` (the caller's, ``torch.save``-able).
 
-        Args:
-            extra: the caller's own state, ``torch.save``-able (default: none).
-        Returns:
-            ``format``, ``mode``, ``worker_name``, ``worker_id`` (informational: the
-            server gives the id back by name), ``manifest`` ([[name, shape, dtype]]),
-            ``inner_optimizer`` (its ``state_dict()``) and ``extra``.
         Raises:
             ConfigError: called on a follower (rank > 0) of a group: the group's state is rank 0's.
         """
@@ -462,8 +412,7 @@ class WorkerBase:
         optimizer's state and ``extra`` (then ``restored_extra``).
 
         Raises:
-            ConfigError: the worker joined already, or the state is of another model,
-                mode or name (``config.worker_name`` set and different).
+            ConfigError: the worker joined already, or the state is of another model, mode or name.
         """
         if self.follower:
             return  # rank 0's state reaches the followers when the group joins
@@ -483,13 +432,8 @@ class WorkerBase:
             log.info("worker %s: state restored from %s", self.worker_name, self.state_dir.path)
 
     def _save_state(self) -> None:
-        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder:
-        at the sync points the subclass chooses, on the training thread. A later failed write
-        is logged and training goes on (a restart then resumes from the previous save).
-
-        Raises:
-            ConfigError: this process's first save failed (the folder is not writable).
-        """
+        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder
+        (``WorkerStateDir.save_worker_state``), on the training thread."""
         if self.state_dir is None:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
@@ -506,8 +450,7 @@ class WorkerBase:
 
     def close(self) -> None:
         """Close: the subclass's ``_close_worker`` (final push, Leave). In a group it is
-        collective when training ended in order (group.py): rank 0 closes, then every
-        rank takes its parameters, so the ranks stay identical; followers leave nothing."""
+        collective when training ended in order: rank 0 closes, every rank takes its parameters."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -532,8 +475,8 @@ class WorkerBase:
 
     # ---------------------------------------------------------------- steps
     def add_tokens(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` more training tokens toward the next sync (in a group:
-        this rank's; the followers' reach rank 0 with their next inner step)."""
+        """Count ``num_tokens`` more training tokens toward the next sync (a follower's reach
+        rank 0 with its next inner step)."""
         self._tokens_since_sync += num_tokens
         self.stats.tokens += num_tokens
 
@@ -560,17 +503,14 @@ class WorkerBase:
             if self.group is not None:
                 self._lead_step(self.group)
             else:
-                if not self._rate_known:
-                    self._report_rate()
-                self._step_events()
+                self._due_step()
         finally:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
 
     def _lead_step(self, group: LocalGroup) -> None:
-        """Rank 0's step exchange: the followers' tokens arrive before the sync point, so
-        the push carries them; then a due step runs and every rank takes its outcome. Until
-        the first push (DyLU) every step is due: its rate report is a heartbeat the
-        followers wait for through rank 0's keep-alives too."""
+        """Rank 0's step exchange: the followers' tokens arrive before the sync point (the
+        push carries them), then a due step runs and every rank takes its outcome (before
+        the first push under DyLU every step is due: its rate report waits on the server)."""
         due = self._events_due() or not self._rate_known
         totals = group.step_exchange(tokens=0, stop=self._stop_requested, due=due)
         self._tokens_since_sync += totals.tokens
@@ -579,6 +519,7 @@ class WorkerBase:
             group.shared(self.flat, self._due_step)
 
     def _due_step(self) -> None:
+        """Rank 0 or alone: the rate report before the first push, then the step's events."""
         if not self._rate_known:
             self._report_rate()
         self._step_events()
@@ -590,10 +531,9 @@ class WorkerBase:
         self.stats.blocked_s += self.group.follow_step(self.flat, tokens, self._stop_requested)
 
     def request_stop(self) -> None:
-        """Ask to stop training after the current inner step: ``should_stop`` turns True
-        at once for a worker alone, and on every rank of a group after the next inner
-        step (the request rides on that step's exchange), so that every rank's loop
-        ends after the same step and none is left alone in a collective."""
+        """Ask to stop training after the current inner step: ``should_stop`` turns True at
+        once alone, and on every rank of a group after the next inner step's exchange, so
+        every rank's loop ends after the same step."""
         self._stop_requested = True
 
     @property
@@ -614,25 +554,20 @@ class WorkerBase:
         if self._sync_due():
             self._sync_point()
 
-    #: Before the first push, the rate is reported every this many timed inner steps (the
-    #: first step is not timed: it carries one-off costs; of 3 the longest is left out,
-    #: so the first report is not a warm-up's).
+    #: Before the first push, the rate is reported every this many timed inner steps (of 3
+    #: the longest is left out, so the first report is not a warm-up's).
     RATE_PROBE_STEPS = 3
 
     def _round_compute_s(self, steps: int) -> float:
-        """A push's ``compute_s`` for ``steps`` inner steps: the seconds they take at v_w
-        (``step_rate``), so the rate the server derives, steps / compute_s, is this
-        worker's estimate (mean step without the longest, warm-up left out); 0.0 while no step was timed
-        (the server then falls back to the interval between pushes)."""
+        """A push's ``compute_s`` for ``steps`` inner steps at v_w (``step_rate``); 0.0
+        while no step was timed (the server then uses the interval between pushes)."""
         return self.step_rate.seconds_for(steps)
 
     def _report_rate(self) -> None:
-        """Before the first push of a registration: report v_w (``step_rate``, steps per
-        second of compute on this worker's clock) with a heartbeat every
-        ``RATE_PROBE_STEPS`` timed steps, taking H_w from its reply (DyLU, Liu et al.
-        2024, Eq. 6), so the first round is already balanced across workers of different
-        speeds; workers that join later change everybody's H_w. From the first push on,
-        each push carries the rate (``_round_compute_s``)."""
+        """Before the first push of a registration: report v_w (``step_rate``) with a
+        heartbeat every ``RATE_PROBE_STEPS`` timed steps and take H_w from its reply (DyLU,
+        Liu et al. 2024, Eq. 6), so the first round is already balanced; from the first
+        push on, each push carries the rate (``_round_compute_s``)."""
         timed = self.step_rate.timed_steps
         rate = self.step_rate.steps_per_s
         if not self.worker_id or rate <= 0 or timed - self._rate_reported_at < self.RATE_PROBE_STEPS:
@@ -648,55 +583,6 @@ class WorkerBase:
                 "worker %d: %.2f inner steps/s; H_w %d -> %d", self.worker_id, rate, self.local_steps, reply.local_steps
             )
             self.local_steps = reply.local_steps
-
-    # ---------------------------------------------------------- wire codec
-    def _set_codec(self, run_config: pb.RunConfig) -> None:
-        """Adopt the wire codec ``run_config`` dictates; the wire buffers follow its size."""
-        codec = codec_for(run_config, self.manifest)
-        if (codec.name, codec.wire_bytes) != (self.codec.name, self.codec.wire_bytes):
-            log.info(
-                "wire codec %s: %d bytes per push/pull (raw: %d)",
-                codec.describe(),
-                codec.wire_bytes,
-                self.manifest.total_bytes,
-            )
-            self.codec = codec
-            self._push_wire = self._pull_wire = None
-
-    def _wire_buffer(self, which: str) -> torch.Tensor:
-        """The reusable ``"push"`` or ``"pull"`` payload buffer: uint8 (codec.wire_bytes,),
-        pinned when the model is on CUDA."""
-        name = f"_{which}_wire"
-        buf = getattr(self, name)
-        if buf is None:
-            buf = self.flat.host_buffer(self.codec.wire_bytes, dtype=torch.uint8)
-            setattr(self, name, buf)
-        return buf
-
-    def _encode_delta(self, delta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Encode a pseudo-gradient for a push with the server's wire codec.
-
-        Args:
-            delta: Δ = θ_base − θ_local, float32 (N,) CPU.
-            out: uint8 (codec.wire_bytes,) to write; default the worker's push buffer
-                (which the next call overwrites).
-        Returns:
-            The payload (``out``).
-        Raises:
-            InvalidPayloadError: Δ holds non-finite values (or ones the codec cannot represent).
-        """
-        return self.codec.encode(delta, self._wire_buffer("push") if out is None else out)
-
-    def _decode_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Decode a push payload (exactly what the server received) or a pulled one.
-
-        Args:
-            payload: uint8 (codec.wire_bytes,) CPU.
-            out: float32 (N,) CPU to write.
-        Returns:
-            ``out``.
-        """
-        return self.codec.decode(payload, out)
 
     # ------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:

@@ -46,9 +46,9 @@ class SyncLink:
     #: The worker's client (gRPC channels are thread-safe).
     client: ParameterServerClient
     manifest: Manifest
-    #: Δ fp32 (N,) -> payload (``WorkerBase.encode_delta``).
+    #: Δ fp32 (N,) -> payload (``WorkerWire.encode``).
     encode: Callable[[torch.Tensor], torch.Tensor]
-    #: (payload, out fp32 (N,)) -> out (``WorkerBase.decode_payload``).
+    #: (payload, out fp32 (N,)) -> out (``WorkerWire.decode``).
     decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -352,3 +352,24 @@ def check_state(state: dict[str, Any], manifest: Manifest, mode: str, worker_nam
             f"{what} was saved under another name than worker_name={worker_name!r}; give worker_name={name!r} (or none)"
         )
     return name
+
+
+def open_for_worker(
+    folder: str | os.PathLike[str] | None, worker_name: str, manifest: Manifest
+) -> tuple[WorkerStateDir | None, str]:
+    """A worker's state folder, locked while it runs (None: no ``folder``), and the name the
+    worker joins under: ``worker_name``, else the one saved there, else (with a folder) a
+    new unique one saved there.
+
+    Raises:
+        ConfigError: the folder is in use, or holds the state of another model.
+    """
+    if not folder:
+        return None, worker_name
+    state_dir = WorkerStateDir(folder)
+    try:
+        state_dir.check_manifest(manifest)
+        return state_dir, state_dir.resolve_name(worker_name)
+    except ConfigError:
+        state_dir.close()
+        raise
