@@ -4,8 +4,8 @@ Every H inner steps it pushes the pseudo-gradient Δ = θ_base − θ_local agai
 θ_base was pulled at, then pulls the new global model (DiLoCo, Douillard et al. 2023, arXiv
 2311.08105, Alg. 1; asynchronous as in Liu et al. 2024, arXiv 2401.09135, Sec. 3). The push
 and pull are push_pull.py's ``push_then_pull``, run inline or, with ``WorkerConfig.overlap``,
-on a background thread; ``_merge`` adopts the outcome either way. docs/algorithms.md ("The
-worker's sync") has the rules (error feedback, the overlap merge), docs/operations.md ("When
+on a background thread; ``_merge`` adopts the outcome either way. docs/worker.md ("The sync
+path") has the rules (faults, error feedback, the overlap merge), docs/operations.md ("When
 a sync fails", "Restarting a worker") what each fault and a restart do.
 """
 
@@ -172,9 +172,8 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _continue_unsent(self) -> None:
         """The first sync of a restored worker, or of a rejoin, that the server resumed:
-        retry the unacknowledged push with its push id (a refused one is dropped with the
-        steps after it, as at any sync point), then pull keeping θ_base − θ_local, what
-        the server has not received, and count on from the steps since the last push."""
+        retry the unacknowledged push with its push id, then pull keeping θ_base − θ_local
+        (what the server has not received) and count on from the saved steps."""
         self._carry_residual = True  # a drop clears it
         self._merge(push_then_pull(self._link, self._request()))
         self._resuming = False
@@ -250,13 +249,11 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------------- sync
     def _sync_once(self) -> bool | None:
-        """Push the pseudo-gradient, then pull the global model (the model holds it after).
-        With overlap: merge the sync in flight (waiting for it), then start the next one
-        in the background and return None.
+        """Push the pseudo-gradient, then pull the global model, inline; with overlap, merge
+        the sync in flight (waiting for it), start the next one in the background, return None.
 
         Raises:
-            the newest drop's class (InvalidPayloadError, StalePushError, ...): the last
-            ``config.max_dropped_in_a_row`` pseudo-gradients were all dropped.
+            the newest drop's class after ``config.max_dropped_in_a_row`` drops in a row;
             PayloadCorruptedError: every resend of a push or pull arrived corrupted.
         """
         if self._overlap is not None:
@@ -327,16 +324,13 @@ class AsyncDiLoCoWorker(WorkerBase):
         return merged
 
     def _merge(self, out: SyncOutcome, *, background: bool = False) -> bool:
-        """Training thread: adopt a finished ``push_then_pull`` (docs/algorithms.md, "The
-        worker's sync"): record the push's outcome, then load the new global model keeping
+        """Training thread: adopt a finished ``push_then_pull`` (docs/worker.md, "The sync
+        path"): record the push's outcome, then load the new global model keeping
         what the server has not received, θ_local ← θ_local(now) + c (or θ_g' itself).
+        Returns whether the model now holds it (False: a push only).
 
-        Returns:
-            True when the model now holds the new global model (False: a push only).
         Raises:
-            whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
-            NotInitializedError, PayloadCorruptedError, ...), after recording what the
-            server acknowledged before it.
+            whatever ended the sync early, after recording what the server acknowledged.
         """
         self.stats.corrupted_transfers = self.client.corrupted_transfers
         dropped = self._record_push_outcome(out)
@@ -366,14 +360,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         return True
 
     def _record_push_outcome(self, out: SyncOutcome) -> bool:
-        """What the server did with the push a sync carried: acknowledged, dropped
-        (refused, answered as never applied, or not finite: ``_drop_unsent``), or not known
-        yet (kept for a retry; after UnknownWorkerError for the rejoin, which retries it if
-        the server resumes this worker).
-
-        Returns:
-            True when it was dropped: the merge restarts from θ_g'.
-        """
+        """What the server did with the push a sync carried: acknowledged, dropped (refused,
+        never applied, or not finite: ``_drop_unsent``; returns True: the merge restarts from
+        θ_g'), or not known yet (kept for a retry, or for the rejoin to retry)."""
         pending = out.pending
         if pending is None:
             return False
@@ -396,8 +385,7 @@ class AsyncDiLoCoWorker(WorkerBase):
     def _extend_round_by_held_steps(self, out: SyncOutcome) -> None:
         """The reply was held while the push's group formed and this worker trained on: the
         steps of that wait come on top of H_w, so its next push lands with the group's next
-        one (counted from the snapshot, every round would end earlier by the wait and the
-        workers would drift out of their groups)."""
+        one (else the workers would drift out of their groups)."""
         held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
         pending = out.pending
         if held_s > 0 and pending is not None and pending.compute_s > 0:
@@ -445,13 +433,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._save_before_sending()
 
     def _new_pending(self, local: torch.Tensor, *, encode: bool = True, last: bool = False) -> PendingPush:
-        """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
-        pending push carrying the steps and tokens since the last one (with ``encode``
-        False, Δ and its payload are left to overlap's background thread).
-
-        Returns:
-            The new pending push (also ``self._pending``).
-        """
+        """θ_local into ``local`` (N,) fp32 CPU and a new pending push (``self._pending``)
+        with the steps and tokens since the last one, and (``encode``) Δ = θ_base − θ_local
+        encoded; without, Δ is left to overlap's background thread."""
         self.flat.copy_into(local)  # θ_local, (N,) fp32
         payload = None
         if encode:

@@ -217,8 +217,7 @@ class WorkerBase:
                 self._join_once()
                 break
             except RETRY_LATER as exc:
-                # The initial parameters are a push away: poll for them quickly. Waiting for
-                # them may take a lease longer (until a dead initializer's lease lapses).
+                # the initial parameters are a push away (or a lease, if their pusher died): poll quickly
                 waiting = isinstance(exc, NotInitializedError)
                 wait_s = 0.1 if waiting else delay
                 limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
@@ -482,8 +481,7 @@ class WorkerBase:
 
     @torch.compiler.disable  # a compiled model runs it as it is (no graph break warning)
     def _step_begins(self, *_: object) -> None:
-        """Forward pre-hook on the model: a forward pass with gradients enabled starts an
-        inner step's compute (a ``torch.no_grad()`` evaluation does not)."""
+        """Forward pre-hook: a forward pass with gradients starts an inner step's compute."""
         if torch.is_grad_enabled():
             self.step_rate.begin()
 
@@ -538,8 +536,7 @@ class WorkerBase:
 
     @property
     def should_stop(self) -> bool:
-        """``request_stop`` was called (alone), or some rank's request reached every rank
-        with an inner step's exchange (group): end the training loop now."""
+        """``request_stop`` was called (alone), or some rank's request reached every rank: end the loop now."""
         return self._stop_requested if self.group is None else self.group.stopping
 
     def _sync_due(self) -> bool:

@@ -102,7 +102,7 @@ class ParameterServerClient:
         chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
         security: token and TLS settings; None = plaintext, no token.
         bulk_channel: use the server's bulk data channel for push/pull when it offers one.
-        corrupted_resends: times a corrupted push or pull is sent again (module docstring).
+        corrupted_resends: times a corrupted push or pull is sent again (resend.py).
         resend_backoff_s: seconds before the first such resend; doubles with each.
         one_message_pushes: send a push whose payload fits in one chunk as one PushOne
             message (False: always a Push stream; the perf suite compares the two).
@@ -367,17 +367,13 @@ class ParameterServerClient:
         last: bool = False,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> pb.PushReply:
-        """Send one payload (pseudo-gradient or initial parameters): over the bulk channel
-        when there is one, else one PushOne message when it fits one chunk, else a Push stream.
+        """Send one payload (``_send_push`` picks the transport), again while it arrives corrupted.
 
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
-            metadata: extra gRPC metadata pairs (a sharded server's order, ps/shard_order.py);
-                such a push goes over gRPC, never the bulk channel. The reply's trailing
-                metadata is then in ``last_push_trailer``.
+            metadata: extra gRPC metadata (a sharded server's order; reply's in ``last_push_trailer``).
         Raises:
-            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
-            WorkerSupersededError (another process joined under this worker's name),
+            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError, WorkerSupersededError,
             ServerUnavailableError (outcome unknown: retry with the same push_id).
         """
         header = pb.PushHeader(
@@ -405,9 +401,7 @@ class ParameterServerClient:
                 if rechunked or not self._adopt_server_chunking():
                     raise
                 rechunked = True  # the refusal applied nothing: the same push id, cut anew
-                log.info(
-                    "the server cuts payloads in chunks of %d bytes now; resending push %d", self.chunk_bytes, push_id
-                )
+                log.info("the server's chunks are %d bytes now; resending push %d", self.chunk_bytes, push_id)
 
     def _send_push(
         self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True

@@ -1,47 +1,8 @@
-"""One torch.distributed process group per quorum membership, for sync mode's allreduce.
-
-Each quorum rendezvouses over its own store (``QuorumGroup.store``: for sync workers the
-server's, over the authenticated gRPC channel, rendezvous.py), under the prefix
-``q<quorum_id>``, and builds a new group with ``torch.distributed``'s backend classes
-directly, never touching the default process group, so successive quorums of different
-members (3, 3, then 2) never interfere. The store is kept until the next quorum's group
-is opened or ``end_round`` closes it (a C++ group must not outlive its Python store). A
-member that dies fails the collective on the others at once
-("Connection closed by peer"); one that hangs fails it after exactly ``timeout_s``,
-which also bounds the rendezvous.
-
-Backend: gloo for CPU tensors, on the address ``collective_host`` (127.0.0.1 when the
-server is reached on loopback, else torch's default: ``GLOO_SOCKET_IFNAME`` or the host
-name). NCCL when the model is on CUDA (``device``): the pinned host buffer is copied
-into one device buffer on the model's device (allocated once, reused by every quorum of
-that size), summed there, and copied back into the host buffer once the sum is done.
-Every CUDA call runs under ``torch.cuda.device(device)``, so a worker on cuda:1 never
-touches cuda:0. A wait past ``timeout_s`` aborts that quorum's NCCL communicator and
-raises, as gloo does; and the group is built with torch's NCCL error handling set to
-"abort the communicator only" (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the caller
-set it), because torch's default tears down the whole process when a peer dies, which
-would turn one lost member into a lost quorum. NCCL refuses two ranks on one GPU
-("Duplicate GPU detected"): each member of a quorum needs its own device. The NCCL
-branch has not run on a GPU (the project's machines have none); the test suite runs its
-host-side logic (buffer reuse, the copies, the deadline) with a stand-in group on the CPU.
-
-``start_allreduce_sum`` launches the collective and returns it in flight; the sum is in
-the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both. ``open``
-builds a quorum's group once for several collectives: the sync worker first agrees with
-the others on a few numbers (``QuorumProcessGroup.all_max``: the buffer sizes and each
-member's ‖Δ‖∞, docs/protocol.md "The sync round"), then sums the buffer in the same group.
-
-Reuse: a quorum whose members (``QuorumGroup.members``, worker ids in rank order) equal
-those of the quorum before it, when that quorum's round committed (``keep``), reuses its
-group instead of building one: no rendezvous, no new connections (building a gloo group
-of 4 over the server's store is most of a round's collective time,
-docs/performance.md "Sync mode end to end"). Every member learns the same decision from
-the server, so every member reuses or rebuilds alike; after an abort (``drop``), or
-with other members, every member builds a fresh group. A member that alone saw a round
-differently (a vote the server refused after a restart) makes at most one round fail on
-a rendezvous or collective timeout, and that failure drops the group everywhere. This is
-the protocol's rule for every member, not an optimisation of this one: docs/protocol.md
-states it ("Group reuse, the one rule") for members written from the document.
+"""One torch.distributed process group per quorum membership, for sync mode's allreduce:
+built over the quorum's rendezvous store (rendezvous.py), gloo on the CPU or NCCL on CUDA,
+reused by the next quorum of the same members after a commit, and the agreement and sum
+checks before the sum (docs/worker.md, "The quorum's collectives"; docs/protocol.md, "The
+sync round").
 """
 
 from __future__ import annotations
@@ -78,7 +39,7 @@ class QuorumGroup:
     #: ``ServerStore`` for sync workers; any store, e.g. a ``TCPStore``, in benchmarks).
     store: Any
     #: The members' worker ids in rank order (``QuorumReply.members``); empty: never
-    #: reuse a group for this quorum (module docstring, "Reuse").
+    #: reuse a group for this quorum (docs/worker.md, "The quorum's collectives").
     members: tuple[int, ...] = ()
 
 
@@ -150,7 +111,7 @@ class QuorumProcessGroup:
 
     def __init__(self, collectives: QuorumCollectives, process_group: Any, timeout_s: float, store: Any = None) -> None:
         self._collectives, self._pg, self._timeout_s = collectives, process_group, timeout_s
-        self._store = store  # outlives the group (module docstring)
+        self._store = store  # outlives the group (docs/worker.md)
 
     def all_max(self, values: torch.Tensor) -> None:
         """Element-wise max of ``values`` over the members, in place (blocking; a no-op
@@ -199,7 +160,7 @@ class QuorumCollectives:
 
     Args:
         server_host: host of the server address (to pick loopback for gloo).
-        collective_host: address gloo binds and advertises; None: see the module docstring.
+        collective_host: address gloo binds and advertises; None: 127.0.0.1 for a loopback server, else torch's default.
         device: where the model lives (``FlatParams.device``): a CUDA device sums over
             NCCL on that device, the CPU over gloo.
     """

@@ -3,8 +3,8 @@ one background thread with ``WorkerConfig.overlap`` (``BackgroundSync``); the tr
 adopts its outcome with ``AsyncDiLoCoWorker._merge`` either way.
 
 It touches only the client and CPU buffers, never the model or the inner optimizer.
-docs/algorithms.md ("Overlapping communication") has the merge rule and its sources,
-docs/operations.md ("Faults") what each outcome does.
+docs/worker.md ("The sync path") has the merge rule and its sources, docs/operations.md
+("When a sync fails") what each outcome does.
 """
 
 from __future__ import annotations

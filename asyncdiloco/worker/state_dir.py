@@ -1,37 +1,6 @@
 """A worker's own state on disk (``WorkerConfig.state_dir``), so that a restarted worker
-continues where it stopped: under its name, with its inner optimizer, θ_base and what it
-had not sent yet, its push counter and whatever its caller keeps there (``extra``).
-
-The folder holds:
-
-* ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
-  with ``torch.save`` behind a header with its CRC-32 (state_file.py, verified at load)
-  at its sync points (an async worker: before each push is sent, and after a sync
-  without one; a sync member: after each round): written to ``state.pt.tmp``,
-  fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
-  sees the previous save or the new one, never a torn file. Read back with
-  ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, no
-  pickled code.
-* ``state.json``: a summary of the newest save for people and scripts (name, worker id,
-  syncs saved, version, next push id, wall-clock time, the caller's ``extra`` where it is
-  plain JSON); written after ``state.pt``. The worker reads back only its name, and only
-  when ``state.pt`` is unusable (below).
-* ``state.pt.corrupt-<UTC time>``: a ``state.pt`` that failed its checksum, could not be
-  parsed, or held non-finite values in θ_base, θ_local or the inner optimizer's state (a
-  worker that had diverged). It is set aside at open, with one warning naming it and what
-  was wrong, and the worker starts afresh under its name (from ``state.json``, else from
-  the still-readable part of the file): the server gives it its id back and it trains on
-  from the global model with a fresh inner optimizer, its data position and anything it
-  had not sent lost. Loading such a file would train on garbage, or make every restart
-  diverge again.
-* ``LOCK``: held (``flock``) while a worker uses the folder, so two processes never share
-  one state, and with it one name. The kernel releases it when the process dies.
-
-Why one ``torch.save`` file and not safetensors plus JSON: the inner optimizer's and an
-LR scheduler's state are nested structures of tensors, numbers and lists; safetensors
-holds a flat map of tensors only, so they would be flattened into it and the rest kept in
-a second file, and two files need a commit protocol to change together. One file is one
-atomic rename.
+continues where it stopped: ``state.pt``, ``state.json``, the lock, a corrupt state set
+aside (docs/worker.md, "The state folder"; docs/operations.md, "Restarting a worker").
 """
 
 from __future__ import annotations
@@ -71,7 +40,7 @@ def manifest_entries(manifest: Manifest) -> list[list]:
 
 
 class WorkerStateDir:
-    """The state folder of one worker process (see the module docstring): locked while
+    """The state folder of one worker process (docs/worker.md, "The state folder"): locked while
     the worker uses it, its newest state loaded at open.
 
     Args:
@@ -80,7 +49,7 @@ class WorkerStateDir:
         ConfigError: the folder cannot be created or written, another process uses it,
             or its state file cannot be opened or is of a newer format (each message names
             the folder and the fix). A state file whose bytes are damaged or that holds
-            non-finite values is set aside instead (the module docstring).
+            non-finite values is set aside instead (docs/worker.md).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

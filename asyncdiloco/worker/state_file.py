@@ -1,27 +1,5 @@
 """The bytes of a worker's ``state.pt`` (state_dir.py): ``torch.save``'s output behind a
-header with its CRC-32, so that a flipped bit anywhere in the file is found at load
-instead of being trained on.
-
-Format 2 (what this version writes), one file, so that the state folder's single atomic
-rename still covers header and contents together:
-
-* 24 bytes of header: ``b"ADLSTATE"``, the format (uint32, little-endian), the number of
-  payload bytes that follow (uint64) and the CRC-32 (uint32; zlib's, the polynomial of
-  zip and Ethernet) of the payload followed by those two numbers as stored (so a flip in
-  the header is found as well);
-* the payload: ``torch.save(state)``'s bytes, read back with
-  ``torch.load(weights_only=True)`` (tensors, numbers, strings and containers, no pickled
-  code).
-
-Format 1 (versions before this one) is the bare ``torch.save`` zip (it begins with
-``PK\\x03\\x04``): still read, without a checksum to verify.
-
-Why CRC-32: the checksum guards against damage (a bit flipped on disk or in memory, a
-torn or cut file), not against forgery. CRC-32 finds every single flipped bit and every
-burst of up to 32 bits, and misses other random damage with odds of 2^-32; it costs once
-per save on the training thread, and ``zlib.crc32`` (standard library) runs about 2.6x
-faster than ``hashlib.sha256`` here (docs/operations.md, "the state folder", has the
-numbers and the command). CRC-32C would need a dependency for no better detection.
+header with its CRC-32 (docs/worker.md, "The state file").
 """
 
 from __future__ import annotations
@@ -108,7 +86,7 @@ class _Window(io.RawIOBase):
 
 
 def write_state(f: BinaryIO, state: dict[str, Any]) -> None:
-    """Write ``state`` to the open, empty file ``f`` in format 2 (the module docstring).
+    """Write ``state`` to the open, empty file ``f`` in format 2 (docs/worker.md, "The state file").
 
     Args:
         f: a seekable binary file opened for writing, positioned at 0.

@@ -106,8 +106,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.sync_config = sync or SyncWorkerConfig()
         self.stats = SyncWorkerStats()
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull (rank 0's)
-        #: Seconds of the inner steps since the last decided round (every stretch of steps
-        #: before a sync point, the waits at sync points left out): the vote's ``compute_s``.
+        #: Seconds of inner steps since the last decided round (the vote's ``compute_s``).
         self._compute_s = 0.0
         #: A sync point since the last decided round asked for a round (a decision resets it).
         self._tried = False
@@ -116,10 +115,8 @@ class SyncDiLoCoWorker(WorkerBase):
         n = self._numel = self.manifest.numel
         self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
         self._buf = self.flat.host_buffer(n + 1)  # [w·Δ, w], (N+1,) fp32
-        #: ‖Δ‖∞ of this member's Δ in the current round (inf when not finite; 0 when healing).
-        self._largest = 0.0
-        #: Every member's ‖Δ‖∞ in the current round, by rank (the agreement's result).
-        self._largest_by_rank: list[float] = []
+        self._largest = 0.0  # ‖Δ‖∞ of this member's Δ this round (inf: not finite; 0: healing)
+        self._largest_by_rank: list[float] = []  # every member's, by rank (the agreement's result)
         self._server_host = config.server.rpartition(":")[0].strip("[]")
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
@@ -167,11 +164,9 @@ class SyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------------- rounds
     def _sync_due(self) -> bool:
-        """A sync point every H inner steps since the last round: one that got no round
-        (no quorum, or the server unreachable) is tried again H steps later, not at every
-        step after it. A rejoin is due at once (it drops the steps trained meanwhile), and
-        so is the first sync point of a round whose H_w was lowered below the steps
-        already trained (a rate report's reply, ``_report_rate``)."""
+        """A sync point every H inner steps since the last round (one that got no round is
+        tried again H steps later); a rejoin is due at once, and so is the first sync point
+        of a round whose H_w was lowered below the steps already trained."""
         h = self.local_steps
         steps = self._steps_since_sync
         return steps >= h and (self._lost or not self._tried or steps % h == 0)
@@ -193,20 +188,15 @@ class SyncDiLoCoWorker(WorkerBase):
             self._steps_began_at = time.monotonic()
 
     def _round_compute_s(self, steps: int) -> float:
-        """Seconds of this member's own compute over the ``steps`` inner steps of its round
-        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): steps / v_w
-        of the time in inner steps (base.py ``step_rate``, algo/rates.py), as an async
-        push's; while no step was timed, the stretches of training before each sync point
-        since the last decided round, without the waits at those sync points."""
+        """The vote's ``compute_s`` for the round's ``steps``: steps / v_w (``step_rate``), as
+        an async push's; while no step was timed, the stretches of training before each sync
+        point since the last decided round, without the waits at them."""
         return self.step_rate.seconds_for(steps) or self._compute_s
 
     def _round(self) -> bool:
-        """One round in four phases (module docstring): quorum → heal or weigh Δ →
-        allreduce and upload → commit vote, then the decision is applied.
-
-        A failing phase ends this member's contribution with ``RoundFailed``; it still
-        votes (failure, with the reason), so the others are not left waiting.
-        """
+        """One round (module docstring): quorum → heal or weigh Δ → allreduce and upload →
+        commit vote → apply the decision. A failing phase still votes (failure, with the
+        reason), so the others are not left waiting."""
         steps, tokens = self._steps_since_sync, self._tokens_since_sync
         compute_s = self._round_compute_s(steps) if steps else 0.0
         delta = self._take_pseudo_gradient()
@@ -234,9 +224,8 @@ class SyncDiLoCoWorker(WorkerBase):
         return decision.committed
 
     def _count_dropped(self, q: pb.QuorumReply, committed: bool, steps: int) -> None:
-        """After a decided round: count the steps an abort dropped here, and the rounds
-        this member's own Δ was not finite in; after ``config.max_dropped_in_a_row`` of
-        those in a row, raise (the model restarted from the committed round each time).
+        """After a decided round: count the steps an abort dropped here, and the rounds this
+        member's own Δ was not finite in (raising after ``max_dropped_in_a_row`` in a row).
 
         Raises:
             InvalidPayloadError: this member diverged in that many rounds in a row.
@@ -300,12 +289,9 @@ class SyncDiLoCoWorker(WorkerBase):
         return torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, (N,)
 
     def _wait_for_quorum(self) -> pb.QuorumReply | None:
-        """Phase 1: ask for this round's quorum and wait for it (the wait is idle time).
-
-        A worker the server says is queued for the running group's next round (a joiner,
-        or a worker dropped from the last quorum) asks again until it gets in, up to twice
-        the time its own last H inner steps took: the group reaches its boundary about one
-        H-step time after its last round, and steps trained instead would be healed over.
+        """Phase 1: ask for this round's quorum and wait for it (the wait is idle time). A
+        worker the server queued for the running group's next round asks again, up to twice
+        the time its own last H inner steps took (docs/protocol.md, "The sync round").
 
         Returns:
             The quorum, or None when none formed in time (the round is skipped and the
@@ -361,7 +347,8 @@ class SyncDiLoCoWorker(WorkerBase):
                 raise RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
             if total_weight > 0:
                 delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
-                self._check_mean(q, delta, total_weight)
+                if not math.isfinite(largest_magnitude(delta)):  # the same bits on every member: all decide alike
+                    raise RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
                 if q.rank == 0:
                     self._upload(q, delta)
         except RoundFailed as exc:
@@ -407,13 +394,10 @@ class SyncDiLoCoWorker(WorkerBase):
         self._buf[self._numel] = weight
 
     def _allreduce_weighted(self, q: pb.QuorumReply, started: float) -> float:
-        """Sum ``[w·Δ, w]`` over the quorum.
+        """Sum ``[w·Δ, w]`` over the quorum; returns Σ w.
 
-        Returns:
-            Σ w over the members.
         Raises:
-            RoundFailed: the collective failed (a dead peer at once, a hung one after
-            ``allreduce_timeout_s``).
+            RoundFailed: the collective failed (a dead peer at once, a hung one after ``allreduce_timeout_s``).
         """
         try:
             self._allreduce(q)
@@ -467,16 +451,6 @@ class SyncDiLoCoWorker(WorkerBase):
         rank = max(range(len(self._largest_by_rank)), key=self._largest_by_rank.__getitem__)
         return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
 
-    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor, total_weight: float) -> None:
-        """Δ̄ must be finite; every member holds the same bits, so every member decides
-        alike (``non_finite_sum_reason`` says why it is not).
-
-        Raises:
-            RoundFailed: Δ̄ holds a NaN or ±inf.
-        """
-        if not math.isfinite(largest_magnitude(mean_delta)):
-            raise RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
-
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
         """Rank 0: send Δ̄ to the server (applied there only if the round commits).
 
@@ -502,12 +476,9 @@ class SyncDiLoCoWorker(WorkerBase):
     def _vote(
         self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int, compute_s: float = 0.0
     ) -> pb.CommitReply:
-        """Phase 4: vote (with this member's steps and the seconds they took, its rate for
-        the server), and wait for the server's decision (commit or abort, with this
-        member's H_w for its next round). A vote the server refuses (it does not know the
-        quorum: it restarted mid-round) is an abort: the member restarts from θ_base and
-        keeps its H_w, and the next quorum tells it to heal if the server's committed
-        round differs."""
+        """Phase 4: vote (with this member's steps and their seconds), and wait for the
+        server's decision (commit or abort, with this member's next H_w). A vote the server
+        refuses (it restarted mid-round) is an abort: the member restarts from θ_base."""
         while True:
             try:
                 reply = self.client.commit(
