@@ -208,7 +208,7 @@ class ParameterServerClient:
     def _told(self, wait_s: float, worker_id: int = 0) -> None:
         """A reply announced ``group_max_wait_s`` = ``wait_s``; ``worker_id``: it was that
         worker's JoinReply or PushReply (its next push may be held that long)."""
-        self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off, or a server without the field
+        self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off
         if worker_id:
             self._push_wait_s[worker_id] = wait_s
 

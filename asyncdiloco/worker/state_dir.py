@@ -259,10 +259,10 @@ def _read_state(file: pathlib.Path, folder: str | os.PathLike[str]) -> dict[str,
             f"state_dir {str(folder)!r}: {STATE_FILE} {exc}: run the version that wrote it, or delete {file} "
             f"to start this worker afresh"
         ) from None
-    if state.get("format") not in (1, STATE_FORMAT):
+    if state.get("format") != STATE_FORMAT:
         raise ConfigError(
             f"state_dir {str(folder)!r}: {STATE_FILE} has format {state.get('format')!r}; this worker reads "
-            f"formats 1 and {STATE_FORMAT}: delete {file} to start this worker afresh"
+            f"format {STATE_FORMAT}: delete {file} to start this worker afresh"
         )
     if not isinstance(state.get("worker_name"), str):
         raise CorruptStateError("holds no worker name")

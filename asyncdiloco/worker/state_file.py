@@ -18,7 +18,6 @@ FORMAT = 2
 MAGIC = b"ADLSTATE"
 _HEAD = struct.Struct("<8sIQI")  # magic, format, payload bytes, CRC-32
 _COVERED = struct.Struct("<IQ")  # the header's numbers, hashed after the payload
-_ZIP = b"PK\x03\x04"  # format 1: a bare torch.save zip
 HEADER_BYTES = _HEAD.size
 _CHUNK = 1 << 20
 
@@ -117,30 +116,20 @@ def _name_in(f: _Window) -> str | None:
 
 
 def read_state(file: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a ``state.pt`` of format 2 (or read one of format 1).
+    """Read and verify a ``state.pt``.
 
     Returns:
         The saved dict (tensors on the CPU).
     Raises:
         OSError: the file cannot be opened (e.g. permissions).
         CorruptStateError: its bytes are not what was saved.
-        NewerFormatError: an intact file of a format other than 1 or 2.
+        NewerFormatError: an intact file of another format.
     """
     with open(pathlib.Path(file), "rb") as f:
         head = f.read(HEADER_BYTES)
-        if head.startswith(_ZIP):  # format 1: nothing to verify
-            f.seek(0)
-            try:
-                state = _load(f)
-            except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-                raise CorruptStateError(f"cannot be loaded ({exc})") from None
-            if not isinstance(state, dict):
-                raise CorruptStateError(f"holds a {type(state).__name__}, not a worker's state")
-            return state
         if len(head) < HEADER_BYTES or not head.startswith(MAGIC):
             raise CorruptStateError(
-                f"does not begin with a state header ({len(head)} bytes, {head[:8]!r}; expected {MAGIC!r} "
-                f"or a format-1 zip)"
+                f"does not begin with a state header ({len(head)} bytes, {head[:8]!r}; expected {MAGIC!r})"
             )
         _, fmt, size, saved = _HEAD.unpack(head)
         found = os.fstat(f.fileno()).st_size - HEADER_BYTES
@@ -161,7 +150,7 @@ def read_state(file: str | os.PathLike[str]) -> dict[str, Any]:
                 _name_in(window),
             )
         if fmt != FORMAT:
-            raise NewerFormatError(f"has format {fmt}; this worker reads formats 1 and {FORMAT}")
+            raise NewerFormatError(f"has format {fmt}; this worker reads format {FORMAT}")
         state = _load(window)
     if not isinstance(state, dict):
         raise CorruptStateError(f"holds a {type(state).__name__}, not a worker's state")
