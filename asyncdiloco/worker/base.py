@@ -500,7 +500,7 @@ class WorkerBase:
         try:
             if self.group is not None:
                 self._lead_step(self.group)
-            else:  # as ``_due_step``, one frame shorter on every push's path
+            else:  # ``_due_step``, inline: one frame less on every push's path
                 if not self._rate_known:
                     self._report_rate()
                 self._step_events()
@@ -508,9 +508,8 @@ class WorkerBase:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
 
     def _lead_step(self, group: LocalGroup) -> None:
-        """Rank 0's step exchange: the followers' tokens arrive before the sync point (the
-        push carries them), then a due step runs and every rank takes its outcome (before
-        the first push under DyLU every step is due: its rate report waits on the server)."""
+        """Rank 0's step exchange (the followers' tokens arrive before the push), then a due
+        step, whose outcome every rank takes (under DyLU every step before the first push)."""
         due = self._events_due() or not self._rate_known
         totals = group.step_exchange(tokens=0, stop=self._stop_requested, due=due)
         self._tokens_since_sync += totals.tokens
@@ -583,7 +582,6 @@ class WorkerBase:
             )
             self.local_steps = reply.local_steps
 
-    # ------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:
         period = self.config.heartbeat_s or self._lease_s / 3
         while not self._stop.wait(period):
