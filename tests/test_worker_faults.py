@@ -34,6 +34,7 @@ from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
 from asyncdiloco.worker import bulk_client, client
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.base import WorkerState
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
@@ -259,6 +260,30 @@ def test_steps_trained_while_a_push_reply_was_lost_are_kept_after_the_retry(serv
         settle(worker)
         assert_accounted(srv, model, worker)
     assert float(srv.state.params[0]) == 6.0 and worker.stats.steps_dropped == 0
+    assert_accounted(srv, model, worker)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_the_worker_state_follows_join_a_lapsed_lease_the_rejoin_and_close(server, monkeypatch, overlap):
+    """NEW -> JOINING -> TRAINING; a lapsed lease makes it LOST, the next sync point rejoins
+    (REJOINING -> TRAINING); close() leaves it CLOSED. No step is lost on the way."""
+    srv = server()
+    model, opt, worker = make_worker(srv, overlap=overlap)
+    faults = Faults(worker, srv, monkeypatch)
+    assert worker.state is WorkerState.NEW
+    with worker:
+        assert worker.state is WorkerState.TRAINING
+        faults.push.append("expire")
+        model.step(opt, H)  # the push meets the lapsed lease: NOT_FOUND
+        settle(worker)
+        assert worker.state is WorkerState.LOST
+        model.step(opt, H)  # the sync point rejoins (the server resumes the named worker)
+        settle(worker)
+        assert worker.state is WorkerState.TRAINING
+        model.step(opt, H)
+        settle(worker)
+        assert_accounted(srv, model, worker)
+    assert worker.state is WorkerState.CLOSED
     assert_accounted(srv, model, worker)
 
 
