@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 def _saved_fields(pending: PendingPush) -> dict[str, Any]:
     """A pending push's fields a restart needs, but its payload (``PendingPush(**saved)``)."""
-    return {k: v for k, v in dataclasses.asdict(pending).items() if k not in ("payload", "last")}
+    return {f.name: getattr(pending, f.name) for f in dataclasses.fields(pending) if f.name not in ("payload", "last")}
 
 
 class AsyncDiLoCoWorker(WorkerBase):
