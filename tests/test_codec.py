@@ -315,7 +315,7 @@ def test_error_feedback_moves_a_weight_whose_steps_quantise_to_zero(server, over
     )  # without error feedback the weight would never move
     rounds = 300
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, overlap=overlap)) as worker:
-        assert worker.codec.name == "int8"
+        assert worker.wire.codec.name == "int8"
         for k in range(rounds):
             model.w.grad = torch.tensor([-1e-4, 1.0 if k % 2 == 0 else -1.0, 0.0, 0.0])
             opt.step()  # H = 1: every step pushes and pulls

@@ -30,9 +30,10 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ServerUnavailableError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.stats import WorkerStats
 
 pytestmark = pytest.mark.timeout(60)
 

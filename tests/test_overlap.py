@@ -405,7 +405,7 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
 
 def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
     from asyncdiloco import InvalidPayloadError, ServerUnavailableError
-    from asyncdiloco.worker.overlap import SyncLink, SyncRequest, push_then_pull
+    from asyncdiloco.worker.push_pull import SyncLink, SyncRequest, push_then_pull
 
     class NoNetwork:
         def push(self, *a, **k):

@@ -287,8 +287,8 @@ def test_a_worker_checks_its_own_pseudo_gradient_before_sending(server):
     worker._steps_since_sync = 1  # as if an inner step had run
     assert worker.sync()  # dropped, counted, and the global model pulled (tests/test_worker_faults.py)
     assert worker.stats.drops == {"non_finite": 1} and bool(torch.isfinite(named.w).all())
-    assert worker._last_drop is not None and worker._last_drop[0] is InvalidPayloadError
-    assert re.search("pseudo-gradient holds non-finite values .* lower the inner learning", worker._last_drop[1])
+    assert worker.drops.last is not None and worker.drops.last[0] is InvalidPayloadError
+    assert re.search("pseudo-gradient holds non-finite values .* lower the inner learning", worker.drops.last[1])
     assert_same(before, fingerprint(srv.state))
     assert srv.state.rejected_pushes == 0  # it never reached the server
     worker.close()

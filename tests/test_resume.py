@@ -28,6 +28,7 @@ from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.state_dir import STATE_FILE, WorkerStateDir
 from asyncdiloco.worker.state_file import read_state
+from asyncdiloco.worker.wire_buffers import WorkerWire
 from tests.helpers import FakeClock, assert_same, crash, fingerprint
 
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
@@ -350,7 +351,7 @@ def test_the_data_stream_continues_exactly_where_its_state_was_saved():
 
 def test_the_cli_refuses_a_worker_name_that_differs_from_the_saved_one(cli_exit, tmp_path):
     folder = WorkerStateDir(tmp_path / "w")
-    folder.save({"format": 1, "worker_name": "gpu-a"}, {})
+    folder.save({"format": 2, "worker_name": "gpu-a"}, {})
     folder.close()
     argv = ["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--state-dir", str(tmp_path / "w")]
     code, err = cli_exit([*argv, "--worker-name", "gpu-b"])
@@ -401,12 +402,12 @@ def test_a_state_folder_this_process_cannot_write_is_a_config_error_naming_it(tm
     opened = WorkerStateDir(folder)
     monkeypatch.setattr(state_dir, "write_atomically", _denied)
     with pytest.raises(ConfigError, match=rf"state_dir '{folder}' cannot be written \(Permission denied\)"):
-        opened.save({"format": 1, "worker_name": "a"}, {})  # the first save: the folder is unusable
+        opened.save({"format": 2, "worker_name": "a"}, {})  # the first save: the folder is unusable
     monkeypatch.undo()
-    opened.save({"format": 1, "worker_name": "a"}, {})
+    opened.save({"format": 2, "worker_name": "a"}, {})
     monkeypatch.setattr(state_dir, "write_atomically", _denied)
     with pytest.raises(PermissionError):  # a later one: the worker logs it and trains on
-        opened.save({"format": 1, "worker_name": "a"}, {})
+        opened.save({"format": 2, "worker_name": "a"}, {})
     opened.close()
 
 
@@ -472,13 +473,13 @@ def test_overlap_with_a_state_folder_encodes_each_push_once(start_server, tmp_pa
     srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off", wire_codec="bf16")
     folder = tmp_path / "w"
     encoded: list[int] = []
-    real_encode = AsyncDiLoCoWorker._encode_delta  # noqa: SLF001 - counts the encodings
+    real_encode = WorkerWire.encode  # counts the encodings
 
     def counting_encode(self, delta, out=None):
         encoded.append(1)
         return real_encode(self, delta, out)
 
-    monkeypatch.setattr(AsyncDiLoCoWorker, "_encode_delta", counting_encode)
+    monkeypatch.setattr(WorkerWire, "encode", counting_encode)
     worker, model, opt = _worker(srv, folder, name="w1", overlap=True)
     sent, saved = [], []
     real_push = worker.client.push

@@ -377,31 +377,6 @@ def _no_header(srv):
     return stub.PushOne(pb.PushRequest(chunk=pb.PayloadChunk(data=b"abcd")), timeout=10)
 
 
-def test_a_client_streams_to_a_server_without_push_one_and_remembers(make_server, monkeypatch):
-    """A server from before PushOne answers it UNIMPLEMENTED: the client pushes as a stream,
-    and from then on streams without asking again."""
-    from asyncdiloco.wire import grpc_chunks
-
-    real = grpc_chunks._handlers  # noqa: SLF001
-
-    def without_push_one(servicer):
-        handlers = real(servicer)
-        del handlers["PushOne"]
-        return handlers
-
-    monkeypatch.setattr(grpc_chunks, "_handlers", without_push_one)
-    srv = make_server(grouping="off")
-    with pytest.raises(grpc.RpcError) as info:
-        one_push(srv, pb.PushHeader(worker_id=1, push_id=1), [])
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    client, manifest, wid = init_server(srv, make_model())  # the initial push already fell back
-    assert client._push_one is None  # noqa: SLF001
-    payload = manifest.pack([torch.full((1, 4), 0.1), torch.full((1,), 0.1)])
-    for push_id in (2, 3):
-        assert client.push(payload, worker_id=wid, push_id=push_id, base_version=srv.state.version).applied
-    assert srv.state.version == 2 and srv.state.status().rejected_pushes == 0
-
-
 # --------------------------------------------------------------------- big models
 def test_model_over_64_mib_pushes_and_pulls_in_chunks(make_server):
     srv = make_server(outer=OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
