@@ -74,7 +74,7 @@ def main() -> None:
             kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
         )  # fmt: skip
         replies: dict[int, pb.QuorumReply] = {}
-        rounds = srv.state.mode.rounds
+        rounds = srv.state.rounds.quorum
 
         def ask(i: int) -> None:
             replies[i] = clients[i % len(clients)].quorum(
@@ -114,7 +114,7 @@ def main() -> None:
             "votes_s": round(voted_s, 3),
             "quorum_calls": _calls(srv.metrics_port, "Quorum"),
             "commit_calls": _calls(srv.metrics_port, "Commit"),
-            "peak_held_calls": srv.state.mode.peak_held_waits,
+            "peak_held_calls": srv.state.rounds.peak_held_waits,
         }
         print(json.dumps(result))
     finally:

@@ -109,7 +109,7 @@ def test_a_pull_waits_for_a_snapshot_slot_no_longer_than_its_deadline(start_serv
         pulled = a.pull(MANIFEST, a_id)
         took_s = time.monotonic() - started
     finally:
-        srv.state.close_pull(slow_pull)
+        srv.state.snapshots.close_pull(slow_pull)
     assert pulled.version == (0 if codec == "bf16" else 1), "served the newest snapshot there is"
     assert took_s < a._payload_timeout(MANIFEST.total_bytes)  # noqa: SLF001 - within its deadline
     assert a.pull(MANIFEST, a_id).version == 1  # the slot is free again: the newest version

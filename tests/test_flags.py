@@ -87,7 +87,7 @@ def _async_server(files) -> ServerConfig:
             tls_client_ca=files("ca"),
             insecure_trusted_network=True,
         ),
-        sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens", store_port=12345),
+        sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens"),
         wire_codec="int8",
         codec_block_size=128,
     )

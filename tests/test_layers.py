@@ -45,7 +45,7 @@ ALLOWED = {
 CROSSINGS = {
     # A regional server (ps/upstream.py) is itself a worker of its parent server: its link
     # talks to the parent through the workers' own client, imported only when --parent is set.
-    ("asyncdiloco.ps.upstream", "asyncdiloco.worker.client"),
+    ("asyncdiloco.ps.tier.upstream", "asyncdiloco.worker.client"),
 }
 
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncdiloco.errors import StalePushError, reason_codes
 from asyncdiloco.ps.config import DurabilityConfig
-from asyncdiloco.ps.metrics import staleness_family
+from asyncdiloco.ps.watch.metrics import staleness_family
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient

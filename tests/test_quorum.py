@@ -10,7 +10,7 @@ from helpers import FakeClock
 
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum import QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.quorum import QuorumManager, QuorumMiss
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum import Assignment, QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.quorum import Assignment, QuorumManager, QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig

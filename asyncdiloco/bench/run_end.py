@@ -98,7 +98,7 @@ def _run(cfg: RunEndConfig) -> RunEndResult:
     held: HeldReplies[int] = HeldReplies(state.groups.window, clock)
     manifest = Manifest.from_module(replicas[0].model)
     ids = [state.join(manifest, f"worker-{i}", 1.0 / s)[0] for i, s in enumerate(speeds)]
-    state.push(
+    state.intake.push(
         manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
     )
     push_ids = [2] * len(speeds)
@@ -133,7 +133,7 @@ def _run(cfg: RunEndConfig) -> RunEndResult:
             before = _eval_point(evaluator, eval_set, state.params, 0, 0, t, state.version)
         r = replicas[i]
         r.train(k)
-        outcome = state.push(
+        outcome = state.intake.push(
             manifest.pack_flat(r.base - r.flat()),  # Δ = θ_base − θ_local
             worker_id=ids[i],
             push_id=push_ids[i],

@@ -13,7 +13,7 @@ A worker's round (``run_async``):
    already run). No rate is handed over at join.
 3. Its push leaves at the round's last step and reaches the server
    ``link.transfer_s(push bytes)`` = latency + bytes / bandwidth later; the server applies
-   it then (``state.push`` with ``compute_s`` = its steps at the estimated rate, as the
+   it then (``state.intake.push`` with ``compute_s`` = its steps at the estimated rate, as the
    real worker sends it, which feeds the server's ``StepRateMeter``) and holds the reply until its group is released
    (``schedule.GroupWindow``). The worker then pulls: latency + bytes / bandwidth, and
    starts its next round. The default worker idles from its push to its pull's end; the
@@ -131,10 +131,10 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
     wire = torch.empty(codec.wire_bytes, dtype=torch.uint8)
     workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
     ids = [state.join(manifest, f"worker-{r.index}")[0] for r in replicas]  # no rate: each measures its own
-    state.push(
+    state.intake.push(
         manifest.pack_flat(replicas[0].flat()), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
     )
-    outer = state.outer
+    outer = state.model.outer
     assert outer is not None  # initialised by the push above
     push_ids = [2] * len(replicas)
     tps = cfg.job.tokens_per_step
@@ -250,7 +250,7 @@ def run_async(cfg: SimConfig, replicas, evaluator, eval_set, progress) -> SimRes
         gap = outer.momentum_steps - push.base_outer_steps
         true_hist.extend([0] * (gap + 1 - len(true_hist)))
         true_hist[gap] += 1
-        outcome = state.push(
+        outcome = state.intake.push(
             codec.encode(push.delta, wire),
             worker_id=ids[i],
             push_id=push_ids[i],

@@ -20,7 +20,7 @@ _WHERE = {
     "ParameterServer": "asyncdiloco.ps.server",
     "ParameterServerState": "asyncdiloco.ps.state",
     "PushOutcome": "asyncdiloco.ps.state",
-    "Snapshot": "asyncdiloco.ps.state",
+    "Snapshot": "asyncdiloco.ps.pull.encoded",
 }
 
 
@@ -34,5 +34,6 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from asyncdiloco.ps.pull.encoded import Snapshot
     from asyncdiloco.ps.server import ParameterServer
-    from asyncdiloco.ps.state import ParameterServerState, PushOutcome, Snapshot
+    from asyncdiloco.ps.state import ParameterServerState, PushOutcome

@@ -78,9 +78,6 @@ class SyncConfig:
     #: unknown), handed to each member with the round's decision (ps/quorum.py), so a
     #: faster member no longer waits for the slowest at every round.
     local_steps: str = DEFAULT_SYNC_LOCAL_STEPS
-    #: Obsolete, ignored (a non-zero value logs a warning): the rendezvous store is served
-    #: on the gRPC port, with its token and TLS (the ``Store`` RPC), and needs no port of its own.
-    store_port: int = 0
 
     def __post_init__(self) -> None:
         require(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1 worker")

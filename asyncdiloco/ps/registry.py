@@ -30,10 +30,9 @@ from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
 from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError, UnknownWorkerError, WorkerSupersededError
+from asyncdiloco.ps.books import Joined, JournalSlot, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
-from asyncdiloco.ps.records import Joined, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.names import check_worker_name
 from asyncdiloco.wire.tensors import Manifest

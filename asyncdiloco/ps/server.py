@@ -42,21 +42,21 @@ from grpc_reflection.v1alpha import reflection
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.service import ParameterServerService
-from asyncdiloco.ps.shard_files import check_shard_identity
+from asyncdiloco.ps.durable.shard_files import check_shard_identity
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.ps.transport.grpc_service import ParameterServerService
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import SERVICE, add_parameter_server
 from asyncdiloco.wire.listen import bind_every, listen_address_of
 from asyncdiloco.wire.security import server_credentials, server_interceptors
 
 if TYPE_CHECKING:
-    from asyncdiloco.ps.bulk import BulkServer
-    from asyncdiloco.ps.metrics import ServerMetrics
-    from asyncdiloco.ps.monitor import MonitorServer
-    from asyncdiloco.ps.tier import UpstreamConfig
-    from asyncdiloco.ps.upstream import UpstreamLink
+    from asyncdiloco.ps.tier.rebase import UpstreamConfig
+    from asyncdiloco.ps.tier.upstream import UpstreamLink
+    from asyncdiloco.ps.transport.bulk import BulkServer
+    from asyncdiloco.ps.watch.metrics import ServerMetrics
+    from asyncdiloco.ps.watch.monitor import MonitorServer
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +124,6 @@ class ParameterServer:
         token_check = server_interceptors(self.config.security)
         creds = server_credentials(self.config.security)
         self._warn_if_exposed(bool(token_check), creds is not None)
-        if self.config.sync.store_port:
-            log.warning(
-                "store_port=%d (--store-port) is ignored: the rendezvous store is served on the gRPC port, with its "
-                "token and TLS; drop the flag (and close that port)",
-                self.config.sync.store_port,
-            )
         metrics = self._metrics()
         with contextlib.ExitStack() as undo:
             if metrics is not None:
@@ -140,7 +134,7 @@ class ParameterServer:
                 )
             if self.store is not None:
                 self.store.observer = self.state.observer
-                self.store.open(self.state)  # restored before the port is bound
+                self.store.open(self.state.durability)  # restored before the port is bound
                 undo.callback(self.store.abandon)
             with self.state.locks.books:
                 self.state.counters.restart_rate()  # the replayed pushes were not applied just now
@@ -158,7 +152,7 @@ class ParameterServer:
             undo.pop_all()  # serving: stop() gives everything back from here on
         self._server, self.port = server, port
         if self.upstream_config is not None:
-            from asyncdiloco.ps.upstream import UpstreamLink
+            from asyncdiloco.ps.tier.upstream import UpstreamLink
 
             link = self.upstream_config
             if not link.name:  # unique per process: two regions must not share a name at the parent
@@ -179,7 +173,7 @@ class ParameterServer:
         """The server's metrics registry, attached to the state (None when metrics are off)."""
         if self.config.metrics_port is None:
             return None
-        from asyncdiloco.ps.metrics import ServerMetrics
+        from asyncdiloco.ps.watch.metrics import ServerMetrics
 
         return ServerMetrics(self.state)
 
@@ -249,7 +243,7 @@ class ParameterServer:
         return port
 
     def _start_bulk(self, port: int) -> None:
-        from asyncdiloco.ps.bulk import BulkServer
+        from asyncdiloco.ps.transport.bulk import BulkServer
         from asyncdiloco.wire.security import read_token, server_ssl_context
 
         security = self.config.security
@@ -267,7 +261,7 @@ class ParameterServer:
         self.state.bulk_port = bulk.port  # told to workers in every RunConfig
 
     def _start_monitor(self, metrics: ServerMetrics) -> None:
-        from asyncdiloco.ps.monitor import MonitorServer
+        from asyncdiloco.ps.watch.monitor import MonitorServer
 
         self.monitor = MonitorServer(self.state, metrics, host=self.config.host, port=self.config.metrics_port or 0)
         self.monitor.start()

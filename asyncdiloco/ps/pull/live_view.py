@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from asyncdiloco.algo.outer import STEP_BLOCK_ELEMS, BlockHook
-from asyncdiloco.ps.buffers import new_bytes
+from asyncdiloco.ps.pull.encoded import new_bytes
 from asyncdiloco.wire.grpc_chunks import chunk_prefix
 from asyncdiloco.wire.tensors import crc32_update, num_chunks_for
 

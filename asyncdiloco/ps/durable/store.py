@@ -52,19 +52,26 @@ import torch
 from asyncdiloco._atomic import fsync_dir
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.checkpoints import (
+from asyncdiloco.ps.books import AppliedAs, JournaledState, LoggedJoin
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.core import Observer
+from asyncdiloco.ps.durable.checkpoints import (
     checkpoint_lsns,
     load_checkpoint,
     prune,
     remove_partial_checkpoint,
     write_checkpoint,
 )
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.journal import JournaledState
-from asyncdiloco.ps.observer import Observer
-from asyncdiloco.ps.records import AppliedAs, LoggedJoin
-from asyncdiloco.ps.segment import LogSegment
-from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
+from asyncdiloco.ps.durable.segment import LogSegment
+from asyncdiloco.ps.durable.wal import (
+    JOIN,
+    PUSH,
+    encode_record,
+    manifest_to_json,
+    push_meta,
+    read_segment,
+    replay_record,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE
 

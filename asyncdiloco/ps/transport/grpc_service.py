@@ -1,4 +1,4 @@
-"""The gRPC servicer: decode the request, call ``ParameterServerState``, encode the reply.
+"""The gRPC servicer: decode the request, call the state's part that owns it, encode the reply.
 
 Library exceptions become gRPC status codes (``AsyncDiLoCoError.grpc_code``) carrying
 the exception's message, which names the value, the limit and the fix.
@@ -14,10 +14,10 @@ from typing import cast
 import grpc
 
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
-from asyncdiloco.ps.long_poll import KEEP_S, CallWatch
-from asyncdiloco.ps.quorum import QuorumMiss
-from asyncdiloco.ps.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
+from asyncdiloco.ps.push.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.sync.long_poll import KEEP_S, CallWatch
+from asyncdiloco.ps.sync.quorum import QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import WirePushRequest, is_chunk
@@ -88,7 +88,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             yield from source.messages(self.state.config.chunk_bytes)
             self.state.record_pull(request.worker_id, source.header.total_bytes)
         finally:  # also when the client cancels: the snapshot may then be freed
-            self.state.close_pull(source)
+            self.state.snapshots.close_pull(source)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         """A push streamed as a header, then its chunks (several hand-offs from gRPC's poller)."""
@@ -145,32 +145,35 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         drain: Callable[[], None],
         context: grpc.ServicerContext,
     ) -> pb.PushReply:
-        """One push, whatever the RPC that carried it (intake.py ``receive``), its
-        refusal or reply; ``first_header`` reads the header, ``fill`` the payload,
-        ``drain`` what a retry's payload left unread."""
-        worker_id = 0
+        """One push, whatever the RPC that carried it: push/intake.py ``receive`` (which
+        refuses, counts and logs), then its reply; ``first_header`` reads the header,
+        ``fill`` the payload, ``drain`` what a retry's payload left unread."""
+        intake = self.state.intake
         try:
             header = first_header()
-            worker_id, hold = header.worker_id, not header.last  # a last push is not held
-            follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
-            token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
-            try:
-                outcome = self.state.receive_push(header, fill, drain, is_active=context.is_active)
-            finally:
-                CURRENT.reset(token)
+        except AsyncDiLoCoError as exc:  # no header to hand over
+            log.warning("push refused: %s", exc)
+            intake.count_rejected(0, exc.reason)
+            _abort(context, exc)
+        follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
+        token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
+        try:
+            outcome = intake.receive(header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
-            log.warning("push from worker %d refused: %s", worker_id, exc)
-            self.state.record_rejected(worker_id, exc.reason)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
             log.warning(
-                "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied", worker_id
+                "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied",
+                header.worker_id,
             )
-            self.state.record_rejected(worker_id, "cut_off")
+            intake.count_rejected(header.worker_id, "cut_off")
             raise
+        finally:
+            CURRENT.reset(token)
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
-        reply = self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
+        hold = not header.last  # a last push is not held
+        reply = intake.reply(outcome, header.worker_id, hold=hold, max_wait_s=max_wait_s)
         if self.state.config.shard_count > 1 and outcome.applied and outcome.num_workers:
             order = ShardOrder(
                 outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers, outcome.closing

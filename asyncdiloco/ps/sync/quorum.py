@@ -54,7 +54,7 @@ import torch
 
 from asyncdiloco.errors import AsyncDiLoCoError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum_types import Assignment, CommittedRound, Decision, MemberVote, QuorumMiss, RoundInFlight
+from asyncdiloco.ps.sync.quorum_types import Assignment, CommittedRound, Decision, MemberVote, QuorumMiss, RoundInFlight
 
 log = logging.getLogger(__name__)
 

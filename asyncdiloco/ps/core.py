@@ -1,22 +1,39 @@
-"""The parameter server's status numbers: pushes applied, refused and retried, bytes,
-pulls, tokens and the staleness histogram (StatusReply; part of every checkpoint), and
-what only this process's life keeps: the applied-push rate over the last minute, the
-refusals by reason code, and the evaluators' reports (ReportEval).
-
-Guarded by the state's books lock (records.py ``StateLocks``): every method is called
-with it held.
+"""What every room of the server shares: ``CoreParts`` (config, clock, locks, model,
+worker table, counters, journal, observer), the status counters (``Counters``, part of
+every checkpoint) and the observer of the hot path's timings (``Observer``, read by
+watch/metrics.py). docs/architecture.md, "The server's rooms".
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import logging
 import math
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from asyncdiloco.errors import InvalidPayloadError
+from asyncdiloco.errors import InvalidPayloadError, ModeMismatchError
+from asyncdiloco.ps.books import JournalSlot, StateLocks
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.model import GlobalModel
+from asyncdiloco.ps.registry import WorkerRegistry
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def mode_mismatch(mode: str, what: str) -> ModeMismatchError:
+    """The refusal of a request of the other mode on a ``mode`` ("async"/"sync") server;
+    ``what`` names the request."""
+    other = "sync" if mode == "async" else "async"
+    return ModeMismatchError(
+        f"mode mismatch: {what} is a {other}-mode request but this server runs --mode {mode}; "
+        f"start the worker with --mode {mode}, or the server with --mode {other}"
+    )
+
 
 #: The counters of a checkpoint's ``meta["counters"]``, in the order they are written.
 COUNTER_NAMES = (
@@ -182,3 +199,108 @@ class Counters:
                 setattr(self, name, counters[name])
         n = len(self.staleness_histogram)
         self.staleness_histogram = (list(histogram) + [0] * n)[:n]
+
+
+#: The timed steps: the outer optimizer's step on one push or round; one write-ahead-log
+#: append (write and fsync); one checkpoint (both files written, the folder pruned).
+TIMED_STEPS = ("outer_step", "log_write", "checkpoint")
+#: The durable store's steps whose failures are counted (``Observer.failed``): a log
+#: append (the change it carried was refused) and a checkpoint (the log keeps everything).
+DURABILITY_STEPS = ("log_write", "checkpoint")
+
+
+class Observer:
+    """Timings of the hot path's slow steps, seconds, and the initialization event."""
+
+    def __init__(self) -> None:
+        #: Durability failures by what failed (one of ``DURABILITY_STEPS``), since start.
+        self.failures: dict[str, int] = dict.fromkeys(DURABILITY_STEPS, 0)
+        self._sink: Callable[[str, float], None] | None = None
+        self._on_initialized: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def attach(self, sink: Callable[[str, float], None] | None) -> None:
+        """Send every timing to ``sink(step, seconds)`` from now on (None: keep none)."""
+        self._sink = sink
+
+    def observe(self, step: str, seconds: float) -> None:
+        """One ``step`` (one of ``TIMED_STEPS``) took ``seconds``."""
+        sink = self._sink
+        if sink is not None:
+            sink(step, seconds)
+
+    def failed(self, step: str) -> None:
+        """One ``step`` of the durable store (``DURABILITY_STEPS``) failed (store.py)."""
+        with self._lock:
+            self.failures[step] = self.failures.get(step, 0) + 1
+
+    @contextlib.contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        """Time the block as one ``step`` (also when it raises)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(step, time.perf_counter() - started)
+
+    def when_initialized(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` each time the global model becomes initialized (the initial
+        parameters were applied); the caller checks the state for an earlier one."""
+        with self._lock:
+            self._on_initialized.append(callback)
+
+    def initialized(self) -> None:
+        """The global model was just initialized (apply.py, no state lock held)."""
+        with self._lock:
+            callbacks = list(self._on_initialized)
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a watcher's bug must not fail the push that initialized
+                log.exception("a listener of the model's initialization failed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoreParts:
+    """What every part built on the core may read and change (under ``locks``).
+
+    Attributes:
+        config: the server configuration.
+        clock: the server's monotonic clock, seconds.
+        locks: the state's two locks (records.py).
+        model: θ, the outer optimizer, the version, the manifest (model.py).
+        registry: the worker table, leases, DyLU (registry.py).
+        counters: the status numbers (counters.py).
+        journal: where Joins and pushes are logged, if anywhere (journal.py).
+        observer: the hot path's timings and the initialization event (observer.py).
+    """
+
+    config: ServerConfig
+    clock: Callable[[], float]
+    locks: StateLocks
+    model: GlobalModel
+    registry: WorkerRegistry
+    counters: Counters
+    journal: JournalSlot
+    observer: Observer = dataclasses.field(default_factory=Observer)
+
+    @classmethod
+    def build(
+        cls,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        grouping: str,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> CoreParts:
+        """Fresh parts for a new state; ``grouping``: the grouping mode in effect;
+        ``wall_clock``: wall-clock seconds (workers' last contacts outlive a restart)."""
+        model, journal = GlobalModel(config), JournalSlot(wall_clock)
+        return cls(
+            config=config,
+            clock=clock,
+            locks=StateLocks(),
+            model=model,
+            registry=WorkerRegistry(config, clock, grouping, model, journal, wall_clock),
+            counters=Counters(config.histogram_buckets, clock),
+            journal=journal,
+        )

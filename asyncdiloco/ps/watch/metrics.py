@@ -19,11 +19,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncdiloco.errors import reason_codes
-from asyncdiloco.ps.counters import newest_eval
-from asyncdiloco.ps.grpc_metrics import GrpcMetricsInterceptor
-from asyncdiloco.ps.observer import TIMED_STEPS
+from asyncdiloco.ps.core import TIMED_STEPS, newest_eval
 from asyncdiloco.ps.registry import WORKER_STATES
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.watch.grpc_metrics import GrpcMetricsInterceptor
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: Histogram buckets, seconds: an outer step or log write (sub-ms to seconds), a checkpoint.

@@ -59,7 +59,7 @@ from asyncdiloco.errors import (
     WorkerSupersededError,
 )
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig, rebase_onto, take_snapshot
+from asyncdiloco.ps.tier.rebase import DEFAULT_PARENT_EVERY, UpstreamConfig, rebase_onto, take_snapshot
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for
 from asyncdiloco.worker.client import ParameterServerClient
@@ -227,12 +227,12 @@ class UpstreamLink:
         self._push_and_rebase()
 
     def _join(self) -> None:
-        assert self._client is not None and self.state.manifest is not None
+        assert self._client is not None and self.state.model.manifest is not None
         name = self.config.name or f"region-{id(self):x}"
-        reply = self._client.join(self.state.manifest, worker_name=name, region=True)
+        reply = self._client.join(self.state.model.manifest, worker_name=name, region=True)
         self.worker_id, self._joined = reply.worker_id, True
         self._next_push_id = max(self._next_push_id, reply.last_push_id + 1)
-        self._codec = codec_for(reply.run_config, self.state.manifest)
+        self._codec = codec_for(reply.run_config, self.state.model.manifest)
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
         self._must_initialize = reply.initialize
@@ -262,8 +262,8 @@ class UpstreamLink:
 
     def _initialize_parent(self) -> None:
         """The parent has no model yet: θ_base (the regional initial parameters) becomes it."""
-        assert self._client is not None and self._base is not None and self.state.manifest is not None
-        payload = self.state.manifest.pack_flat(self._base)
+        assert self._client is not None and self._base is not None and self.state.model.manifest is not None
+        payload = self.state.model.manifest.pack_flat(self._base)
         try:
             self._client.push(
                 payload, worker_id=self.worker_id, push_id=self._take_push_id(), base_version=0,
@@ -355,11 +355,11 @@ class UpstreamLink:
 
     def _pull(self) -> tuple[torch.Tensor, int]:
         """The global model θ_g, fp32 (N,), and its version."""
-        assert self._client is not None and self.state.manifest is not None
-        pulled = self._client.pull(self.state.manifest, self.worker_id)
+        assert self._client is not None and self.state.model.manifest is not None
+        pulled = self._client.pull(self.state.model.manifest, self.worker_id)
         self.bytes_down += pulled.payload.numel()
-        self._codec = codec_for(pulled.run_config, self.state.manifest)
-        theta_g = self._codec.decode(pulled.payload, torch.empty(self.state.manifest.numel, dtype=torch.float32))
+        self._codec = codec_for(pulled.run_config, self.state.model.manifest)
+        theta_g = self._codec.decode(pulled.payload, torch.empty(self.state.model.manifest.numel, dtype=torch.float32))
         return theta_g, pulled.version
 
     def _rebase(
