@@ -66,7 +66,7 @@ def _no_grpc_payloads(client: ParameterServerClient) -> None:
 def _state(srv: ParameterServer) -> tuple:
     """θ, momentum and version: what a refused push must leave bit-identical."""
     st = srv.state
-    m = st.outer.momentum_buffer
+    m = st.model.outer.momentum_buffer
     return st.version, st.params.clone(), None if m is None else m.clone()
 
 

@@ -281,7 +281,7 @@ def test_wal_replay_with_a_codec_is_bit_identical_and_another_codec_is_refused(t
         with pytest.raises(CheckpointError, match="--wire-codec|--codec-block-size"):
             durable(tmp_path, other, block)
     again, store2 = durable(tmp_path, name)
-    assert torch.equal(again.params, expected[0]) and torch.equal(again.outer.momentum_buffer, expected[1])
+    assert torch.equal(again.params, expected[0]) and torch.equal(again.model.outer.momentum_buffer, expected[1])
     assert again.version == expected[2] == 5
     store2.close()
 

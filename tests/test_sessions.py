@@ -87,7 +87,7 @@ def test_a_restart_replays_the_same_sessions(tmp_path):
     crash(store)
     again = _state(folder)
     store2 = DurableStore(again.config.durability, again.config)
-    store2.open(again)
+    store2.open(again.durability)
     try:
         with pytest.raises(WorkerSupersededError):
             again.heartbeat(wid, session_id=old)
@@ -95,7 +95,7 @@ def test_a_restart_replays_the_same_sessions(tmp_path):
         store2.close()  # a final checkpoint: the next restart reads the session from it
         third = _state(folder)
         store3 = DurableStore(third.config.durability, third.config)
-        store3.open(third)
+        store3.open(third.durability)
         with pytest.raises(WorkerSupersededError):
             third.heartbeat(wid, session_id=old)
         assert third.join_worker(MANIFEST, "dup").session_id == 3

@@ -301,12 +301,12 @@ def test_a_push_waiting_for_its_turn_holds_no_receive_buffer(start_server):
         orders = []
         for w in (a, b):  # shard 0 sequences a's push (version 1), then b's (version 2)
             shard0 = client.clients[0]
-            shard0.intake.push(parts[0], worker_id=client._ids_of(w.worker_id)[0], push_id=2, base_version=0)
+            shard0.push(parts[0], worker_id=client._ids_of(w.worker_id)[0], push_id=2, base_version=0)
             orders.append(((METADATA_KEY, dict(shard0.last_push_trailer)[METADATA_KEY]),))
         follower = client.clients[1]
         ids = [client._ids_of(w.worker_id)[1] for w in (a, b)]
         late = threading.Thread(
-            target=follower.intake.push,
+            target=follower.push,
             args=(parts[1],),
             kwargs=dict(worker_id=ids[1], push_id=2, base_version=0, last=True, metadata=orders[1]),
         )

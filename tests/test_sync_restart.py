@@ -79,7 +79,7 @@ def test_the_committed_rounds_survive_a_restart_bit_for_bit(tmp_path, how):
     again, store2 = open_durable(config)
     try:
         assert again.version == 3 and again.quorum.round == 3 and again.status().rounds_committed == 3
-        assert torch.equal(again.params, theta) and torch.equal(again.outer.momentum_buffer, momentum)
+        assert torch.equal(again.params, theta) and torch.equal(again.model.outer.momentum_buffer, momentum)
         q = again.request_quorum(wid, 3, MANIFEST.manifest_hash, 1.0)  # θ_base from round 3: go on
         assert q is not None and q.round == 3 and not q.heal and q.quorum_id > max(quorum_ids)
     finally:
