@@ -1,4 +1,4 @@
-"""The bulk data channel (ps/bulk.py, bulk_client.py): same results as gRPC, same
+"""The bulk data channel (ps/transport/bulk.py, bulk_client.py): same results as gRPC, same
 refusals, auth and TLS, resynchronisation after refusals, and the fallback to gRPC."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The dashboard, /status.json and ReportEval (ps/dashboard.py, ps/monitor.py, the
+"""The dashboard, /status.json and ReportEval (ps/watch/dashboard.py, ps/watch/monitor.py, the
 state's report_eval), over HTTP and gRPC on 127.0.0.1, and the version history's bounds."""
 
 from __future__ import annotations

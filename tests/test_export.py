@@ -1,4 +1,4 @@
-"""The model out: ``asyncdiloco export`` (tools/export.py; ps/store.py's read-only
+"""The model out: ``asyncdiloco export`` (tools/export.py; ps/durable/store.py's read-only
 restore) and ``load_global_model`` (worker/global_model.py).
 
 The export of a real server's folder, written while it runs, with pushes after its last

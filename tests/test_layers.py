@@ -43,7 +43,7 @@ ALLOWED = {
 
 #: (module, imported module) pairs allowed across the picture, each with its reason.
 CROSSINGS = {
-    # A regional server (ps/upstream.py) is itself a worker of its parent server: its link
+    # A regional server (ps/tier/upstream.py) is itself a worker of its parent server: its link
     # talks to the parent through the workers' own client, imported only when --parent is set.
     ("asyncdiloco.ps.tier.upstream", "asyncdiloco.worker.client"),
 }

@@ -1,4 +1,4 @@
-"""Pulls of a raw fp32 model read θ in place (ps/live.py ``LiveView``): no copy of θ per
+"""Pulls of a raw fp32 model read θ in place (ps/pull/live_view.py ``LiveView``): no copy of θ per
 version. Before θ changes, the version being read moves into the pushed Δ's receive
 buffer block by block as the outer step goes (``begin_swap``), or is copied (the other
 paths), so every pull gets exactly the bytes and CRC-32 of the version its header names,

@@ -1,4 +1,4 @@
-"""Long-polled Quorum and Commit (ps/long_poll.py, quorum.py ``poll_quorum``,
+"""Long-polled Quorum and Commit (ps/sync/long_poll.py, quorum.py ``poll_quorum``,
 worker/long_poll.py): a pending request stays registered between polls and is withdrawn
 when its polls stop; the holds are limited; a client from before ``poll`` still blocks."""
 

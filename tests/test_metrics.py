@@ -1,4 +1,4 @@
-"""Prometheus metrics on the metrics port (ps/metrics.py, ps/grpc_metrics.py): scraped over
+"""Prometheus metrics on the metrics port (ps/watch/metrics.py, ps/watch/grpc_metrics.py): scraped over
 HTTP from in-process servers on 127.0.0.1 after known pushes, pulls and refusals."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The server's state, part by part (ps/registry.py, intake.py, modes.py, counters.py,
-journal.py, wal.py, checkpoints.py), and the on-disk formats against a committed fixture.
+"""The server's state, part by part (ps/registry.py, push/intake.py, core.py, books.py,
+durable/wal.py, durable/checkpoints.py), and the on-disk formats against a committed fixture.
 
 ``tests/data/checkpoint_v1`` was written by the server before it was cut into parts
 (``_write_run`` below, then the process "killed": the log after the newest checkpoint
@@ -38,7 +38,7 @@ from asyncdiloco.wire.tensors import Manifest
 FIXTURE = pathlib.Path(__file__).parent / "data" / "checkpoint_v1"
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(3, 2)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
 OUTER = OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=2)
-#: Keys log records gained after the fixture was written (ps/wal.py: older records lack them).
+#: Keys log records gained after the fixture was written (ps/durable/wal.py: older records lack them).
 _ADDED_LOG_KEYS = {"named", "seen_unix_s"}
 
 

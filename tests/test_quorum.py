@@ -1,4 +1,4 @@
-"""QuorumManager (ps/quorum.py) with a fake clock: formation, joins, leases, votes."""
+"""QuorumManager (ps/sync/quorum.py) with a fake clock: formation, joins, leases, votes."""
 
 from __future__ import annotations
 

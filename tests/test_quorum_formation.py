@@ -1,4 +1,4 @@
-"""Who forms a sync quorum (ps/quorum.py): joiners merge into the running group at its
+"""Who forms a sync quorum (ps/sync/quorum.py): joiners merge into the running group at its
 next round boundary, two disjoint groups never take turns, and a wait without a quorum
 says why ("quorum not reached: have 1, need 2") and is tried again H steps later.
 

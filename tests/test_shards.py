@@ -1,4 +1,4 @@
-"""The sharded parameter server (wire/shards.py, ps/shard_order.py, worker/sharded.py):
+"""The sharded parameter server (wire/shards.py, ps/push/shard_order.py, worker/sharded.py):
 S shards on 127.0.0.1 give the same model, bit for bit, as one server on the same pushes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The status numbers the state reports (ps/counters.py, ps/registry.py ``statuses``):
+"""The status numbers the state reports (ps/core.py, ps/registry.py ``statuses``):
 the push rate over the last minute, each worker's state and staleness, on a fake clock."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoints and the write-ahead log (ps/store.py), in-process and network-free."""
+"""Checkpoints and the write-ahead log (ps/durable/store.py), in-process and network-free."""
 
 from __future__ import annotations
 

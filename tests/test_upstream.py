@@ -1,4 +1,4 @@
-"""The hierarchical tier (ps/upstream.py): regional servers that are workers of a global one.
+"""The hierarchical tier (ps/tier/upstream.py): regional servers that are workers of a global one.
 
 Every server runs SGD with outer lr 1 and constant staleness weights, so each applied
 pseudo-gradient moves θ by exactly −Δ; the Δs are multiples of 1/16 in [−0.5, 0.5), so

@@ -1,5 +1,5 @@
 """The hand-coded chunk messages (wire.py) against the generated protobuf code, the
-receive-buffer pool and the snapshot encoding (ps/buffers.py), and the lock split
+receive-buffer pool and the snapshot encoding (ps/pull/encoded.py), and the lock split
 (an apply in progress blocks neither bookkeeping calls nor pulls)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class PushOutcome:
         local_steps: H, the inner steps of the worker's next round.
         group_id: the push group whose release the reply waits for (0: none).
         num_workers: N, the live-worker count the outer step used (0: not a pseudo-gradient);
-            shard 0 of a sharded server sends it to the workers (ps/shard_order.py).
+            shard 0 of a sharded server sends it to the workers (ps/push/shard_order.py).
         closing: a worker's closing push, applied as the direct term alone (outer.py
             ``step_closing``); shard 0 sends it to the other shards with N.
     """

@@ -267,12 +267,12 @@ class CoreParts:
     Attributes:
         config: the server configuration.
         clock: the server's monotonic clock, seconds.
-        locks: the state's two locks (records.py).
+        locks: the state's two locks (books.py).
         model: θ, the outer optimizer, the version, the manifest (model.py).
         registry: the worker table, leases, DyLU (registry.py).
-        counters: the status numbers (counters.py).
-        journal: where Joins and pushes are logged, if anywhere (journal.py).
-        observer: the hot path's timings and the initialization event (observer.py).
+        counters: the status numbers (core.py).
+        journal: where Joins and pushes are logged, if anywhere (books.py).
+        observer: the hot path's timings and the initialization event (core.py).
     """
 
     config: ServerConfig

@@ -266,9 +266,9 @@ class ParameterServerState:
 
         Args:
             version: the global version evaluated, 0 <= version <= the current one.
-            loss: mean held-out loss, nats per token; in [0, counters.py ``MAX_EVAL_LOSS``].
+            loss: mean held-out loss, nats per token; in [0, core.py ``MAX_EVAL_LOSS``].
             num_tokens: tokens it was measured over, >= 1.
-            evaluator: a name for the dashboard (counters.py ``MAX_EVALUATOR_CHARS`` at most).
+            evaluator: a name for the dashboard (core.py ``MAX_EVALUATOR_CHARS`` at most).
         Returns:
             The point kept (``StatusReply.evals``), stamped with the seconds since start.
         Raises:
@@ -294,7 +294,7 @@ class ParameterServerState:
     ) -> Assignment | QuorumMiss:
         """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
         ``QuorumMiss`` when none formed; with ``poll`` a long poll's short hold, a
-        pending ``QuorumMiss`` meaning "ask again"; rounds.py ``SyncMode.request_quorum``).
+        pending ``QuorumMiss`` meaning "ask again"; sync/rounds.py ``SyncRounds.request_quorum``).
 
         Raises:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,

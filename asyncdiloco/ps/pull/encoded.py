@@ -47,7 +47,7 @@ def new_bytes(nbytes: int) -> tuple[bytes, memoryview]:
     """A new ``bytes`` object of ``nbytes`` (contents undefined) and a writable view of
     its contents: CPython's ``PyBytes_FromStringAndSize(NULL, n)``, whose contents the C
     API lets its creator fill before the object is shared. Only its creator writes
-    through the view (``SnapshotBuilder`` before its ``Snapshot`` exists, live.py before
+    through the view (``SnapshotBuilder`` before its ``Snapshot`` exists, live_view.py before
     the message is yielded), before anyone else holds the object; gRPC sends ``bytes``
     without copying them again (a ``bytearray`` would cost one more copy)."""
     obj = _PyBytes_FromStringAndSize(None, nbytes)

@@ -1,26 +1,8 @@
-"""What pulls are served: θ read in place for a raw fp32 model (live.py ``LiveView``),
-else snapshots of θ of one version, encoded once as the Pull stream's chunk messages and
-shared by every concurrent pull of that version (buffers.py ``Snapshot``).
-
-Read in place: a pull registers with the view of θ's version and copies each chunk out
-as it sends it; the CRC-32 of a version is taken in the outer step that makes it while
-pulls come (else by its first pull). Before θ changes, the view of the version being
-replaced moves into the pushed Δ's receive buffer as the step goes, or is copied (sync
-rounds, regional rebases, replays), when a pull reads it or pulls are coming; so a pull
-during an apply is served the version the apply started from without taking the apply
-lock, and no version costs memory outside the receive budget (``step_and_encode``).
-
-Encoded: while pulls keep coming, the apply that makes a version encodes its snapshot
-after its step (``after_apply``), and an apply that starts from a version without a
-snapshot encodes that one before its outer step (``before_apply``); a pull during an
-apply is served the newest complete snapshot; otherwise the first pull of a version
-encodes it (``acquire``). At most ``ServerConfig.pull_snapshots`` versions stay in
-memory (buffers.py ``PullSnapshots`` keeps that count).
-
-Only a pull that finds nothing of the current version (the first pull of a run, or the
-first after ``lease_s`` without pulls) while an apply runs waits for that apply.
-``open_pull`` says what one pull sends: a view, a shared snapshot, or sync mode's
-private copy of θ and m for a healing member.
+"""What pulls are served (``Snapshots``): θ read in place for a raw fp32 model
+(live_view.py), else snapshots of one version encoded once and shared by every pull of it
+(encoded.py); the hooks an outer step calls so that pulls during it are served the version
+it started from (``before_step``/``after_step``); ``open_pull``, what one pull sends.
+docs/architecture.md, "How a pull flows"; docs/performance.md.
 """
 
 from __future__ import annotations
@@ -75,9 +57,9 @@ class Snapshots:
         self.wait_s = SNAPSHOT_WAIT_S
         self._build_lock = threading.Lock()  # one builder at a time; the others reuse its result
         #: The receive pool, whose buffers an apply's Δ arrives in (set by the state): the
-        #: version an apply replaces moves into its Δ's buffer (live.py ``begin_swap``).
+        #: version an apply replaces moves into its Δ's buffer (live_view.py ``begin_swap``).
         self.pool: ReceivePool | None = None
-        #: The view pulls of raw fp32 θ read (live.py): of θ's version, or during a change
+        #: The view pulls of raw fp32 θ read (live_view.py): of θ's version, or during a change
         #: of θ, of the version being replaced. None: no pull since the last change.
         self._live: LiveView | None = None
         #: During a step (``before_step`` to ``after_step``): the view moving into Δ's buffer,
@@ -86,7 +68,7 @@ class Snapshots:
         self._crc_of_new: Callable[[], int] | None = None
 
     def serves_live(self) -> bool:
-        """True when pulls read θ itself (live.py): a raw fp32 model on the CPU; else they
+        """True when pulls read θ itself (live_view.py): a raw fp32 model on the CPU; else they
         are served encoded snapshots."""
         theta = self.model.params
         return theta is not None and theta.device.type == "cpu" and self.model.pulls_raw_theta()
@@ -339,7 +321,7 @@ class Snapshots:
 @dataclasses.dataclass(frozen=True)
 class PullSource:
     """What one pull sends, over gRPC or the bulk channel: its header, then the payload
-    from θ itself (``live``: raw fp32 models, live.py), a shared ``Snapshot`` (encoded
+    from θ itself (``live``: raw fp32 models, live_view.py), a shared ``Snapshot`` (encoded
     models), or a private payload (sync-state pulls).
     Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
 

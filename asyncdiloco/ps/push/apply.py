@@ -31,7 +31,7 @@ from asyncdiloco.ps.push.shard_order import CURRENT, OrderGate, ShardOrder
 from asyncdiloco.ps.push.value_check import check_values
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
-#: The push id a follower shard logs its zero fills with (ps/shard_order.py); real pushes start at 1.
+#: The push id a follower shard logs its zero fills with (ps/push/shard_order.py); real pushes start at 1.
 ZERO_FILL_PUSH_ID = 0
 
 
@@ -68,7 +68,7 @@ class InitialParameters:
                 f"initialized at version {model.version}; pull the global model instead"
             )
         if header.worker_id != registry.initializer and self.parts.config.shard_index == 0:
-            # a follower shard takes them from whoever initialized shard 0 (ps/shard_order.py)
+            # a follower shard takes them from whoever initialized shard 0 (ps/push/shard_order.py)
             raise StalePushError(
                 f"initial parameters from worker {header.worker_id} refused: worker {registry.initializer} "
                 f"was chosen to initialize; pull the global model once it is there"
@@ -79,7 +79,7 @@ class InitialParameters:
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """θ ← the payload (in the manifest's layout), a fresh outer optimizer
-        (``largest``: its ‖x‖∞ scanned as it landed, values.py; else computed here).
+        (``largest``: its ‖x‖∞ scanned as it landed, value_scan.py; else computed here).
 
         Raises:
             InvalidPayloadError: non-finite or too large values. StalePushError: another
@@ -149,7 +149,7 @@ class PseudoGradient:
         self.snapshots = snapshots
         self.groups = groups
         self.monitor = monitor
-        #: A follower shard's wait for shard 0's order (ps/shard_order.py); None on shard 0 or unsharded.
+        #: A follower shard's wait for shard 0's order (ps/push/shard_order.py); None on shard 0 or unsharded.
         self.gate: OrderGate | None = None
         if parts.config.shard_index > 0:
             self.gate = OrderGate(lambda: parts.model.version, self.fill_zero, parts.config.shard_fill_timeout_s)
@@ -282,7 +282,7 @@ class PseudoGradient:
 
     def fill_zero(self, order: ShardOrder, worker_id: int) -> None:
         """Apply zero pseudo-gradients until the version is ``order.version_after − 1``
-        (a follower's missing parts; ps/shard_order.py), with the decision's N. Each is
+        (a follower's missing parts; ps/push/shard_order.py), with the decision's N. Each is
         logged as a push of ``worker_id`` (the waiting push's worker) with push id 0, which
         no real push has (ids start at 1): replay steps it and counts it for nobody."""
         parts = self.parts

@@ -124,31 +124,14 @@ class PushIntake:
             raise InvalidPayloadError(
                 f"push_id is {header.push_id}; the smallest is 1: number a worker's pushes with a counter starting at 1"
             )
-        max_bytes = self.config.max_payload_bytes
         with self.locks.books:
             self.registry.check_session(header.worker_id, header.session_id)  # before a retry's answer
             retried = self._retried(header)
             if retried is not None:
                 return retried
             self.registry.touch(header.worker_id, header.session_id)
-            if header.total_bytes > max_bytes:
-                raise PayloadTooLargeError(
-                    f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes={max_bytes}; send a "
-                    f"smaller model or raise the server's limit"
-                )
-            if header.base_version < 0:
-                raise UnknownVersionError(
-                    f"base_version {header.base_version} was never served: versions start at 0; push against the "
-                    f"version the worker pulled"
-                )
-            kind = self.kinds.get(header.kind)
-            if kind is None and header.kind in KNOWN_KINDS:
-                raise mode_mismatch(self.config.mode, describe_push(header))
-            if kind is None:
-                raise InvalidPayloadError(
-                    f"push kind {header.kind} is not one of PUSH_KIND_PSEUDO_GRADIENT (1), "
-                    f"PUSH_KIND_INITIAL_PARAMETERS (2), PUSH_KIND_ROUND_RESULT (3)"
-                )
+            self._check_size_and_version(header)
+            kind = self._kind(header)
             kind.check(header)
             for name in ("num_local_steps", "num_tokens"):
                 if getattr(header, name) < 0:
@@ -157,6 +140,30 @@ class PushIntake:
         if header.total_bytes != total:
             raise InvalidPayloadError(
                 f"total_bytes is {header.total_bytes}; the model's payload is {total} bytes {what}"
+            )
+        return kind
+
+    def _check_size_and_version(self, header: pb.PushHeader) -> None:
+        max_bytes = self.config.max_payload_bytes
+        if header.total_bytes > max_bytes:
+            raise PayloadTooLargeError(
+                f"total_bytes is {header.total_bytes}; the limit is max_payload_bytes={max_bytes}; send a "
+                f"smaller model or raise the server's limit"
+            )
+        if header.base_version < 0:
+            raise UnknownVersionError(
+                f"base_version {header.base_version} was never served: versions start at 0; push against the "
+                f"version the worker pulled"
+            )
+
+    def _kind(self, header: pb.PushHeader) -> PushKind:
+        kind = self.kinds.get(header.kind)
+        if kind is None and header.kind in KNOWN_KINDS:
+            raise mode_mismatch(self.config.mode, describe_push(header))
+        if kind is None:
+            raise InvalidPayloadError(
+                f"push kind {header.kind} is not one of PUSH_KIND_PSEUDO_GRADIENT (1), "
+                f"PUSH_KIND_INITIAL_PARAMETERS (2), PUSH_KIND_ROUND_RESULT (3)"
             )
         return kind
 

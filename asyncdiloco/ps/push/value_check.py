@@ -28,7 +28,7 @@ def check_values(
 
     Args:
         what: names the payload in the refusal (default "payload from worker <id>").
-        largest: ‖Δ‖∞ when it is known already (values.py ``ValueScan``, computed while
+        largest: ‖Δ‖∞ when it is known already (value_scan.py ``ValueScan``, computed while
             the chunks landed): then a payload that passes costs no pass here.
     Raises:
         InvalidPayloadError: a NaN or ±inf, or a magnitude over ``max_abs_value``.

@@ -51,7 +51,7 @@ class RoundResult:
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """Stage Δ̄ (the payload viewed as float32 (N,)) for the quorum's vote (``largest``:
-        ‖Δ̄‖∞ scanned as it landed, values.py).
+        ‖Δ̄‖∞ scanned as it landed, value_scan.py).
 
         Raises:
             InvalidPayloadError: wrong size or non-finite values. UnknownWorkerError.

@@ -1,43 +1,9 @@
-"""A hierarchical tier: this parameter server, a regional one, is itself a worker of a
-parent (global) parameter server (HALoS, Kim et al. 2025, arXiv 2506.04531, Sec. 3:
-local parameter servers under a global one; Decoupled DiLoCo, arXiv 2604.21428: a
-central synchronizer over groups that train on between syncs).
-
-The regional server applies its own workers' pushes as any server does. Every K of them
-(``UpstreamConfig.every``, ``--parent-every``) the link cuts a push upward:
-
-* S ← θ_regional (a copy, under the ``apply`` lock), Δ_region = θ_base − S, where θ_base
-  is the global model of the last sync (at first the regional initial parameters);
-* Δ_region goes to the parent as an ordinary pseudo-gradient push (worker client,
-  ``base_version`` = the parent version θ_base was pulled at, a push id of its own);
-* the link pulls the new global model θ_g and rebases, under the ``apply`` lock:
-  θ_regional ← θ_g − (S − θ_regional_now) − r, where S − θ_regional_now is what the
-  regional server applied while the push and pull were under way and r = Δ_region −
-  decode(encode(Δ_region)) the parent's wire codec's residual (0 for raw fp32); then
-  θ_base ← θ_g. The next Δ_region is then exactly what was applied since S, plus r: no
-  local update is lost or counted twice. The rebase is one regional version (the
-  pulls serve the rebased θ from then on; a worker's push based before it counts it in
-  its staleness); the outer optimizer's state (momentum, Delayed Nesterov's buffer) is
-  kept.
-
-On first contact the link joins the parent under ``name`` with the regional manifest: if
-the parent must be initialized it pushes θ_base (the regional initial parameters);
-otherwise it pulls θ_g and rebases against θ_base (θ_regional += θ_g − θ_base), keeping
-what the regional server applied since its initialization. A push the parent refuses as
-stale, or answers as a duplicate it did not apply, is dropped and the link rebases the
-same way against θ_base: what it carried is in the next push.
-
-Failures: a parent that cannot be reached (restarting, a network partition) is retried
-with the same push id (the parent answers a retry with the push's outcome), with a
-backoff from ``initial_backoff_s`` doubling up to ``max_backoff_s``; the regional
-workers train on meanwhile. A lapsed lease (the parent restarted) is a Join again under
-the same name (the parent gives the old id back; a parent that lost its state asks for
-the initial parameters again: θ_base). A manifest the parent refuses, or a newer Join
-under the same name, stops the link (logged). ``stop`` makes one last push of what was
-applied since the last one (within ``flush_timeout_s``), then leaves the parent.
-
-Not supported (ConfigError in server.py): a regional server with ``--checkpoint-dir``
-(the rebase is not in its write-ahead log) or in sync mode.
+"""A hierarchical tier: this (regional) parameter server is itself a worker of a parent
+one (HALoS, Kim et al. 2025, arXiv 2506.04531, Sec. 3; Decoupled DiLoCo, arXiv
+2604.21428). ``UpstreamLink`` pushes Δ_region = θ_base − S upward every K regional pushes,
+pulls θ_g and rebases (rebase.py), retrying an unreachable parent with the same push id.
+The algorithm: docs/algorithms.md, "Hierarchical tier"; failures and limits:
+docs/operations.md, "A regional server (hierarchical tier)".
 """
 
 from __future__ import annotations

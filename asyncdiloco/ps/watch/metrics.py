@@ -5,7 +5,7 @@ domain's, prefixed ``asyncdiloco_``, units in the names as Prometheus asks.
 Most domain metrics are read from the state when they are scraped (``StateCollector``:
 one ``status()`` per scrape, under the books lock as any Status call), so the hot path
 pays nothing for them. Only three durations are recorded as they happen, through the
-state's ``Observer`` (observer.py): the outer step, the write-ahead-log write and the
+state's ``Observer`` (core.py): the outer step, the write-ahead-log write and the
 checkpoint. docs/operations.md ("Watching a run") lists every metric with its unit.
 """
 
@@ -180,7 +180,7 @@ class ServerMetrics:
         state.observer.attach(self.observe)
 
     def observe(self, step: str, seconds: float) -> None:
-        """One timed step (observer.py ``TIMED_STEPS``) took ``seconds``."""
+        """One timed step (core.py ``TIMED_STEPS``) took ``seconds``."""
         self._timings[step].observe(seconds)
 
     def detach(self) -> None:
