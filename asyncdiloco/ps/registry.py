@@ -318,10 +318,6 @@ class WorkerRegistry:
             log.info("worker %d (%s) left", worker_id, rec.name)
         return rec is not None
 
-    def any_alive(self) -> bool:
-        """True when some registered worker's lease is current (not re-checked here)."""
-        return any(r.alive for r in self.workers.values())
-
     def live_ids(self) -> set[int]:
         """Ids of the workers whose lease is current."""
         self.expire(self.clock())

@@ -14,8 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from asyncdiloco.errors import InvalidPayloadError
 
 log = logging.getLogger(__name__)
@@ -132,8 +130,3 @@ class OrderGate:
         """The version moved: wake the waiting pushes."""
         with self._cond:
             self._cond.notify_all()
-
-
-def zero_like(params: torch.Tensor) -> torch.Tensor:
-    """A zero pseudo-gradient for θ (float32 (N,))."""
-    return torch.zeros_like(params)
