@@ -356,28 +356,6 @@ def test_an_initial_push_upward_that_fails_is_sent_again(servers):
         w.close()
 
 
-def test_only_a_parent_that_does_not_average_regions_in_is_named_once_with_the_fix(servers, caplog, monkeypatch):
-    """The suite's tier diverged under a Delayed Nesterov parent that fed regional pushes
-    through its outer optimizer. A parent of this version averages them in and says so
-    (no warning, whatever its optimizer); an older one (here: one that does not answer the
-    role) running momentum is named once at the region's first join, with the flags."""
-    from asyncdiloco.ps.transport import grpc_service as service
-
-    dn_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))  # the server's default outer optimizer
-    with caplog.at_level("ERROR", logger="asyncdiloco.ps.tier.upstream"):
-        quiet = servers(_config(), _link(dn_parent))
-        Worker(quiet).close()
-        _synced(quiet)
-        monkeypatch.setattr(service, "REGION_AVERAGED", "not-said")  # an older parent: no answer to the role
-        old_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))
-        warned = servers(_config(), _link(old_parent))
-        Worker(warned).close()
-        _synced(warned)
-    lines = [r.getMessage() for r in caplog.records if "runs outer optimizer" in r.getMessage()]
-    assert len(lines) == 1 and old_parent.address in lines[0]
-    assert "--outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R" in lines[0]
-
-
 def test_sync_now_during_a_push_upward_waits_for_a_push_cut_after_it(servers):
     """Before, sync_now was answered by whichever sync finished next: a push cut before the
     call (in flight) returned it while the region's newest pushes had not gone up."""

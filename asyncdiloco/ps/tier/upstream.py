@@ -90,7 +90,6 @@ class UpstreamLink:
         self._next_push_id = 1
         self._joined = self._synced = self._must_initialize = False
         self._heartbeat_at = 0.0
-        self._warned_outer = False  # the parent's outer optimizer was judged (``_check_parent_outer``)
         self._stop = threading.Event()
         self._wake = threading.Event()
         #: ``sync_now`` requests made, and the newest one a finished push upward was cut after.
@@ -202,29 +201,6 @@ class UpstreamLink:
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
         self._must_initialize = reply.initialize
-        self._check_parent_outer(reply.run_config, self._client.parent_averages_regions)
-
-    def _check_parent_outer(self, rc: pb.RunConfig, averaged: bool) -> None:
-        """A parent of regional servers must average the regions' pseudo-gradients in
-        (θ ← θ − s(τ)·Δ/R): each is already the result of a region's outer optimizer, and a
-        second outer optimizer with momentum on top diverged in the suite's two-region runs
-        (docs/algorithms.md). A parent of this version does so by itself (``averaged``: it
-        answered the regional Join so, wire/roles.py); an older one applies its own outer
-        optimizer, which works only as SGD without momentum, lr 1/R. Said once, loudly, at
-        the first join; the link goes on (the parent is the operator's to restart)."""
-        if self._warned_outer or averaged or (rc.outer_optimizer == "sgd" and rc.outer_momentum == 0):
-            return
-        self._warned_outer = True
-        log.error(
-            "the parent %s runs outer optimizer %s (momentum %g) and does not average regional pushes in (an "
-            "older asyncdiloco): it applies each region's pseudo-gradient, already the result of this region's "
-            "outer optimizer, through a second one, which diverged in the suite's two-region runs; upgrade the "
-            "parent, or start it with --outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R (R regions, e.g. "
-            "0.5 for two)",
-            self.config.parent,
-            rc.outer_optimizer,
-            rc.outer_momentum,
-        )
 
     def _initialize_parent(self) -> None:
         """The parent has no model yet: θ_base (the regional initial parameters) becomes it."""

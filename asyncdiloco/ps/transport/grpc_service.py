@@ -21,7 +21,7 @@ from asyncdiloco.ps.sync.quorum import QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import WirePushRequest, is_chunk
-from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
+from asyncdiloco.wire.roles import ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,6 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", quoted(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)
-        if region:  # this server averages a region's pushes in (a regional server checks for it)
-            context.set_trailing_metadata(((ROLE_KEY, REGION_AVERAGED),))
         return pb.JoinReply(
             worker_id=joined.worker_id,
             run_config=self.state.run_config(joined.worker_id, joining=True),
