@@ -25,8 +25,9 @@ def test_the_worker_command_path_leaves_the_server_unloaded():
 
 def test_the_server_package_names_load_on_first_use():
     import asyncdiloco.ps as ps
+    from asyncdiloco.ps.pull.encoded import Snapshot
     from asyncdiloco.ps.server import ParameterServer
-    from asyncdiloco.ps.state import ParameterServerState, PushOutcome, Snapshot
+    from asyncdiloco.ps.state import ParameterServerState, PushOutcome
 
     assert ps.ParameterServer is ParameterServer
     assert (ps.ParameterServerState, ps.PushOutcome, ps.Snapshot) == (ParameterServerState, PushOutcome, Snapshot)

@@ -146,28 +146,28 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         """One push, whatever the RPC that carried it: push/intake.py ``receive`` (which
         refuses, counts and logs), then its reply; ``first_header`` reads the header,
         ``fill`` the payload, ``drain`` what a retry's payload left unread."""
-        intake = self.state.intake
+        intake, header, token = self.state.intake, None, None
         try:
             header = first_header()
-        except AsyncDiLoCoError as exc:  # no header to hand over
-            log.warning("push refused: %s", exc)
-            intake.count_rejected(0, exc.reason)
-            _abort(context, exc)
-        follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
-        token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
-        try:
+            follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
+            token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
             outcome = intake.receive(header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
+            if token is None:  # refused before it reached the intake (which counts its own refusals)
+                log.warning("push refused: %s", exc)
+                intake.count_rejected(header.worker_id if header is not None else 0, exc.reason)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
+            worker_id = header.worker_id if header is not None else 0
             log.warning(
-                "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied",
-                header.worker_id,
+                "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied", worker_id
             )
-            intake.count_rejected(header.worker_id, "cut_off")
+            intake.count_rejected(worker_id, "cut_off")
             raise
         finally:
-            CURRENT.reset(token)
+            if token is not None:
+                CURRENT.reset(token)
+        assert header is not None
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
         hold = not header.last  # a last push is not held
