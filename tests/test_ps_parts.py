@@ -25,9 +25,8 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
 )
-from asyncdiloco.ps.books import LoggedJoin
+from asyncdiloco.ps.books import Counters, LoggedJoin
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.core import Counters
 from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.durable.wal import JOIN, PUSH, encode_record, read_segment
 from asyncdiloco.ps.state import ParameterServerState

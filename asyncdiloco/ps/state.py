@@ -266,9 +266,9 @@ class ParameterServerState:
 
         Args:
             version: the global version evaluated, 0 <= version <= the current one.
-            loss: mean held-out loss, nats per token; in [0, core.py ``MAX_EVAL_LOSS``].
+            loss: mean held-out loss, nats per token; in [0, books.py ``MAX_EVAL_LOSS``].
             num_tokens: tokens it was measured over, >= 1.
-            evaluator: a name for the dashboard (core.py ``MAX_EVALUATOR_CHARS`` at most).
+            evaluator: a name for the dashboard (books.py ``MAX_EVALUATOR_CHARS`` at most).
         Returns:
             The point kept (``StatusReply.evals``), stamped with the seconds since start.
         Raises:

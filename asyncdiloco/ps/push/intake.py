@@ -21,9 +21,9 @@ from asyncdiloco.errors import (
     PayloadTooLargeError,
     UnknownVersionError,
 )
-from asyncdiloco.ps.books import AppliedAs, PushOutcome, StateLocks, WorkerRecord
+from asyncdiloco.ps.books import AppliedAs, Counters, PushOutcome, StateLocks, WorkerRecord
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.core import Counters, mode_mismatch
+from asyncdiloco.ps.core import mode_mismatch
 from asyncdiloco.ps.pull.receive_pool import ReceivePool
 from asyncdiloco.ps.push.value_scan import ValueScan
 from asyncdiloco.ps.registry import WorkerRegistry

@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncdiloco.errors import reason_codes
-from asyncdiloco.ps.core import TIMED_STEPS, newest_eval
+from asyncdiloco.ps.books import newest_eval
+from asyncdiloco.ps.core import TIMED_STEPS
 from asyncdiloco.ps.registry import WORKER_STATES
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.ps.watch.grpc_metrics import GrpcMetricsInterceptor
