@@ -199,34 +199,27 @@ class PushIntake:
         answered with its original outcome after ``drain`` consumed its payload. The
         worker's lease does not lapse meanwhile, however slow the upload.
 
-        A refusal (any ``AsyncDiLoCoError``) is logged and counted, then raised.
-
         Raises:
             The exceptions of ``refuse`` (before ``fill`` is called: nothing of the payload
             was read), ServerBusyError (no buffer within 30 s), those of ``fill`` and of
             the kind's apply.
         """
-        try:
-            with self._in_progress(header.worker_id):
-                kind = self.refuse(header)
-                if isinstance(kind, PushOutcome):
-                    drain()
-                    return kind
-                before_receive = getattr(kind, "before_receive", None)  # a follower shard's turn (apply.py)
-                if before_receive is not None:
-                    before_receive(header)  # no receive buffer held while it waits
-                assembler = self._assembler(header, kind.pooled, is_active)
-                try:
-                    fill(assembler)
-                    payload = assembler.finish()  # size and CRC-32 checked
-                    scan = assembler.watch
-                    return kind.apply(header, payload, largest=scan.largest if isinstance(scan, ValueScan) else None)
-                finally:  # the payload is not used after this; a buffer of its own is not the pool's
-                    self.pool.release(assembler.buffer)
-        except AsyncDiLoCoError as exc:
-            log.warning("push from worker %d refused: %s", header.worker_id, exc)
-            self.count_rejected(header.worker_id, exc.reason)
-            raise
+        with self._in_progress(header.worker_id):
+            kind = self.refuse(header)
+            if isinstance(kind, PushOutcome):
+                drain()
+                return kind
+            before_receive = getattr(kind, "before_receive", None)  # a follower shard's turn (apply.py)
+            if before_receive is not None:
+                before_receive(header)  # no receive buffer held while it waits
+            assembler = self._assembler(header, kind.pooled, is_active)
+            try:
+                fill(assembler)
+                payload = assembler.finish()  # size and CRC-32 checked
+                scan = assembler.watch
+                return kind.apply(header, payload, largest=scan.largest if isinstance(scan, ValueScan) else None)
+            finally:  # the payload is not used after this; a buffer of its own is not the pool's
+                self.pool.release(assembler.buffer)
 
     def _assembler(self, header: pb.PushHeader, pooled: bool, is_active: Callable[[], bool] | None) -> PayloadAssembler:
         buffer = None  # not pooled (a round result, staged until the vote): a buffer of its own
@@ -381,6 +374,12 @@ class PushIntake:
             held_s=held_s,
             group_max_wait_s=max_wait_next_s,
         )
+
+    def refused(self, worker_id: int, exc: AsyncDiLoCoError) -> None:
+        """A transport's push was refused with ``exc`` (from ``receive``, or before it could
+        read a header: ``worker_id`` 0): logged and counted (``count_rejected``)."""
+        log.warning("push from worker %d refused: %s", worker_id, exc)
+        self.count_rejected(worker_id, exc.reason)
 
     def count_rejected(self, worker_id: int, reason: str = "cut_off") -> None:
         """A push of ``worker_id`` was refused with the exception's ``reason`` code

@@ -240,8 +240,8 @@ class BulkServer:
             raise _Close
 
     def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:
-        """A push through push/intake.py ``receive`` (which refuses, counts and logs), its
-        payload read straight into the receive buffer; then its reply."""
+        """A push through push/intake.py ``receive``, its payload read straight into the
+        receive buffer; then its refusal (``PushIntake.refused``) or its reply."""
         total, reading = header.total_bytes, False
 
         def fill(assembler) -> None:
@@ -262,7 +262,9 @@ class BulkServer:
                 self.state.intake.count_rejected(header.worker_id, "cut_off")
             raise
         except AsyncDiLoCoError as exc:
-            if not reading and isinstance(exc, PayloadCorruptedError):  # the header itself: total_bytes untrusted
+            header_corrupted = not reading and isinstance(exc, PayloadCorruptedError)
+            self.state.intake.refused(0 if header_corrupted else header.worker_id, exc)  # a corrupted id is untrusted
+            if isinstance(exc, PayloadCorruptedError) and header_corrupted:  # total_bytes as untrusted: no drain
                 self._refuse_corrupted_header(conn, exc)
             if not reading:  # refused from its header: the payload is still on the wire
                 if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain

@@ -143,8 +143,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         drain: Callable[[], None],
         context: grpc.ServicerContext,
     ) -> pb.PushReply:
-        """One push, whatever the RPC that carried it: push/intake.py ``receive`` (which
-        refuses, counts and logs), then its reply; ``first_header`` reads the header,
+        """One push, whatever the RPC that carried it: push/intake.py ``receive``, its
+        refusal (``PushIntake.refused``) or its reply; ``first_header`` reads the header,
         ``fill`` the payload, ``drain`` what a retry's payload left unread."""
         intake, header, token = self.state.intake, None, None
         try:
@@ -153,9 +153,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
             outcome = intake.receive(header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
-            if token is None:  # refused before it reached the intake (which counts its own refusals)
-                log.warning("push refused: %s", exc)
-                intake.count_rejected(header.worker_id if header is not None else 0, exc.reason)
+            intake.refused(header.worker_id if header is not None else 0, exc)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
             worker_id = header.worker_id if header is not None else 0
