@@ -252,7 +252,8 @@ class Journal(Protocol):
 
 
 class JournaledState(Protocol):
-    """What a durable store restores, checkpoints and journals."""
+    """What a durable store restores, checkpoints and journals: a state's ``durability``
+    (durable/durability.py), so the store never reaches into the state's locks or fields."""
 
     @property
     def version(self) -> int:

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class DurableStore:
-    """Checkpoints and write-ahead log of one ``ParameterServerState``.
+    """Checkpoints and write-ahead log of one ``ParameterServerState`` (through its ``durability``).
 
     Args:
         config: folder, checkpoint cadence, fallback policy.
