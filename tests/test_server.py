@@ -152,7 +152,7 @@ def good_push(srv, manifest, wid, payload, **over):
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(over)
-    return pb.PushHeader(**fields), list(iter_chunks(payload, cb))
+    return seal(pb.PushHeader(**fields)), list(iter_chunks(payload, cb))
 
 
 _AT_WEIGHT_0_7 = "the first at parameter #0 'weight', index (0, 7)"
@@ -164,15 +164,25 @@ def _header_crc_flip(header: pb.PushHeader) -> None:
 
 
 #: How the refusal tests spoil a good push's header, by case (both RPCs inject the same).
+def _sealed(field: str, value):
+    """A header fault the sender made itself: the field set, the header sealed over it."""
+
+    def fault(header: pb.PushHeader) -> None:
+        setattr(header, field, value(header) if callable(value) else value)
+        seal(header)
+
+    return fault
+
+
 _HEADER_FAULTS = {
-    "future": lambda h: setattr(h, "base_version", 5),
-    "negative": lambda h: setattr(h, "base_version", -1),
-    "stale": lambda h: setattr(h, "base_version", 0),
-    "unknown_worker": lambda h: setattr(h, "worker_id", 99),
-    "wrong_size": lambda h: setattr(h, "total_bytes", 4),
-    "oversized": lambda h: setattr(h, "total_bytes", 5000),
-    "bad_crc": lambda h: setattr(h, "crc32", h.crc32 ^ 1),
-    "push_id_0": lambda h: setattr(h, "push_id", 0),
+    "future": _sealed("base_version", 5),
+    "negative": _sealed("base_version", -1),
+    "stale": _sealed("base_version", 0),
+    "unknown_worker": _sealed("worker_id", 99),
+    "wrong_size": _sealed("total_bytes", 4),
+    "oversized": _sealed("total_bytes", 5000),
+    "bad_crc": _sealed("crc32", lambda h: h.crc32 ^ 1),
+    "push_id_0": _sealed("push_id", 0),
     "header_crc": _header_crc_flip,
 }
 

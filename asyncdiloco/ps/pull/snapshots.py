@@ -1,46 +1,31 @@
-"""What pulls are served: θ read in place for a raw fp32 model (live.py ``LiveView``),
-else snapshots of θ of one version, encoded once as the Pull stream's chunk messages and
-shared by every concurrent pull of that version (buffers.py ``Snapshot``).
-
-Read in place: a pull registers with the view of θ's version and copies each chunk out
-as it sends it; the CRC-32 of a version is taken in the outer step that makes it while
-pulls come (else by its first pull). Before θ changes, the view of the version being
-replaced moves into the pushed Δ's receive buffer as the step goes, or is copied (sync
-rounds, regional rebases, replays), when a pull reads it or pulls are coming; so a pull
-during an apply is served the version the apply started from without taking the apply
-lock, and no version costs memory outside the receive budget (``step_and_encode``).
-
-Encoded: while pulls keep coming, the apply that makes a version encodes its snapshot
-after its step (``after_apply``), and an apply that starts from a version without a
-snapshot encodes that one before its outer step (``before_apply``); a pull during an
-apply is served the newest complete snapshot; otherwise the first pull of a version
-encodes it (``acquire``). At most ``ServerConfig.pull_snapshots`` versions stay in
-memory (buffers.py ``PullSnapshots`` keeps that count).
-
-Only a pull that finds nothing of the current version (the first pull of a run, or the
-first after ``lease_s`` without pulls) while an apply runs waits for that apply.
-``open_pull`` says what one pull sends: a view, a shared snapshot, or sync mode's
-private copy of θ and m for a healing member.
+"""What pulls are served (``Snapshots``): θ read in place for a raw fp32 model
+(live_view.py), else snapshots of one version encoded once and shared by every pull of it
+(encoded.py); the hooks an outer step calls so that pulls during it are served the version
+it started from (``before_step``/``after_step``); ``open_pull``, what one pull sends.
+docs/architecture.md, "How a pull flows"; docs/performance.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from asyncdiloco.algo.outer import BlockHook, chain_hooks
 from asyncdiloco.errors import NotInitializedError
-from asyncdiloco.ps.buffers import PullSnapshots, PullSource, ReceivePool, Snapshot, encode_snapshot
+from asyncdiloco.ps.books import StateLocks
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.live import LiveView, crc_hook
+from asyncdiloco.ps.core import mode_mismatch
 from asyncdiloco.ps.model import GlobalModel
-from asyncdiloco.ps.modes import Mode
-from asyncdiloco.ps.records import StateLocks
+from asyncdiloco.ps.pull.encoded import PullSnapshots, Snapshot, encode_snapshot
+from asyncdiloco.ps.pull.live_view import LiveView, crc_hook
+from asyncdiloco.ps.pull.receive_pool import ReceivePool
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.grpc_chunks import chunk_messages
 from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import crc32_of, num_chunks_for
 
@@ -72,14 +57,18 @@ class Snapshots:
         self.wait_s = SNAPSHOT_WAIT_S
         self._build_lock = threading.Lock()  # one builder at a time; the others reuse its result
         #: The receive pool, whose buffers an apply's Δ arrives in (set by the state): the
-        #: version an apply replaces moves into its Δ's buffer (live.py ``begin_swap``).
+        #: version an apply replaces moves into its Δ's buffer (live_view.py ``begin_swap``).
         self.pool: ReceivePool | None = None
-        #: The view pulls of raw fp32 θ read (live.py): of θ's version, or during a change
+        #: The view pulls of raw fp32 θ read (live_view.py): of θ's version, or during a change
         #: of θ, of the version being replaced. None: no pull since the last change.
         self._live: LiveView | None = None
+        #: During a step (``before_step`` to ``after_step``): the view moving into Δ's buffer,
+        #: and the new θ's CRC-32 taken in the step.
+        self._swapping: LiveView | None = None
+        self._crc_of_new: Callable[[], int] | None = None
 
     def serves_live(self) -> bool:
-        """True when pulls read θ itself (live.py): a raw fp32 model on the CPU; else they
+        """True when pulls read θ itself (live_view.py): a raw fp32 model on the CPU; else they
         are served encoded snapshots."""
         theta = self.model.params
         return theta is not None and theta.device.type == "cpu" and self.model.pulls_raw_theta()
@@ -196,27 +185,24 @@ class Snapshots:
         if self.slots.has_room():
             self.slots.publish(self.encode(version), keep_wanted=True)
 
-    def step_and_encode(
-        self, version: int, step: Callable[[BlockHook | None], None], swap_into: torch.Tensor | None = None
-    ) -> Snapshot | LiveView | None:
-        """Run an outer step that makes ``version`` (``apply`` lock held) and prepare what
-        pulls of it are served; publish the result with ``publish``.
+    def before_step(self, version: int, swap_into: torch.Tensor | None = None) -> BlockHook | None:
+        """An outer step that makes ``version`` is about to run (``apply`` lock held):
+        the hook it calls after each block of θ (None: none), and ``after_step`` must
+        follow it, however the step ends.
 
         θ read in place (``serves_live``): the view of ``version − 1`` moves, block by
         block as the step goes, into ``swap_into`` (the uint8 receive buffer Δ is read
-        from, held in the receive budget until its last pull ends; live.py
+        from, held in the receive budget until its last pull ends; live_view.py
         ``begin_swap``) when a pull reads it or pulls are coming, else it is closed; and
         when pulls came since the last version, the new θ's CRC-32 is taken per block
-        while it is in cache. Returns the new version's view. Otherwise (encoded
-        snapshots): ``before_apply``, ``step(None)``, ``after_apply``."""
+        while it is in cache. Otherwise (encoded snapshots): ``before_apply``."""
+        self._swapping, self._crc_of_new = None, None
         if not self.serves_live():
             self.before_apply(version - 1)
-            step(None)
-            return self.after_apply(version)
+            return None
         theta = self.model.theta
         hooks: list[BlockHook] = []
         old = self._live if self._live is not None and self._live.reads(theta) else None
-        swapping = False
         if old is not None and old.version != version - 1:
             old.freeze(keep=False)  # (θ changed without a view of it: never left read in place)
         elif old is not None:
@@ -227,20 +213,25 @@ class Snapshots:
                 release = self.pool.hold(target, evict=old.evict)
             if release is not None and target is not None:
                 hooks.append(old.begin_swap(target, release))
-                swapping = True
+                self._swapping = old
             else:
                 old.freeze(keep=keep)
-        crc_of_new = None
         if self.slots.wanted:  # pulls came since the last version: the new one's CRC in the same pass
-            hook, crc_of_new = crc_hook(theta)
+            hook, self._crc_of_new = crc_hook(theta)
             hooks.append(hook)
-        try:
-            step(chain_hooks(hooks))
-        finally:
-            if swapping:
-                assert old is not None
-                old.finish_swap()
-        return LiveView(version, theta, crc32=None if crc_of_new is None else crc_of_new())
+        return chain_hooks(hooks)
+
+    def after_step(self, version: int) -> Snapshot | LiveView | None:
+        """The step ``before_step`` prepared ended (``apply`` lock held): what pulls of
+        ``version`` are served (publish it with ``publish``)."""
+        if self._swapping is not None:
+            self._swapping.finish_swap()
+            self._swapping = None
+        if not self.serves_live():
+            return self.after_apply(version)
+        crc = None if self._crc_of_new is None else self._crc_of_new()
+        self._crc_of_new = None
+        return LiveView(version, self.model.theta, crc32=crc)
 
     def after_apply(self, version: int) -> Snapshot | LiveView | None:
         """The snapshot of the version an apply just made (``apply`` lock held), when pulls
@@ -271,8 +262,8 @@ class Snapshots:
     def open_pull(
         self,
         request: pb.PullRequest,
-        mode: Mode,
         run_config: Callable[[int], pb.RunConfig],
+        sync_state: Callable[[], tuple[int, torch.Tensor]] | None = None,
         max_wait_s: float = math.inf,
     ) -> PullSource:
         """What a Pull sends (over gRPC or the bulk channel): its header and payload.
@@ -280,8 +271,9 @@ class Snapshots:
 
         Args:
             request: the pull; ``sync_state`` asks for θ and m (sync mode's healing pull).
-            mode: the server's mode (it serves or refuses the sync-state pull).
             run_config: the run config of a worker id, for the header.
+            sync_state: sync mode's (round, θ and m as float32 bytes) for a healing pull
+                (sync/rounds.py); None on an async server, which refuses that pull.
             max_wait_s: the longest the pull may wait for a snapshot slot (``acquire``), seconds.
         Returns:
             A ``PullSource``: the header (version, size, chunk count, CRC-32, run config)
@@ -293,7 +285,9 @@ class Snapshots:
         live: LiveView | None = None
         payload: torch.Tensor | None = None
         if request.sync_state:
-            version, payload = mode.sync_state()
+            if sync_state is None:
+                raise mode_mismatch(self.config.mode, "a sync-state pull")
+            version, payload = sync_state()
             total, crc = payload.numel(), crc32_of(payload)
         else:
             got = self.acquire(max_wait_s)
@@ -312,7 +306,7 @@ class Snapshots:
             num_chunks=num_chunks_for(total, self.config.chunk_bytes),
             crc32=crc,
             run_config=run_config(request.worker_id),
-            round=mode.pull_round(version),
+            round=version if self.config.mode == "sync" else 0,
         )
         return PullSource(seal(header), snap, payload, live)
 
@@ -322,3 +316,39 @@ class Snapshots:
             self.release(source.live)
         elif source.snapshot is not None:
             self.release(source.snapshot)
+
+
+@dataclasses.dataclass(frozen=True)
+class PullSource:
+    """What one pull sends, over gRPC or the bulk channel: its header, then the payload
+    from θ itself (``live``: raw fp32 models, live_view.py), a shared ``Snapshot`` (encoded
+    models), or a private payload (sync-state pulls).
+    Obtained from ``ParameterServerState.open_pull``; give it back with ``close_pull``."""
+
+    header: pb.PullHeader
+    snapshot: Snapshot | None = None
+    payload: torch.Tensor | None = None  # 1-D uint8 CPU, when there is no snapshot
+    live: LiveView | None = None
+
+    def _private(self) -> torch.Tensor:
+        assert self.payload is not None, "a PullSource holds a view, a snapshot or a payload"
+        return self.payload
+
+    def messages(self, chunk_bytes: int) -> Iterator[bytes]:
+        """The serialised ``PullMessage(chunk=...)`` of each chunk (ready-made for a snapshot)."""
+        if self.live is not None:
+            yield from self.live.messages(chunk_bytes)
+        elif self.snapshot is not None:
+            yield from self.snapshot.messages
+        else:
+            yield from chunk_messages(self._private(), chunk_bytes)
+
+    def data_views(self, chunk_bytes: int) -> Iterator[memoryview]:
+        """The payload as read-only memoryviews, in order (a live view's piece is valid
+        until the next is asked for; the others are zero-copy)."""
+        if self.live is not None:
+            yield from self.live.data_views(chunk_bytes)
+        elif self.snapshot is not None:
+            yield from self.snapshot.data_views()
+        else:
+            yield self._private().numpy().data.toreadonly()

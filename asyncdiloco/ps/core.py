@@ -1,25 +1,36 @@
-"""What the server's hot path tells its watchers: how long its slow steps took, and the
-moment the global model is initialized.
-
-One ``Observer`` per state (``CoreParts.observer``). The parts call ``timed`` around the
-outer step (apply.py, rounds.py) and the durable store around each log write and
-checkpoint (store.py); with no sink attached (metrics off, the default) a timing costs two
-``perf_counter`` calls and nothing is kept. ``ParameterServer`` attaches the Prometheus
-histograms (metrics.py) when ``--metrics-port`` is set, and the health service listens for
-the initialization (server.py). It also counts the durable store's failures (a full
-disk), which the metrics read at each scrape. Everything else the metrics show is read from the state
-when they are scraped, not recorded here.
+"""What every room of the server shares: ``CoreParts`` (config, clock, locks, model,
+worker table, counters, journal, observer), the observer of the hot path's timings
+(``Observer``, read by watch/metrics.py) and the refusal of a request of the other mode.
+docs/architecture.md, "The server's rooms".
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+from asyncdiloco.errors import ModeMismatchError
+from asyncdiloco.ps.books import Counters, JournalSlot, StateLocks
+from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.model import GlobalModel
+from asyncdiloco.ps.registry import WorkerRegistry
+
 log = logging.getLogger(__name__)
+
+
+def mode_mismatch(mode: str, what: str) -> ModeMismatchError:
+    """The refusal of a request of the other mode on a ``mode`` ("async"/"sync") server;
+    ``what`` names the request."""
+    other = "sync" if mode == "async" else "async"
+    return ModeMismatchError(
+        f"mode mismatch: {what} is a {other}-mode request but this server runs --mode {mode}; "
+        f"start the worker with --mode {mode}, or the server with --mode {other}"
+    )
+
 
 #: The timed steps: the outer optimizer's step on one push or round; one write-ahead-log
 #: append (write and fsync); one checkpoint (both files written, the folder pruned).
@@ -78,3 +89,49 @@ class Observer:
                 callback()
             except Exception:  # a watcher's bug must not fail the push that initialized
                 log.exception("a listener of the model's initialization failed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoreParts:
+    """What every part built on the core may read and change (under ``locks``).
+
+    Attributes:
+        config: the server configuration.
+        clock: the server's monotonic clock, seconds.
+        locks: the state's two locks (books.py).
+        model: θ, the outer optimizer, the version, the manifest (model.py).
+        registry: the worker table, leases, DyLU (registry.py).
+        counters: the status numbers (core.py).
+        journal: where Joins and pushes are logged, if anywhere (books.py).
+        observer: the hot path's timings and the initialization event (core.py).
+    """
+
+    config: ServerConfig
+    clock: Callable[[], float]
+    locks: StateLocks
+    model: GlobalModel
+    registry: WorkerRegistry
+    counters: Counters
+    journal: JournalSlot
+    observer: Observer = dataclasses.field(default_factory=Observer)
+
+    @classmethod
+    def build(
+        cls,
+        config: ServerConfig,
+        clock: Callable[[], float],
+        grouping: str,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> CoreParts:
+        """Fresh parts for a new state; ``grouping``: the grouping mode in effect;
+        ``wall_clock``: wall-clock seconds (workers' last contacts outlive a restart)."""
+        model, journal = GlobalModel(config), JournalSlot(wall_clock)
+        return cls(
+            config=config,
+            clock=clock,
+            locks=StateLocks(),
+            model=model,
+            registry=WorkerRegistry(config, clock, grouping, model, journal, wall_clock),
+            counters=Counters(config.histogram_buckets, clock),
+            journal=journal,
+        )

@@ -1,37 +1,11 @@
-"""Sync mode on the server's state: the round result, the committed round's outer
-step, the quorum and commit calls, and the healing pull (synchronous DiLoCo, Douillard
-et al. 2023, arXiv 2311.08105, Alg. 1; LocalSGD with the plain SGD outer step).
+"""Sync mode on the server's state (synchronous DiLoCo, Douillard et al. 2023, arXiv
+2311.08105, Alg. 1; LocalSGD with the plain SGD outer step): the round result rank 0
+uploads (staged until the vote), the committed round's outer step, the quorum, commit
+and store calls, per-member H_w, durable rounds and the healing pull. The rounds
+themselves are run by quorum.py's ``QuorumManager``. docs/algorithms.md, "Synchronous
+DiLoCo"; docs/architecture.md.
 
-The rounds themselves (quorum formation, votes, the round counter) are run by the
-network-free ``QuorumManager`` (quorum.py, whose docstring describes a round step by
-step). This module is what the state adds around it: rank 0 of each quorum uploads the
-reduced pseudo-gradient Δ̄ (``PUSH_KIND_ROUND_RESULT``, float32 (N,)) before it votes,
-and it is staged until the vote; on commit the state applies the same ``OuterOptimizer``
-step to θ and m that every member applies to its θ_base, and the version becomes the
-committed-round count. So the server always holds the committed θ and m, and a joining
-or healing member pulls both (``sync_state``) before its first round.
-
-Per-member local steps (``--sync-local-steps``): at each decision ``next_local_steps``
-folds the votes' rates (``num_local_steps / compute_s``) into the worker table's
-``StepRateMeter`` and asks the table for every member's H_w for its next round
-(registry.py ``plan_sync_round``: H, or DyLU over the round's members), which the
-decision carries to each member's Commit reply.
-
-Durable rounds: with a journal attached (store.py), a committed round is logged (a
-``PUSH`` record of kind ``ROUND_RESULT``: Δ̄ as float32 bytes, the round it made) before
-it is applied or any member learns the decision, and replayed at start-up like a
-pseudo-gradient; checkpoints keep the quorum ids and the failed-round count
-(``to_meta``). So a restarted server goes on at the last committed round: a member whose
-θ_base is from it goes on, one that missed the commit is told to heal, and a member of a
-round in flight at the restart finds its quorum unknown (its vote and rendezvous are
-refused) and starts over from its θ_base. The global counters of replayed rounds come
-back; the per-worker ones only as of the checkpoint.
-
-The rendezvous store (rendezvous.py): each quorum's namespace opens when its first
-member collects the assignment, serves only its members (``store``) and is dropped when
-the round is decided.
-
-Lock order: the quorum's condition, then the state's locks (records.py ``StateLocks``).
+Lock order: the quorum's condition, then the state's locks (books.py ``StateLocks``).
 """
 
 from __future__ import annotations
@@ -42,16 +16,15 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeMismatchError, NotInitializedError
-from asyncdiloco.ps.intake import check_values
-from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, NO_WATCH, CallWatch, HeldWaits, check_wait, max_held_waits
-from asyncdiloco.ps.modes import PushHandler
-from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
-from asyncdiloco.ps.quorum_types import MemberVote
-from asyncdiloco.ps.records import AppliedAs, PushOutcome, Vote, WorkerRecord
-from asyncdiloco.ps.rendezvous import RendezvousStore
-from asyncdiloco.ps.snapshots import Snapshots
+from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, NotInitializedError
+from asyncdiloco.ps.books import AppliedAs, PushOutcome, Vote, WorkerRecord
+from asyncdiloco.ps.core import CoreParts
+from asyncdiloco.ps.pull.snapshots import Snapshots
+from asyncdiloco.ps.push.value_check import check_values
+from asyncdiloco.ps.sync.long_poll import HOLD_S, KEEP_S, NO_WATCH, CallWatch, HeldWaits, check_wait, max_held_waits
+from asyncdiloco.ps.sync.quorum import Assignment, CommittedRound, Decision, QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.quorum_types import MemberVote
+from asyncdiloco.ps.sync.rendezvous import RendezvousStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -65,49 +38,44 @@ class RoundResult:
     #: Staged until the vote, so not in the receive pool: a buffer of its own.
     pooled = False
 
-    def __init__(self, mode: SyncMode) -> None:
-        self.mode = mode
+    def __init__(self, rounds: SyncRounds) -> None:
+        self.rounds = rounds
 
     def check(self, header: pb.PushHeader) -> None:
         """Raises NotInitializedError: no θ yet."""
-        if not self.mode.model.initialized:
+        if not self.rounds.model.initialized:
             raise NotInitializedError("not initialized: no global parameters yet to apply a round result to")
 
     def payload_bytes(self) -> tuple[int, str]:
-        return self.mode.model.known_manifest.numel * 4, "(see the manifest from Join)"  # float32 Δ̄, any dtypes
+        return self.rounds.model.known_manifest.numel * 4, "(see the manifest from Join)"  # float32 Δ̄, any dtypes
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """Stage Δ̄ (the payload viewed as float32 (N,)) for the quorum's vote (``largest``:
-        ‖Δ̄‖∞ scanned as it landed, values.py).
+        ‖Δ̄‖∞ scanned as it landed, value_scan.py).
 
         Raises:
             InvalidPayloadError: wrong size or non-finite values. UnknownWorkerError.
             RoundRefusedError: not the round in flight, or not its rank 0.
         """
-        return self.mode.stage_result(header, payload, largest)
+        return self.rounds.stage_result(header, payload, largest)
 
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged committed round (start-up replay; both locks held): Δ̄ float32
         (N,), the round ``applied.version_after`` it made."""
-        self.mode.replay_round(header, delta, applied)
+        self.rounds.replay_round(header, delta, applied)
 
 
-class SyncMode:
+class SyncRounds:
     """Sync mode: quorum rounds (see the module docstring).
 
     Args:
         parts: the core parts (θ and the version = committed rounds, the worker table,
             the counters, the locks).
-        initial: the initial parameters' push kind (apply.py).
         live_worker_ids: the live workers (takes the books lock; the quorum calls it).
         snapshots: the pull snapshots (the round before is kept for the pulls during a step).
     """
 
-    name = "sync"
-
-    def __init__(
-        self, parts: CoreParts, initial: PushHandler, live_worker_ids: Callable[[], set[int]], snapshots: Snapshots
-    ) -> None:
+    def __init__(self, parts: CoreParts, live_worker_ids: Callable[[], set[int]], snapshots: Snapshots) -> None:
         self.parts = parts
         self.snapshots = snapshots
         self.config = parts.config
@@ -116,13 +84,9 @@ class SyncMode:
         self.registry = parts.registry
         self.counters = parts.counters
         self.round_result = RoundResult(self)
-        self.kinds: Mapping[int, PushHandler] = {
-            pb.PUSH_KIND_INITIAL_PARAMETERS: initial,
-            pb.PUSH_KIND_ROUND_RESULT: self.round_result,
-        }
         #: The quorums' rendezvous namespaces (the Store RPC).
         self.rendezvous = RendezvousStore()
-        self.quorum: QuorumManager | None = QuorumManager(
+        self.quorum = QuorumManager(
             self.config.sync,
             live_workers=live_worker_ids,
             on_commit=self.apply_round,
@@ -134,24 +98,10 @@ class SyncMode:
         #: What a restore found (checkpoint and log), for ``resume``.
         self._next_quorum_id, self._rounds_failed = 1, 0
 
-    @property
-    def rounds(self) -> QuorumManager:
-        """The quorum manager (always there in sync mode)."""
-        assert self.quorum is not None
-        return self.quorum
-
-    def mismatch(self, what: str) -> ModeMismatchError:
-        return ModeMismatchError(
-            f"mode mismatch: {what} is an async-mode request but this server runs --mode sync; "
-            f"start the worker with --mode sync, or the server with --mode async"
-        )
-
-    def pull_round(self, version: int) -> int:
-        return version
-
-    def on_leave(self, worker_id: int) -> None:
-        self.rounds.withdraw(worker_id)  # outside the state's lock: the quorum calls live_worker_ids
-        self.rounds.notify()
+    def withdraw(self, worker_id: int) -> None:
+        """A worker left (no state lock held: the quorum calls ``live_worker_ids``)."""
+        self.quorum.withdraw(worker_id)
+        self.quorum.notify()
 
     # ------------------------------------------------------------ the round
     def stage_result(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
@@ -177,7 +127,7 @@ class SyncMode:
         )
         with self.locks.books:
             self.registry.touch(header.worker_id, header.session_id)
-        self.rounds.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
+        self.quorum.stage_result(header.worker_id, header.quorum_id, delta)  # RoundRefusedError
         with self.locks.books:
             self.counters.bytes_pushed += header.total_bytes
             return PushOutcome(True, False, self.model.version, 0, 1.0, self.config.local_steps)
@@ -243,7 +193,7 @@ class SyncMode:
         """The rounds' part of a checkpoint (read without the quorum's lock, which must
         not be taken under the state's: both are counters that only grow). The
         committed-round count is the version, saved with θ."""
-        return {"next_quorum_id": self.rounds.next_quorum_id, "rounds_failed": self.rounds.rounds_failed}
+        return {"next_quorum_id": self.quorum.next_quorum_id, "rounds_failed": self.quorum.rounds_failed}
 
     def load_meta(self, meta: dict | None) -> None:
         """Take a checkpoint's ``to_meta`` (None: a checkpoint without it)."""
@@ -256,9 +206,9 @@ class SyncMode:
         version, quorum ids after every one the checkpoint and the log know."""
         with self.locks.books:
             version = self.model.version
-        self.rounds.resume(version, rounds_failed=self._rounds_failed, next_quorum_id=self._next_quorum_id)
+        self.quorum.resume(version, rounds_failed=self._rounds_failed, next_quorum_id=self._next_quorum_id)
         if version:
-            log.info("sync rounds resume at round %d (next quorum id %d)", version, self.rounds.next_quorum_id)
+            log.info("sync rounds resume at round %d (next quorum id %d)", version, self.quorum.next_quorum_id)
 
     def _version(self) -> int:
         with self.locks.books:
@@ -327,11 +277,11 @@ class SyncMode:
             )
         if poll:
             with self.held_waits.hold(min(timeout_s, call.left_s)) as hold_s:
-                got = self.rounds.poll_quorum(
+                got = self.quorum.poll_quorum(
                     worker_id, worker_round, hold_s=hold_s, keep_s=KEEP_S, final=timeout_s <= HOLD_S, alive=call.alive
                 )
         else:
-            got = self.rounds.wait_quorum(worker_id, worker_round, min(timeout_s, call.left_s), alive=call.alive)
+            got = self.quorum.wait_quorum(worker_id, worker_round, min(timeout_s, call.left_s), alive=call.alive)
         if isinstance(got, Assignment):
             self.rendezvous.open(got.quorum_id, got.members)
         return got
@@ -349,7 +299,7 @@ class SyncMode:
         """
         check_wait(timeout_s, poll=poll, what="Commit")
         self._check_request(vote.worker_id)
-        decision = self.rounds.vote(
+        decision = self.quorum.vote(
             vote.worker_id,
             vote.quorum_id,
             success=vote.success,
@@ -364,11 +314,11 @@ class SyncMode:
             if poll:
                 with self.held_waits.hold(wait_s) as hold_s:
                     if hold_s > 0:
-                        decision = self.rounds.wait_decision(
+                        decision = self.quorum.wait_decision(
                             vote.quorum_id, hold_s, worker_id=vote.worker_id, alive=call.alive
                         )
             else:
-                decision = self.rounds.wait_decision(vote.quorum_id, wait_s, worker_id=vote.worker_id, alive=call.alive)
+                decision = self.quorum.wait_decision(vote.quorum_id, wait_s, worker_id=vote.worker_id, alive=call.alive)
         if decision is not None:
             self.rendezvous.close(vote.quorum_id)
             self.parts.journal.maybe_checkpoint()  # outside every lock
@@ -383,7 +333,7 @@ class SyncMode:
             the round ended: its namespace is gone), InvalidPayloadError, PayloadTooLargeError.
         """
         self._check_request(request.worker_id)
-        if self.rounds.decision(request.quorum_id) is not None:
+        if self.quorum.decision(request.quorum_id) is not None:
             self.rendezvous.close(request.quorum_id)  # decided, though no vote has returned yet
         return self.rendezvous.serve(request)
 

@@ -5,7 +5,7 @@ domain's, prefixed ``asyncdiloco_``, units in the names as Prometheus asks.
 Most domain metrics are read from the state when they are scraped (``StateCollector``:
 one ``status()`` per scrape, under the books lock as any Status call), so the hot path
 pays nothing for them. Only three durations are recorded as they happen, through the
-state's ``Observer`` (observer.py): the outer step, the write-ahead-log write and the
+state's ``Observer`` (core.py): the outer step, the write-ahead-log write and the
 checkpoint. docs/operations.md ("Watching a run") lists every metric with its unit.
 """
 
@@ -19,11 +19,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncdiloco.errors import reason_codes
-from asyncdiloco.ps.counters import newest_eval
-from asyncdiloco.ps.grpc_metrics import GrpcMetricsInterceptor
-from asyncdiloco.ps.observer import TIMED_STEPS
+from asyncdiloco.ps.books import newest_eval
+from asyncdiloco.ps.core import TIMED_STEPS
 from asyncdiloco.ps.registry import WORKER_STATES
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.watch.grpc_metrics import GrpcMetricsInterceptor
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: Histogram buckets, seconds: an outer step or log write (sub-ms to seconds), a checkpoint.
@@ -181,7 +181,7 @@ class ServerMetrics:
         state.observer.attach(self.observe)
 
     def observe(self, step: str, seconds: float) -> None:
-        """One timed step (observer.py ``TIMED_STEPS``) took ``seconds``."""
+        """One timed step (core.py ``TIMED_STEPS``) took ``seconds``."""
         self._timings[step].observe(seconds)
 
     def detach(self) -> None:

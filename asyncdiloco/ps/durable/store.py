@@ -1,38 +1,8 @@
-"""Durable server state: checkpoints plus a write-ahead log (WAL), for exactly-once pushes.
-
-Mechanism (what survives ``kill -9`` at any moment):
-
-1. **Write-ahead log** (record format in wal.py). Every state change a worker is told
-   about (a Join, an applied push) is appended to the current log segment and fsynced
-   *before* it is applied in memory and acknowledged. A push record holds everything
-   its outer step depends on (τ, s(τ), the live-worker count, the version it produced)
-   and the payload exactly as received, so replaying it reproduces θ and the outer
-   optimizer's state bit for bit. A torn record at the very end of the log (the crash
-   hit during its append, so it was never acknowledged) is cut off at start-up; a
-   damaged record anywhere else stops start-up.
-2. **Checkpoints** every ``checkpoint_every`` applied pushes, on start-up (after
-   replay) and on shutdown: θ and the outer optimizer's vectors keyed by parameter
-   name (``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``), saved with
-   ``torch.save`` and read back with ``torch.load(weights_only=True)`` (no pickled
-   objects), and a JSON sidecar with the version, LSN, manifest, outer-optimizer
-   config, wire codec (push records hold encoded payloads), worker table, applied push
-   ids with their outcomes, counters, and the SHA-256 of the tensor file and of itself.
-   Each file is written to a temp name, fsynced, renamed, and the folder fsynced; the
-   sidecar is renamed last and is the commit point. The two newest good checkpoints are kept, and the log back to the
-   older one, so ``--fallback-to-previous`` can resume from it and replay forward.
-3. **Start-up** loads the newest checkpoint (a corrupt, truncated or mismatched one
-   stops start-up with a message saying which file and why, unless told to fall back),
-   replays the log records after its LSN, and checkpoints at once.
-
-So the global model after a restart equals the replay, in version order, of every push
-the server acknowledged (plus possibly pushes logged but not yet acknowledged when it
-died; their workers resend them with the same push_id and get the original outcome, as
-the dedup table is part of the durable state). Cost: one fsync per push; measured in
-asyncdiloco/bench/perf/wal_cost.py.
-
-Folder layout: ``ckpt-<LSN>.pt`` / ``ckpt-<LSN>.json``, ``wal-<first LSN>.log``, and a
-``LOCK`` file (flock) so two servers never share a folder. ``restore_read_only`` reads
-a folder without the lock and without changing it, while its server runs (the export).
+"""The durable store: checkpoints plus a write-ahead log, so that every push a worker was
+told about survives ``kill -9`` and is applied exactly once (``DurableStore``: append and
+fsync before apply, checkpoints every ``checkpoint_every`` pushes, restore and replay at
+start-up, a ``LOCK`` file per folder, a read-only restore for the export). The mechanism
+and the folder layout: docs/operations.md, "Checkpoints, and what a crash loses".
 """
 
 from __future__ import annotations
@@ -52,19 +22,26 @@ import torch
 from asyncdiloco._atomic import fsync_dir
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.checkpoints import (
+from asyncdiloco.ps.books import AppliedAs, JournaledState, LoggedJoin
+from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.core import Observer
+from asyncdiloco.ps.durable.checkpoints import (
     checkpoint_lsns,
     load_checkpoint,
     prune,
     remove_partial_checkpoint,
     write_checkpoint,
 )
-from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.journal import JournaledState
-from asyncdiloco.ps.observer import Observer
-from asyncdiloco.ps.records import AppliedAs, LoggedJoin
-from asyncdiloco.ps.segment import LogSegment
-from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, manifest_to_json, push_meta, read_segment, replay_record
+from asyncdiloco.ps.durable.segment import LogSegment
+from asyncdiloco.ps.durable.wal import (
+    JOIN,
+    PUSH,
+    encode_record,
+    manifest_to_json,
+    push_meta,
+    read_segment,
+    replay_record,
+)
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE
 
@@ -72,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class DurableStore:
-    """Checkpoints and write-ahead log of one ``ParameterServerState``.
+    """Checkpoints and write-ahead log of one ``ParameterServerState`` (through its ``durability``).
 
     Args:
         config: folder, checkpoint cadence, fallback policy.
@@ -410,7 +387,7 @@ def read_only_config(folder: pathlib.Path) -> ServerConfig:
     side = folder / f"ckpt-{lsns[0]:020d}.json"
     try:
         meta = json.loads(side.read_bytes())
-        wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
+        wire = meta["wire"]
         return ServerConfig(
             outer=OuterConfig(**meta["outer"]),
             wire_codec=wire["wire_codec"],

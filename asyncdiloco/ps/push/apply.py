@@ -1,34 +1,22 @@
-"""Applying pushes to the global model: the initial parameters, and pseudo-gradients
-with the outer optimizer weighted by their staleness (async mode).
-
-Push semantics (Liu et al. 2024, arXiv 2401.09135, Sec. 3; staleness weights s(τ) in
-outer.py): a pseudo-gradient Δ with base version v arriving at version V has staleness
-τ = V − v; it is refused when τ > max_staleness or v > V, otherwise the outer optimizer
-steps on s(τ)·Δ at once and the version becomes V + 1. The step that produces version
-V + 1 is applied at version V, which keys the outer learning rate's schedule, live and
-in log replay. A worker's closing push (``PushHeader.last``: its partial round at close)
-takes the outer step's direct term alone, N not shrunk by the Leaves of the run's end
-(outer.py ``step_closing``). The initial parameters become θ (version unchanged).
-
-Each apply: decode (outside the locks) → check the values → under the ``apply`` lock:
-admit (lease, τ, s(τ), the live-worker count N; logged to the journal), the outer step
-(tensor math, ``books`` free meanwhile; for a raw fp32 model the version it replaces moves
-into Δ's receive buffer block by block for the pulls still reading it, and the new θ's
-CRC-32 is taken in the same pass when pulls are coming: snapshots.py ``step_and_encode``), then
-under ``books``: the version, the counters, the remembered outcome, and the hand-offs of
-a pseudo-gradient: the step-rate meter (DyLU), the push group (schedule.py ``GroupGate``;
-Alg. 2) and the divergence monitor.
+"""Applying pushes to the global model (both modes' initial parameters; async mode's
+pseudo-gradients with the outer optimizer weighted by their staleness, Liu et al. 2024,
+arXiv 2401.09135, Sec. 3). Each apply: decode (outside the locks), check the values,
+then under the ``apply`` lock admit (lease, τ, s(τ), N; logged), the outer step (pulls
+hook in per block: pull/snapshots.py ``before_step``), then the books. The semantics:
+docs/algorithms.md; the path: docs/architecture.md, "One push".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import torch
 
 from asyncdiloco.algo.outer import (
     BlockDelta,
-    BlockHook,
     DelayedNesterov,
     PseudoGradientMonitor,
     average_in,
@@ -36,14 +24,14 @@ from asyncdiloco.algo.outer import (
 )
 from asyncdiloco.algo.schedule import GroupGate
 from asyncdiloco.errors import InvalidPayloadError, NotInitializedError, StalePushError, UnknownVersionError
-from asyncdiloco.ps.intake import check_values
-from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import AppliedAs, PushOutcome, WorkerRecord
-from asyncdiloco.ps.shard_order import CURRENT, OrderGate, ShardOrder
-from asyncdiloco.ps.snapshots import Snapshots
+from asyncdiloco.ps.books import AppliedAs, PushOutcome, WorkerRecord
+from asyncdiloco.ps.core import CoreParts
+from asyncdiloco.ps.pull.snapshots import Snapshots
+from asyncdiloco.ps.push.shard_order import CURRENT, OrderGate, ShardOrder
+from asyncdiloco.ps.push.value_check import check_values
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
-#: The push id a follower shard logs its zero fills with (ps/shard_order.py); real pushes start at 1.
+#: The push id a follower shard logs its zero fills with (ps/push/shard_order.py); real pushes start at 1.
 ZERO_FILL_PUSH_ID = 0
 
 
@@ -80,7 +68,7 @@ class InitialParameters:
                 f"initialized at version {model.version}; pull the global model instead"
             )
         if header.worker_id != registry.initializer and self.parts.config.shard_index == 0:
-            # a follower shard takes them from whoever initialized shard 0 (ps/shard_order.py)
+            # a follower shard takes them from whoever initialized shard 0 (ps/push/shard_order.py)
             raise StalePushError(
                 f"initial parameters from worker {header.worker_id} refused: worker {registry.initializer} "
                 f"was chosen to initialize; pull the global model once it is there"
@@ -91,7 +79,7 @@ class InitialParameters:
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """θ ← the payload (in the manifest's layout), a fresh outer optimizer
-        (``largest``: its ‖x‖∞ scanned as it landed, values.py; else computed here).
+        (``largest``: its ‖x‖∞ scanned as it landed, value_scan.py; else computed here).
 
         Raises:
             InvalidPayloadError: non-finite or too large values. StalePushError: another
@@ -161,7 +149,7 @@ class PseudoGradient:
         self.snapshots = snapshots
         self.groups = groups
         self.monitor = monitor
-        #: A follower shard's wait for shard 0's order (ps/shard_order.py); None on shard 0 or unsharded.
+        #: A follower shard's wait for shard 0's order (ps/push/shard_order.py); None on shard 0 or unsharded.
         self.gate: OrderGate | None = None
         if parts.config.shard_index > 0:
             self.gate = OrderGate(lambda: parts.model.version, self.fill_zero, parts.config.shard_fill_timeout_s)
@@ -176,7 +164,7 @@ class PseudoGradient:
 
     def apply(self, header: pb.PushHeader, payload: torch.Tensor, largest: float | None = None) -> PushOutcome:
         """Decode Δ with the run's wire codec (outside the locks), check it, apply it
-        (``largest``: ‖Δ‖∞ scanned as the raw payload landed, values.py; else computed here).
+        (``largest``: ‖Δ‖∞ scanned as the raw payload landed, value_check.py; else computed here).
 
         Returns:
             The outcome: the version after, τ, s(τ), and the push group to wait for.
@@ -185,16 +173,18 @@ class PseudoGradient:
             τ > max_staleness; UnknownVersionError, a base version from the future. UnknownWorkerError: the
             lease lapsed meanwhile. In every case θ, momentum, version and counters are unchanged.
         """
-        config, manifest = self.parts.config, self.parts.model.known_manifest
-        blocks = self.parts.model.pseudo_gradient_blocks(payload)
-        if blocks is not None:  # bf16: checked as it is, decoded block by block inside the step
-            delta_blocks, values = blocks
-            largest = check_values(values, header.worker_id, config.max_abs_value, manifest, largest=largest)
-            outcome = self._apply_checked(header, payload, delta_blocks, largest)
-        else:
-            with self.parts.model.decoded_pseudo_gradient(payload) as delta:  # (N,) fp32, the step's scratch
-                largest = check_values(delta, header.worker_id, config.max_abs_value, manifest, largest=largest)
-                outcome = self._apply_checked(header, payload, delta, largest)
+        config, model = self.parts.config, self.parts.model
+        blocks = model.pseudo_gradient_blocks(payload)
+        delta: torch.Tensor | BlockDelta
+        with contextlib.ExitStack() as scratch:
+            if blocks is not None:  # bf16: checked as it is, decoded block by block inside the step
+                delta, values = blocks
+            else:  # (N,) fp32, the step's scratch
+                delta = values = scratch.enter_context(model.decoded_pseudo_gradient(payload))
+            largest = check_values(
+                values, header.worker_id, config.max_abs_value, model.known_manifest, largest=largest
+            )
+            outcome = self._apply_checked(header, payload, delta, largest)
         self.parts.journal.maybe_checkpoint()
         return outcome
 
@@ -210,39 +200,41 @@ class PseudoGradient:
                 rec = _admit(parts, header)
                 if isinstance(rec, PushOutcome):
                     return rec
-                if order is None:
-                    tau, weight, version_after = self.staleness(header)
-                    expected = _live_workers(parts, header.worker_id)
-                    num_workers = parts.registry.live_regions() if rec.region else len(expected)
-                    closing = header.last and not rec.region
-                    if closing:  # N not shrunk by the Leaves of the run's end (outer.py ``step_closing``)
-                        num_workers = parts.model.optimizer.closing_workers(num_workers)
-                else:  # a follower: shard 0's τ, s(τ), version, N and closing
-                    tau, weight, version_after = self._follow(order)
-                    expected, num_workers, closing = {header.worker_id}, order.num_workers, order.closing
-                applied = AppliedAs(
-                    tau=tau,
-                    weight=weight,
-                    version_after=version_after,
-                    num_workers=num_workers,
-                    region=rec.region,
-                    closing=closing,
-                )
+                applied, expected = self._admitted(header, rec, order)
                 parts.journal.log_push(header, payload, applied)
             # the tensor math, books free meanwhile; pulls meanwhile get θ as it was before
             in_payload = isinstance(delta, torch.Tensor) and delta.data_ptr() == payload.data_ptr()
-            swap_into = payload if in_payload else None  # raw fp32: Δ is a view of the receive buffer
-            with parts.observer.timed("outer_step"):
-                snap = self.snapshots.step_and_encode(
-                    version_after, lambda on_block: self._step(delta, applied, on_block), swap_into=swap_into
-                )
+            on_block = self.snapshots.before_step(applied.version_after, swap_into=payload if in_payload else None)
+            try:
+                with parts.observer.timed("outer_step"):
+                    self.outer_step(applied)(delta, on_block=on_block)
+            finally:
+                snap = self.snapshots.after_step(applied.version_after)
             with parts.locks.books:
-                outcome = self.record(rec, header, tau, weight, applied.num_workers, closing)
+                outcome = self.record(rec, header, applied.tau, applied.weight, applied.num_workers, applied.closing)
                 self.snapshots.publish(snap)
                 if self.gate is None:
                     return self._hand_off(rec, header, outcome, expected, largest)
         self.gate.notify()  # a follower holds no reply: shard 0's already did
         return outcome
+
+    def _admitted(
+        self, header: pb.PushHeader, rec: WorkerRecord, order: ShardOrder | None
+    ) -> tuple[AppliedAs, set[int]]:
+        """What the push's step depends on (books lock held), and the workers its group
+        waits for. A follower takes shard 0's τ, s(τ), version, N and closing."""
+        parts = self.parts
+        if order is not None:
+            tau, weight, version_after = self._follow(order)
+            applied = AppliedAs(tau, weight, version_after, order.num_workers, rec.region, order.closing)
+            return applied, {header.worker_id}
+        tau, weight, version_after = self.staleness(header)
+        expected = _live_workers(parts, header.worker_id)
+        num_workers = parts.registry.live_regions() if rec.region else len(expected)
+        closing = header.last and not rec.region
+        if closing:  # N not shrunk by the Leaves of the run's end (outer.py ``step_closing``)
+            num_workers = parts.model.optimizer.closing_workers(num_workers)
+        return AppliedAs(tau, weight, version_after, num_workers, rec.region, closing), expected
 
     def before_receive(self, header: pb.PushHeader) -> None:
         """A follower shard: wait for this push's turn in shard 0's order before a receive
@@ -290,7 +282,7 @@ class PseudoGradient:
 
     def fill_zero(self, order: ShardOrder, worker_id: int) -> None:
         """Apply zero pseudo-gradients until the version is ``order.version_after − 1``
-        (a follower's missing parts; ps/shard_order.py), with the decision's N. Each is
+        (a follower's missing parts; ps/push/shard_order.py), with the decision's N. Each is
         logged as a push of ``worker_id`` (the waiting push's worker) with push id 0, which
         no real push has (ids start at 1): replay steps it and counts it for nobody."""
         parts = self.parts
@@ -308,7 +300,7 @@ class PseudoGradient:
                     )
                     parts.journal.log_push(header, torch.zeros(size, dtype=torch.uint8), applied)
                 self.snapshots.before_apply(version)
-                self._step(torch.zeros_like(parts.model.theta), applied)
+                self.outer_step(applied)(torch.zeros_like(parts.model.theta))
                 snap = self.snapshots.after_apply(version + 1)
                 with parts.locks.books:
                     parts.model.version += 1
@@ -388,28 +380,22 @@ class PseudoGradient:
     def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
         """Redo a logged push with its τ, s(τ) and N (both locks held); the logged
         version keys η's schedule. A follower's zero fill (push id 0) moves only θ, m and the version."""
+        self.outer_step(applied)(delta)
         if header.push_id == ZERO_FILL_PUSH_ID:
-            self._step(delta, applied)
             self.parts.model.version += 1
             return
-        self._step(delta, applied)
         self.record(rec, header, applied.tau, applied.weight, applied.num_workers, applied.closing)
 
-    def _step(self, delta: torch.Tensor | BlockDelta, applied: AppliedAs, on_block: BlockHook | None = None) -> None:
-        """The outer step of one push; the step making version V + 1 is applied at V (η's
-        schedule). ``on_block``: called after each block of θ is updated (outer.py). A
-        regional server's push is averaged in instead: θ ← θ − s(τ)·Δ/R (outer.py
-        ``average_in``; R = ``applied.num_workers``, the live regions). A worker's closing
-        push (``applied.closing``) takes the direct term alone (outer.py ``step_closing``)."""
+    def outer_step(self, applied: AppliedAs) -> Callable[..., None]:
+        """The outer step of one push, to call with Δ (and ``on_block``: called after each
+        block of θ is updated, outer.py); the step making version V + 1 is applied at V
+        (η's schedule). A regional server's push is averaged in instead: θ ← θ − s(τ)·Δ/R
+        (outer.py ``average_in``; R = ``applied.num_workers``, the live regions). A worker's
+        closing push (``applied.closing``) takes the direct term alone (outer.py ``step_closing``)."""
+        model = self.parts.model
         if applied.region:
-            scale = applied.weight / max(1, applied.num_workers)
-            average_in(self.parts.model.theta, delta, scale, on_block=on_block)
-            return
-        step = self.parts.model.optimizer.step_closing if applied.closing else self.parts.model.optimizer.step
-        step(
-            delta,
-            applied.weight,
-            version=applied.version_after - 1,
-            num_workers=applied.num_workers,
-            on_block=on_block,
+            return functools.partial(average_in, model.theta, scale=applied.weight / max(1, applied.num_workers))
+        step = model.optimizer.step_closing if applied.closing else model.optimizer.step
+        return functools.partial(
+            step, weight=applied.weight, version=applied.version_after - 1, num_workers=applied.num_workers
         )

@@ -1,27 +1,8 @@
-"""Pulls served from θ's own memory: no copy of the global model per version.
-
-A raw fp32 model's pull payload is θ's own bytes, so a pull of the newest version can
-read θ directly, chunk by chunk, as long as θ does not change under it. ``LiveView`` is
-one version of θ being read that way. Before anything changes θ in place (an outer
-step, a round, a regional rebase, a replay) the view is given a private home for the
-old bytes, and the pulls still reading it (or starting during the step) finish from
-there:
-
-* **swap** (the async apply; ``begin_swap``): the pushed Δ's receive buffer becomes the
-  old θ. The outer step runs block by block (algo/outer.py ``on_block``); before block
-  b is changed its old bytes are in a one-block scratch, and once the step is done with
-  Δ's block b, the old bytes move into Δ's place. So the old version costs no memory
-  beyond the receive buffer the push already holds, and that buffer stays counted in
-  the receive budget (buffers.py ``ReceivePool.hold``) until the last pull of the old
-  version ends: every byte the server holds for pushes *and* for older versions being
-  pulled is within ``--receive-buffer-mib``, however many versions are being pulled.
-* **copy** (``freeze``): the other paths, which have no spare buffer, copy θ first
-  (only when a pull reads this version, or pulls are coming).
-
-A reader copies each chunk out under the view's lock (into the gRPC message it sends, or
-the bulk channel's scratch), so a chunk never mixes bytes of two versions; the CRC-32 in
-the pull header is computed once per version, in the outer step that makes it when pulls
-are coming, else by the first pull.
+"""Pulls served from θ's own memory (``LiveView``: one version of θ read in place, chunk by
+chunk under the view's lock). Before θ changes, the version being read moves block by
+block into the pushed Δ's receive buffer as the outer step goes (``begin_swap``; counted
+in the receive budget until its last pull ends) or is copied (``freeze``: rounds,
+rebases, replays). docs/architecture.md, "How a pull flows"; docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from asyncdiloco.algo.outer import STEP_BLOCK_ELEMS, BlockHook
-from asyncdiloco.ps.buffers import new_bytes
+from asyncdiloco.ps.pull.encoded import new_bytes
 from asyncdiloco.wire.grpc_chunks import chunk_prefix
 from asyncdiloco.wire.tensors import crc32_update, num_chunks_for
 

@@ -1,4 +1,4 @@
-"""The gRPC servicer: decode the request, call ``ParameterServerState``, encode the reply.
+"""The gRPC servicer: decode the request, call the state's part that owns it, encode the reply.
 
 Library exceptions become gRPC status codes (``AsyncDiLoCoError.grpc_code``) carrying
 the exception's message, which names the value, the limit and the fix.
@@ -14,14 +14,14 @@ from typing import cast
 import grpc
 
 from asyncdiloco.errors import AsyncDiLoCoError, InvalidPayloadError, quoted, reason_metadata
-from asyncdiloco.ps.long_poll import KEEP_S, CallWatch
-from asyncdiloco.ps.quorum import QuorumMiss
-from asyncdiloco.ps.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
+from asyncdiloco.ps.push.shard_order import CURRENT, METADATA_KEY, ShardOrder, order_from_metadata
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.sync.long_poll import KEEP_S, CallWatch
+from asyncdiloco.ps.sync.quorum import QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.grpc_chunks import WirePushRequest, is_chunk
-from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
+from asyncdiloco.wire.roles import ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,6 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         except AsyncDiLoCoError as exc:
             log.warning("join refused (%s): %s", quoted(request.worker_name) if request.worker_name else "unnamed", exc)
             _abort(context, exc)
-        if region:  # this server averages a region's pushes in (a regional server checks for it)
-            context.set_trailing_metadata(((ROLE_KEY, REGION_AVERAGED),))
         return pb.JoinReply(
             worker_id=joined.worker_id,
             run_config=self.state.run_config(joined.worker_id, joining=True),
@@ -88,7 +86,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             yield from source.messages(self.state.config.chunk_bytes)
             self.state.record_pull(request.worker_id, source.header.total_bytes)
         finally:  # also when the client cancels: the snapshot may then be freed
-            self.state.close_pull(source)
+            self.state.snapshots.close_pull(source)
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> pb.PushReply:
         """A push streamed as a header, then its chunks (several hand-offs from gRPC's poller)."""
@@ -145,32 +143,33 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         drain: Callable[[], None],
         context: grpc.ServicerContext,
     ) -> pb.PushReply:
-        """One push, whatever the RPC that carried it (intake.py ``receive``), its
-        refusal or reply; ``first_header`` reads the header, ``fill`` the payload,
-        ``drain`` what a retry's payload left unread."""
-        worker_id = 0
+        """One push, whatever the RPC that carried it: push/intake.py ``receive``, its
+        refusal (``PushIntake.refused``) or its reply; ``first_header`` reads the header,
+        ``fill`` the payload, ``drain`` what a retry's payload left unread."""
+        intake, header, token = self.state.intake, None, None
         try:
             header = first_header()
-            worker_id, hold = header.worker_id, not header.last  # a last push is not held
             follower = self.state.config.shard_index > 0  # a follower shard: shard 0's order rides in the metadata
             token = CURRENT.set(order_from_metadata(context.invocation_metadata()) if follower else None)
-            try:
-                outcome = self.state.receive_push(header, fill, drain, is_active=context.is_active)
-            finally:
-                CURRENT.reset(token)
+            outcome = intake.receive(header, fill, drain, is_active=context.is_active)
         except AsyncDiLoCoError as exc:
-            log.warning("push from worker %d refused: %s", worker_id, exc)
-            self.state.record_rejected(worker_id, exc.reason)
+            intake.refused(header.worker_id if header is not None else 0, exc)
             _abort(context, exc)
         except grpc.RpcError:  # the request stream broke: the client cancelled or the connection dropped
+            worker_id = header.worker_id if header is not None else 0
             log.warning(
                 "push from worker %d cut off mid-stream (cancelled or disconnected); nothing was applied", worker_id
             )
-            self.state.record_rejected(worker_id, "cut_off")
+            intake.count_rejected(worker_id, "cut_off")
             raise
+        finally:
+            if token is not None:
+                CURRENT.reset(token)
+        assert header is not None
         remaining = context.time_remaining()  # never hold a reply past the client's deadline
         max_wait_s = max(0.0, remaining - 1.0) if remaining is not None else float("inf")
-        reply = self.state.finish_push(outcome, worker_id, hold=hold, max_wait_s=max_wait_s)
+        hold = not header.last  # a last push is not held
+        reply = intake.reply(outcome, header.worker_id, hold=hold, max_wait_s=max_wait_s)
         if self.state.config.shard_count > 1 and outcome.applied and outcome.num_workers:
             order = ShardOrder(
                 outcome.version, outcome.staleness, outcome.staleness_weight, outcome.num_workers, outcome.closing

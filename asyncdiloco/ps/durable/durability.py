@@ -21,11 +21,11 @@ import torch
 
 from asyncdiloco.algo.outer import DelayedNesterov, make_outer_optimizer
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.journal import Journal, StateDict
-from asyncdiloco.ps.parts import CoreParts
-from asyncdiloco.ps.records import AppliedAs, LoggedJoin, WorkerRecord
-from asyncdiloco.ps.snapshots import Snapshots
-from asyncdiloco.ps.wal import manifest_from_json, manifest_to_json
+from asyncdiloco.ps.books import AppliedAs, Journal, LoggedJoin, StateDict
+from asyncdiloco.ps.core import CoreParts
+from asyncdiloco.ps.durable.wal import manifest_from_json, manifest_to_json
+from asyncdiloco.ps.pull.snapshots import Snapshots
+from asyncdiloco.ps.push.intake import PushKind
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -86,15 +86,8 @@ def _described(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
 
 
-class Replayable(Protocol):
-    """A push kind whose logged pushes can be redone (apply.py)."""
-
-    def replay(self, rec: WorkerRecord, header: pb.PushHeader, delta: torch.Tensor, applied: AppliedAs) -> None:
-        """Redo a logged push (both locks held)."""
-
-
 class DurableRounds(Protocol):
-    """Sync mode's round state around the model (rounds.py ``SyncMode``)."""
+    """Sync mode's round state around the model (sync/rounds.py ``SyncRounds``)."""
 
     def to_meta(self) -> dict:
         """The rounds' part of a checkpoint (called with the state's locks held)."""
@@ -120,7 +113,7 @@ class Durability:
         self,
         parts: CoreParts,
         snapshots: Snapshots,
-        replayers: Mapping[int, Replayable],
+        replayers: Mapping[int, PushKind],
         rounds: DurableRounds | None = None,
     ) -> None:
         self.locks = parts.locks
@@ -132,6 +125,11 @@ class Durability:
         self.snapshots = snapshots
         self.replayers = replayers
         self.rounds = rounds
+
+    @property
+    def version(self) -> int:
+        """The global version (what the store checkpoints at)."""
+        return self.model.version
 
     def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (start-up replay): a resumed one keeps the record's counters

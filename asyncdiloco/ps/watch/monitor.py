@@ -24,9 +24,9 @@ from google.protobuf import json_format
 from prometheus_client import make_wsgi_app
 
 from asyncdiloco.errors import ConfigError
-from asyncdiloco.ps.dashboard import RunHistory, render
-from asyncdiloco.ps.metrics import ServerMetrics
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.watch.dashboard import RunHistory, render
+from asyncdiloco.ps.watch.metrics import ServerMetrics
 from asyncdiloco.wire.listen import bind_every
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class MonitorServer:
 
     def _sample(self) -> None:
         while not self._stopping.is_set():
-            self.history.sample(self.state.uptime_s(), self.state.version)
+            self.history.sample(self.state.clock() - self.state.started, self.state.version)
             self._stopping.wait(SAMPLE_EVERY_S)
 
     # ------------------------------------------------------------------- WSGI

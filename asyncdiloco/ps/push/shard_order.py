@@ -1,26 +1,8 @@
-"""Sharded parameter server: shard 0 sequences every push, the other shards follow its order.
-
-Each shard (wire/shards.py) is a complete parameter server over a range of θ. So that a
-push applied on some shards and not others never leaves the shards in different versions
-or Delayed Nesterov phases (Liu et al. 2024, arXiv 2401.09135, Alg. 3: the momentum moves
-every N-th arrival), shard 0 alone decides: accept or refuse, staleness τ, weight s(τ), the
-live-worker count N and the version V + 1 the push makes. The worker (worker/sharded.py)
-pushes its part to shard 0 first, reads that decision (the reply, plus N in the trailing
-metadata ``adl-shard-order``), and then pushes the other parts in parallel carrying the
-decision in the same metadata key. A follower shard (``ServerConfig.shard_index`` > 0)
-
-* applies a pseudo-gradient only with a decision, in the decision's order: the push waits
-  until the shard's version is V (``OrderGate.wait_turn``), then steps with τ, s(τ), N of
-  the decision instead of its own;
-* when the push before it in the order has not arrived after ``shard_fill_timeout_s``
-  (its worker died between shard 0 and this shard), applies it as a zero pseudo-gradient
-  with the waiting decision's N: the version and the Delayed Nesterov phase advance as on
-  shard 0 (logged as a push with id 0, apply.py ``ZERO_FILL_PUSH_ID``, so replay redoes it);
-  a late part of a zero-filled push is then refused (``StalePushError``);
-* takes the initial parameters from whichever worker sends them first (the worker sends
-  them only after it initialized shard 0).
-
-The metadata value is ``"V,τ,s(τ) as float.hex,N"``.
+"""A sharded server's order: shard 0 decides every push (accept, τ, s(τ), N, the version
+it makes) and the followers apply their part in that order (``OrderGate``), a part that
+never comes as a zero pseudo-gradient after ``shard_fill_timeout_s``. The decision rides
+in the ``adl-shard-order`` metadata as ``"V,τ,s(τ) as float.hex,N"``.
+docs/architecture.md, "A sharded parameter server".
 """
 
 from __future__ import annotations
@@ -31,8 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-
-import torch
 
 from asyncdiloco.errors import InvalidPayloadError
 
@@ -81,7 +61,7 @@ class ShardOrder:
         return order
 
 
-#: The decision that came with the push being received on this thread (service.py sets it).
+#: The decision that came with the push being received on this thread (transport/grpc_service.py sets it).
 CURRENT: contextvars.ContextVar[ShardOrder | None] = contextvars.ContextVar("adl_shard_order", default=None)
 
 
@@ -150,8 +130,3 @@ class OrderGate:
         """The version moved: wake the waiting pushes."""
         with self._cond:
             self._cond.notify_all()
-
-
-def zero_like(params: torch.Tensor) -> torch.Tensor:
-    """A zero pseudo-gradient for θ (float32 (N,))."""
-    return torch.zeros_like(params)

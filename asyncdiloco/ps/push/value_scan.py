@@ -1,11 +1,6 @@
-"""The finiteness and magnitude check of a push, computed chunk by chunk as the chunks
-land (``ValueScan``), so that the check costs no second pass over the payload after the
-transfer: each chunk is scanned right after it is copied into place, while it is still
-in cache and while the transport receives the next one.
-
-The scan only measures: the refusal (intake.py ``check_values``) still comes after the
-whole payload arrived and its CRC-32 matched, so a push with a bad chunk is refused
-whole, with nothing changed, exactly as before.
+"""‖x‖∞ of a push measured chunk by chunk as the chunks land (``ValueScan``), so the
+value check (value_check.py) costs no second pass over the payload; the refusal still
+comes after the whole payload arrived and its CRC-32 matched.
 """
 
 from __future__ import annotations

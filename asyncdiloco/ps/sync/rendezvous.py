@@ -9,7 +9,7 @@ one or two exist at a time and each is capped (``MAX_KEYS`` keys of at most
 Every operation answers at once: a blocking ``get`` or ``wait`` of torch's API is the
 client's loop of ``GET``/``CHECK`` calls (worker/rendezvous.py), so a rank waiting for
 its peers never holds one of the server's RPC threads. Network-free: rounds.py
-``SyncMode`` checks who asks and calls in here; unit tests drive it directly.
+``SyncRounds`` checks who asks and calls in here; unit tests drive it directly.
 """
 
 from __future__ import annotations

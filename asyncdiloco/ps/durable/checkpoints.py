@@ -87,7 +87,7 @@ def load_checkpoint(folder: pathlib.Path, lsn: int, config: ServerConfig) -> tup
                 f"with {mine.get(field)!r}; restart with the checkpoint's setting (replaying the log needs it) "
                 f"or use a fresh --checkpoint-dir"
             )
-    stored_wire = meta.get("wire", {"wire_codec": "raw", "codec_block_size": 0})  # older checkpoints: raw
+    stored_wire = meta["wire"]
     for field, value in wire_settings(config).items():
         if stored_wire.get(field) != value:
             flag = "--wire-codec" if field == "wire_codec" else "--codec-block-size"

@@ -1,43 +1,9 @@
-"""A hierarchical tier: this parameter server, a regional one, is itself a worker of a
-parent (global) parameter server (HALoS, Kim et al. 2025, arXiv 2506.04531, Sec. 3:
-local parameter servers under a global one; Decoupled DiLoCo, arXiv 2604.21428: a
-central synchronizer over groups that train on between syncs).
-
-The regional server applies its own workers' pushes as any server does. Every K of them
-(``UpstreamConfig.every``, ``--parent-every``) the link cuts a push upward:
-
-* S ← θ_regional (a copy, under the ``apply`` lock), Δ_region = θ_base − S, where θ_base
-  is the global model of the last sync (at first the regional initial parameters);
-* Δ_region goes to the parent as an ordinary pseudo-gradient push (worker client,
-  ``base_version`` = the parent version θ_base was pulled at, a push id of its own);
-* the link pulls the new global model θ_g and rebases, under the ``apply`` lock:
-  θ_regional ← θ_g − (S − θ_regional_now) − r, where S − θ_regional_now is what the
-  regional server applied while the push and pull were under way and r = Δ_region −
-  decode(encode(Δ_region)) the parent's wire codec's residual (0 for raw fp32); then
-  θ_base ← θ_g. The next Δ_region is then exactly what was applied since S, plus r: no
-  local update is lost or counted twice. The rebase is one regional version (the
-  pulls serve the rebased θ from then on; a worker's push based before it counts it in
-  its staleness); the outer optimizer's state (momentum, Delayed Nesterov's buffer) is
-  kept.
-
-On first contact the link joins the parent under ``name`` with the regional manifest: if
-the parent must be initialized it pushes θ_base (the regional initial parameters);
-otherwise it pulls θ_g and rebases against θ_base (θ_regional += θ_g − θ_base), keeping
-what the regional server applied since its initialization. A push the parent refuses as
-stale, or answers as a duplicate it did not apply, is dropped and the link rebases the
-same way against θ_base: what it carried is in the next push.
-
-Failures: a parent that cannot be reached (restarting, a network partition) is retried
-with the same push id (the parent answers a retry with the push's outcome), with a
-backoff from ``initial_backoff_s`` doubling up to ``max_backoff_s``; the regional
-workers train on meanwhile. A lapsed lease (the parent restarted) is a Join again under
-the same name (the parent gives the old id back; a parent that lost its state asks for
-the initial parameters again: θ_base). A manifest the parent refuses, or a newer Join
-under the same name, stops the link (logged). ``stop`` makes one last push of what was
-applied since the last one (within ``flush_timeout_s``), then leaves the parent.
-
-Not supported (ConfigError in server.py): a regional server with ``--checkpoint-dir``
-(the rebase is not in its write-ahead log) or in sync mode.
+"""A hierarchical tier: this (regional) parameter server is itself a worker of a parent
+one (HALoS, Kim et al. 2025, arXiv 2506.04531, Sec. 3; Decoupled DiLoCo, arXiv
+2604.21428). ``UpstreamLink`` pushes Δ_region = θ_base − S upward every K regional pushes,
+pulls θ_g and rebases (rebase.py), retrying an unreachable parent with the same push id.
+The algorithm: docs/algorithms.md, "Hierarchical tier"; failures and limits:
+docs/operations.md, "A regional server (hierarchical tier)".
 """
 
 from __future__ import annotations
@@ -59,7 +25,7 @@ from asyncdiloco.errors import (
     WorkerSupersededError,
 )
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig, rebase_onto, take_snapshot
+from asyncdiloco.ps.tier.rebase import DEFAULT_PARENT_EVERY, UpstreamConfig, rebase_onto, take_snapshot
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import WireCodec, codec_for
 from asyncdiloco.worker.client import ParameterServerClient
@@ -124,7 +90,6 @@ class UpstreamLink:
         self._next_push_id = 1
         self._joined = self._synced = self._must_initialize = False
         self._heartbeat_at = 0.0
-        self._warned_outer = False  # the parent's outer optimizer was judged (``_check_parent_outer``)
         self._stop = threading.Event()
         self._wake = threading.Event()
         #: ``sync_now`` requests made, and the newest one a finished push upward was cut after.
@@ -227,43 +192,20 @@ class UpstreamLink:
         self._push_and_rebase()
 
     def _join(self) -> None:
-        assert self._client is not None and self.state.manifest is not None
+        assert self._client is not None and self.state.model.manifest is not None
         name = self.config.name or f"region-{id(self):x}"
-        reply = self._client.join(self.state.manifest, worker_name=name, region=True)
+        reply = self._client.join(self.state.model.manifest, worker_name=name, region=True)
         self.worker_id, self._joined = reply.worker_id, True
         self._next_push_id = max(self._next_push_id, reply.last_push_id + 1)
-        self._codec = codec_for(reply.run_config, self.state.manifest)
+        self._codec = codec_for(reply.run_config, self.state.model.manifest)
         self._heartbeat_at = time.monotonic() + reply.run_config.lease_s / 3
         log.info("joined the parent %s as worker %d (version %d)", self.config.parent, reply.worker_id, reply.version)
         self._must_initialize = reply.initialize
-        self._check_parent_outer(reply.run_config, self._client.parent_averages_regions)
-
-    def _check_parent_outer(self, rc: pb.RunConfig, averaged: bool) -> None:
-        """A parent of regional servers must average the regions' pseudo-gradients in
-        (θ ← θ − s(τ)·Δ/R): each is already the result of a region's outer optimizer, and a
-        second outer optimizer with momentum on top diverged in the suite's two-region runs
-        (docs/algorithms.md). A parent of this version does so by itself (``averaged``: it
-        answered the regional Join so, wire/roles.py); an older one applies its own outer
-        optimizer, which works only as SGD without momentum, lr 1/R. Said once, loudly, at
-        the first join; the link goes on (the parent is the operator's to restart)."""
-        if self._warned_outer or averaged or (rc.outer_optimizer == "sgd" and rc.outer_momentum == 0):
-            return
-        self._warned_outer = True
-        log.error(
-            "the parent %s runs outer optimizer %s (momentum %g) and does not average regional pushes in (an "
-            "older asyncdiloco): it applies each region's pseudo-gradient, already the result of this region's "
-            "outer optimizer, through a second one, which diverged in the suite's two-region runs; upgrade the "
-            "parent, or start it with --outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R (R regions, e.g. "
-            "0.5 for two)",
-            self.config.parent,
-            rc.outer_optimizer,
-            rc.outer_momentum,
-        )
 
     def _initialize_parent(self) -> None:
         """The parent has no model yet: θ_base (the regional initial parameters) becomes it."""
-        assert self._client is not None and self._base is not None and self.state.manifest is not None
-        payload = self.state.manifest.pack_flat(self._base)
+        assert self._client is not None and self._base is not None and self.state.model.manifest is not None
+        payload = self.state.model.manifest.pack_flat(self._base)
         try:
             self._client.push(
                 payload, worker_id=self.worker_id, push_id=self._take_push_id(), base_version=0,
@@ -355,11 +297,11 @@ class UpstreamLink:
 
     def _pull(self) -> tuple[torch.Tensor, int]:
         """The global model θ_g, fp32 (N,), and its version."""
-        assert self._client is not None and self.state.manifest is not None
-        pulled = self._client.pull(self.state.manifest, self.worker_id)
+        assert self._client is not None and self.state.model.manifest is not None
+        pulled = self._client.pull(self.state.model.manifest, self.worker_id)
         self.bytes_down += pulled.payload.numel()
-        self._codec = codec_for(pulled.run_config, self.state.manifest)
-        theta_g = self._codec.decode(pulled.payload, torch.empty(self.state.manifest.numel, dtype=torch.float32))
+        self._codec = codec_for(pulled.run_config, self.state.model.manifest)
+        theta_g = self._codec.decode(pulled.payload, torch.empty(self.state.model.manifest.numel, dtype=torch.float32))
         return theta_g, pulled.version
 
     def _rebase(

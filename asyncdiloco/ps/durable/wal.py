@@ -28,8 +28,7 @@ import zlib
 import torch
 
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.journal import JournaledState
-from asyncdiloco.ps.records import AppliedAs, LoggedJoin
+from asyncdiloco.ps.books import AppliedAs, JournaledState, LoggedJoin
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import WIRE_DTYPES, Manifest, TensorSpec
 

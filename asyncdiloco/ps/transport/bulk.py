@@ -1,27 +1,9 @@
-"""The server side of the optional bulk data channel: Push and Pull as raw bytes over TCP.
-
-Why: through gRPC every payload byte passes through protobuf chunk messages, which
-caps a push or pull well below what the TCP connection carries; a plain TCP data
-channel beside the gRPC control plane moves the same bytes with one kernel copy on each
-side. The wire format (BulkRequest / BulkReply, framing, refusals) is specified in
-``proto/asyncdiloco/v1/parameter_server.proto``; framing helpers are in
-wire/bulk_framing.py.
-
-Semantics are the gRPC servicer's (service.py), through the same state methods: a push
-goes ``receive_push`` (the header checked, the payload received straight into the
-``PayloadAssembler``'s buffer with ``fill_with``, CRC-32 folded in per slice, then
-applied; intake.py) → ``finish_push``; a refused or interrupted push changes nothing
-and is counted by ``record_rejected``. A
-pull sends ``open_pull``'s header and then the payload (``sendall`` of θ's bytes copied
-out chunk by chunk, live.py, or of an encoded snapshot's own bytes), then ``record_pull``.
-
-Threads: one listener thread per address of the host (wire/listen.py: every address
-the host resolves to is served, or the server does not start), and one thread per
-connection, at most ``max_connections`` at a time (``ServerConfig.max_concurrent_rpcs``); a connection
-beyond that is closed at once, and its client uses gRPC. A connection idle (or stalled
-mid-payload) for longer than ``idle_timeout_s`` (the worker lease) is closed; clients
-reconnect on their next push or pull. Auth: the shared token of every request is
-compared in constant time; TLS (and mutual TLS) with the gRPC port's certificates.
+"""The server side of the optional bulk data channel: Push and Pull as raw bytes over
+TCP beside the gRPC control plane (one kernel copy a side instead of protobuf chunk
+messages). A push goes to push/intake.py ``receive`` like a gRPC one; a pull sends
+state.py ``open_pull``'s header, then the payload. The wire format: the BulkRequest /
+BulkReply messages of proto/asyncdiloco/v1/parameter_server.proto; threads, limits,
+auth and TLS: ``BulkServer``; docs/architecture.md, "How a push flows".
 """
 
 from __future__ import annotations
@@ -43,7 +25,6 @@ from asyncdiloco.errors import (
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import ConnectionEnded, FrameError, code_value, drain, recv_frame, send_frame
-from asyncdiloco.wire.header_crc import check_header
 from asyncdiloco.wire.listen import bind_every
 from asyncdiloco.wire.security import token_matches
 
@@ -259,12 +240,9 @@ class BulkServer:
             raise _Close
 
     def _push(self, conn: socket.socket, header: pb.PushHeader) -> None:
-        try:
-            check_header(header, f"a bulk push from worker {header.worker_id} (push_id {header.push_id} as received)")
-        except PayloadCorruptedError as exc:
-            self._refuse_corrupted_header(conn, exc)
-        worker_id, total = header.worker_id, header.total_bytes
-        reading = False
+        """A push through push/intake.py ``receive``, its payload read straight into the
+        receive buffer; then its refusal (``PushIntake.refused``) or its reply."""
+        total, reading = header.total_bytes, False
 
         def fill(assembler) -> None:
             nonlocal reading
@@ -272,20 +250,22 @@ class BulkServer:
             assembler.fill_with(_reader(conn), _SLICE_BYTES)
 
         try:
-            outcome = self.state.receive_push(header, fill, drain=lambda: drain(conn, total))
+            outcome = self.state.intake.receive(header, fill, drain=lambda: drain(conn, total))
         except OSError:
             if reading:  # (a retry's payload cut off while drained counts as nothing)
                 log.warning(
                     "bulk push from worker %d cut off mid-payload (disconnected, or stalled for over "
                     "%.0f s); nothing was applied",
-                    worker_id,
+                    header.worker_id,
                     self._idle_timeout_s,
                 )
-                self.state.record_rejected(worker_id, "cut_off")
+                self.state.intake.count_rejected(header.worker_id, "cut_off")
             raise
         except AsyncDiLoCoError as exc:
-            log.warning("bulk push from worker %d refused: %s", worker_id, exc)
-            self.state.record_rejected(worker_id, exc.reason)
+            header_corrupted = not reading and isinstance(exc, PayloadCorruptedError)
+            self.state.intake.refused(0 if header_corrupted else header.worker_id, exc)  # a corrupted id is untrusted
+            if isinstance(exc, PayloadCorruptedError) and header_corrupted:  # total_bytes as untrusted: no drain
+                self._refuse_corrupted_header(conn, exc)
             if not reading:  # refused from its header: the payload is still on the wire
                 if not 0 <= total <= self.state.config.max_payload_bytes:  # too much to drain
                     self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
@@ -293,7 +273,7 @@ class BulkServer:
                 drain(conn, total)
             self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
             return
-        reply = self.state.finish_push(outcome, header.worker_id, hold=not header.last)  # a last push is not held
+        reply = self.state.intake.reply(outcome, header.worker_id, hold=not header.last)  # a last push is not held
         self._reply(conn, grpc.StatusCode.OK, push=reply)
 
     def _refuse_corrupted_header(self, conn: socket.socket, exc: PayloadCorruptedError) -> None:
@@ -303,8 +283,6 @@ class BulkServer:
         connection meets it and is made again on a fresh one, bulk_client.py); what the
         client still sends is read and discarded until it closes (closing with bytes
         unread would reset the connection and could lose the reply first)."""
-        log.warning("bulk push refused: %s", exc)
-        self.state.record_rejected(0, exc.reason)  # its worker_id is as untrusted as the rest
         self._reply(conn, exc.grpc_code, str(exc), reason=exc.reason)
         scratch = memoryview(bytearray(1 << 16))
         try:
@@ -329,4 +307,4 @@ class BulkServer:
                     conn.sendall(view[start : start + _SLICE_BYTES])
             self.state.record_pull(request.worker_id, source.header.total_bytes)
         finally:
-            self.state.close_pull(source)
+            self.state.snapshots.close_pull(source)

@@ -1,39 +1,8 @@
-"""Sync-mode rounds on the server: quorum formation, commit votes, the round counter.
-
-This is the role torchft's lighthouse plays, for synchronous DiLoCo (Douillard et al.
-2023, arXiv 2311.08105) and LocalSGD. It holds no tensors and opens no sockets: the
-server's state (rounds.py ``SyncMode``) applies the committed result, the servicer
-(service.py) wraps the blocking calls in RPCs, and unit tests drive it with a fake clock.
-
-One round r → r+1 here: ``request`` (a live worker asks to join the next round, saying
-which committed round its θ_base reflects) until the quorum forms; members ordered by
-worker id, those behind told to heal; ``stage_result`` keeps rank 0's Δ̄ aside; ``vote``
-commits when every member voted success with the same total weight (then
-``on_commit(Δ̄)``) and aborts on any failure vote or at ``round_timeout_s``. Either way
-the decision carries each member's H_w for its next round, from ``next_local_steps``
-(the members and their votes, which carry their compute times): computed once per round,
-so every member's value comes from the same rates and membership.
-
-Who forms a quorum is a function of who waits and of the **running group** G, the live
-members of the previous quorum. At least ``min_workers`` must wait, and:
-
-- G is not empty: the quorum forms at G's round boundary only, i.e. once a member of G
-  asked, and then as soon as every member of G waits, or ``join_timeout_s`` after the
-  first of them asked. Every other waiting worker (a newcomer, or one dropped from an
-  earlier quorum) is **queued** for that boundary and enters that round (healing first
-  when it is behind): it never forms a quorum of its own while G lives. So consecutive
-  quorums always share a member, and two disjoint groups cannot take turns;
-- G is empty (the first round, or every member left or lost its lease): as soon as every
-  live worker waits, or ``join_timeout_s`` after the first request.
-
-A wait that ends without a quorum says why (``QuorumMiss``: have, need, queued, reason).
-A long poll (``poll_quorum``, the servicer's QuorumRequest.poll) waits only a short hold
-and, unless it is the caller's last, keeps the request among the waiting for ``keep_s``
-clock seconds (each poll renews it; one not renewed in time is withdrawn), so a quorum
-of any size forms without a thread per waiting member (docs/protocol.md, "Long-polled
-waits").
-docs/protocol.md, "The sync round", describes the whole round, both sides, once: why a
-dead member of the previous quorum is waited for, healing, timeouts.
+"""Sync-mode rounds without tensors or sockets: quorum formation (the running group, the
+queue, healing), commit votes, long-polled waits, the round counter; the role torchft's
+lighthouse plays, for synchronous DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
+LocalSGD. rounds.py applies the committed result. The round, both sides:
+docs/protocol.md, "The sync round" and "Long-polled waits".
 
 Locking: one condition variable guards everything here. ``live_workers`` and
 ``on_commit`` are called with it held; they may take the state's lock (order: quorum,
@@ -54,7 +23,7 @@ import torch
 
 from asyncdiloco.errors import AsyncDiLoCoError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum_types import Assignment, CommittedRound, Decision, MemberVote, QuorumMiss, RoundInFlight
+from asyncdiloco.ps.sync.quorum_types import Assignment, CommittedRound, Decision, MemberVote, QuorumMiss, RoundInFlight
 
 log = logging.getLogger(__name__)
 
