@@ -25,8 +25,9 @@ _MODULES = {
     "asyncdiloco.wire.security": ("ServerSecurityConfig", "ClientSecurityConfig"),
     "asyncdiloco.ps.server": ("ParameterServer",),
     "asyncdiloco.wire.tensors": ("Manifest",),
-    "asyncdiloco.worker.async_worker": ("AsyncDiLoCoWorker", "WorkerStats"),
-    "asyncdiloco.worker.sync_worker": ("SyncDiLoCoWorker", "SyncWorkerStats"),
+    "asyncdiloco.worker.async_worker": ("AsyncDiLoCoWorker",),
+    "asyncdiloco.worker.sync_worker": ("SyncDiLoCoWorker",),
+    "asyncdiloco.worker.stats": ("WorkerStats", "SyncWorkerStats"),
     "asyncdiloco.worker.global_model": ("load_global_model",),
     "asyncdiloco.errors": (
         "AsyncDiLoCoError",
@@ -116,7 +117,8 @@ if TYPE_CHECKING:
     from asyncdiloco.ps.server import ParameterServer
     from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
     from asyncdiloco.wire.tensors import Manifest
-    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+    from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
     from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
     from asyncdiloco.worker.global_model import load_global_model
-    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
+    from asyncdiloco.worker.stats import SyncWorkerStats, WorkerStats
+    from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker

@@ -63,7 +63,7 @@ def fingerprint(state) -> tuple:
         state: a ``ParameterServerState`` (or a ``ParameterServer``: its ``.state``).
     """
     state = getattr(state, "state", state)
-    outer = state.outer
+    outer = state.model.outer
     mom = outer.momentum_buffer if outer is not None else None
     dn = getattr(outer, "delta_buffer", None)
     workers = {
@@ -76,10 +76,10 @@ def fingerprint(state) -> tuple:
         None if dn is None else dn.clone(),
         getattr(outer, "arrivals", None),
         state.version,
-        state.applied_pushes,
-        state.tokens,
-        state.bytes_pushed,
-        tuple(state.staleness_histogram),
+        state.counters.applied_pushes,
+        state.counters.tokens,
+        state.counters.bytes_pushed,
+        tuple(state.counters.staleness_histogram),
         workers,
         state.registry.next_worker_id,
     )
@@ -99,13 +99,13 @@ def open_durable(config):
     """A ``ParameterServerState`` and its opened ``DurableStore`` for ``config`` (which has
     ``durability``), wired as ps/server.py wires them (the store reports to the state's
     observer); restores what the checkpoint folder holds. Returns (state, store)."""
+    from asyncdiloco.ps.durable.store import DurableStore
     from asyncdiloco.ps.state import ParameterServerState
-    from asyncdiloco.ps.store import DurableStore
 
     state = ParameterServerState(config)
     store = DurableStore(config.durability, config)
     store.observer = state.observer
-    store.open(state)
+    store.open(state.durability)
     return state, store
 
 
@@ -115,7 +115,7 @@ def crash(store) -> None:
     if store._segment is not None:  # noqa: SLF001
         store._segment.close()  # noqa: SLF001
         store._segment = None  # noqa: SLF001
-    store._state.journal = None  # noqa: SLF001
+    store._state.journal.journal = None  # noqa: SLF001 - the state's JournalSlot forwards to nothing
     store._unlock_dir()  # noqa: SLF001
 
 

@@ -1,4 +1,4 @@
-"""The bulk data channel (ps/bulk.py, bulk_client.py): same results as gRPC, same
+"""The bulk data channel (ps/transport/bulk.py, bulk_client.py): same results as gRPC, same
 refusals, auth and TLS, resynchronisation after refusals, and the fallback to gRPC."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from asyncdiloco.errors import InvalidPayloadError, StalePushError, Unauthentica
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import code_value, recv_frame, send_frame
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
 from asyncdiloco.wire.tensors import Manifest, crc32_of, num_chunks_for
 from asyncdiloco.worker.bulk_client import BulkChannel
@@ -65,7 +66,7 @@ def _no_grpc_payloads(client: ParameterServerClient) -> None:
 def _state(srv: ParameterServer) -> tuple:
     """θ, momentum and version: what a refused push must leave bit-identical."""
     st = srv.state
-    m = st.outer.momentum_buffer
+    m = st.model.outer.momentum_buffer
     return st.version, st.params.clone(), None if m is None else m.clone()
 
 
@@ -163,7 +164,7 @@ def _header(worker_id: int, push_id: int, payload: torch.Tensor, **kw) -> pb.Pus
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(kw)
-    return pb.PushHeader(**fields)
+    return seal(pb.PushHeader(**fields))
 
 
 def test_refused_pushes_change_nothing_and_the_connection_keeps_working(servers):
@@ -285,7 +286,7 @@ def test_tls_and_token_carry_pushes_and_pulls(servers, pki, mutual):  # noqa: F8
     _no_grpc_payloads(client)
     assert client.push(_payload(3, 1e-2), worker_id=w, push_id=2, base_version=0).version == 1
     pulled = client.pull(MANIFEST, w)
-    assert pulled.version == 1 and torch.equal(pulled.payload, srv.state.manifest.pack_flat(srv.state.params))
+    assert pulled.version == 1 and torch.equal(pulled.payload, srv.state.model.manifest.pack_flat(srv.state.params))
     if not mutual:  # stopping the server ends the kept-alive TLS connection's thread at once (lease_s is 60)
         threads = [t for _, t in srv.bulk._connections.values()]  # noqa: SLF001
         assert threads
@@ -313,7 +314,7 @@ def test_the_client_falls_back_to_grpc_when_the_bulk_port_is_unreachable(servers
         assert reply.applied and reply.version == 1
         client._bulk._retry_at = 0.0  # noqa: SLF001 - skip the backoff: try (and fail) the bulk port again
         pulled = client.pull(MANIFEST, w)
-    assert pulled.version == 1 and torch.equal(pulled.payload, srv.state.manifest.pack_flat(srv.state.params))
+    assert pulled.version == 1 and torch.equal(pulled.payload, srv.state.model.manifest.pack_flat(srv.state.params))
     warnings = [r for r in caplog.records if "bulk data channel" in r.getMessage()]
     assert len(warnings) == 1, "an outage is logged once"
     client.close()

@@ -16,8 +16,8 @@ import torch
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
-from asyncdiloco.ps.checkpoints import canonical, sha256_file
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.checkpoints import canonical, sha256_file
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -38,13 +38,13 @@ def _checkpointed(tmp_path: pathlib.Path, saved: list | None = None) -> pathlib.
     θ is appended to ``saved``."""
     state, store = helpers.open_durable(_config(tmp_path))
     wid, _, _ = state.join(MANIFEST, "a")
-    state.push(
+    state.intake.push(
         MANIFEST.pack([torch.zeros(2, 3), torch.zeros(3)]),
         worker_id=wid,
         push_id=1,
         kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
     )
-    state.push(
+    state.intake.push(
         MANIFEST.pack([torch.ones(2, 3), torch.ones(3)]), worker_id=wid, push_id=2, base_version=0, num_local_steps=1
     )
     if saved is not None:

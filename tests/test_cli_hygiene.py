@@ -23,6 +23,7 @@ from asyncdiloco.errors import AsyncDiLoCoError, ConfigError, ModeMismatchError
 from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig, check_pem_files
 from asyncdiloco.wire.tensors import Manifest
 
@@ -174,7 +175,7 @@ def test_mode_mismatch_messages_speak_in_flags_not_classes(start_server):
     wid = state.join(Manifest.from_module(model), "w")[0]
     header = pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=1)
     with pytest.raises(ModeMismatchError) as server_side:
-        state.begin_push(header)
+        state.intake.refuse(seal(header))
     assert "this server runs --mode async; start the worker with --mode async" in str(server_side.value)
     assert "DiLoCoWorker" not in str(server_side.value)
 

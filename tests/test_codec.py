@@ -16,8 +16,8 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import STEP_BLOCK_ELEMS
 from asyncdiloco.errors import CheckpointError, ConfigError, InvalidPayloadError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.codec import DEFAULT_BLOCK_SIZE, make_codec, wire_bytes_for
 from asyncdiloco.wire.tensors import Manifest
@@ -173,7 +173,7 @@ def initialize(state: ParameterServerState, theta: torch.Tensor) -> int:
     manifest = flat_manifest(theta.numel())
     wid, init, _ = state.join(manifest, "w")
     assert init
-    state.push(manifest.pack_flat(theta), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # raw
+    state.intake.push(manifest.pack_flat(theta), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)  # raw
     assert torch.equal(state.params, theta)
     return wid
 
@@ -185,14 +185,14 @@ def test_a_thousand_pushes_of_1e_minus_4_move_a_weight_at_one_by_about_0_1(name)
     theta = torch.zeros(50)
     theta[7] = 1.0
     wid = initialize(state, theta)
-    codec = make_codec(name, state.manifest)
+    codec = make_codec(name, state.model.manifest)
     delta = torch.zeros(50)
     delta[7] = -1e-4  # θ ← θ − η·Δ moves the weight up by 1e-4 per push
     payload = codec.encode(delta, torch.empty(codec.wire_bytes, dtype=torch.uint8))
     for k in range(1000):
-        out = state.push(payload, worker_id=wid, push_id=2 + k, base_version=state.version)
+        out = state.intake.push(payload, worker_id=wid, push_id=2 + k, base_version=state.version)
         assert out.applied
-    assert state.bytes_pushed == 1000 * codec.wire_bytes
+    assert state.counters.bytes_pushed == 1000 * codec.wire_bytes
     moved = float(state.params[7]) - 1.0
     assert moved == pytest.approx(0.1, rel=0.03)
     assert float(state.params.abs().sum()) == pytest.approx(1.0 + moved)  # nothing else moved
@@ -202,13 +202,13 @@ def test_pull_snapshot_is_encoded_once_per_version_and_initial_parameters_stay_r
     state = sgd_state("int8", 16)
     theta = torch.randn(100)
     initialize(state, theta)  # the initial push was raw (400 bytes), applied exactly
-    snap = state.acquire_snapshot()
-    codec = make_codec("int8", state.manifest, 16)
+    snap = state.snapshots.acquire()
+    codec = make_codec("int8", state.model.manifest, 16)
     assert snap.total_bytes == codec.wire_bytes == 4 * 7 + 100
-    again = state.acquire_snapshot()
+    again = state.snapshots.acquire()
     assert again is snap
     for s in (snap, again):
-        state.release_snapshot(s)
+        state.snapshots.release(s)
     payload = torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.uint8)
     decoded = codec.decode(payload, torch.empty(100))
     assert float((decoded - theta).abs().max()) <= float(theta.abs().max()) / 254 * 1.001
@@ -219,15 +219,15 @@ def test_pull_snapshot_is_encoded_once_per_version_and_initial_parameters_stay_r
 def test_a_push_of_the_wrong_size_is_refused_and_changes_nothing():
     state = sgd_state("int8", 16)
     wid = initialize(state, torch.randn(100))
-    before = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
-    raw = state.manifest.pack_flat(torch.full((100,), 1e-3))  # a raw push to an int8 server
+    before = (state.params.clone(), state.version, state.counters.applied_pushes, state.counters.bytes_pushed)
+    raw = state.model.manifest.pack_flat(torch.full((100,), 1e-3))  # a raw push to an int8 server
     with pytest.raises(
         InvalidPayloadError,
         match=r"total_bytes is 400; the model's payload is 128 bytes encoded with "
         r"this run's wire codec int8 \(block_size 16\) \(raw: 400 bytes\)",
     ):
-        state.push(raw, worker_id=wid, push_id=2, base_version=state.version)
-    after = (state.params.clone(), state.version, state.applied_pushes, state.bytes_pushed)
+        state.intake.push(raw, worker_id=wid, push_id=2, base_version=state.version)
+    after = (state.params.clone(), state.version, state.counters.applied_pushes, state.counters.bytes_pushed)
     assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
 
 
@@ -235,11 +235,11 @@ def test_a_decoded_non_finite_push_is_refused_and_changes_nothing():
     state = sgd_state("int8", 16)
     wid = initialize(state, torch.randn(100))
     before = state.params.clone()
-    codec = make_codec("int8", state.manifest, 16)
+    codec = make_codec("int8", state.model.manifest, 16)
     payload = codec.encode(torch.randn(100), torch.empty(codec.wire_bytes, dtype=torch.uint8))
     payload[:4].view(torch.float32)[0] = float("inf")  # a broken client's scale
     with pytest.raises(InvalidPayloadError, match="non-finite"):
-        state.push(payload, worker_id=wid, push_id=2, base_version=0)
+        state.intake.push(payload, worker_id=wid, push_id=2, base_version=0)
     assert torch.equal(state.params, before) and state.version == 0
 
 
@@ -255,7 +255,7 @@ def durable(tmp_path, codec: str, block_size: int = 16):
     )
     state = ParameterServerState(cfg)
     store = DurableStore(cfg.durability, cfg)
-    store.open(state)
+    store.open(state.durability)
     return state, store
 
 
@@ -263,17 +263,17 @@ def durable(tmp_path, codec: str, block_size: int = 16):
 def test_wal_replay_with_a_codec_is_bit_identical_and_another_codec_is_refused(tmp_path, name):
     state, store = durable(tmp_path, name)
     wid = initialize(state, torch.randn(100, generator=torch.Generator().manual_seed(0)))
-    codec = make_codec(name, state.manifest, 16)
+    codec = make_codec(name, state.model.manifest, 16)
     g = torch.Generator().manual_seed(1)
     for k in range(5):
         delta = torch.randn(100, generator=g) * 0.01
-        state.push(
+        state.intake.push(
             codec.encode(delta, torch.empty(codec.wire_bytes, dtype=torch.uint8)),
             worker_id=wid,
             push_id=2 + k,
             base_version=state.version,
         )
-    expected = (state.params.clone(), state.outer.momentum_buffer.clone(), state.version)
+    expected = (state.params.clone(), state.model.outer.momentum_buffer.clone(), state.version)
     crash(store)  # the pushes are only in the log: replay must decode them
     for other, block in (("raw", 16), ("int8" if name == "bf16" else "bf16", 16)) + (
         (("int8", 32),) if name == "int8" else ()
@@ -281,7 +281,7 @@ def test_wal_replay_with_a_codec_is_bit_identical_and_another_codec_is_refused(t
         with pytest.raises(CheckpointError, match="--wire-codec|--codec-block-size"):
             durable(tmp_path, other, block)
     again, store2 = durable(tmp_path, name)
-    assert torch.equal(again.params, expected[0]) and torch.equal(again.outer.momentum_buffer, expected[1])
+    assert torch.equal(again.params, expected[0]) and torch.equal(again.model.outer.momentum_buffer, expected[1])
     assert again.version == expected[2] == 5
     store2.close()
 
@@ -315,7 +315,7 @@ def test_error_feedback_moves_a_weight_whose_steps_quantise_to_zero(server, over
     )  # without error feedback the weight would never move
     rounds = 300
     with AsyncDiLoCoWorker(model, opt, WorkerConfig(server=srv.address, overlap=overlap)) as worker:
-        assert worker.codec.name == "int8"
+        assert worker.wire.codec.name == "int8"
         for k in range(rounds):
             model.w.grad = torch.tensor([-1e-4, 1.0 if k % 2 == 0 else -1.0, 0.0, 0.0])
             opt.step()  # H = 1: every step pushes and pulls
@@ -411,7 +411,7 @@ def test_bf16_pushes_decoded_per_block_in_the_step_match_a_whole_decode(outer, m
         if not blocked:
             monkeypatch.setattr(state.model, "pseudo_gradient_blocks", lambda payload: None)
         wid, _, _ = state.join(manifest, "w")
-        state.push(
+        state.intake.push(
             manifest.pack_flat(torch.linspace(-1, 1, numel)),
             worker_id=wid,
             push_id=1,
@@ -421,7 +421,7 @@ def test_bf16_pushes_decoded_per_block_in_the_step_match_a_whole_decode(outer, m
         for push_id in range(2, 8):
             delta = (torch.randn(numel, generator=gen) * 0.01).to(torch.bfloat16).view(torch.uint8)
             base = max(0, state.version - push_id % 3)  # some pushes stale: s(τ) < 1
-            assert state.push(delta, worker_id=wid, push_id=push_id, base_version=base).applied
+            assert state.intake.push(delta, worker_id=wid, push_id=push_id, base_version=base).applied
         states.append(state)
     blocked_state, whole = states
     assert torch.equal(blocked_state.params, whole.params)
@@ -438,5 +438,5 @@ def test_a_non_finite_bf16_push_is_refused_naming_the_element_and_changes_nothin
     bad = torch.zeros(100, dtype=torch.bfloat16)
     bad[41] = float("nan")
     with pytest.raises(InvalidPayloadError, match=r"1 non-finite values .*index \(41,\)"):
-        state.push(bad.view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
+        state.intake.push(bad.view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
     assert torch.equal(state.params, before) and state.version == 0

@@ -1,4 +1,4 @@
-"""The dashboard, /status.json and ReportEval (ps/dashboard.py, ps/monitor.py, the
+"""The dashboard, /status.json and ReportEval (ps/watch/dashboard.py, ps/watch/monitor.py, the
 state's report_eval), over HTTP and gRPC on 127.0.0.1, and the version history's bounds."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from helpers import assert_same, fingerprint
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncdiloco.errors import InvalidPayloadError
-from asyncdiloco.ps.dashboard import RunHistory, render
+from asyncdiloco.ps.watch.dashboard import RunHistory, render
 from asyncdiloco.tools.status_view import status_dict
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc

@@ -30,9 +30,10 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ServerUnavailableError
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
-from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.stats import WorkerStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +95,7 @@ def test_a_pull_waits_for_a_snapshot_slot_no_longer_than_its_deadline(start_serv
     # An encoded model: one snapshot slot, held by an observer's pull of version 0 that has
     # not finished; version 1 cannot be encoded until it does. The server waited up to 10 s
     # for the slot (its own constant), past the worker's deadline: the pull failed
-    # DEADLINE_EXCEEDED. A raw fp32 model's pulls read θ in place (ps/live.py): no slot,
+    # DEADLINE_EXCEEDED. A raw fp32 model's pulls read θ in place (ps/pull/live_view.py): no slot,
     # the newest version at once.
     outer = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0)
     srv = start_server(grouping="off", pull_snapshots=1, outer=outer, wire_codec=codec)
@@ -109,7 +110,7 @@ def test_a_pull_waits_for_a_snapshot_slot_no_longer_than_its_deadline(start_serv
         pulled = a.pull(MANIFEST, a_id)
         took_s = time.monotonic() - started
     finally:
-        srv.state.close_pull(slow_pull)
+        srv.state.snapshots.close_pull(slow_pull)
     assert pulled.version == (0 if codec == "bf16" else 1), "served the newest snapshot there is"
     assert took_s < a._payload_timeout(MANIFEST.total_bytes)  # noqa: SLF001 - within its deadline
     assert a.pull(MANIFEST, a_id).version == 1  # the slot is free again: the newest version

@@ -107,7 +107,7 @@ def test_host_buffers_are_reused_across_syncs(start_server, overlap):
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-            wires.add((worker._wire_buffer("push").data_ptr(), worker._wire_buffer("pull").data_ptr()))
+            wires.add((worker.wire.buffer("push").data_ptr(), worker.wire.buffer("pull").data_ptr()))
             now = {worker._base.data_ptr(), worker._scratch.data_ptr()}
             assert now <= host
         worker.close()

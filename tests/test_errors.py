@@ -14,8 +14,8 @@ import pytest
 
 import asyncdiloco.errors as errors
 from asyncdiloco.errors import AsyncDiLoCoError, from_rpc_error
-from asyncdiloco.ps.bulk import BulkServer
-from asyncdiloco.ps.service import _abort
+from asyncdiloco.ps.transport.bulk import BulkServer
+from asyncdiloco.ps.transport.grpc_service import _abort
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.bulk_framing import BulkStatus, code_value
 from asyncdiloco.worker.bulk_client import BulkChannel

@@ -13,9 +13,9 @@ import torch
 from helpers import assert_same, crash, fingerprint
 
 from asyncdiloco.algo.config import OuterConfig
-from asyncdiloco.ps.checkpoints import canonical
+from asyncdiloco.ps.books import PUSH_MEMORY
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.records import PUSH_MEMORY
+from asyncdiloco.ps.durable.checkpoints import canonical
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
@@ -39,13 +39,13 @@ def open_durable(tmp_path, every=10**6):
 
 def push(state, wid, push_id, value=0.001):
     payload = MANIFEST.pack([torch.full((4,), value)])
-    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
+    return state.intake.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
 
 
 def initialized(state) -> int:
     wid, init, _ = state.join(MANIFEST, "a")
     assert init
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return wid
 
 
@@ -73,9 +73,9 @@ def test_a_forgotten_push_id_is_never_applied_again():
     last = push_past_the_memory(state, wid)
     assert state.version == last - 1
     assert_not_applied_again(state, wid, [2, 3, 10])
-    reply = state.finish_push(push(state, wid, 2), wid)  # what the wire says
+    reply = state.intake.reply(push(state, wid, 2), wid)  # what the wire says
     assert reply.duplicate and not reply.applied and reply.version == state.version
-    assert state.duplicate_pushes == 1
+    assert state.counters.duplicate_pushes == 1
     assert push(state, wid, last, value=5.0).duplicate  # remembered: its original outcome
     assert push(state, wid, last + 1).applied  # the next id is new
 

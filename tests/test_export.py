@@ -1,4 +1,4 @@
-"""The model out: ``asyncdiloco export`` (tools/export.py; ps/store.py's read-only
+"""The model out: ``asyncdiloco export`` (tools/export.py; ps/durable/store.py's read-only
 restore) and ``load_global_model`` (worker/global_model.py).
 
 The export of a real server's folder, written while it runs, with pushes after its last
@@ -24,8 +24,8 @@ import asyncdiloco
 from asyncdiloco.errors import CheckpointError, ManifestMismatchError, NotInitializedError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.tools.export import export_global_model, named_parameters
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
@@ -67,7 +67,7 @@ def test_export_while_the_server_runs_equals_its_live_model(durable_run, tmp_pat
     with open(folder / "LOCK") as lock, pytest.raises(BlockingIOError):  # the server still holds its folder
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     state = safetensors.torch.load_file(str(out))
-    live = named_parameters(srv.state.params, srv.state.manifest)
+    live = named_parameters(srv.state.params, srv.state.model.manifest)
     assert set(state) == set(live)
     for name, t in live.items():
         assert torch.equal(state[name], t), name
@@ -103,13 +103,13 @@ def crashed_folder(tmp_path):
     (folder, θ at the crash, version)."""
     cfg = ServerConfig(port=0, durability=DurabilityConfig(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=4))
     state, store = ParameterServerState(cfg), DurableStore(cfg.durability, cfg)
-    store.open(state)
+    store.open(state.durability)
     wid, _, _ = state.join(MANIFEST, "w")
     gen = torch.Generator().manual_seed(0)
     for k in range(6):
         tensors = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in MANIFEST.tensors]
         kind = pb.PUSH_KIND_INITIAL_PARAMETERS if k == 0 else pb.PUSH_KIND_PSEUDO_GRADIENT
-        state.push(MANIFEST.pack(tensors), worker_id=wid, push_id=k + 1, base_version=state.version, kind=kind)
+        state.intake.push(MANIFEST.pack(tensors), worker_id=wid, push_id=k + 1, base_version=state.version, kind=kind)
     crash(store)
     return tmp_path / "c", state.params.clone(), state.version
 

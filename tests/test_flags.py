@@ -87,7 +87,7 @@ def _async_server(files) -> ServerConfig:
             tls_client_ca=files("ca"),
             insecure_trusted_network=True,
         ),
-        sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens", store_port=12345),
+        sync=SyncConfig(min_workers=2, join_timeout_s=3.5, round_timeout_s=20.0, weighting="tokens"),
         wire_codec="int8",
         codec_block_size=128,
     )
@@ -212,7 +212,7 @@ def test_every_config_field_has_a_flag_or_is_excluded_on_purpose(config, table, 
 #: Every flag the command had before the table, per subcommand (users and scripts use them).
 FLAGS_BEFORE = {
     "server": "--host --port --port-file --bulk-port --mode --min-workers --quorum-wait-s --round-timeout-s "
-    "--sync-weighting --store-port --local-steps -H --outer-optimizer --outer-lr --outer-momentum --staleness "
+    "--sync-weighting --local-steps -H --outer-optimizer --outer-lr --outer-momentum --staleness "
     "--staleness-a --staleness-b --max-staleness --dn-buffer --dn-c --outer-lr-schedule --outer-warmup-versions "
     "--outer-total-versions --outer-min-lr-ratio --chunk-bytes --lease-s --max-payload-bytes --max-abs-value "
     "--receive-buffer-mib --pull-snapshots --dylu --no-dylu --grouping --grace-s --group-max-wait-s --block-check "
@@ -224,7 +224,7 @@ FLAGS_BEFORE = {
     "--batch-size --context-len --n-layer --n-embd --n-head "
     "--inner-lr --seed --inner-lr-schedule --inner-warmup-steps --inner-total-steps --inner-min-lr-ratio",
     "demo": "--workers --max-seconds --out --slowdowns --eval-every --no-progress --overlap --mode --min-workers "
-    "--quorum-wait-s --round-timeout-s --sync-weighting --store-port --local-steps -H --outer-optimizer "
+    "--quorum-wait-s --round-timeout-s --sync-weighting --local-steps -H --outer-optimizer "
     "--outer-lr --outer-momentum --staleness --staleness-a --staleness-b --max-staleness --dn-buffer --dn-c "
     "--outer-lr-schedule --outer-warmup-versions --outer-total-versions --outer-min-lr-ratio --chunk-bytes "
     "--lease-s --max-payload-bytes --max-abs-value --receive-buffer-mib --pull-snapshots --dylu --no-dylu "

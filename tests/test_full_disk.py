@@ -16,11 +16,11 @@ import torch
 from helpers import assert_same, crash, fingerprint, open_durable
 
 import asyncdiloco._atomic as atomic_module
-import asyncdiloco.ps.store as store_module
+import asyncdiloco.ps.durable.store as store_module
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.metrics import ServerMetrics
+from asyncdiloco.ps.watch.metrics import ServerMetrics
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -112,13 +112,13 @@ def open_server(tmp_path, every=10**6):
 
 def push(state, wid, push_id, value=0.01):
     payload = MANIFEST.pack([torch.full((64,), value)])
-    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
+    return state.intake.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
 
 
 def started(state) -> int:
     wid, init, _ = state.join(MANIFEST, "a")
     assert init
-    state.push(MANIFEST.pack([torch.zeros(64)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.zeros(64)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return wid
 
 

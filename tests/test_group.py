@@ -107,7 +107,7 @@ def test_a_ddp_group_trains_as_one_worker_with_identical_ranks(start_server, tmp
     assert rec.tokens == steps * (16 + 32) == ranks[0]["tokens"], "the server counts every rank's tokens"
     assert ranks[1]["tokens"] == steps * 32  # a follower counts its own
     assert ranks[0]["module_names"][0] == "0.weight"
-    assert srv.state.manifest.tensors[0].name == "0.weight", "DDP's 'module.' prefix is dropped"
+    assert srv.state.model.manifest.tensors[0].name == "0.weight", "DDP's 'module.' prefix is dropped"
     _loss_falls(ranks[0])
 
 

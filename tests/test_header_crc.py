@@ -67,15 +67,16 @@ def test_every_single_flipped_bit_of_a_header_is_caught(header):
             check_header(parsed, f"bit {bit}")
 
 
-def test_a_header_without_a_crc_is_not_checked_unless_it_holds_unknown_fields():
+def test_a_header_without_a_crc_is_refused_as_corrupted():
     header = pb.PushHeader(worker_id=3, push_id=6)
-    check_header(header, "an old client's")  # 0: not sent
+    with pytest.raises(PayloadCorruptedError, match="no header_crc32"):
+        check_header(header, "an unsealed one")  # every sender seals: a missing CRC was lost in transit
     assert header_crc(seal(header)) == header.header_crc32 != 0
-    # A flip that turns a tag into a length-delimited field swallowing the CRC's own field:
-    # no CRC is left, but the unknown field it left behind gives it away.
+    check_header(header, "the sealed one")
+    # A flip that turns a tag into a length-delimited field swallowing the CRC's own field.
     swallowed = pb.PushHeader.FromString(pb.PushHeader(worker_id=3).SerializeToString() + b"\x7a\x02\x10\x06")
     assert swallowed.header_crc32 == 0
-    with pytest.raises(PayloadCorruptedError, match="unknown field"):
+    with pytest.raises(PayloadCorruptedError, match="corrupted in transit"):
         check_header(swallowed, "a swallowed one")
 
 

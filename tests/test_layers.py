@@ -43,9 +43,9 @@ ALLOWED = {
 
 #: (module, imported module) pairs allowed across the picture, each with its reason.
 CROSSINGS = {
-    # A regional server (ps/upstream.py) is itself a worker of its parent server: its link
+    # A regional server (ps/tier/upstream.py) is itself a worker of its parent server: its link
     # talks to the parent through the workers' own client, imported only when --parent is set.
-    ("asyncdiloco.ps.upstream", "asyncdiloco.worker.client"),
+    ("asyncdiloco.ps.tier.upstream", "asyncdiloco.worker.client"),
 }
 
 
@@ -126,12 +126,7 @@ def _name(module: str) -> str:
 MAX_MODULE_LINES = 600
 
 #: Modules allowed over ``MAX_MODULE_LINES``, each with its reason.
-LONG_MODULES = {
-    "asyncdiloco.worker.async_worker": "being renovated (issue 26)",
-    "asyncdiloco.worker.sync_worker": "being renovated (issue 26)",
-    "asyncdiloco.worker.base": "being renovated (issue 26)",
-    "asyncdiloco.worker.client": "being renovated (issue 26)",
-}
+LONG_MODULES: dict[str, str] = {}
 
 
 def test_no_module_is_over_the_line_cap_without_a_reason():
@@ -175,9 +170,7 @@ def test_no_private_name_is_imported_from_another_module():
 
 
 #: Import cycles allowed inside a layer (each its set of modules), with the reason.
-CYCLES = {
-    frozenset({"asyncdiloco.ps.buffers", "asyncdiloco.ps.live"}): "being renovated",
-}
+CYCLES: dict[frozenset[str], str] = {}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -311,3 +304,46 @@ def test_the_import_walk_sees_relative_and_dynamic_imports(tmp_path):
         "asyncdiloco.ps.server",
         "asyncdiloco.ps.store",
     } <= found
+
+
+#: The server's rooms, lowest first (docs/architecture.md, "The server's rooms"): an import
+#: inside ``asyncdiloco.ps`` stays in its room or points to a lower one. A room is a
+#: subfolder, or a set of top-level modules: the shared core at the bottom, the state in the
+#: middle, the process (server.py and the package's lazy exports) at the top.
+PS_ROOMS = (
+    ("core", {"config", "books", "model", "registry", "core"}),
+    ("pull", {"pull"}),
+    ("push", {"push"}),
+    ("sync", {"sync"}),
+    ("durable", {"durable"}),
+    ("state", {"state"}),
+    ("tier", {"tier"}),
+    ("watch", {"watch"}),
+    ("transport", {"transport"}),
+    ("server", {"server", "__init__"}),
+)
+
+
+def _ps_room(module: str) -> int | None:
+    """The rank of ``module``'s room in ``PS_ROOMS`` (None outside ``asyncdiloco.ps``)."""
+    parts = module.split(".")
+    if parts[:2] != ["asyncdiloco", "ps"]:
+        return None
+    name = parts[2] if len(parts) > 2 else "__init__"
+    ranks = [rank for rank, (_, members) in enumerate(PS_ROOMS) if name in members]
+    assert ranks, f"{module} is in no room of PS_ROOMS: add it to one"
+    return ranks[0]
+
+
+def test_server_imports_point_down_its_rooms():
+    wrong = []
+    for module, path in _modules():
+        own = _ps_room(module)
+        if own is None:
+            continue
+        for line, target in _imports(path, module):
+            room = _ps_room(target)
+            if room is not None and room > own:
+                where = path.relative_to(PACKAGE.parent)
+                wrong.append(f"{where}:{line} {PS_ROOMS[own][0]} -> {PS_ROOMS[room][0]} ({target})")
+    assert not wrong, "imports up the server's rooms (PS_ROOMS):\n" + "\n".join(wrong)

@@ -34,7 +34,7 @@ def _state() -> tuple[ParameterServerState, FakeClock]:
 def _push(state: ParameterServerState, worker_id: int, push_id: int, compute_s: float):
     payload = MANIFEST.pack([torch.full((4,), 0.01)])
     version = state.version
-    return state.push(
+    return state.intake.push(
         payload, worker_id=worker_id, push_id=push_id, base_version=version, num_local_steps=H, compute_s=compute_s
     )
 
@@ -49,12 +49,12 @@ def test_a_reply_held_by_a_window_from_a_slow_rate_keeps_the_pushers_lease(windo
     state, clock = _state()
     rate = H / window_s  # the auto window: one round of the fastest worker, H / v
     slow, _, _ = state.join(MANIFEST, "slow", steps_per_s=rate)  # expected in the group, never pushes
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=slow, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.zeros(4)]), worker_id=slow, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     client, _, _ = state.join(MANIFEST, "client", steps_per_s=rate)
     assert state.run_config(client).group_window_s == pytest.approx(window_s)
     out = _push(state, client, 2, compute_s=window_s)  # its lease renewed now, at t = 0
     replies: list[pb.PushReply] = []
-    held = threading.Thread(target=lambda: replies.append(state.finish_push(out, client)))
+    held = threading.Thread(target=lambda: replies.append(state.intake.reply(out, client)))
     held.start()
     try:
         clock.now = LEASE_S / 2
@@ -77,7 +77,9 @@ def test_a_reply_held_by_a_window_from_a_slow_rate_keeps_the_pushers_lease(windo
 def test_an_upload_longer_than_the_lease_keeps_the_pushers_lease(monkeypatch):
     state, clock = _state()
     worker, _, _ = state.join(MANIFEST, "w")
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=worker, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(
+        MANIFEST.pack([torch.zeros(4)]), worker_id=worker, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     receive = state.intake.receive
 
     def slow_upload(header, fill, drain, is_active=None):

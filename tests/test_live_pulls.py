@@ -1,4 +1,4 @@
-"""Pulls of a raw fp32 model read θ in place (ps/live.py ``LiveView``): no copy of θ per
+"""Pulls of a raw fp32 model read θ in place (ps/pull/live_view.py ``LiveView``): no copy of θ per
 version. Before θ changes, the version being read moves into the pushed Δ's receive
 buffer block by block as the outer step goes (``begin_swap``), or is copied (the other
 paths), so every pull gets exactly the bytes and CRC-32 of the version its header names,
@@ -17,12 +17,13 @@ from helpers import STUCK_S, FakeClock
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.algo.outer import STEP_BLOCK_ELEMS
 from asyncdiloco.errors import InvalidPayloadError, ServerBusyError
-from asyncdiloco.ps.buffers import ReceivePool, SnapshotBuilder, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.live import LiveView
-from asyncdiloco.ps.quorum import CommittedRound
+from asyncdiloco.ps.pull.encoded import SnapshotBuilder, encode_snapshot
+from asyncdiloco.ps.pull.live_view import LiveView
+from asyncdiloco.ps.pull.receive_pool import ReceivePool
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.tier import rebase_onto
+from asyncdiloco.ps.sync.quorum import CommittedRound
+from asyncdiloco.ps.tier.rebase import rebase_onto
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import decode_pull_message, encode_chunk
 from asyncdiloco.wire.tensors import Manifest, chunk_views, crc32_of
@@ -39,7 +40,7 @@ def _state(optimizer: str = "nesterov", **config) -> tuple[ParameterServerState,
     state = ParameterServerState(config)
     wid, _, _ = state.join(MANIFEST, "w")
     init = torch.linspace(-1, 1, NUMEL)
-    state.push(MANIFEST.pack_flat(init), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack_flat(init), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return state, wid
 
 
@@ -48,7 +49,7 @@ def _delta(seed: int) -> torch.Tensor:
 
 
 def _push(state: ParameterServerState, wid: int, push_id: int):
-    return state.push(_delta(push_id), worker_id=wid, push_id=push_id, base_version=state.version)
+    return state.intake.push(_delta(push_id), worker_id=wid, push_id=push_id, base_version=state.version)
 
 
 def _pulled(state: ParameterServerState, pieces=None) -> tuple[int, bytes, int]:
@@ -57,7 +58,7 @@ def _pulled(state: ParameterServerState, pieces=None) -> tuple[int, bytes, int]:
     try:
         data = b"".join(bytes(decode_pull_message(m).data) for m in source.messages(CHUNK))
     finally:
-        state.close_pull(source)
+        state.snapshots.close_pull(source)
     return source.header.version, data, source.header.crc32
 
 
@@ -66,22 +67,22 @@ def test_pulls_read_theta_and_the_crc_is_taken_in_the_step(optimizer, monkeypatc
     pulled, wid = _state(optimizer)
     quiet, wid_q = _state(optimizer)
     hooks = []
-    step = pulled.outer.step
+    step = pulled.model.outer.step
 
     def spy(*args, **kwargs):
         hooks.append(kwargs.get("on_block"))
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(pulled.outer, "step", spy)
+    monkeypatch.setattr(pulled.model.outer, "step", spy)
     for push_id in range(2, 6):
         for state, w in ((pulled, wid), (quiet, wid_q)):
-            state.push(_delta(push_id), worker_id=w, push_id=push_id, base_version=state.version)
-        view = pulled.acquire_snapshot()
+            state.intake.push(_delta(push_id), worker_id=w, push_id=push_id, base_version=state.version)
+        view = pulled.snapshots.acquire()
         assert isinstance(view, LiveView) and view.version == pulled.version
         assert view._crc is not None or push_id == 2  # taken in the step once pulls came
         assert b"".join(bytes(v) for v in view.data_views(CHUNK)) == pulled.model.theta.numpy().tobytes()
         assert view.crc32() == crc32_of(pulled.model.theta.view(torch.uint8))
-        pulled.release_snapshot(view)
+        pulled.snapshots.release(view)
         assert torch.equal(pulled.model.theta, quiet.model.theta)
     assert hooks[0] is None and all(h is not None for h in hooks[1:])  # blocked from the first push after a pull
     assert pulled.intake.pool._in_use == 0  # nobody reads an old version: every Δ buffer went back
@@ -97,7 +98,7 @@ def test_a_pull_across_applies_gets_exactly_its_version(optimizer):
     for push_id in (2, 3, 4):  # θ moves on three times under the pull
         assert _push(state, wid, push_id).applied
     got += list(messages)
-    state.close_pull(source)
+    state.snapshots.close_pull(source)
     data = b"".join(bytes(decode_pull_message(m).data) for m in got)
     assert source.header.version == 0 and data == theta_0.numpy().tobytes()
     assert source.header.crc32 == crc32_of(theta_0.view(torch.uint8))
@@ -109,9 +110,9 @@ def test_reads_during_the_swap_see_the_old_version_at_every_block(monkeypatch):
     """Read the whole view after every block of the step: the filled part of Δ's buffer,
     the scratch of the block in flight and the untouched rest of θ make version 0."""
     state, wid = _state("nesterov")
-    view = state.acquire_snapshot()
+    view = state.snapshots.acquire()
     theta_0 = state.model.theta.numpy().tobytes()
-    step = state.outer.step
+    step = state.model.outer.step
     seen = []
 
     def checking_step(*args, **kwargs):
@@ -124,11 +125,11 @@ def test_reads_during_the_swap_see_the_old_version_at_every_block(monkeypatch):
         kwargs["on_block"] = on_block
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(state.outer, "step", checking_step)
+    monkeypatch.setattr(state.model.outer, "step", checking_step)
     assert _push(state, wid, 2).applied
     assert seen == [True, True, True]  # three blocks
     assert b"".join(bytes(v) for v in view.data_views(CHUNK)) == theta_0  # and from Δ's buffer after it
-    state.release_snapshot(view)
+    state.snapshots.release(view)
     assert state.model.theta.numpy().tobytes() != theta_0
 
 
@@ -137,14 +138,14 @@ def test_a_pull_during_the_outer_step_is_served_the_version_before(monkeypatch):
     _pulled(state)  # pulls are coming
     theta_0 = state.model.theta.numpy().tobytes()
     entered, release = threading.Event(), threading.Event()
-    step = state.outer.step
+    step = state.model.outer.step
 
     def held(*args, **kwargs):
         entered.set()
         assert release.wait(STUCK_S)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(state.outer, "step", held)
+    monkeypatch.setattr(state.model.outer, "step", held)
     pusher = threading.Thread(target=_push, args=(state, wid, 2), daemon=True)
     pusher.start()
     assert entered.wait(STUCK_S)
@@ -167,7 +168,7 @@ def test_an_old_version_stays_within_the_receive_budget():
     with pytest.raises(ServerBusyError, match="receive budget"):
         pool.acquire(payload, timeout_s=0.01)
     got = b"".join(bytes(decode_pull_message(m).data) for m in source.messages(CHUNK))
-    state.close_pull(source)
+    state.snapshots.close_pull(source)
     assert pool._in_use == 0 and len(got) == payload
     assert _push(state, wid, 3).applied
 
@@ -186,10 +187,12 @@ def test_no_pull_no_copy_and_no_held_buffer():
 def test_sync_rounds_and_regional_rebases_copy_out_the_version_being_read():
     sync = ParameterServerState(ServerConfig(port=0, mode="sync", chunk_bytes=CHUNK))
     wid, _, _ = sync.join(MANIFEST, "w")
-    sync.push(MANIFEST.pack_flat(torch.ones(NUMEL)), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    sync.intake.push(
+        MANIFEST.pack_flat(torch.ones(NUMEL)), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     regional, rwid = _state("sgd")
     for state, change in (
-        (sync, lambda: sync.mode.apply_round(CommittedRound(1, 1, torch.full((NUMEL,), 0.01), {wid: 5}, {wid: 2}))),
+        (sync, lambda: sync.rounds.apply_round(CommittedRound(1, 1, torch.full((NUMEL,), 0.01), {wid: 5}, {wid: 2}))),
         (regional, lambda: rebase_onto(regional, torch.zeros(NUMEL), regional.model.theta.clone() - 1.0)),
     ):
         before = state.model.theta.numpy().tobytes()
@@ -198,7 +201,7 @@ def test_sync_rounds_and_regional_rebases_copy_out_the_version_being_read():
         got = [next(messages)]
         change()
         got += list(messages)
-        state.close_pull(source)
+        state.snapshots.close_pull(source)
         assert state.model.theta.numpy().tobytes() != before
         assert b"".join(bytes(decode_pull_message(m).data) for m in got) == before
         assert source.header.crc32 == crc32_of(torch.frombuffer(bytearray(before), dtype=torch.uint8))
@@ -240,7 +243,7 @@ def test_a_stalled_pull_of_an_old_version_lets_pushes_in_after_the_lease():
     )
     state = ParameterServerState(config, clock=clock)
     wid, _, _ = state.join(MANIFEST, "w")
-    state.push(
+    state.intake.push(
         MANIFEST.pack_flat(torch.linspace(-1, 1, NUMEL)), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
     )
     theta_0 = state.model.theta.numpy().tobytes()
@@ -255,7 +258,7 @@ def test_a_stalled_pull_of_an_old_version_lets_pushes_in_after_the_lease():
         state.heartbeat(wid)
     assert _push(state, wid, 3).applied  # the stalled pull's hold was evicted
     got += list(messages)
-    state.close_pull(stalled)
+    state.snapshots.close_pull(stalled)
     assert b"".join(bytes(decode_pull_message(m).data) for m in got) == theta_0
     assert state.intake.pool._in_use == 0
 
@@ -296,7 +299,9 @@ def test_concurrent_pulls_and_pushes_each_pull_is_exactly_one_version(monkeypatc
     def pusher(wid: int) -> None:
         try:
             for push_id in range(2, 10):
-                state.push(_delta(wid * 100 + push_id), worker_id=wid, push_id=push_id, base_version=state.version)
+                state.intake.push(
+                    _delta(wid * 100 + push_id), worker_id=wid, push_id=push_id, base_version=state.version
+                )
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

@@ -1,4 +1,4 @@
-"""Long-polled Quorum and Commit (ps/long_poll.py, quorum.py ``poll_quorum``,
+"""Long-polled Quorum and Commit (ps/sync/long_poll.py, quorum.py ``poll_quorum``,
 worker/long_poll.py): a pending request stays registered between polls and is withdrawn
 when its polls stop; the holds are limited; a client from before ``poll`` still blocks."""
 
@@ -11,8 +11,8 @@ import torch
 from helpers import STUCK_S, FakeClock
 
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.long_poll import HOLD_S, KEEP_S, HeldWaits, max_held_waits
-from asyncdiloco.ps.quorum import Assignment, QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.long_poll import HOLD_S, KEEP_S, HeldWaits, max_held_waits
+from asyncdiloco.ps.sync.quorum import Assignment, QuorumManager, QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker import long_poll

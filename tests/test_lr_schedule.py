@@ -178,7 +178,7 @@ def test_no_schedule_flag_is_the_servers_default_outer_config():
 def test_worker_flags_reach_the_job_config(monkeypatch):
     import asyncdiloco._malloc
     import asyncdiloco.cli.train
-    from asyncdiloco.worker.async_worker import WorkerStats
+    from asyncdiloco.worker.stats import WorkerStats
 
     seen = {}
     monkeypatch.setattr(asyncdiloco._malloc, "keep_large_blocks", lambda: None)

@@ -1,4 +1,4 @@
-"""Prometheus metrics on the metrics port (ps/metrics.py, ps/grpc_metrics.py): scraped over
+"""Prometheus metrics on the metrics port (ps/watch/metrics.py, ps/watch/grpc_metrics.py): scraped over
 HTTP from in-process servers on 127.0.0.1 after known pushes, pulls and refusals."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncdiloco.errors import StalePushError, reason_codes
 from asyncdiloco.ps.config import DurabilityConfig
-from asyncdiloco.ps.metrics import staleness_family
+from asyncdiloco.ps.watch.metrics import staleness_family
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient

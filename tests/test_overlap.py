@@ -405,7 +405,7 @@ def test_the_finiteness_check_of_delta_is_exact(value, refused):
 
 def test_a_non_finite_delta_is_refused_in_the_background_before_anything_is_sent():
     from asyncdiloco import InvalidPayloadError, ServerUnavailableError
-    from asyncdiloco.worker.overlap import SyncLink, SyncRequest, push_then_pull
+    from asyncdiloco.worker.push_pull import SyncLink, SyncRequest, push_then_pull
 
     class NoNetwork:
         def push(self, *a, **k):
@@ -442,8 +442,8 @@ def test_a_held_reply_does_not_block_training_and_nothing_is_lost(start_server):
     other = ParameterServerClient(srv.address)
     other_id = other.join(worker.manifest, "other").worker_id  # expected: it joined just now
     steps(3)  # sync point: push in the background, its reply held for "other"
-    wait_until(lambda: srv.state.applied_pushes >= 1, "the push to reach the server")
-    assert srv.state.applied_pushes == 1
+    wait_until(lambda: srv.state.counters.applied_pushes >= 1, "the push to reach the server")
+    assert srv.state.counters.applied_pushes == 1
     steps(3)  # the next sync point comes while the reply is held: no wait
     assert worker._overlap.in_flight and worker.stats.pulls == 0 and worker.stats.inner_steps == 6
     delta_o = torch.full_like(theta_init, 0.01)

@@ -1,5 +1,5 @@
-"""The server's state, part by part (ps/registry.py, intake.py, modes.py, counters.py,
-journal.py, wal.py, checkpoints.py), and the on-disk formats against a committed fixture.
+"""The server's state, part by part (ps/registry.py, push/intake.py, core.py, books.py,
+durable/wal.py, durable/checkpoints.py), and the on-disk formats against a committed fixture.
 
 ``tests/data/checkpoint_v1`` was written by the server before it was cut into parts
 (``_write_run`` below, then the process "killed": the log after the newest checkpoint
@@ -25,19 +25,19 @@ from asyncdiloco.errors import (
     StalePushError,
     UnknownWorkerError,
 )
+from asyncdiloco.ps.books import Counters, LoggedJoin
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.counters import Counters
-from asyncdiloco.ps.records import LoggedJoin
+from asyncdiloco.ps.durable.store import DurableStore
+from asyncdiloco.ps.durable.wal import JOIN, PUSH, encode_record, read_segment
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
-from asyncdiloco.ps.wal import JOIN, PUSH, encode_record, read_segment
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "checkpoint_v1"
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(3, 2)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
 OUTER = OuterConfig(optimizer="delayed_nesterov", lr=0.7, momentum=0.9, dn_buffer=2)
-#: Keys log records gained after the fixture was written (ps/wal.py: older records lack them).
+#: Keys log records gained after the fixture was written (ps/durable/wal.py: older records lack them).
 _ADDED_LOG_KEYS = {"named", "seen_unix_s"}
 
 
@@ -52,7 +52,7 @@ def _open(folder: pathlib.Path) -> tuple[ParameterServerState, DurableStore]:
     config = _config(folder)
     state = ParameterServerState(config, clock=lambda: 0.0)
     store = DurableStore(config.durability, config)
-    store.open(state)
+    store.open(state.durability)
     return state, store
 
 
@@ -60,13 +60,13 @@ def _write_run(state: ParameterServerState) -> None:
     """The pushes the fixture holds: a bf16 parameter, Delayed Nesterov, stale pushes."""
     a = state.join(MANIFEST, "a")[0]
     init = [torch.arange(6.0).view(3, 2) / 8, torch.tensor([0.5, -0.25], dtype=torch.bfloat16)]
-    state.push(MANIFEST.pack(init), worker_id=a, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack(init), worker_id=a, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     b = state.join(MANIFEST, "b")[0]
     for k in range(5):
         delta = [torch.full((3, 2), 0.125 * (k + 1)), torch.tensor([0.0625 * k, -0.5], dtype=torch.bfloat16)]
         base = max(0, state.version - k % 2)
         wid = (a, b)[k % 2]
-        state.push(
+        state.intake.push(
             MANIFEST.pack(delta), worker_id=wid, push_id=2 + k, base_version=base, num_local_steps=3, num_tokens=7
         )
 
@@ -85,12 +85,15 @@ def test_a_checkpoint_and_log_written_before_the_parts_still_restore(tmp_path):
     try:
         assert state.version == expected["version"]
         assert state.params is not None and state.params.tolist() == expected["params"]
-        outer = state.outer
+        outer = state.model.outer
         assert outer.momentum_buffer.tolist() == expected["momentum"]
         assert outer.delta_buffer.tolist() == expected["dn_delta"]
         assert outer.arrivals == expected["arrivals"]
-        assert (state.applied_pushes, state.tokens) == (expected["applied_pushes"], expected["tokens"])
-        assert state.staleness_histogram[:4] == expected["staleness_histogram"]
+        assert (state.counters.applied_pushes, state.counters.tokens) == (
+            expected["applied_pushes"],
+            expected["tokens"],
+        )
+        assert state.counters.staleness_histogram[:4] == expected["staleness_histogram"]
         workers = {
             str(w.worker_id): [w.name, w.applied_pushes, w.tokens, w.local_steps, list(w.outcomes)]
             for w in state.registry.workers.values()
@@ -249,22 +252,22 @@ def test_a_push_kind_of_the_other_mode_is_refused_before_its_payload_is_read():
     wid = sync.join(MANIFEST, "a")[0]
     header = pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_PSEUDO_GRADIENT)
     with pytest.raises(ModeMismatchError, match="this server runs --mode sync; start the worker with --mode sync"):
-        sync.begin_push(header)
+        sync.intake.refuse(seal(header))
     state = ParameterServerState(_config())
     wid = state.join(MANIFEST, "a")[0]
     header = pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=4)
     with pytest.raises(ModeMismatchError, match="the round result of quorum 4"):
-        state.begin_push(header)
+        state.intake.refuse(seal(header))
     header.kind = 9
     with pytest.raises(InvalidPayloadError, match="push kind 9 is not one of"):
-        state.begin_push(header)
+        state.intake.refuse(seal(header))
     header.kind = pb.PUSH_KIND_PSEUDO_GRADIENT
     with pytest.raises(NotInitializedError):
-        state.begin_push(header)
+        state.intake.refuse(seal(header))
     header.kind = pb.PUSH_KIND_INITIAL_PARAMETERS
     header.worker_id = state.join(MANIFEST, "b")[0]
     with pytest.raises(StalePushError, match=f"worker {wid} was chosen to initialize"):
-        state.begin_push(header)
+        state.intake.refuse(seal(header))
     assert state.intake.pool._in_use == 0
 
 
@@ -286,12 +289,12 @@ def test_a_retried_push_is_answered_from_memory_without_its_payload():
     state = ParameterServerState(_config())
     wid = state.join(MANIFEST, "a")[0]
     init = MANIFEST.pack([torch.zeros(3, 2), torch.zeros(2, dtype=torch.bfloat16)])
-    first = state.push(init, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
-    header = pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS, total_bytes=10**9)
+    first = state.intake.push(init, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    header = seal(pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS, total_bytes=10**9))
     drained = []
-    again = state.receive_push(header, fill=lambda _: pytest.fail("read"), drain=lambda: drained.append(1))
+    again = state.intake.receive(header, fill=lambda _: pytest.fail("read"), drain=lambda: drained.append(1))
     assert again.duplicate and again.version == first.version and drained == [1]
-    assert state.finish_push(again, wid).duplicate and state.duplicate_pushes == 1
+    assert state.intake.reply(again, wid).duplicate and state.counters.duplicate_pushes == 1
 
 
 def test_counters_go_through_a_checkpoint_and_fit_another_histogram_length():

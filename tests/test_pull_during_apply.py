@@ -13,8 +13,8 @@ from helpers import STUCK_S
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.quorum import CommittedRound
 from asyncdiloco.ps.state import ParameterServerState
+from asyncdiloco.ps.sync.quorum import CommittedRound
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -28,19 +28,21 @@ PULL_BOUND_S = 10.0
 
 def push(state, wid, push_id):
     payload = MANIFEST.pack([torch.full((1000,), 0.01)])
-    return state.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
+    return state.intake.push(payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=1)
 
 
 def pull_version(state) -> int:
-    snap = state.acquire_snapshot()
-    state.release_snapshot(snap)
+    snap = state.snapshots.acquire()
+    state.snapshots.release(snap)
     return snap.version
 
 
 def started(state) -> int:
     wid, init, _ = state.join(MANIFEST, "a")
     assert init
-    state.push(MANIFEST.pack([torch.zeros(1000)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(
+        MANIFEST.pack([torch.zeros(1000)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     return wid
 
 
@@ -49,14 +51,14 @@ class HeldApply:
 
     def __init__(self, state, monkeypatch, wid, push_id) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
-        original = state.outer.step
+        original = state.model.outer.step
 
         def held_step(*args, **kwargs):
             self.entered.set()
             assert self.release.wait(STUCK_S), "the test never let the apply go"
             original(*args, **kwargs)
 
-        monkeypatch.setattr(state.outer, "step", held_step)
+        monkeypatch.setattr(state.model.outer, "step", held_step)
         self.outcome: list = []
         self.thread = threading.Thread(target=lambda: self.outcome.append(push(state, wid, push_id)), daemon=True)
         self.thread.start()
@@ -120,18 +122,18 @@ def test_a_pull_during_a_sync_rounds_outer_step_gets_the_round_before(monkeypatc
     wid = started(state)
     assert pull_version(state) == 0
     entered, release = threading.Event(), threading.Event()
-    original = state.outer.step
+    original = state.model.outer.step
 
     def held_step(*args, **kwargs):
         entered.set()
         assert release.wait(STUCK_S), "the test never let the round go"
         original(*args, **kwargs)
 
-    monkeypatch.setattr(state.outer, "step", held_step)
+    monkeypatch.setattr(state.model.outer, "step", held_step)
     done = CommittedRound(
         quorum_id=1, round=1, result=torch.full((1000,), 0.01), tokens_by_worker={wid: 5}, steps_by_worker={wid: 2}
     )
-    commit = threading.Thread(target=state.mode.apply_round, args=(done,), daemon=True)
+    commit = threading.Thread(target=state.rounds.apply_round, args=(done,), daemon=True)
     commit.start()
     assert entered.wait(STUCK_S)
     got: list[int] = []

@@ -1,4 +1,4 @@
-"""QuorumManager (ps/quorum.py) with a fake clock: formation, joins, leases, votes."""
+"""QuorumManager (ps/sync/quorum.py) with a fake clock: formation, joins, leases, votes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from helpers import FakeClock
 
 from asyncdiloco.errors import ConfigError, RoundRefusedError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum import QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.quorum import QuorumManager, QuorumMiss
 
 pytestmark = pytest.mark.timeout(30)
 

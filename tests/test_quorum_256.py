@@ -16,7 +16,7 @@ import torch
 from helpers import STUCK_S, run_threads, wait_until
 
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
-from asyncdiloco.ps.long_poll import max_held_waits
+from asyncdiloco.ps.sync.long_poll import max_held_waits
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
@@ -37,7 +37,7 @@ def test_one_server_forms_a_quorum_of_256_and_commits_it(start_server):
         sync=SyncConfig(min_workers=MEMBERS, join_timeout_s=600.0, round_timeout_s=600.0),
     )
     assert srv.config.max_concurrent_rpcs == pool < MEMBERS
-    rounds = srv.state.mode.rounds
+    rounds = srv.state.rounds.quorum
     clients = [ParameterServerClient(srv.address, rpc_timeout_s=STUCK_S) for _ in range(CHANNELS)]
     try:
         ids = [clients[i % CHANNELS].join(MANIFEST, f"m{i}").worker_id for i in range(MEMBERS)]
@@ -60,7 +60,7 @@ def test_one_server_forms_a_quorum_of_256_and_commits_it(start_server):
         # while all 256 wait, the server still answers other calls: no thread is held by them
         status = clients[1].status()
         assert status.version == 0 and status.rounds_committed == 0
-        assert srv.state.mode.peak_held_waits <= max_held_waits(pool) < pool
+        assert srv.state.rounds.peak_held_waits <= max_held_waits(pool) < pool
         assert not replies  # nobody got a quorum yet: it waits for the late worker
         clients[0].leave(late)  # now every live worker waits: the quorum forms
         for t in asking:
@@ -93,7 +93,7 @@ def test_one_server_forms_a_quorum_of_256_and_commits_it(start_server):
         assert len(decisions) == MEMBERS
         status = clients[1].status()
         assert status.version == 1 and status.rounds_committed == 1 and status.rounds_failed == 0
-        assert srv.state.mode.peak_held_waits <= max_held_waits(pool)
+        assert srv.state.rounds.peak_held_waits <= max_held_waits(pool)
     finally:
         for c in clients:
             c.close()

@@ -1,4 +1,4 @@
-"""Who forms a sync quorum (ps/quorum.py): joiners merge into the running group at its
+"""Who forms a sync quorum (ps/sync/quorum.py): joiners merge into the running group at its
 next round boundary, two disjoint groups never take turns, and a wait without a quorum
 says why ("quorum not reached: have 1, need 2") and is tried again H steps later.
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.quorum import Assignment, QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.quorum import Assignment, QuorumManager, QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig

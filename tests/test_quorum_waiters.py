@@ -15,8 +15,8 @@ from helpers import STUCK_S, FakeClock, wait_until
 
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.long_poll import KEEP_S, MAX_WAIT_S, check_wait
-from asyncdiloco.ps.quorum import Assignment, QuorumManager, QuorumMiss
+from asyncdiloco.ps.sync.long_poll import KEEP_S, MAX_WAIT_S, check_wait
+from asyncdiloco.ps.sync.quorum import Assignment, QuorumManager, QuorumMiss
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient

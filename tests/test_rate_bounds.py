@@ -63,14 +63,14 @@ def test_a_held_push_is_released_when_the_awaited_workers_lease_lapses():
     the whole 600 s window although b's lease lapsed after 6 s."""
     state, clock = _state(local_steps=2, lease_s=6.0)
     a = state.join_worker(MANIFEST, "a", 20.0).worker_id
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=a, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.zeros(4)]), worker_id=a, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     b = state.join_worker(MANIFEST, "b", 1e-6).worker_id
     state.heartbeat(b, 1e-6)
     clock.advance(0.1)
-    out = state.push(MANIFEST.pack([torch.full((4,), 0.01)]), worker_id=a, push_id=2, base_version=state.version,
+    out = state.intake.push(MANIFEST.pack([torch.full((4,), 0.01)]), worker_id=a, push_id=2, base_version=state.version,
                      num_local_steps=2, compute_s=0.1)  # fmt: skip
     replies: list[pb.PushReply] = []
-    held = threading.Thread(target=lambda: replies.append(state.finish_push(out, a)), daemon=True)
+    held = threading.Thread(target=lambda: replies.append(state.intake.reply(out, a)), daemon=True)
     held.start()
     assert not state.groups.window.released(out.group_id, clock.now)  # b is expected: a's reply is held
     for _ in range(2):  # b silent past its lease (7 s > 6 s); a heartbeats and stays leased

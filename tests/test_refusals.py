@@ -17,9 +17,10 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import REASON_METADATA_KEY, PayloadTooLargeError, error_for_reason
 from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.service import ParameterServerService
+from asyncdiloco.ps.transport.grpc_service import ParameterServerService
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.client import ParameterServerClient
 
@@ -41,7 +42,7 @@ def header_for(payload, wid, push_id, base_version, chunk_bytes=1024, **over):
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(over)
-    return pb.PushHeader(**fields)
+    return seal(pb.PushHeader(**fields))
 
 
 @pytest.fixture
@@ -86,6 +87,7 @@ def test_sizes_over_the_limits_are_resource_exhausted_and_change_nothing(server,
     needle = ""
     if case == "header_total_bytes":
         header.total_bytes = 10 * 2**30
+        seal(header)
         needle = "total_bytes is 10737418240; the limit is max_payload_bytes=2404"
     elif case == "chunk_over_chunk_bytes":
         chunks[0] = pb.PayloadChunk(index=0, offset=0, data=bytes(2000))
@@ -110,8 +112,8 @@ def test_a_push_cancelled_midway_applies_nothing(server):
     chunks = list(iter_chunks(payload, 1024))
     header_sent, release = threading.Event(), threading.Event()
     refused = threading.Event()
-    record_rejected = srv.state.record_rejected
-    srv.state.record_rejected = lambda *args: (record_rejected(*args), refused.set())
+    record_rejected = srv.state.intake.count_rejected
+    srv.state.intake.count_rejected = lambda *args: (record_rejected(*args), refused.set())
 
     def messages():
         yield pb.PushMessage(header=header_for(payload, wid, 3, srv.state.version))
@@ -240,9 +242,7 @@ _state = ParameterServerState(
 _wid = _state.join(MANIFEST, "fuzz")[0]
 _service = ParameterServerService(_state)
 _init = MANIFEST.pack([torch.zeros(600), torch.zeros(1)])
-_state.apply_push(
-    pb.PushHeader(worker_id=_wid, push_id=100, total_bytes=_init.numel(), kind=pb.PUSH_KIND_INITIAL_PARAMETERS), _init
-)
+_state.intake.push(_init, worker_id=_wid, push_id=100, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -287,8 +287,8 @@ def test_a_worker_checks_its_own_pseudo_gradient_before_sending(server):
     worker._steps_since_sync = 1  # as if an inner step had run
     assert worker.sync()  # dropped, counted, and the global model pulled (tests/test_worker_faults.py)
     assert worker.stats.drops == {"non_finite": 1} and bool(torch.isfinite(named.w).all())
-    assert worker._last_drop is not None and worker._last_drop[0] is InvalidPayloadError
-    assert re.search("pseudo-gradient holds non-finite values .* lower the inner learning", worker._last_drop[1])
+    assert worker.drops.last is not None and worker.drops.last[0] is InvalidPayloadError
+    assert re.search("pseudo-gradient holds non-finite values .* lower the inner learning", worker.drops.last[1])
     assert_same(before, fingerprint(srv.state))
-    assert srv.state.rejected_pushes == 0  # it never reached the server
+    assert srv.state.counters.rejected_pushes == 0  # it never reached the server
     worker.close()

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from helpers import FakeClock, run_threads
 
 from asyncdiloco.errors import PayloadTooLargeError, RoundRefusedError, ServerUnavailableError, UnauthenticatedError
-from asyncdiloco.ps import rendezvous
 from asyncdiloco.ps.config import SyncConfig
-from asyncdiloco.ps.rendezvous import RendezvousStore
+from asyncdiloco.ps.sync import rendezvous
+from asyncdiloco.ps.sync.rendezvous import RendezvousStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire._proto import parameter_server_pb2_grpc as pb_grpc
 from asyncdiloco.wire.security import ClientSecurityConfig, ServerSecurityConfig
@@ -154,7 +154,7 @@ def test_the_store_needs_the_token_and_no_port_of_its_own(start_server, token):
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with ParameterServerClient(srv.address) as no_token, pytest.raises(UnauthenticatedError):
         no_token.store(get_k)
-    assert srv.state.mode.rendezvous.serve(get_k).found is False  # the refused write changed nothing
+    assert srv.state.rounds.rendezvous.serve(get_k).found is False  # the refused write changed nothing
     client.store(set_k)  # the member, with the token
     assert client.store(get_k).value == b"v"
     other = ParameterServerClient(srv.address, security=ClientSecurityConfig(token_file=token))
@@ -164,7 +164,7 @@ def test_the_store_needs_the_token_and_no_port_of_its_own(start_server, token):
     client.commit(worker_id=wid, quorum_id=q.quorum_id, success=False, reason="test", timeout_s=5.0)
     with pytest.raises(RoundRefusedError, match="closed"):  # the round is decided: its keys are gone
         client.store(get_k)
-    assert srv.state.mode.rendezvous.open_quorums == []
+    assert srv.state.rounds.rendezvous.open_quorums == []
     client.close()
     other.close()
 
@@ -202,4 +202,4 @@ def test_two_sync_workers_form_a_gloo_group_through_the_token_protected_store(st
         == workers[1].stats.rounds_committed
         == 2
     )
-    assert srv.state.mode.rendezvous.open_quorums == []  # every decided round dropped its keys
+    assert srv.state.rounds.rendezvous.open_quorums == []  # every decided round dropped its keys

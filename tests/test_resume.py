@@ -20,14 +20,15 @@ from torch import nn
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import WorkerConfig
 from asyncdiloco.worker.state_dir import STATE_FILE, WorkerStateDir
 from asyncdiloco.worker.state_file import read_state
+from asyncdiloco.worker.wire_buffers import WorkerWire
 from tests.helpers import FakeClock, assert_same, crash, fingerprint
 
 MANIFEST = Manifest.from_named_tensors([("w", torch.zeros(4))])
@@ -45,14 +46,14 @@ def _state(folder: pathlib.Path | None = None, lease_s: float = 60.0, wall: Fake
 def _init(state: ParameterServerState, name: str = "a") -> int:
     joined = state.join_worker(MANIFEST, name)
     assert joined.initialize
-    state.push(
+    state.intake.push(
         MANIFEST.pack([torch.zeros(4)]), worker_id=joined.worker_id, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
     )
     return joined.worker_id
 
 
 def _push(state: ParameterServerState, worker_id: int, push_id: int, value: float = 0.5):
-    return state.push(
+    return state.intake.push(
         MANIFEST.pack([torch.full((4,), value)]),
         worker_id=worker_id,
         push_id=push_id,
@@ -133,7 +134,7 @@ def test_a_resumed_join_refuses_another_model_once_others_hold_one():
 def _restart(folder: pathlib.Path, wall_s: float, lease_s: float = 60.0):
     state, mono, wall = _state(folder, lease_s=lease_s, wall=FakeClock(wall_s))
     store = DurableStore(state.config.durability, state.config)
-    store.open(state)
+    store.open(state.durability)
     return state, store, mono, wall
 
 
@@ -276,7 +277,7 @@ def test_a_push_in_flight_when_the_worker_died_is_applied_once(start_server, tmp
     params = srv.state.params.clone()
     again, model2, opt2 = _worker(srv, folder)
     with again:
-        assert srv.state.duplicate_pushes == 1  # push 3 retried from the folder: answered as before
+        assert srv.state.counters.duplicate_pushes == 1  # push 3 retried from the folder: answered as before
         assert srv.state.registry.get(again.worker_id).applied_pushes == applied
         assert torch.equal(srv.state.params, params)
         _train(again, model2, opt2, 2, seed=2)  # push 4: new
@@ -305,7 +306,7 @@ def test_a_folder_older_than_the_servers_newest_push_never_resends_that_id(start
     again, model2, opt2 = _worker(srv, folder)
     with caplog.at_level("WARNING"), again:
         assert "the server holds pushes of this worker past its own" in caplog.text
-        assert srv.state.duplicate_pushes == 0 and torch.equal(srv.state.params, params)
+        assert srv.state.counters.duplicate_pushes == 0 and torch.equal(srv.state.params, params)
         assert again._next_push_id == 4  # noqa: SLF001 - after the server's newest
         assert again.stats.drops == {"not_resumed": 1}
         local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
@@ -350,7 +351,7 @@ def test_the_data_stream_continues_exactly_where_its_state_was_saved():
 
 def test_the_cli_refuses_a_worker_name_that_differs_from_the_saved_one(cli_exit, tmp_path):
     folder = WorkerStateDir(tmp_path / "w")
-    folder.save({"format": 1, "worker_name": "gpu-a"}, {})
+    folder.save({"format": 2, "worker_name": "gpu-a"}, {})
     folder.close()
     argv = ["worker", "--server", "127.0.0.1:1", "--max-steps", "1", "--state-dir", str(tmp_path / "w")]
     code, err = cli_exit([*argv, "--worker-name", "gpu-b"])
@@ -401,12 +402,12 @@ def test_a_state_folder_this_process_cannot_write_is_a_config_error_naming_it(tm
     opened = WorkerStateDir(folder)
     monkeypatch.setattr(state_dir, "write_atomically", _denied)
     with pytest.raises(ConfigError, match=rf"state_dir '{folder}' cannot be written \(Permission denied\)"):
-        opened.save({"format": 1, "worker_name": "a"}, {})  # the first save: the folder is unusable
+        opened.save({"format": 2, "worker_name": "a"}, {})  # the first save: the folder is unusable
     monkeypatch.undo()
-    opened.save({"format": 1, "worker_name": "a"}, {})
+    opened.save({"format": 2, "worker_name": "a"}, {})
     monkeypatch.setattr(state_dir, "write_atomically", _denied)
     with pytest.raises(PermissionError):  # a later one: the worker logs it and trains on
-        opened.save({"format": 1, "worker_name": "a"}, {})
+        opened.save({"format": 2, "worker_name": "a"}, {})
     opened.close()
 
 
@@ -460,7 +461,7 @@ def test_a_push_applied_just_before_the_worker_died_is_never_taken_for_a_retrain
     with again:
         assert again.worker_id == wid
         train(again, model2, opt2, 3)  # new steps only
-    assert srv.state.duplicate_pushes == 1  # push 3, retried with its own bytes
+    assert srv.state.counters.duplicate_pushes == 1  # push 3, retried with its own bytes
     assert srv.state.registry.get(wid).local_steps == 4 + 3  # every step trained once, counted once
     assert again.stats.pushes_refused == 0 and again.stats.pseudo_gradients_dropped == 0
 
@@ -472,13 +473,13 @@ def test_overlap_with_a_state_folder_encodes_each_push_once(start_server, tmp_pa
     srv = start_server(outer=SGD1, local_steps=2, dylu=False, grouping="off", wire_codec="bf16")
     folder = tmp_path / "w"
     encoded: list[int] = []
-    real_encode = AsyncDiLoCoWorker._encode_delta  # noqa: SLF001 - counts the encodings
+    real_encode = WorkerWire.encode  # counts the encodings
 
     def counting_encode(self, delta, out=None):
         encoded.append(1)
         return real_encode(self, delta, out)
 
-    monkeypatch.setattr(AsyncDiLoCoWorker, "_encode_delta", counting_encode)
+    monkeypatch.setattr(WorkerWire, "encode", counting_encode)
     worker, model, opt = _worker(srv, folder, name="w1", overlap=True)
     sent, saved = [], []
     real_push = worker.client.push

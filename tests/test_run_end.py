@@ -17,9 +17,9 @@ from asyncdiloco.bench.sim_async import RunEndConfig, simulate_run_end
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.job.config import JobConfig
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.shard_order import ShardOrder
+from asyncdiloco.ps.durable.store import DurableStore
+from asyncdiloco.ps.push.shard_order import ShardOrder
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -72,22 +72,24 @@ def _state(folder: pathlib.Path) -> tuple[ParameterServerState, DurableStore]:
     )
     state = ParameterServerState(config, clock=lambda: 0.0)
     store = DurableStore(config.durability, config)
-    store.open(state)
+    store.open(state.durability)
     return state, store
 
 
 def test_the_runs_end_through_the_server_keeps_n_and_replays_the_same(tmp_path):
     state, store = _state(tmp_path)
     ids = [state.join(MANIFEST, f"w{i}")[0] for i in range(3)]
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(
+        MANIFEST.pack([torch.zeros(4)]), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     for i in ids:  # one whole group of 3: a momentum update with N = 3
-        state.push(MANIFEST.pack([torch.ones(4)]), worker_id=i, push_id=2, num_local_steps=4, num_tokens=40)
+        state.intake.push(MANIFEST.pack([torch.ones(4)]), worker_id=i, push_id=2, num_local_steps=4, num_tokens=40)
     m = state.model.outer.momentum_buffer.clone()
     theta = state.params.clone()
     outcomes = []
     for k, i in enumerate(ids):  # the run's end: each pushes a partial round, then leaves
         delta = torch.full((4,), 0.25 * (k + 1))
-        out = state.push(
+        out = state.intake.push(
             MANIFEST.pack([delta]),
             worker_id=i,
             push_id=3,

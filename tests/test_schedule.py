@@ -51,12 +51,12 @@ def _state(**kw):
 
 
 def _init(state, manifest, wid):
-    state.push(manifest.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(manifest.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
 
 
 def _push(state, manifest, wid, push_id, steps, compute_s=0.0):
     payload = manifest.pack([torch.full((4,), 0.01)])
-    return state.push(
+    return state.intake.push(
         payload, worker_id=wid, push_id=push_id, base_version=state.version, num_local_steps=steps, compute_s=compute_s
     )
 
@@ -187,7 +187,7 @@ def test_server_groups_replies_and_a_leave_releases_the_group():
     assert out.group_id and not state.groups.window.released(out.group_id, clock.now)
     state.leave(b)  # nobody else to wait for
     assert state.groups.window.released(out.group_id, clock.now)
-    reply = state.finish_push(out, a)
+    reply = state.intake.reply(out, a)
     assert reply.applied and reply.local_steps == 20
     assert list(state.status().group_size_histogram) == [1]
 
@@ -223,7 +223,7 @@ def test_a_worker_that_stopped_pushing_stops_holding_groups_before_its_lease_lap
     clock.now = 10.0  # more than two of its rounds plus the window without a push: not expected
     out = _push(state, manifest, a, 3, 20, compute_s=1.0)
     assert state.groups.window.released(out.group_id, clock.now)  # a group of one, released at once
-    assert state.outer.config.dn_buffer == 0 and state.outer.arrivals == 0  # N = 1 expected worker
+    assert state.model.outer.config.dn_buffer == 0 and state.model.outer.arrivals == 0  # N = 1 expected worker
     assert {w.worker_id for w in state.status().workers if w.alive} == {a, dead}  # still leased
 
 

@@ -152,7 +152,7 @@ def good_push(srv, manifest, wid, payload, **over):
         kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
     )
     fields.update(over)
-    return pb.PushHeader(**fields), list(iter_chunks(payload, cb))
+    return seal(pb.PushHeader(**fields)), list(iter_chunks(payload, cb))
 
 
 _AT_WEIGHT_0_7 = "the first at parameter #0 'weight', index (0, 7)"
@@ -164,15 +164,25 @@ def _header_crc_flip(header: pb.PushHeader) -> None:
 
 
 #: How the refusal tests spoil a good push's header, by case (both RPCs inject the same).
+def _sealed(field: str, value):
+    """A header fault the sender made itself: the field set, the header sealed over it."""
+
+    def fault(header: pb.PushHeader) -> None:
+        setattr(header, field, value(header) if callable(value) else value)
+        seal(header)
+
+    return fault
+
+
 _HEADER_FAULTS = {
-    "future": lambda h: setattr(h, "base_version", 5),
-    "negative": lambda h: setattr(h, "base_version", -1),
-    "stale": lambda h: setattr(h, "base_version", 0),
-    "unknown_worker": lambda h: setattr(h, "worker_id", 99),
-    "wrong_size": lambda h: setattr(h, "total_bytes", 4),
-    "oversized": lambda h: setattr(h, "total_bytes", 5000),
-    "bad_crc": lambda h: setattr(h, "crc32", h.crc32 ^ 1),
-    "push_id_0": lambda h: setattr(h, "push_id", 0),
+    "future": _sealed("base_version", 5),
+    "negative": _sealed("base_version", -1),
+    "stale": _sealed("base_version", 0),
+    "unknown_worker": _sealed("worker_id", 99),
+    "wrong_size": _sealed("total_bytes", 4),
+    "oversized": _sealed("total_bytes", 5000),
+    "bad_crc": _sealed("crc32", lambda h: h.crc32 ^ 1),
+    "push_id_0": _sealed("push_id", 0),
     "header_crc": _header_crc_flip,
 }
 
@@ -375,31 +385,6 @@ def test_one_message_pushes_out_of_shape_are_refused_and_change_nothing(make_ser
 def _no_header(srv):
     stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(srv.address))
     return stub.PushOne(pb.PushRequest(chunk=pb.PayloadChunk(data=b"abcd")), timeout=10)
-
-
-def test_a_client_streams_to_a_server_without_push_one_and_remembers(make_server, monkeypatch):
-    """A server from before PushOne answers it UNIMPLEMENTED: the client pushes as a stream,
-    and from then on streams without asking again."""
-    from asyncdiloco.wire import grpc_chunks
-
-    real = grpc_chunks._handlers  # noqa: SLF001
-
-    def without_push_one(servicer):
-        handlers = real(servicer)
-        del handlers["PushOne"]
-        return handlers
-
-    monkeypatch.setattr(grpc_chunks, "_handlers", without_push_one)
-    srv = make_server(grouping="off")
-    with pytest.raises(grpc.RpcError) as info:
-        one_push(srv, pb.PushHeader(worker_id=1, push_id=1), [])
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    client, manifest, wid = init_server(srv, make_model())  # the initial push already fell back
-    assert client._push_one is None  # noqa: SLF001
-    payload = manifest.pack([torch.full((1, 4), 0.1), torch.full((1,), 0.1)])
-    for push_id in (2, 3):
-        assert client.push(payload, worker_id=wid, push_id=push_id, base_version=srv.state.version).applied
-    assert srv.state.version == 2 and srv.state.status().rejected_pushes == 0
 
 
 # --------------------------------------------------------------------- big models

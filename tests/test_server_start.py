@@ -9,7 +9,6 @@ folder and the same ports works.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import socket
 
@@ -53,15 +52,9 @@ def test_a_start_whose_bulk_port_is_taken_releases_the_checkpoint_folder(tmp_pat
     _start_again(config)  # the same folder and bulk port
 
 
-def test_a_sync_server_needs_no_port_but_its_grpc_one(tmp_path, caplog):
-    """The rendezvous store is the Store RPC: the obsolete --store-port is ignored, with a
-    warning, even when that port is taken."""
-    taken = _taken_port()
-    config = _durable(tmp_path, mode="sync", sync=SyncConfig(store_port=taken.getsockname()[1]))
-    with caplog.at_level(logging.WARNING, logger="asyncdiloco.ps.server"):
-        _start_again(config)
-    taken.close()
-    assert "--store-port) is ignored" in caplog.text
+def test_a_sync_server_needs_no_port_but_its_grpc_one(tmp_path):
+    """The rendezvous store is the Store RPC: a sync server binds its gRPC port alone."""
+    _start_again(_durable(tmp_path, mode="sync", sync=SyncConfig()))
 
 
 def test_a_start_whose_grpc_port_is_taken_releases_the_checkpoint_folder(tmp_path):

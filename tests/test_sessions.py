@@ -14,8 +14,8 @@ from torch import nn
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ConfigError, WorkerSupersededError, quoted
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.names import MAX_NAME_CHARS
 from asyncdiloco.wire.tensors import Manifest
@@ -38,12 +38,14 @@ def _state(folder: pathlib.Path | None = None) -> ParameterServerState:
 
 def _push(state: ParameterServerState, worker_id: int, push_id: int, session_id: int):
     payload = MANIFEST.pack([torch.full((4,), 0.5)])
-    return state.push(payload, worker_id=worker_id, push_id=push_id, base_version=state.version, session_id=session_id)
+    return state.intake.push(
+        payload, worker_id=worker_id, push_id=push_id, base_version=state.version, session_id=session_id
+    )
 
 
 def _initialized(state: ParameterServerState) -> tuple[int, int]:
     first = state.join_worker(MANIFEST, "dup")
-    state.push(
+    state.intake.push(
         MANIFEST.pack([torch.zeros(4)]),
         worker_id=first.worker_id,
         push_id=1,
@@ -79,13 +81,13 @@ def test_a_restart_replays_the_same_sessions(tmp_path):
     folder = tmp_path / "ckpt"
     state = _state(folder)
     store = DurableStore(state.config.durability, state.config)
-    store.open(state)
+    store.open(state.durability)
     wid, old = _initialized(state)
     new = state.join_worker(MANIFEST, "dup")  # logged after the checkpoint
     crash(store)
     again = _state(folder)
     store2 = DurableStore(again.config.durability, again.config)
-    store2.open(again)
+    store2.open(again.durability)
     try:
         with pytest.raises(WorkerSupersededError):
             again.heartbeat(wid, session_id=old)
@@ -93,7 +95,7 @@ def test_a_restart_replays_the_same_sessions(tmp_path):
         store2.close()  # a final checkpoint: the next restart reads the session from it
         third = _state(folder)
         store3 = DurableStore(third.config.durability, third.config)
-        store3.open(third)
+        store3.open(third.durability)
         with pytest.raises(WorkerSupersededError):
             third.heartbeat(wid, session_id=old)
         assert third.join_worker(MANIFEST, "dup").session_id == 3

@@ -1,4 +1,4 @@
-"""The sharded parameter server (wire/shards.py, ps/shard_order.py, worker/sharded.py):
+"""The sharded parameter server (wire/shards.py, ps/push/shard_order.py, worker/sharded.py):
 S shards on 127.0.0.1 give the same model, bit for bit, as one server on the same pushes."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_a_part_missing_on_a_follower_is_applied_as_zero_after_the_timeout(start
         r3 = client.push(manifest.pack_flat(delta), worker_id=a.worker_id, push_id=3, base_version=1)
         assert r3.version == 2
         assert servers[1].state.version == servers[0].state.version == 2
-        assert servers[1].state.mode.kinds[PSEUDO].gate.zero_filled == 1
+        assert servers[1].state.intake.kinds[PSEUDO].gate.zero_filled == 1
         pulled = client.pull(manifest, a.worker_id)
         assert pulled.version == 2
     finally:
@@ -227,7 +227,7 @@ def test_followers_use_shard_0s_worker_count_and_a_retry_completes_a_half_applie
                 )
             r2 = sharded.push(manifest.pack_flat(delta), worker_id=w2.worker_id, push_id=n + 2, base_version=n)
             assert r1.version == r2.version == n + 1
-        assert servers[1].state.mode.kinds[PSEUDO].gate.zero_filled == 0
+        assert servers[1].state.intake.kinds[PSEUDO].gate.zero_filled == 0
         one, two = single.pull(manifest, a1.worker_id), sharded.pull(manifest, a2.worker_id)
     finally:
         single.close()
@@ -261,15 +261,17 @@ def test_a_zero_fill_is_in_the_followers_log_and_replayed_after_a_crash(start_se
     finally:
         client.close()
     follower = servers[1].state
-    assert follower.mode.kinds[PSEUDO].gate.zero_filled == 1 and follower.version == 2
-    outer = follower.outer
+    assert follower.intake.kinds[PSEUDO].gate.zero_filled == 1 and follower.version == 2
+    outer = follower.model.outer
     before = (follower.version, follower.params.clone(), outer.momentum_buffer.clone(), outer.arrivals)
     crash(servers[1].store)
     restored, store = open_durable(servers[1].config)
     try:
         assert restored.version == before[0]
         assert torch.equal(restored.params, before[1])
-        assert torch.equal(restored.outer.momentum_buffer, before[2]) and restored.outer.arrivals == before[3]
+        assert (
+            torch.equal(restored.model.outer.momentum_buffer, before[2]) and restored.model.outer.arrivals == before[3]
+        )
         assert restored.registry.get(client._ids_of(a.worker_id)[1]).applied_pushes == 1  # the fill is nobody's
     finally:
         store.close()
@@ -282,7 +284,7 @@ def test_a_push_waiting_for_its_turn_holds_no_receive_buffer(start_server):
 
     from helpers import wait_until
 
-    from asyncdiloco.ps.shard_order import METADATA_KEY
+    from asyncdiloco.ps.push.shard_order import METADATA_KEY
 
     model = make_model()
     manifest = Manifest.from_module(model)
@@ -309,7 +311,7 @@ def test_a_push_waiting_for_its_turn_holds_no_receive_buffer(start_server):
             kwargs=dict(worker_id=ids[1], push_id=2, base_version=0, last=True, metadata=orders[1]),
         )
         late.start()
-        gate = servers[1].state.mode.kinds[PSEUDO].gate
+        gate = servers[1].state.intake.kinds[PSEUDO].gate
         wait_until(lambda: gate.waiting == 1, "b's part waiting for its turn")
         other = ParameterServerClient(servers[1].address, bulk_channel=False)
         other._sessions = follower._sessions  # noqa: SLF001 - the same worker's session

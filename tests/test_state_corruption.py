@@ -162,23 +162,6 @@ def test_an_intact_state_with_non_finite_values_is_set_aside_too(start_server, t
     assert "holds non-finite values in" in warning and "first at index 2" in warning and "diverged" in warning
 
 
-def test_a_state_of_the_previous_format_still_loads(start_server, tmp_path, caplog):
-    srv = start_server(outer=SGD1, local_steps=3, dylu=False, grouping="off")
-    folder = tmp_path / "w"
-    name, wid = _saved(srv, folder)
-    state = read_state(folder / STATE_FILE)
-    torch.save({**state, "format": 1}, folder / STATE_FILE)  # what the previous version wrote
-    assert saved_worker_name(folder) == name
-    caplog.set_level(logging.WARNING)
-    again, model2, opt2 = _worker(srv, folder)
-    assert not _warnings(caplog) and not list(folder.glob(f"{STATE_FILE}.corrupt-*"))
-    assert torch.equal(_flat(model2), state["theta_local"])
-    assert [float(s["step"]) for s in opt2.state.values()] == [7.0] * 4
-    with again:
-        assert again.worker_id == wid
-    assert read_state(folder / STATE_FILE)["format"] == 2  # saved in the new format from then on
-
-
 def test_an_intact_state_of_a_newer_format_is_refused_not_set_aside(tmp_path):
     folder = tmp_path / "w"
     folder.mkdir()
@@ -189,7 +172,7 @@ def test_an_intact_state_of_a_newer_format_is_refused_not_set_aside(tmp_path):
     size = len(data) - HEADER_BYTES
     data[20:HEADER_BYTES] = struct.pack("<I", zlib.crc32(bytes(data[HEADER_BYTES:]) + struct.pack("<IQ", 3, size)))
     (folder / STATE_FILE).write_bytes(bytes(data))
-    with pytest.raises(ConfigError, match="has format 3; this worker reads formats 1 and 2: run the version") as first:
+    with pytest.raises(ConfigError, match="has format 3; this worker reads format 2: run the version") as first:
         WorkerStateDir(folder)
     assert (folder / STATE_FILE).exists()
     with pytest.raises(ConfigError, match="has format 3"):  # the refusal released the folder (not "in use")

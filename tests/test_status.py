@@ -1,4 +1,4 @@
-"""The status numbers the state reports (ps/counters.py, ps/registry.py ``statuses``):
+"""The status numbers the state reports (ps/core.py, ps/registry.py ``statuses``):
 the push rate over the last minute, each worker's state and staleness, on a fake clock."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ def _state(clock: FakeClock, **fields) -> ParameterServerState:
 
 def _initialized(state: ParameterServerState, name: str = "a") -> int:
     wid = state.join(MANIFEST, name)[0]
-    state.push(MANIFEST.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.zeros(4)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return wid
 
 
 def _push(state: ParameterServerState, wid: int, push_id: int, base_version: int) -> None:
-    state.push(MANIFEST.pack([torch.ones(4)]), worker_id=wid, push_id=push_id, base_version=base_version)
+    state.intake.push(MANIFEST.pack([torch.ones(4)]), worker_id=wid, push_id=push_id, base_version=base_version)
 
 
 def test_pushes_per_s_is_over_the_last_minute_or_since_the_start():
@@ -88,9 +88,9 @@ def test_staleness_and_left_survive_a_checkpoint_and_a_resumed_worker_is_no_long
     _push(state, b, 1, 0)  # τ 1
     _push(state, b, 2, 0)  # τ 2
     state.leave(b)
-    meta, tensors, _ = state.state_dict()
+    meta, tensors, _ = state.durability.state_dict()
     restored = _state(clock, lease_s=100.0)
-    restored.load_state_dict(meta, tensors)
+    restored.durability.load_state_dict(meta, tensors)
     rows = {w.worker_name: w for w in restored.status().workers}
     assert (rows["b"].mean_staleness, rows["b"].last_staleness, rows["b"].state) == (1.5, 2, "left")
     assert rows["a"].mean_staleness == 0.0 and rows["a"].state == "training"

@@ -1,4 +1,4 @@
-"""Checkpoints and the write-ahead log (ps/store.py), in-process and network-free."""
+"""Checkpoints and the write-ahead log (ps/durable/store.py), in-process and network-free."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from helpers import assert_same, crash, fingerprint
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import CheckpointError
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -37,12 +37,12 @@ def open_server(tmp_path, *, every=100, fallback=False, outer=None):
     )
     state = ParameterServerState(cfg)
     store = DurableStore(cfg.durability, cfg)
-    store.open(state)
+    store.open(state.durability)
     return state, store
 
 
 def push(state, wid, push_id, tensors, *, base_version=None, kind=pb.PUSH_KIND_PSEUDO_GRADIENT):
-    return state.push(
+    return state.intake.push(
         MANIFEST.pack(tensors),
         worker_id=wid,
         push_id=push_id,
@@ -325,18 +325,22 @@ def test_push_after_a_restart_moves_theta_by_the_scheduled_lr_of_its_version(tmp
     state, store = open_server(tmp_path, every=4, outer=COSINE_OUTER)
     v = state.version
     assert v == 6
-    theta, m = state.params.clone().double(), state.outer.momentum_buffer.clone().double()
+    theta, m = state.params.clone().double(), state.model.outer.momentum_buffer.clone().double()
     delta = [t * 0.1 for t in rand_tensors(42)]
     push(state, max(state.registry.workers), 100, delta, base_version=v)  # τ = 0: s = 1
     d = MANIFEST.unpack_flat(MANIFEST.pack(delta)).double()
     # Nesterov with η_v = η · f(v): m ← μm + Δ; θ ← θ − η_v (Δ + μm), f(6) = 0.1 + 0.9·½(1 + cos(π·3/9))
     eta_v = 0.7 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (v - 3) / (12 - 3))))
-    assert state.outer.lr_at(v) == pytest.approx(eta_v, rel=1e-12)
+    assert state.model.outer.lr_at(v) == pytest.approx(eta_v, rel=1e-12)
     m_new = 0.9 * m + d
-    torch.testing.assert_close(state.outer.momentum_buffer.double(), m_new, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state.model.outer.momentum_buffer.double(), m_new, rtol=0, atol=1e-6)
     expected = theta - eta_v * (d + 0.9 * m_new)
     torch.testing.assert_close(state.params.double(), expected, rtol=0, atol=1e-6)
-    for wrong in (0.7, state.outer.lr_at(v - 1), state.outer.lr_at(v + 1)):  # η itself, or a neighbour's η_v
+    for wrong in (
+        0.7,
+        state.model.outer.lr_at(v - 1),
+        state.model.outer.lr_at(v + 1),
+    ):  # η itself, or a neighbour's η_v
         assert (state.params.double() - (theta - wrong * (d + 0.9 * m_new))).abs().max() > 1e-4
     crash(store)
 
@@ -366,12 +370,12 @@ def test_regional_pushes_averaged_in_survive_a_crash(tmp_path, checkpoint_every)
         push(state, wid, 2 + k, delta, base_version=state.version)  # τ = 0: s = 1
         theta -= MANIFEST.unpack_flat(MANIFEST.pack(delta)) / 2
     assert torch.allclose(state.params, theta, atol=1e-6)
-    assert not state.outer.momentum_buffer.any()  # the outer optimizer never saw them
+    assert not state.model.outer.momentum_buffer.any()  # the outer optimizer never saw them
     before = fingerprint(state)
     crash(store)
     state2, store2 = open_server(tmp_path, every=checkpoint_every)
     assert_same(before, fingerprint(state2))
     assert state2.registry.get(a).region and state2.registry.get(b).region
     push(state2, a, 6, rand_tensors(9), base_version=state2.version)
-    assert not state2.outer.momentum_buffer.any()
+    assert not state2.model.outer.momentum_buffer.any()
     store2.close()

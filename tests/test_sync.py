@@ -18,6 +18,7 @@ from asyncdiloco.errors import InvalidPayloadError, ManifestMismatchError, ModeM
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.client import ParameterServerClient
@@ -136,7 +137,7 @@ def test_two_workers_sync_diloco_equal_a_single_process_reference(make_server, o
 
     server_theta = srv.state.params
     torch.testing.assert_close(server_theta, theta, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(srv.state.outer.momentum_buffer, ref_outer.momentum_buffer, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(srv.state.model.outer.momentum_buffer, ref_outer.momentum_buffer, rtol=1e-6, atol=1e-7)
     for w in workers:
         assert torch.equal(w._base, server_theta)  # members and server hold the same bits
         assert torch.equal(flat(w.model), server_theta)
@@ -269,12 +270,14 @@ def test_async_pushes_are_refused_in_sync_mode_and_sync_requests_in_async_mode(m
             iter(
                 [
                     pb.PushMessage(
-                        header=pb.PushHeader(
-                            worker_id=wid,
-                            push_id=3,
-                            total_bytes=manifest.total_bytes,
-                            num_chunks=1,
-                            kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                        header=seal(
+                            pb.PushHeader(
+                                worker_id=wid,
+                                push_id=3,
+                                total_bytes=manifest.total_bytes,
+                                num_chunks=1,
+                                kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+                            )
                         )
                     )
                 ]
@@ -365,7 +368,7 @@ def test_token_weighting_takes_the_token_weighted_mean(make_server):
         w.close()
     expected = (10 * H * local[0] + 30 * H * local[1]) / (40 * H)
     torch.testing.assert_close(srv.state.params, expected, rtol=1e-6, atol=1e-6)
-    assert srv.state.tokens == 40 * H and srv.state.applied_pushes == 2
+    assert srv.state.counters.tokens == 40 * H and srv.state.counters.applied_pushes == 2
 
 
 def test_round_protocol_over_raw_rpcs_refusals_commit_and_sync_state(make_server):

@@ -47,7 +47,7 @@ def _state(local_steps: str, clock: FakeClock | None = None) -> ParameterServerS
 
 def _members(state: ParameterServerState, n: int) -> list[int]:
     ids = [state.join_worker(MANIFEST, f"w{i}").worker_id for i in range(n)]
-    state.push(MANIFEST.pack([torch.ones(6)]), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.ones(6)]), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return ids
 
 
@@ -68,14 +68,14 @@ def _round(state: ParameterServerState, ids: list[int], steps: dict[int, int], r
     run_threads([lambda w=w: ask(w) for w in ids] + ([time_out] if clock is not None else []))
     q = got[ids[0]]
     assert q.members == tuple(sorted(ids))
-    header = pb.PushHeader(
+    state.intake.push(
+        torch.full((6,), 0.1).view(torch.uint8),
         worker_id=q.members[0],
         push_id=q.quorum_id,
         base_version=q.round,
         kind=pb.PUSH_KIND_ROUND_RESULT,
         quorum_id=q.quorum_id,
     )
-    state.intake.receive_in_process(header, torch.full((6,), 0.1).view(torch.uint8))
     decisions: dict[int, object] = {}
 
     def vote(wid: int) -> None:

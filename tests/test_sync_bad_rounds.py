@@ -139,7 +139,7 @@ def test_a_contribution_that_differs_from_its_announcement_is_named_and_blames_n
 
 def test_a_non_finite_sum_of_huge_announced_values_is_still_an_overflow_naming_the_largest():
     from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-    from asyncdiloco.worker.sync_worker import non_finite_sum_reason
+    from asyncdiloco.worker.collectives import non_finite_sum_reason
 
     q = pb.QuorumReply(round=4, members=[3, 7, 9])
     overflow = non_finite_sum_reason([1e3, 3e38, 2e38], 3.0, q)

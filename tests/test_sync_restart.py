@@ -48,10 +48,14 @@ def _round(state, wid: int, round_: int, delta: torch.Tensor) -> int:
     """One round of a quorum of one on the state: quorum, rank 0's result, its vote."""
     q = state.request_quorum(wid, round_, MANIFEST.manifest_hash, 1.0)
     assert q is not None and q.round == round_ and not q.heal
-    header = pb.PushHeader(
-        worker_id=wid, push_id=q.quorum_id, base_version=round_, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id
+    state.intake.push(
+        delta.clone().view(torch.uint8),
+        worker_id=wid,
+        push_id=q.quorum_id,
+        base_version=round_,
+        kind=pb.PUSH_KIND_ROUND_RESULT,
+        quorum_id=q.quorum_id,
     )
-    state.intake.receive_in_process(header, delta.clone().view(torch.uint8))
     decision = state.commit(
         wid, q.quorum_id, success=True, total_weight=1.0, num_tokens=10, num_local_steps=2, reason="", timeout_s=1.0
     )
@@ -64,9 +68,9 @@ def test_the_committed_rounds_survive_a_restart_bit_for_bit(tmp_path, how):
     config = _config(tmp_path / "ckpt")
     state, store = open_durable(config)
     wid = state.join_worker(MANIFEST, "w").worker_id
-    state.push(MANIFEST.pack([torch.ones(6)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(MANIFEST.pack([torch.ones(6)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     quorum_ids = [_round(state, wid, r, torch.linspace(-1, 1, 6) * (r + 1)) for r in range(3)]
-    theta, momentum = state.params.clone(), state.outer.momentum_buffer.clone()
+    theta, momentum = state.params.clone(), state.model.outer.momentum_buffer.clone()
     if how == "stop":
         store.close()  # the final checkpoint
     else:
@@ -75,7 +79,7 @@ def test_the_committed_rounds_survive_a_restart_bit_for_bit(tmp_path, how):
     again, store2 = open_durable(config)
     try:
         assert again.version == 3 and again.quorum.round == 3 and again.status().rounds_committed == 3
-        assert torch.equal(again.params, theta) and torch.equal(again.outer.momentum_buffer, momentum)
+        assert torch.equal(again.params, theta) and torch.equal(again.model.outer.momentum_buffer, momentum)
         q = again.request_quorum(wid, 3, MANIFEST.manifest_hash, 1.0)  # θ_base from round 3: go on
         assert q is not None and q.round == 3 and not q.heal and q.quorum_id > max(quorum_ids)
     finally:
@@ -86,13 +90,18 @@ def test_a_round_that_cannot_be_logged_aborts_and_changes_nothing(tmp_path):
     state, store = open_durable(_config(tmp_path / "ckpt"))
     try:
         wid = state.join_worker(MANIFEST, "w").worker_id
-        state.push(MANIFEST.pack([torch.ones(6)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        state.intake.push(
+            MANIFEST.pack([torch.ones(6)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+        )
         theta = state.params.clone()
         q = state.request_quorum(wid, 0, MANIFEST.manifest_hash, 1.0)
-        header = pb.PushHeader(
-            worker_id=wid, push_id=q.quorum_id, kind=pb.PUSH_KIND_ROUND_RESULT, quorum_id=q.quorum_id
+        state.intake.push(
+            torch.ones(6).view(torch.uint8),
+            worker_id=wid,
+            push_id=q.quorum_id,
+            kind=pb.PUSH_KIND_ROUND_RESULT,
+            quorum_id=q.quorum_id,
         )
-        state.intake.receive_in_process(header, torch.ones(6).view(torch.uint8))
         store._broken = "disk gone (test)"  # noqa: SLF001 - every append now fails
         decision = state.commit(
             wid, q.quorum_id, success=True, total_weight=1.0, num_tokens=1, num_local_steps=2, reason="", timeout_s=1

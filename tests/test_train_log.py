@@ -21,8 +21,8 @@ from asyncdiloco.cli.train import run_worker
 from asyncdiloco.cli.train_log import TENSORBOARD_FIX, TrainLog, TrainLogConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.job.config import JobConfig
-from asyncdiloco.worker.async_worker import WorkerStats
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.stats import WorkerStats
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,7 +174,7 @@ def test_a_log_point_is_the_mean_loss_and_the_token_rate_since_the_previous_one(
 
 def test_sync_mode_lines_count_rounds():
     w = types.SimpleNamespace(mode="sync", worker_id=1, local_steps=4, stats=None)
-    from asyncdiloco.worker.sync_worker import SyncWorkerStats
+    from asyncdiloco.worker.stats import SyncWorkerStats
 
     w.stats = SyncWorkerStats(rounds_committed=2, rounds_failed=1)
     from asyncdiloco.cli.train_log import _counters

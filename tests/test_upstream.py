@@ -1,4 +1,4 @@
-"""The hierarchical tier (ps/upstream.py): regional servers that are workers of a global one.
+"""The hierarchical tier (ps/tier/upstream.py): regional servers that are workers of a global one.
 
 Every server runs SGD with outer lr 1 and constant staleness weights, so each applied
 pseudo-gradient moves θ by exactly −Δ; the Δs are multiples of 1/16 in [−0.5, 0.5), so
@@ -15,7 +15,7 @@ from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps import ParameterServer
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.upstream import UpstreamConfig, UpstreamLink
+from asyncdiloco.ps.tier.upstream import UpstreamConfig, UpstreamLink
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient
@@ -103,15 +103,15 @@ def test_two_regions_average_in_every_pseudo_gradient_once(servers):
     expected = THETA0 - (workers[0].pushed + workers[1].pushed) / 2
     assert torch.equal(top.state.params, expected)
     assert all(top.state.registry.get(r.upstream.worker_id).region for r in regions)
-    assert top.state.outer.momentum_buffer is None or not top.state.outer.momentum_buffer.any()
-    assert top.state.applied_pushes == sum(r.upstream.pushes for r in regions)
+    assert top.state.model.outer.momentum_buffer is None or not top.state.model.outer.momentum_buffer.any()
+    assert top.state.counters.applied_pushes == sum(r.upstream.pushes for r in regions)
     # a sync with nothing applied meanwhile: the region's model is now the global one
     a = regions[0]
     before = a.state.version
     assert a.upstream.sync_now(STUCK_S)
     assert torch.equal(a.state.params, top.state.params)
     assert a.state.version == before + 1  # the rebase is one regional version
-    assert a.state.version == a.state.applied_pushes + a.upstream.rebases
+    assert a.state.version == a.state.counters.applied_pushes + a.upstream.rebases
     assert a.upstream.parent_version == top.state.version
     for w in workers:
         w.close()
@@ -154,11 +154,11 @@ def test_training_goes_on_through_a_parent_outage_and_nothing_is_lost(servers, t
     top.stop(None)  # the parent goes away; the region's workers push on
     for k in range(2, 5):
         w.push(k)
-    assert region.state.applied_pushes == 4
+    assert region.state.counters.applied_pushes == 4
     wait_until(lambda: region.upstream.failures > failures, "a failed call to the absent parent")
     top = servers(_config(port=port, durability=durable))  # back, from its checkpoint and log
     w.push(5)
-    wait_until(lambda: top.state.applied_pushes >= 1 and region.upstream.sync_now(1.0), "the link back")
+    wait_until(lambda: top.state.counters.applied_pushes >= 1 and region.upstream.sync_now(1.0), "the link back")
     assert region.upstream.sync_now(STUCK_S)
     assert torch.equal(top.state.params, THETA0 - w.pushed)
     w.close()
@@ -283,7 +283,9 @@ def test_a_push_upward_whose_reply_is_lost_is_applied_once(servers):
         w.push(3)
         wait_until(lambda: link.syncs >= 2, "the push upward, retried")
         assert LosesOneReply.lost == 1 and link.failures >= 1
-        assert top.state.applied_pushes == 1 and top.state.duplicate_pushes == 1  # the retry was answered
+        assert (
+            top.state.counters.applied_pushes == 1 and top.state.counters.duplicate_pushes == 1
+        )  # the retry was answered
         assert torch.equal(top.state.params, THETA0 - w.pushed)
     finally:
         link.stop()
@@ -352,28 +354,6 @@ def test_an_initial_push_upward_that_fails_is_sent_again(servers):
     finally:
         link.stop()
         w.close()
-
-
-def test_only_a_parent_that_does_not_average_regions_in_is_named_once_with_the_fix(servers, caplog, monkeypatch):
-    """The suite's tier diverged under a Delayed Nesterov parent that fed regional pushes
-    through its outer optimizer. A parent of this version averages them in and says so
-    (no warning, whatever its optimizer); an older one (here: one that does not answer the
-    role) running momentum is named once at the region's first join, with the flags."""
-    from asyncdiloco.ps import service
-
-    dn_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))  # the server's default outer optimizer
-    with caplog.at_level("ERROR", logger="asyncdiloco.ps.upstream"):
-        quiet = servers(_config(), _link(dn_parent))
-        Worker(quiet).close()
-        _synced(quiet)
-        monkeypatch.setattr(service, "REGION_AVERAGED", "not-said")  # an older parent: no answer to the role
-        old_parent = servers(ServerConfig(port=0, grouping="off", dylu=False))
-        warned = servers(_config(), _link(old_parent))
-        Worker(warned).close()
-        _synced(warned)
-    lines = [r.getMessage() for r in caplog.records if "runs outer optimizer" in r.getMessage()]
-    assert len(lines) == 1 and old_parent.address in lines[0]
-    assert "--outer-optimizer sgd --outer-momentum 0 --outer-lr 1/R" in lines[0]
 
 
 def test_sync_now_during_a_push_upward_waits_for_a_push_cut_after_it(servers):

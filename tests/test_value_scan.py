@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-import asyncdiloco.ps.intake as intake
+import asyncdiloco.ps.push.value_check as value_check
 from asyncdiloco.errors import InvalidPayloadError
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.push.value_scan import ValueScan, largest_magnitude
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.values import ValueScan, largest_magnitude
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.grpc_chunks import WireChunk
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, chunk_views, crc32_of
@@ -60,7 +60,9 @@ def test_assembler_calls_watch_per_chunk_in_order():
 def _state() -> tuple[ParameterServerState, int]:
     state = ParameterServerState(ServerConfig(port=0, chunk_bytes=4096))
     wid, _, _ = state.join(MANIFEST, "w")
-    state.push(MANIFEST.pack([torch.zeros(NUMEL)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(
+        MANIFEST.pack([torch.zeros(NUMEL)]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+    )
     return state, wid
 
 
@@ -70,8 +72,8 @@ def test_a_passing_push_is_not_scanned_again_after_it_landed(monkeypatch):
     def whole_pass(x):  # the pass after the transfer that the per-chunk scan replaced
         raise AssertionError(f"a pass over {x.numel()} values after the push landed")
 
-    monkeypatch.setattr(intake, "largest_magnitude", whole_pass)
-    reply = state.push(MANIFEST.pack([torch.full((NUMEL,), 0.25)]), worker_id=wid, push_id=2, base_version=0)
+    monkeypatch.setattr(value_check, "largest_magnitude", whole_pass)
+    reply = state.intake.push(MANIFEST.pack([torch.full((NUMEL,), 0.25)]), worker_id=wid, push_id=2, base_version=0)
     assert reply.applied and state.version == 1
     assert state.model.theta[0].item() != 0.0
 
@@ -82,11 +84,11 @@ def test_a_bad_chunk_still_refuses_the_whole_push_with_nothing_changed():
     delta = torch.full((NUMEL,), 0.25)
     delta[NUMEL - 3] = math.nan  # in the last chunk: every chunk before it landed and was scanned
     with pytest.raises(InvalidPayloadError, match="1 non-finite values"):
-        state.push(MANIFEST.pack([delta]), worker_id=wid, push_id=2, base_version=0)
+        state.intake.push(MANIFEST.pack([delta]), worker_id=wid, push_id=2, base_version=0)
     assert state.version == 0 and torch.equal(state.model.theta, theta)
     delta[NUMEL - 3] = 1e30
     with pytest.raises(InvalidPayloadError, match="magnitude 1e\\+30"):
-        state.push(MANIFEST.pack([delta]), worker_id=wid, push_id=3, base_version=0)
+        state.intake.push(MANIFEST.pack([delta]), worker_id=wid, push_id=3, base_version=0)
     assert state.version == 0 and torch.equal(state.model.theta, theta)
 
 
@@ -126,7 +128,7 @@ def test_non_finite_initial_parameters_are_refused_with_advice_about_the_model_n
     bad = torch.zeros(NUMEL)
     bad[7] = float("nan")
     with pytest.raises(InvalidPayloadError) as refused:
-        state.push(MANIFEST.pack([bad]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        state.intake.push(MANIFEST.pack([bad]), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     message = str(refused.value)
     assert "the initial parameters from worker" in message and "check its initialization" in message
     assert "learning rate" not in message and not state.initialized

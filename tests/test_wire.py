@@ -1,5 +1,5 @@
 """The hand-coded chunk messages (wire.py) against the generated protobuf code, the
-receive-buffer pool and the snapshot encoding (ps/buffers.py), and the lock split
+receive-buffer pool and the snapshot encoding (ps/pull/encoded.py), and the lock split
 (an apply in progress blocks neither bookkeeping calls nor pulls)."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.errors import ServerBusyError
-from asyncdiloco.ps.buffers import PullSnapshots, ReceivePool, encode_snapshot
 from asyncdiloco.ps.config import ServerConfig
+from asyncdiloco.ps.pull.encoded import PullSnapshots, encode_snapshot
+from asyncdiloco.ps.pull.receive_pool import ReceivePool
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.channel import MAX_FRAME_BYTES, grpc_channel_options
@@ -214,22 +215,22 @@ def _state_with_model(n=64, wire_codec="raw"):
     manifest = Manifest.from_named_tensors([("w", torch.zeros(n))])
     wid, initialize, _ = state.join(manifest, "w1")
     assert initialize
-    state.push(torch.ones(n).view(torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(torch.ones(n).view(torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     return state, wid, n
 
 
 def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
     state, wid, n = _state_with_model()
-    state.release_snapshot(state.acquire_snapshot())  # a pull: later applies encode the next snapshot
-    state.push(torch.full((n,), 0.5).view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
+    state.snapshots.release(state.snapshots.acquire())  # a pull: later applies encode the next snapshot
+    state.intake.push(torch.full((n,), 0.5).view(torch.uint8), worker_id=wid, push_id=2, base_version=0)
     assert state.version == 1
     with state.locks.apply:  # as if an apply were running: these must not need it
-        snap = state.acquire_snapshot()
+        snap = state.snapshots.acquire()
         assert snap.version == 1
         assert torch.equal(
             torch.frombuffer(bytearray(b"".join(snap.data_views())), dtype=torch.float32), torch.full((n,), 0.5)
         )
-        state.release_snapshot(snap)
+        state.snapshots.release(snap)
         state.heartbeat(wid)
         state.status()
         state.join(Manifest.from_named_tensors([("w", torch.zeros(n))]), "w2")
@@ -237,12 +238,12 @@ def test_bookkeeping_and_pulls_do_not_wait_for_an_apply():
 
 def test_refused_push_returns_its_buffer_and_changes_nothing():
     state, wid, n = _state_with_model()
-    before = (state.params.clone(), state.version, state.applied_pushes)
+    before = (state.params.clone(), state.version, state.counters.applied_pushes)
     bad = torch.full((n,), float("nan")).view(torch.uint8)
     for push_id in range(2, 6):  # more refusals than the pool could hold buffers for
         with pytest.raises(Exception, match="non-finite"):
-            state.push(bad, worker_id=wid, push_id=push_id, base_version=0)
-    assert torch.equal(state.params, before[0]) and (state.version, state.applied_pushes) == before[1:]
+            state.intake.push(bad, worker_id=wid, push_id=push_id, base_version=0)
+    assert torch.equal(state.params, before[0]) and (state.version, state.counters.applied_pushes) == before[1:]
     assert state.intake.pool._in_use == 0
 
 
@@ -253,25 +254,25 @@ def test_at_most_pull_snapshots_versions_are_kept_for_pulls(monkeypatch):
     state.config = dataclasses.replace(state.config)  # frozen config untouched; the limit is the store's
     state.snapshots.slots.max_snapshots = 2
     delta = torch.full((n,), 0.25).to(torch.bfloat16).view(torch.uint8)
-    first = state.acquire_snapshot()  # version 0, still being pulled
-    state.push(delta, worker_id=wid, push_id=2, base_version=0)  # room: {v0} + 1 <= 2, encoded at once
-    second = state.acquire_snapshot()
+    first = state.snapshots.acquire()  # version 0, still being pulled
+    state.intake.push(delta, worker_id=wid, push_id=2, base_version=0)  # room: {v0} + 1 <= 2, encoded at once
+    second = state.snapshots.acquire()
     assert (first.version, second.version) == (0, 1)
-    state.push(delta, worker_id=wid, push_id=3, base_version=1)  # no room: v0 and v1 are being read
+    state.intake.push(delta, worker_id=wid, push_id=3, base_version=1)  # no room: v0 and v1 are being read
     monkeypatch.setattr(state.snapshots, "wait_s", 0.05)
-    stale = state.acquire_snapshot()  # the wait runs out: the newest there is, version 1
+    stale = state.snapshots.acquire()  # the wait runs out: the newest there is, version 1
     assert stale.version == 1
-    state.release_snapshot(stale)
-    freed = threading.Timer(0.05, state.release_snapshot, args=(first,))
+    state.snapshots.release(stale)
+    freed = threading.Timer(0.05, state.snapshots.release, args=(first,))
     freed.start()
     monkeypatch.setattr(state.snapshots, "wait_s", 10.0)
-    third = state.acquire_snapshot()  # waits until the pull of version 0 ends, then encodes v2
+    third = state.snapshots.acquire()  # waits until the pull of version 0 ends, then encodes v2
     freed.join()
     assert third.version == 2
     payload = torch.frombuffer(bytearray(b"".join(third.data_views())), dtype=torch.bfloat16)
     assert torch.equal(payload.float(), state.params)
     for s in (second, third):
-        state.release_snapshot(s)
+        state.snapshots.release(s)
     assert state.snapshots.slots._reading_versions() == 0
 
 

@@ -34,6 +34,7 @@ from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import ServerConfig, SyncConfig
 from asyncdiloco.worker import bulk_client, client
 from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
+from asyncdiloco.worker.base import WorkerState
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
@@ -124,7 +125,7 @@ class Faults:
         #: whose retry has not been answered yet (what the worker cannot know).
         self.in_doubt: dict[int, int] = {}
         c = worker.client
-        real_push, real_pull, real_push_once = c.push, c.pull, c._push_once
+        real_push, real_pull, real_send_push = c.push, c.pull, c._send_push
         self._flip_next_push = False
 
         def push(payload, **kw):
@@ -152,11 +153,11 @@ class Faults:
                 raise ServerUnavailableError("DEADLINE_EXCEEDED: injected lost reply")
             return reply
 
-        def push_once(payload, header):
+        def send_push(payload, header, *rest):
             if self._flip_next_push:
                 self._flip_next_push = False
                 payload = flipped(payload)
-            return real_push_once(payload, header)
+            return real_send_push(payload, header, *rest)
 
         def pull(*args, **kw):
             action = self.pull.popleft() if self.pull else "ok"
@@ -165,7 +166,7 @@ class Faults:
             self.flip_next_pull = action == "corrupt"
             return real_pull(*args, **kw)
 
-        c.push, c.pull, c._push_once = push, pull, push_once
+        c.push, c.pull, c._send_push = push, pull, send_push
         faults = self
 
         class FlippingAssembler(client.PayloadAssembler):
@@ -259,6 +260,30 @@ def test_steps_trained_while_a_push_reply_was_lost_are_kept_after_the_retry(serv
         settle(worker)
         assert_accounted(srv, model, worker)
     assert float(srv.state.params[0]) == 6.0 and worker.stats.steps_dropped == 0
+    assert_accounted(srv, model, worker)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_the_worker_state_follows_join_a_lapsed_lease_the_rejoin_and_close(server, monkeypatch, overlap):
+    """NEW -> JOINING -> TRAINING; a lapsed lease makes it LOST, the next sync point rejoins
+    (REJOINING -> TRAINING); close() leaves it CLOSED. No step is lost on the way."""
+    srv = server()
+    model, opt, worker = make_worker(srv, overlap=overlap)
+    faults = Faults(worker, srv, monkeypatch)
+    assert worker.state is WorkerState.NEW
+    with worker:
+        assert worker.state is WorkerState.TRAINING
+        faults.push.append("expire")
+        model.step(opt, H)  # the push meets the lapsed lease: NOT_FOUND
+        settle(worker)
+        assert worker.state is WorkerState.LOST
+        model.step(opt, H)  # the sync point rejoins (the server resumes the named worker)
+        settle(worker)
+        assert worker.state is WorkerState.TRAINING
+        model.step(opt, H)
+        settle(worker)
+        assert_accounted(srv, model, worker)
+    assert worker.state is WorkerState.CLOSED
     assert_accounted(srv, model, worker)
 
 
@@ -482,15 +507,17 @@ def test_a_link_that_corrupts_every_transfer_raises_after_the_resends_and_the_pu
     faults = Faults(worker, srv, monkeypatch)
     worker.client.resend_backoff_s = 0.001
     with worker:
-        real = worker.client._push_once
-        monkeypatch.setattr(worker.client, "_push_once", lambda payload, header: real(flipped(payload), header))
+        real = worker.client._send_push
+        monkeypatch.setattr(
+            worker.client, "_send_push", lambda payload, header, *rest: real(flipped(payload), header, *rest)
+        )
         model.step(opt)
         with pytest.raises(PayloadCorruptedError, match="arrived corrupted 4 times in a row") as info:
             model.step(opt)
         opt.zero_grad()
         assert "corrupted_resends=3" in str(info.value) and srv.state.version == 0
         assert worker._pending is not None and worker._pending.push_id == 2
-        monkeypatch.setattr(worker.client, "_push_once", real)  # the link is repaired
+        monkeypatch.setattr(worker.client, "_send_push", real)  # the link is repaired
         model.step(opt, H)  # the kept push goes out with its push id, then the steps since
         assert srv.state.version == 1 and srv.state.status().rejected_pushes == 4
         assert_accounted(srv, model, worker)

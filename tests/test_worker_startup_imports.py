@@ -20,13 +20,14 @@ def test_the_worker_command_path_leaves_the_server_unloaded():
     assert done.returncode == 0, done.stderr
     loaded = set(done.stdout.split())
     assert "asyncdiloco.ps.config" in loaded  # the flag tables need it
-    assert not loaded & {"asyncdiloco.ps.server", "asyncdiloco.ps.state", "asyncdiloco.ps.service"}
+    assert not loaded & {"asyncdiloco.ps.server", "asyncdiloco.ps.state", "asyncdiloco.ps.transport.grpc_service"}
 
 
 def test_the_server_package_names_load_on_first_use():
     import asyncdiloco.ps as ps
+    from asyncdiloco.ps.pull.encoded import Snapshot
     from asyncdiloco.ps.server import ParameterServer
-    from asyncdiloco.ps.state import ParameterServerState, PushOutcome, Snapshot
+    from asyncdiloco.ps.state import ParameterServerState, PushOutcome
 
     assert ps.ParameterServer is ParameterServer
     assert (ps.ParameterServerState, ps.PushOutcome, ps.Snapshot) == (ParameterServerState, PushOutcome, Snapshot)

@@ -158,14 +158,14 @@ def check_codec(name: str, syncs: int = 8, local_steps: int = 4, device: str = "
             server_params = srv.state.params.clone()
             base = worker._base.clone()  # θ_base: the decoded pull (no one else pushes)
             local = worker.flat.copy_into(torch.empty_like(base))
-            buffers = (worker._base, worker._wire_buffer("pull"), worker._wire_buffer("push"))
+            buffers = (worker._base, worker.wire.buffer("pull"), worker.wire.buffer("push"))
             pinned = all(t.is_pinned() for t in buffers)
             same_version = worker.version == srv.state.version
             stats = worker.stats
         err = (base - server_params).abs()
         bound = codec_tolerance(name, server_params)
         within = bool((err <= bound).all())
-        exact_model = bool(torch.equal(local, base)) if worker.codec.lossless else True
+        exact_model = bool(torch.equal(local, base)) if worker.wire.codec.lossless else True
         on_cpu = torch.device(device).type == "cpu"
         ok = within and exact_model and (pinned or on_cpu) and same_version and stats.pushes_applied >= syncs
         return {

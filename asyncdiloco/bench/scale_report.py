@@ -50,7 +50,7 @@ def measure_apply(cfg: ScaleConfig, numel: int, registered: int, pushes: int | N
         manifest = Manifest.from_named_tensors([("theta", torch.zeros(numel))])
         speeds = cfg.speeds(rng, registered)
         ids = [state.join(manifest, f"w{k}", 1.0 / float(speeds[k]))[0] for k in range(registered)]
-        state.push(
+        state.intake.push(
             manifest.pack_flat(torch.zeros(numel)), worker_id=ids[0], push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
         )
         payload = manifest.pack_flat(torch.full((numel,), 1e-4))
@@ -61,12 +61,12 @@ def measure_apply(cfg: ScaleConfig, numel: int, registered: int, pushes: int | N
             i = k % registered
             clock.t += 1e-3
             c0, w0 = time.thread_time(), time.perf_counter()
-            outcome = state.push(
+            outcome = state.intake.push(
                 payload, worker_id=ids[i], push_id=push_ids[i], base_version=state.version, num_local_steps=1
             )
-            state.finish_push(outcome, ids[i], hold=False)
+            state.intake.reply(outcome, ids[i], hold=False)
             source = state.open_pull(pb.PullRequest(worker_id=ids[i]))
-            state.close_pull(source)
+            state.snapshots.close_pull(source)
             state.record_pull(ids[i], source.header.total_bytes)
             if k:
                 cpu_s.append(time.thread_time() - c0)

@@ -124,7 +124,7 @@ class _ServerOnClock:
             state.join(manifest, f"worker-{r.index}", *(() if rates is None else (rates[r.index],)))[0]
             for r in replicas
         ]
-        state.push(
+        state.intake.push(
             manifest.pack_flat(replicas[0].flat()),
             worker_id=self.ids[0],
             push_id=1,
@@ -171,8 +171,8 @@ class _AsyncRun(_ServerOnClock):
         self.codec = make_codec(cfg.wire_codec, manifest)  # the server's: pushes and pulls travel through it
         self.wire = torch.empty(self.codec.wire_bytes, dtype=torch.uint8)
         self.workers = [_Worker(r, timer) for r, timer in zip(replicas, step_timers(cfg))]
-        assert state.outer is not None  # initialised by the initial push
-        self.outer = state.outer
+        assert state.model.outer is not None  # initialised by the initial push
+        self.outer = state.model.outer
         self.curve = [eval_point(evaluator, eval_set, state.params, 0, cfg.job.tokens_per_step, 0.0, 0)]
         self.seq = itertools.count()
         self.unallotted = cfg.total_steps
@@ -313,7 +313,7 @@ class _AsyncRun(_ServerOnClock):
         gap = self.outer.momentum_steps - push.base_outer_steps
         self.true_hist.extend([0] * (gap + 1 - len(self.true_hist)))
         self.true_hist[gap] += 1
-        outcome = state.push(
+        outcome = state.intake.push(
             self.codec.encode(push.delta, self.wire),
             worker_id=self.ids[i],
             push_id=self.push_ids[i],
@@ -477,7 +477,7 @@ class _RunEnd(_ServerOnClock):
             self.before = eval_point(self.evaluator, self.eval_set, state.params, 0, 0, t, state.version)
         r = self.replicas[i]
         r.train(k)
-        outcome = state.push(
+        outcome = state.intake.push(
             self.manifest.pack_flat(r.base - r.flat()),  # Δ = θ_base − θ_local
             worker_id=self.ids[i],
             push_id=self.push_ids[i],

@@ -27,8 +27,8 @@ from asyncdiloco.algo.outer import DelayedNesterov
 from asyncdiloco.algo.schedule import dylu_local_steps
 from asyncdiloco.bench.sim import HeldReplies, VirtualClock
 from asyncdiloco.errors import AsyncDiLoCoError, UnknownWorkerError, require
+from asyncdiloco.ps.books import PushOutcome
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.records import PushOutcome
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
@@ -272,7 +272,7 @@ class _Run:
         w.push_id = max(w.push_id, joined.last_push_id + 1)
         if joined.initialize:
             payload = self.manifest.pack_flat(torch.zeros(self.cfg.numel))
-            state.push(payload, worker_id=w.worker_id, push_id=w.push_id, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+            state.intake.push(payload, worker_id=w.worker_id, push_id=w.push_id, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
             w.push_id += 1
 
     def _start(self, w: _Worker, t: float) -> None:
@@ -281,7 +281,7 @@ class _Run:
 
         def pull() -> pb.PullHeader:
             source = state.open_pull(pb.PullRequest(worker_id=w.worker_id))
-            state.close_pull(source)
+            state.snapshots.close_pull(source)
             state.record_pull(w.worker_id, source.header.total_bytes)
             return source.header
 
@@ -300,7 +300,7 @@ class _Run:
         w.round_end = math.inf
         assert w.base is not None
         payload = self.manifest.pack_flat(self.quad.pseudo_gradient(w.base, w.h))
-        outer = state.outer
+        outer = state.model.outer
         arrivals = outer.arrivals if isinstance(outer, DelayedNesterov) else 0
         counts["sent"] += 1
         self.pushes_per_bin[min(len(self.pushes_per_bin) - 1, int(t / self.cfg.sample_every_s))] += 1
@@ -309,7 +309,7 @@ class _Run:
         try:
             outcome = self.cpu.timed(
                 "push",
-                lambda: state.push(
+                lambda: state.intake.push(
                     payload,
                     worker_id=w.worker_id,
                     push_id=push_id,
@@ -319,7 +319,7 @@ class _Run:
                 ),
             )
         except AsyncDiLoCoError as exc:  # as the servicer: counted, the worker restarts from a pull
-            state.record_rejected(w.worker_id, exc.reason)
+            state.intake.count_rejected(w.worker_id, exc.reason)
             self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
             if isinstance(exc, UnknownWorkerError):  # its lease lapsed: the worker joins again
                 counts["rejoins"] += 1
@@ -342,7 +342,7 @@ class _Run:
         w = self.workers[index]
         if not w.alive or w.round != round_:
             return
-        self.cpu.timed("reply", lambda: self.state.finish_push(outcome, w.worker_id, hold=False))
+        self.cpu.timed("reply", lambda: self.state.intake.reply(outcome, w.worker_id, hold=False))
         self.held_s.append(released_at - pushed_at)
         self._start(w, released_at)
 
@@ -474,7 +474,7 @@ class _Run:
             "applied_by_server": st.applied_pushes,
             **self._staleness_and_groups(st),
             "dn_buffer_histogram": self.dn_buffers,
-            "dn_open_arrivals": state.outer.arrivals if isinstance(state.outer, DelayedNesterov) else 0,
+            "dn_open_arrivals": state.model.outer.arrivals if isinstance(state.model.outer, DelayedNesterov) else 0,
             "h_w_histogram": self.h_assigned,
             "held_s": {
                 "mean": statistics.fmean(self.held_s) if self.held_s else 0.0,

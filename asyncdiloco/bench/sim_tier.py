@@ -21,7 +21,7 @@ from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import CharCorpus
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, rebase_onto, take_snapshot
+from asyncdiloco.ps.tier.rebase import DEFAULT_PARENT_EVERY, rebase_onto, take_snapshot
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.tensors import Manifest
 
@@ -173,7 +173,9 @@ class _Run:
         """A state on the virtual clock, initialized with θ_0 (by a worker that then leaves)."""
         state = ParameterServerState(config, clock=self.clock)
         init = state.join(self.manifest, "initializer")[0]
-        state.push(self.manifest.pack_flat(theta0), worker_id=init, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+        state.intake.push(
+            self.manifest.pack_flat(theta0), worker_id=init, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+        )
         state.leave(init)
         return state
 
@@ -226,7 +228,7 @@ class _Run:
 
     def _on_push(self, t: float, i: int, delta: torch.Tensor, base_version: int, h: int) -> None:
         state = self.server_of[i]
-        state.push(
+        state.intake.push(
             self.manifest.pack_flat(delta), worker_id=self.ids[i], push_id=self.push_ids[i],
             base_version=base_version, num_local_steps=h, compute_s=h * self.speeds[i],
         )  # fmt: skip
@@ -261,7 +263,7 @@ class _Run:
 
     def _on_up(self, t: float, r: int, delta: torch.Tensor, snapshot: torch.Tensor, steps: int) -> None:
         region = self.regions[r]
-        self.top.push(
+        self.top.intake.push(
             self.manifest.pack_flat(delta), worker_id=region.worker_id, push_id=region.push_id,
             base_version=region.parent_version, num_local_steps=steps,
         )  # fmt: skip

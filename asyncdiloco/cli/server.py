@@ -15,7 +15,7 @@ from asyncdiloco.cli.shards import add_shard_flags, run_shards, sharded
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.flags.settings import SERVER
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.tier import DEFAULT_PARENT_EVERY, UpstreamConfig
+from asyncdiloco.ps.tier.rebase import DEFAULT_PARENT_EVERY, UpstreamConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -73,7 +73,7 @@ def _shard_configs(args: argparse.Namespace, cfg: ServerConfig) -> tuple[list[Se
     Raises:
         ConfigError: the flags contradict each other (each message names the flags and the fix).
     """
-    from asyncdiloco.ps.shard_files import check_root
+    from asyncdiloco.ps.durable.shard_files import check_root
     from asyncdiloco.wire.shards import load_shard_addresses
 
     common = dict(shard_fill_timeout_s=args.shard_fill_timeout_s)
@@ -127,7 +127,7 @@ def _shard(
 def run_shards(args: argparse.Namespace, cfg: ServerConfig, stopping: dict[str, float]) -> int:
     """Serve the shards until SIGINT or SIGTERM; write the shard map and the manifest."""
     from asyncdiloco.ps import ParameterServer
-    from asyncdiloco.ps.shard_files import write_manifest
+    from asyncdiloco.ps.durable.shard_files import write_manifest
     from asyncdiloco.wire.shards import write_shard_addresses
 
     configs, root = _shard_configs(args, cfg)

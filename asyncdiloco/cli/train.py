@@ -20,10 +20,11 @@ from asyncdiloco.job.config import JobConfig
 from asyncdiloco.job.dataset import BatchStream, CharCorpus
 from asyncdiloco.job.models import lm_loss
 from asyncdiloco.job.slowdown import SlowdownChanges, check_slowdown_changes, slowdown_at
-from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker, WorkerStats
+from asyncdiloco.worker.async_worker import AsyncDiLoCoWorker
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
 from asyncdiloco.worker.group import noted, portable
-from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker, SyncWorkerStats
+from asyncdiloco.worker.stats import SyncWorkerStats, WorkerStats
+from asyncdiloco.worker.sync_worker import SyncDiLoCoWorker
 
 log = logging.getLogger(__name__)
 

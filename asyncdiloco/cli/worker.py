@@ -369,7 +369,7 @@ def _summary(args: argparse.Namespace, stats: Any, name: str, began: list[float]
 
 
 def _final_line(name: str, stats: Any) -> str:
-    from asyncdiloco.worker.sync_worker import SyncWorkerStats
+    from asyncdiloco.worker.stats import SyncWorkerStats
 
     if isinstance(stats, SyncWorkerStats):
         return (

@@ -97,11 +97,6 @@ SERVER_RUN = FlagTable.of(
             "round: H_w = floor(v_w / max v * H) over the round's members' measured rates, so members of uneven "
             "speed finish together; H while a rate is unknown)",
         ),
-        Flag(
-            flag="--store-port",
-            field="sync.store_port",
-            help="obsolete, ignored: the sync rendezvous store is served on the gRPC port (with its token and TLS)",
-        ),
         Flag(flag="--local-steps", aliases=("-H",), field="local_steps", help="H, inner steps between pushes"),
         Flag(flag="--outer-optimizer", field="outer.optimizer", choices=OUTER_OPTIMIZERS, help="outer optimizer"),
         Flag(flag="--outer-lr", field="outer.lr", help="outer learning rate η"),

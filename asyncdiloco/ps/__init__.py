@@ -1,13 +1,9 @@
-"""The parameter server: the process (server.py), its two transports (service.py for
-gRPC, bulk.py for the raw-TCP data channel) and the network-free state (state.py), a
-façade over its parts: model.py, registry.py, intake.py, apply.py, rounds.py (with
-quorum.py), modes.py, snapshots.py, counters.py, durable.py; durability on disk in
-store.py, wal.py and checkpoints.py behind journal.py's typed interface; watching it in
-observer.py, metrics.py, grpc_metrics.py, monitor.py and dashboard.py.
+"""The parameter server (docs/architecture.md, "The server's rooms"): the process
+(server.py), the network-free state (state.py) and its rooms (push/, pull/, sync/,
+durable/, tier/, watch/, transport/).
 
 The names below load on first use: a worker importing ``asyncdiloco.ps.config`` (the
-flag tables do) does not load the server (0.4-0.7 s of imports on a loaded 2-core
-machine; docs/performance.md, "Sync mode end to end")."""
+flag tables do) does not load the server (docs/performance.md, "Sync mode end to end")."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ _WHERE = {
     "ParameterServer": "asyncdiloco.ps.server",
     "ParameterServerState": "asyncdiloco.ps.state",
     "PushOutcome": "asyncdiloco.ps.state",
-    "Snapshot": "asyncdiloco.ps.state",
+    "Snapshot": "asyncdiloco.ps.pull.encoded",
 }
 
 
@@ -34,5 +30,6 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from asyncdiloco.ps.pull.encoded import Snapshot
     from asyncdiloco.ps.server import ParameterServer
-    from asyncdiloco.ps.state import ParameterServerState, PushOutcome, Snapshot
+    from asyncdiloco.ps.state import ParameterServerState, PushOutcome

@@ -29,7 +29,7 @@ DEFAULT_SYNC_LOCAL_STEPS = "fixed"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DurabilityConfig:
-    """Where and how often the server makes its state durable (ps/store.py).
+    """Where and how often the server makes its state durable (ps/durable/store.py).
 
     Every acknowledged push is appended to a write-ahead log and fsynced before the
     reply; a checkpoint every ``checkpoint_every`` applied pushes (and on shutdown)
@@ -59,7 +59,7 @@ class SyncConfig:
     A round's quorum forms once at least ``min_workers`` asked to join it and either
     every live member of the previous quorum is among them, or every live registered
     worker is, or ``join_timeout_s`` passed since the round's first request (the role
-    torchft's lighthouse plays; see ps/quorum.py).
+    torchft's lighthouse plays; see ps/sync/quorum.py).
     """
 
     #: A quorum needs at least this many workers.
@@ -75,12 +75,9 @@ class SyncConfig:
     #: Inner steps each member runs per round: "fixed" = H for every member; "adaptive" =
     #: Dynamic Local Updates inside a round (Liu et al. 2024, arXiv 2401.09135, Eq. 6):
     #: H_w = max(1, ⌊v_w / max v · H⌋) over the round's members' rates (H while a rate is
-    #: unknown), handed to each member with the round's decision (ps/quorum.py), so a
+    #: unknown), handed to each member with the round's decision (ps/sync/quorum.py), so a
     #: faster member no longer waits for the slowest at every round.
     local_steps: str = DEFAULT_SYNC_LOCAL_STEPS
-    #: Obsolete, ignored (a non-zero value logs a warning): the rendezvous store is served
-    #: on the gRPC port, with its token and TLS (the ``Store`` RPC), and needs no port of its own.
-    store_port: int = 0
 
     def __post_init__(self) -> None:
         require(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1 worker")
@@ -137,7 +134,7 @@ class ServerConfig:
     max_concurrent_rpcs: int = 64
     #: Bytes of receive buffers that pushes in flight may hold at once (one push is always
     #: admitted), together with the old versions of a raw fp32 model still being pulled
-    #: (ps/live.py); the others wait, so server memory does not grow with the number of
+    #: (ps/pull/live_view.py); the others wait, so server memory does not grow with the number of
     #: workers or of versions being pulled.
     receive_buffer_bytes: int = 64 * 1024**2
     #: With a wire codec (or a model not all fp32): most versions of the model encoded for
@@ -175,14 +172,14 @@ class ServerConfig:
     wire_codec: str = "raw"
     #: int8: elements per absmax block (ignored by raw and bf16).
     codec_block_size: int = DEFAULT_BLOCK_SIZE
-    #: TCP port of the optional bulk data channel (ps/bulk.py: push/pull payloads as raw
+    #: TCP port of the optional bulk data channel (ps/transport/bulk.py: push/pull payloads as raw
     #: bytes beside gRPC, same host, TLS and token); 0 picks a free one; None = off.
     bulk_port: int | None = None
     #: TCP port of the HTTP monitoring endpoint on ``host`` (metrics.py, dashboard.py):
     #: Prometheus metrics at /metrics, the dashboard at /, the status at /status.json;
     #: 0 picks a free one; None = off.
     metrics_port: int | None = None
-    #: This server's place in a sharded parameter server (ps/shard_order.py): shard 0 sequences
+    #: This server's place in a sharded parameter server (ps/push/shard_order.py): shard 0 sequences
     #: every push, shards 1..S-1 apply them in its order. 0 of 1 = one unsharded server.
     shard_index: int = 0
     #: S, the number of shards the parameter vector is split over (wire/shards.py).

@@ -6,7 +6,7 @@ train, and the run's wire codec for that manifest (codec.py) with its decode buf
 θ, m and every outer step stay fp32 whatever the codec: pseudo-gradients are decoded to
 an fp32 Δ before they are applied, and θ is encoded once per version for pulls.
 
-Locks (records.py ``StateLocks``): θ and the outer optimizer change under ``apply``;
+Locks (books.py ``StateLocks``): θ and the outer optimizer change under ``apply``;
 ``version`` and ``manifest`` under ``books``. This class takes neither: its callers do.
 """
 

@@ -1,24 +1,9 @@
-"""The worker table: Joins, leases, the initializer choice, DyLU's rates and H_w, and
-who a push group waits for.
-
-Owns every ``WorkerRecord`` (records.py), the next worker id, the worker chosen to push
-the initial parameters, and each worker's measured inner-step rate v_w. From those it
-derives what the server dictates per worker: H_w by Dynamic Local Updates (Liu et al.
-2024, arXiv 2401.09135, Eq. 6), the grouping window and the barrier's cap (Alg. 2), and
-the expected-workers rule a push group (and Delayed Nesterov's N) waits for.
-
-Leases run on the server's monotonic clock: a worker silent for longer than
-``ServerConfig.lease_s`` is no longer registered (it calls Join again). A push in
-progress (its payload arriving, being applied, or its reply held for a group, however
-long the window) is no silence: its worker's lease does not lapse meanwhile and runs
-afresh from the push's end (``begin_call`` / ``end_call``). A worker that
-joins under the name it gave before gets its id back (it resumes: counters and the
-outcomes of its pushes stay, so a retried push is answered as before). Checkpoints and
-the log date each worker's last contact on the wall clock, so that after a restart a
-worker keeps only the rest of its lease, and one dead before the restart gets none.
-
-Not thread-safe on its own: every method is called with the state's books lock held
-(records.py ``StateLocks``).
+"""The worker table (``WorkerRegistry``): Joins and resumed names, leases on the server's
+monotonic clock (a push in progress keeps its worker's lease), the initializer choice,
+DyLU's rates and H_w (Liu et al. 2024, arXiv 2401.09135, Eq. 6), the grouping window and
+the barrier's cap (Alg. 2), the expected-workers rule, the ``RunConfig``. Every method is
+called with the state's books lock held. docs/algorithms.md; docs/protocol.md, "Names
+and resumed joins".
 """
 
 from __future__ import annotations
@@ -30,10 +15,9 @@ from collections.abc import Callable
 
 from asyncdiloco.algo.schedule import StepRateMeter, auto_window_s, dylu_local_steps
 from asyncdiloco.errors import InvalidPayloadError, PayloadTooLargeError, UnknownWorkerError, WorkerSupersededError
+from asyncdiloco.ps.books import Joined, JournalSlot, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.journal import JournalSlot
 from asyncdiloco.ps.model import GlobalModel
-from asyncdiloco.ps.records import Joined, LoggedJoin, PushOutcome, WorkerRecord
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.names import check_worker_name
 from asyncdiloco.wire.tensors import Manifest
@@ -118,15 +102,12 @@ class WorkerRegistry:
         self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
     ) -> Joined:
         """Register a worker whose model has ``manifest`` (and, if > 0, the inner-step rate
-        v_w it measured, steps/s, for DyLU); logged before it is answered.
-
-        A non-empty ``worker_name`` that a registered worker gave (alive, left or
-        expired) resumes that worker: same id, counters and remembered push outcomes;
-        the old session's lease ends now and the new one starts as a fresh join.
+        v_w it measured, steps/s, for DyLU); logged before it is answered. A non-empty
+        ``worker_name`` that a registered worker gave (alive, left or expired) resumes
+        it: same id, counters and remembered push outcomes; the old session's lease ends.
 
         Returns:
-            The join's id, whether it must push the initial parameters, the version,
-            and whether (and from which push id on) it resumed.
+            Its id, whether it initializes, the version, and whether (from which push id) it resumed.
         Raises:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
@@ -144,13 +125,8 @@ class WorkerRegistry:
         now = self.clock()
         self.expire(now)
         old = self.by_name(worker_name)
-        # The manifest is provisional until the initial parameters arrive: if every
-        # worker that brought it is gone, the next join may bring another model.
-        known, initialized = self.model.manifest, self.model.initialized
-        others_alive = any(r.alive for r in self.workers.values() if r is not old)
-        replace = known is None or (not initialized and not others_alive)
-        if known is not None and not replace:
-            manifest.check_same(known)
+        replace = self._takes_manifest(manifest, old)
+        initialized = self.model.initialized
         worker_id = old.worker_id if old is not None else self.next_worker_id
         # A resumed initializer is told again (its previous session may have died before pushing).
         initialize = not initialized and (self.initializer_gone() or self.initializer == worker_id)
@@ -166,17 +142,23 @@ class WorkerRegistry:
         self.rates.report(worker_id, steps_per_s)
         self.workers[worker_id].ranks = max(1, ranks)  # not logged: the next Join says it again
         last_push_id = old.last_push_id if old is not None else 0
-        log.info(
-            "worker %d (%s) %s at version %d%s",
-            worker_id,
-            name,
-            f"resumed (last push id {last_push_id})" if old is not None else "joined",
-            self.model.version,
-            " and initializes the global model" if initialize else "",
-        )
+        joined = "joined" if old is None else f"resumed (last push id {last_push_id})"
+        initializes = " and initializes the global model" if initialize else ""
+        log.info("worker %d (%s) %s at version %d%s", worker_id, name, joined, self.model.version, initializes)
         return Joined(
             worker_id, initialize, self.model.version, old is not None, last_push_id, self.workers[worker_id].session
         )
+
+    def _takes_manifest(self, manifest: Manifest, old: WorkerRecord | None) -> bool:
+        """Whether a Join's ``manifest`` becomes the server's. The manifest is provisional
+        until the initial parameters arrive: if every worker that brought it is gone, the
+        next join may bring another model; else it must match (ManifestMismatchError)."""
+        known = self.model.manifest
+        others_alive = any(r.alive for r in self.workers.values() if r is not old)
+        replace = known is None or (not self.model.initialized and not others_alive)
+        if known is not None and not replace:
+            manifest.check_same(known)
+        return replace
 
     def by_name(self, name: str) -> WorkerRecord | None:
         """The registered worker (alive or not) that gave ``name`` when it joined; None
@@ -335,10 +317,6 @@ class WorkerRegistry:
             self._sync_steps.pop(worker_id, None)
             log.info("worker %d (%s) left", worker_id, rec.name)
         return rec is not None
-
-    def any_alive(self) -> bool:
-        """True when some registered worker's lease is current (not re-checked here)."""
-        return any(r.alive for r in self.workers.values())
 
     def live_ids(self) -> set[int]:
         """Ids of the workers whose lease is current."""

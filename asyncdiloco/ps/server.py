@@ -1,29 +1,8 @@
-"""The parameter server as a running gRPC server (in this process).
-
-``ParameterServer(config).start()`` binds ``config.host:config.port`` (port 0 picks a
-free port; read ``.port``), serves until ``stop()``. Every listener (gRPC, bulk, metrics)
-binds its port on every address the host resolves to (``localhost``: 127.0.0.1 and ::1),
-or the start is refused naming the address that is taken (wire/listen.py). The CLI's ``asyncdiloco server``
-wraps this with signal handling.
-
-With ``config.durability`` the state is restored from the checkpoint folder before the
-port is bound (so no client ever sees a half-restored server) and checkpointed on
-``stop()``; with ``config.security`` every call needs the token and the port speaks TLS.
-In sync mode the same port also serves the rendezvous store of the workers' process
-groups (the ``Store`` RPC, ps/rendezvous.py: one namespace per quorum, its members only),
-so the store needs the token and TLS like every other call and no port of its own; a
-restarted server goes on at its last committed round (rounds.py).
-With ``config.bulk_port`` set, the bulk data channel (bulk.py) listens beside the gRPC
-port on the same host, with the same token and TLS, and ``RunConfig.bulk_port`` tells
-workers where it is.
-
-The same gRPC port serves the standard health service (``grpc.health.v1.Health``; the
-overall status "" and ``asyncdiloco.v1.ParameterServer`` are NOT_SERVING until the global
-model is initialized, SERVING from then on, NOT_SERVING again from the moment ``stop()``
-begins, through its ``drain_s`` of serving on) and server reflection
-(``grpc.reflection.v1alpha``) of both services. With ``config.metrics_port`` set, every
-RPC is measured (grpc_metrics.py) and the HTTP monitoring endpoint (monitor.py:
-/metrics, the dashboard, /status.json) listens on the same host.
+"""The parameter server as a running process: ``ParameterServer(config).start()`` restores
+the durable state, binds the gRPC port (and the bulk and metrics ports) on every address
+of the host, serves the health and reflection services, and ``stop()`` drains, stops and
+checkpoints. Every step is undone if a later one fails. docs/architecture.md, "The
+server's rooms"; the operator's side: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -42,21 +21,21 @@ from grpc_reflection.v1alpha import reflection
 
 from asyncdiloco.errors import ConfigError
 from asyncdiloco.ps.config import ServerConfig
-from asyncdiloco.ps.service import ParameterServerService
-from asyncdiloco.ps.shard_files import check_shard_identity
+from asyncdiloco.ps.durable.shard_files import check_shard_identity
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.ps.transport.grpc_service import ParameterServerService
 from asyncdiloco.wire.channel import grpc_channel_options
 from asyncdiloco.wire.grpc_chunks import SERVICE, add_parameter_server
 from asyncdiloco.wire.listen import bind_every, listen_address_of
 from asyncdiloco.wire.security import server_credentials, server_interceptors
 
 if TYPE_CHECKING:
-    from asyncdiloco.ps.bulk import BulkServer
-    from asyncdiloco.ps.metrics import ServerMetrics
-    from asyncdiloco.ps.monitor import MonitorServer
-    from asyncdiloco.ps.tier import UpstreamConfig
-    from asyncdiloco.ps.upstream import UpstreamLink
+    from asyncdiloco.ps.tier.rebase import UpstreamConfig
+    from asyncdiloco.ps.tier.upstream import UpstreamLink
+    from asyncdiloco.ps.transport.bulk import BulkServer
+    from asyncdiloco.ps.watch.metrics import ServerMetrics
+    from asyncdiloco.ps.watch.monitor import MonitorServer
 
 log = logging.getLogger(__name__)
 
@@ -124,26 +103,11 @@ class ParameterServer:
         token_check = server_interceptors(self.config.security)
         creds = server_credentials(self.config.security)
         self._warn_if_exposed(bool(token_check), creds is not None)
-        if self.config.sync.store_port:
-            log.warning(
-                "store_port=%d (--store-port) is ignored: the rendezvous store is served on the gRPC port, with its "
-                "token and TLS; drop the flag (and close that port)",
-                self.config.sync.store_port,
-            )
         metrics = self._metrics()
         with contextlib.ExitStack() as undo:
             if metrics is not None:
                 undo.callback(metrics.detach)
-            if self.store is not None and self.config.durability is not None:
-                check_shard_identity(
-                    self.config.durability.checkpoint_dir, self.config.shard_index, self.config.shard_count
-                )
-            if self.store is not None:
-                self.store.observer = self.state.observer
-                self.store.open(self.state)  # restored before the port is bound
-                undo.callback(self.store.abandon)
-            with self.state.locks.books:
-                self.state.counters.restart_rate()  # the replayed pushes were not applied just now
+            self._restore(undo)
             self._watch_health()
             server = self._grpc_server(([metrics.interceptor] if metrics else []) + token_check)
             undo.callback(server.stop, None)
@@ -158,14 +122,29 @@ class ParameterServer:
             undo.pop_all()  # serving: stop() gives everything back from here on
         self._server, self.port = server, port
         if self.upstream_config is not None:
-            from asyncdiloco.ps.upstream import UpstreamLink
-
-            link = self.upstream_config
-            if not link.name:  # unique per process: two regions must not share a name at the parent
-                link = dataclasses.replace(link, name=f"region-{socket.gethostname()}:{port}")
-            self.upstream = UpstreamLink(self.state, link).start()
+            self._start_upstream(self.upstream_config, port)
         log.info("parameter server listening on %s", self.address)
         return self
+
+    def _restore(self, undo: contextlib.ExitStack) -> None:
+        """Restore the durable state (before any port is bound: no client sees a
+        half-restored server); ``undo`` gives the folder back if the start fails."""
+        if self.store is not None and self.config.durability is not None:
+            check_shard_identity(
+                self.config.durability.checkpoint_dir, self.config.shard_index, self.config.shard_count
+            )
+            self.store.observer = self.state.observer
+            self.store.open(self.state.durability)
+            undo.callback(self.store.abandon)
+        with self.state.locks.books:
+            self.state.counters.restart_rate()  # the replayed pushes were not applied just now
+
+    def _start_upstream(self, link: UpstreamConfig, port: int) -> None:
+        from asyncdiloco.ps.tier.upstream import UpstreamLink
+
+        if not link.name:  # unique per process: two regions must not share a name at the parent
+            link = dataclasses.replace(link, name=f"region-{socket.gethostname()}:{port}")
+        self.upstream = UpstreamLink(self.state, link).start()
 
     def _warn_if_exposed(self, token: bool, tls: bool) -> None:
         if self.config.host not in ("127.0.0.1", "localhost", "::1") and not (token and tls):
@@ -179,7 +158,7 @@ class ParameterServer:
         """The server's metrics registry, attached to the state (None when metrics are off)."""
         if self.config.metrics_port is None:
             return None
-        from asyncdiloco.ps.metrics import ServerMetrics
+        from asyncdiloco.ps.watch.metrics import ServerMetrics
 
         return ServerMetrics(self.state)
 
@@ -249,7 +228,7 @@ class ParameterServer:
         return port
 
     def _start_bulk(self, port: int) -> None:
-        from asyncdiloco.ps.bulk import BulkServer
+        from asyncdiloco.ps.transport.bulk import BulkServer
         from asyncdiloco.wire.security import read_token, server_ssl_context
 
         security = self.config.security
@@ -267,7 +246,7 @@ class ParameterServer:
         self.state.bulk_port = bulk.port  # told to workers in every RunConfig
 
     def _start_monitor(self, metrics: ServerMetrics) -> None:
-        from asyncdiloco.ps.monitor import MonitorServer
+        from asyncdiloco.ps.watch.monitor import MonitorServer
 
         self.monitor = MonitorServer(self.state, metrics, host=self.config.host, port=self.config.metrics_port or 0)
         self.monitor.start()

@@ -16,8 +16,8 @@ import torch
 
 from asyncdiloco._atomic import write_atomically
 from asyncdiloco.errors import CheckpointError, ConfigError
+from asyncdiloco.ps.durable.store import DurableStore, read_only_config
 from asyncdiloco.ps.state import ParameterServerState
-from asyncdiloco.ps.store import DurableStore, read_only_config
 from asyncdiloco.wire.tensors import Manifest
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def restore(folder: pathlib.Path) -> tuple[ParameterServerState, int]:
         state = ParameterServerState(config)
         store = DurableStore(config.durability, config)
         try:
-            store.restore_read_only(state)
+            store.restore_read_only(state.durability)
             return state, store.lsn
         except (CheckpointError, OSError) as exc:
             if attempt == ATTEMPTS:
@@ -87,22 +87,22 @@ def export_global_model(folder: str | os.PathLike, out: str | os.PathLike, dtype
         raise ConfigError(f"dtype {dtype!r} is invalid: choose one of {EXPORT_DTYPES}")
     target = _checked_out(pathlib.Path(out))
     state, lsn = restore(pathlib.Path(folder))
-    if state.params is None or state.manifest is None:
+    if state.params is None or state.model.manifest is None:
         raise CheckpointError(
             f"{folder} holds no global model yet: no worker had pushed its initial parameters when it was "
             f"written; export once a worker has joined and pushed"
         )
-    tensors = named_parameters(state.params, state.manifest, dtype)
+    tensors = named_parameters(state.params, state.model.manifest, dtype)
     metadata = {
         "format": "pt",
         "asyncdiloco_export": EXPORT_FORMAT,
         "version": str(state.version),
-        "manifest_hash": state.manifest.manifest_hash,
+        "manifest_hash": state.model.manifest.manifest_hash,
         "dtype": dtype,
         "lsn": str(lsn),
     }
     _write(target, tensors, metadata)
-    return Exported(str(target), state.version, state.manifest, lsn, target.stat().st_size)
+    return Exported(str(target), state.version, state.model.manifest, lsn, target.stat().st_size)
 
 
 def _checked_out(target: pathlib.Path) -> pathlib.Path:

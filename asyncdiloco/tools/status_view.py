@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from asyncdiloco.ps.counters import newest_eval
+from asyncdiloco.ps.books import newest_eval
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
 #: A worker's states whose lease is over; the others are live.

@@ -3,16 +3,14 @@
 The payload's CRC-32 (``crc32``) does not cover the header: one flipped bit in a push's
 ``push_id`` or ``base_version`` or in a pull's ``version`` would otherwise be taken at its
 word. ``header_crc32`` is the CRC-32 (zlib's polynomial, the one the payload uses,
-tensors.py) of the header serialized deterministically with ``header_crc32`` absent. The
-receiver parses the header, re-serializes it the same way and compares: protobuf's
-deterministic serialization of a parsed message gives back its fields in field-number
-order, so any flipped bit that changes a field's value (or adds an unknown field) changes
-the bytes and so the CRC. ``header_crc32 == 0`` means "not sent" (a peer from before the
-field, or the 1 in 2^32 header whose CRC is 0): nothing is checked, as before, unless the
-header holds an unknown field. A flipped tag can turn a field into a length-delimited one
-that swallows the rest of the header, ``header_crc32`` included; a peer that sends fields
-this library does not know is newer than ``header_crc32`` and so sends it, so "no CRC and
-an unknown field" is refused as corrupted too.
+tensors.py) of the header serialized deterministically with ``header_crc32`` absent, 0
+sent as 0xFFFFFFFF (proto3 cannot tell a 0 from a field not sent). The receiver parses
+the header, re-serializes it the same way and compares: protobuf's deterministic
+serialization of a parsed message gives back its fields in field-number order, so any
+flipped bit that changes a field's value (or adds an unknown field) changes the bytes
+and so the CRC. Every sender seals its headers, so a header without one was corrupted
+in transit (a flipped tag can turn a field into a length-delimited one that swallows the
+rest of the header, ``header_crc32`` included) and is refused like a wrong one.
 """
 
 from __future__ import annotations
@@ -34,14 +32,7 @@ def header_crc(header: pb.PushHeader | pb.PullHeader) -> int:
         data = header.SerializeToString(deterministic=True)
     finally:
         header.header_crc32 = saved
-    return crc32_update(0, data)
-
-
-def _has_unknown_fields(header: pb.PushHeader | pb.PullHeader) -> bool:
-    known = type(header)()
-    known.CopyFrom(header)
-    known.DiscardUnknownFields()  # recursive (a PullHeader's run_config too)
-    return known.ByteSize() != header.ByteSize()
+    return crc32_update(0, data) or 0xFFFFFFFF  # never 0: that is "not sent"
 
 
 def seal(header: _H) -> _H:
@@ -51,7 +42,7 @@ def seal(header: _H) -> _H:
 
 
 def check_header(header: pb.PushHeader | pb.PullHeader, what: str) -> None:
-    """Refuse a header whose ``header_crc32`` is sent (non-zero) and differs from its CRC.
+    """Refuse a header whose ``header_crc32`` is missing or differs from its CRC.
 
     Args:
         what: names the header in the message ("push 6 of worker 2", "the pull header").
@@ -60,14 +51,11 @@ def check_header(header: pb.PushHeader | pb.PullHeader, what: str) -> None:
             versions, sizes) cannot be trusted; the same call sent again may succeed.
     """
     sent = header.header_crc32
-    if not sent:
-        if _has_unknown_fields(header):  # a flipped tag that swallowed the CRC's own field
-            raise PayloadCorruptedError(
-                f"the header of {what} carries no header_crc32 but holds an unknown field: it was corrupted in "
-                f"transit (a flipped tag swallowed the CRC; a peer that knows fields past header_crc32 sends it); "
-                f"send it again, and check the network path if this repeats"
-            )
-        return
+    if not sent:  # every sender seals its headers: a flipped tag swallowed the CRC's own field
+        raise PayloadCorruptedError(
+            f"the header of {what} carries no header_crc32: it was corrupted in transit (every sender seals its "
+            f"headers); send it again, and check the network path if this repeats"
+        )
     got = header_crc(header)
     if got != sent:
         raise PayloadCorruptedError(

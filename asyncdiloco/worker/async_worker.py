@@ -1,85 +1,12 @@
-"""The asynchronous DiLoCo worker: wraps a model and its inner optimizer.
+"""The asynchronous DiLoCo worker (``AsyncDiLoCoWorker``): wraps a model and its inner optimizer.
 
-The user's loop stays a plain PyTorch loop::
-
-    worker = AsyncDiLoCoWorker(model, inner_opt, WorkerConfig(server="10.0.0.5:29500"),
-                               tokens_per_step=batch * context)
-    with worker:                       # joins; pulls (or initializes) the global model
-        for x, y in batches:
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            inner_opt.step()           # every H-th step also syncs with the server
-            inner_opt.zero_grad()
-
-A post-step hook on the inner optimizer counts inner steps; every H steps (H from the
-server) the worker pushes the pseudo-gradient Δ = θ_base − θ_local against the version
-θ_base was pulled at, then pulls the new global parameters into the model (DiLoCo,
-Douillard et al. 2023, arXiv 2311.08105, Alg. 1; asynchronous variant as in Liu et al.
-2024, arXiv 2401.09135, Sec. 3). The inner optimizer's state is kept across rounds.
-
-Faults. The invariant: every inner step's progress is applied by the server once, or
-dropped (counted in ``WorkerStats``, with its reason), or not sent yet, which is exactly
-θ_base − θ_local; the steps and tokens the server is told follow the same split. So, by
-what a push or pull raises (the class decides, errors.py; never the message):
-
-- ``errors.RETRY_LATER`` (unreachable, busy, not initialized, checkpoint failed): the
-  worker keeps training locally and retries at later sync points with exponential
-  backoff. An unacknowledged push is retried with the same ``push_id`` (the server
-  applies it at most once), and the steps trained meanwhile stay in θ_base − θ_local and
-  in the counts: the pull after the retry keeps them on top of the global model. Once a
-  push is acknowledged θ_base is lowered by it, so progress made while a pull failed is
-  pushed later as a residual and never counted twice.
-- ``errors.DROP_AND_REPULL`` (stale, a version never served, non-finite or out-of-range
-  values, too large), a Δ that is not finite here (checked before sending), and a retry
-  answered as a duplicate never applied: that pseudo-gradient and the steps since are
-  dropped (``_drop_unsent``: the model restarts from θ_base at once, from the global
-  model at the pull that follows), counted and logged, and training goes on. After
-  ``WorkerConfig.max_dropped_in_a_row`` drops in a row (a model that diverges every
-  round, a worker too slow for ``max_staleness``) the sync raises once, the newest
-  drop's class, naming the count and the fix.
-- ``PayloadCorruptedError``: the client has sent it again a few times already, over
-  gRPC too when the bulk channel corrupted every try (client.py); if every try arrived
-  corrupted it is raised, the push kept for a retry.
-- ``UnknownWorkerError`` (the lease lapsed): rejoin at the next sync point. If the server
-  resumes the registration (a named worker), the unacknowledged push is retried with its
-  id and the unsent steps are kept, as after a restart below; otherwise its outcome is
-  unknown, so it is dropped with the steps since (``not_resumed``), never sent twice.
-- Anything else (``ManifestMismatchError``, ``ModeMismatchError``,
-  ``WorkerSupersededError``, ``UnauthenticatedError``, an internal error) is raised: the
-  user must change something.
-
-Wire codec (wire/codec.py; the server's ``RunConfig.wire_codec``): Δ is encoded for the push
-and pulls are decoded into θ_base; θ_base, Δ and the model stay in their own precision.
-Because θ_base is lowered by decode(encode(Δ)), exactly what the server received, the
-quantisation error stays in θ_base − θ_local and is pushed next round: error feedback
-for free (Seide et al. 2014; Karimireddy et al. 2019, arXiv 1901.09847). With bf16 or
-int8 it also survives the pull: the model is loaded with θ_pulled − (θ_base − θ_local),
-so a value too small to register in its block (int8) still accumulates until it does.
-
-Overlap (``WorkerConfig.overlap``): the push and the next pull run in a background
-thread while the next inner steps proceed, and the new global model is merged keeping
-the progress made meanwhile; see overlap.py for the rule and its sources.
-
-Restarts (``WorkerConfig.state_dir``, state_dir.py): before each push is sent
-(write-ahead, ``_save_before_sending``), and after a sync that sent none, the worker saves
-``state_dict()``: θ_base and its version, the model's θ_local (θ_base − θ_local is what
-the server has not received: the codec's residual, overlap's steps since the snapshot),
-an unacknowledged push, the push counter,
-the round's step count, the inner optimizer and the caller's ``extra``. A worker built on
-that folder loads it: the model holds θ_local again. When the server resumes its
-registration (same name, ``JoinReply.resumed``) it first retries the saved push with its
-push id (applied at most once: the server answers a retry with its original outcome),
-then pulls the newest global model keeping θ_base − θ_local on top of it, and counts on
-from the saved step. A restart so loses at most the inner steps since the last save;
-those are trained again on the same data when the caller restores its data position, and
-never into another Δ under an id the server already holds. A folder behind a push the
-server holds (a failed save) is not continued: ``JoinReply.last_push_id`` at or past the
-saved counter drops what was not sent (``not_resumed``) and goes on with new ids.
-If the server does not know the worker (a fresh run), only the inner optimizer and
-``extra`` carry over and the model is the global one (or initializes it).
-
-Device handling: parameters may live on any device; the worker keeps θ_base and its
-buffers as fp32 on the CPU (pinned when the model is on CUDA) and copies explicitly.
+Every H inner steps it pushes the pseudo-gradient Δ = θ_base − θ_local against the version
+θ_base was pulled at, then pulls the new global model (DiLoCo, Douillard et al. 2023, arXiv
+2311.08105, Alg. 1; asynchronous as in Liu et al. 2024, arXiv 2401.09135, Sec. 3). The push
+and pull are push_pull.py's ``push_then_pull``, run inline or, with ``WorkerConfig.overlap``,
+on a background thread; ``_merge`` adopts the outcome either way. docs/worker.md ("The sync
+path") has the rules (faults, error feedback, the overlap merge), docs/operations.md ("When
+a sync fails", "Restarting a worker") what each fault and a restart do.
 """
 
 from __future__ import annotations
@@ -94,169 +21,43 @@ import torch
 from torch import nn
 
 from asyncdiloco.errors import (
-    DROP_AND_REPULL,
     RETRY_LATER,
     AsyncDiLoCoError,
     InvalidPayloadError,
     NotInitializedError,
-    PayloadCorruptedError,
     UnknownWorkerError,
     error_for_reason,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
-from asyncdiloco.worker.overlap import (
+from asyncdiloco.worker.drops import (
+    FIX_OTHERWISE,
+    FIXES,
     NON_FINITE,
+    NOT_APPLIED,
+    NOT_APPLIED_WORDS,
+    NOT_RESUMED,
+    drop_words,
+    reset_diverged_state,
+)
+from asyncdiloco.worker.push_pull import (
     BackgroundSync,
-    PushToSend,
+    PendingPush,
     SyncLink,
     SyncOutcome,
     SyncRequest,
     check_finite_delta,
+    push_then_pull,
 )
+from asyncdiloco.worker.stats import WorkerStats
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class WorkerStats:
-    """Counters of one worker (units in the names)."""
-
-    inner_steps: int = 0
-    tokens: int = 0
-    pushes_applied: int = 0
-    #: Pushes the server refused (stale, invalid, too large) or answered as never applied.
-    pushes_refused: int = 0
-    #: Pseudo-gradients dropped instead of applied, and the inner steps and tokens whose
-    #: progress went with them (the worker restarted from the global model): refused by
-    #: the server, not finite here, or of a registration the server did not resume.
-    pseudo_gradients_dropped: int = 0
-    steps_dropped: int = 0
-    tokens_dropped: int = 0
-    #: Why, per drop: reason code -> pseudo-gradients dropped for it. A refusal's reason
-    #: (errors.py: ``stale_push``, ``unknown_version``, ``invalid_payload``,
-    #: ``payload_too_large``), or ``non_finite`` (Δ not finite, found before sending),
-    #: ``not_applied`` (a retry answered as a duplicate that was never applied),
-    #: ``not_resumed`` (a rejoin the server did not resume: an unacknowledged push's
-    #: outcome is unknown).
-    drops: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: Parameters whose inner-optimizer state held NaN/Inf after a non-finite Δ and was
-    #: cleared (``WorkerBase._reset_diverged_optimizer_state``).
-    optimizer_states_cleared: int = 0
-    sync_failures: int = 0
-    #: Pushes and pulls whose payload arrived corrupted and were sent again (client.py).
-    corrupted_transfers: int = 0
-    pulls: int = 0
-    bytes_pushed: int = 0
-    bytes_pulled: int = 0
-    #: Seconds of communication (push, pull, join): the whole sync without overlap; with
-    #: overlap mostly the background thread's time, so it may exceed ``blocked_s``.
-    comm_s: float = 0.0
-    #: Seconds the training thread spent in sync points and merges instead of training:
-    #: the whole sync without overlap; with overlap the snapshot, Δ, packing, waits for a
-    #: sync still in flight, the merge and rejoins.
-    blocked_s: float = 0.0
-    #: Seconds the server held this worker's push replies while their groups formed
-    #: (``PushReply.held_s``; part of ``comm_s``).
-    held_s: float = 0.0
-    #: Seconds from the end of ``join`` to the end of ``close`` (0 before close).
-    wall_s: float = 0.0
-    #: Seconds in the inner steps that were timed, and how many (algo/rates.py: first
-    #: forward pass to the end of the optimizer step; the first step is not timed); at
-    #: close, v_w, the rate this worker reported last (inner steps per second of compute;
-    #: 0: none timed), and H_w, the steps per round the server told it last.
-    compute_s: float = 0.0
-    timed_steps: int = 0
-    steps_per_s: float = 0.0
-    local_steps_per_round: int = 0
-    #: What became of the push ``close`` sent: "applied", "refused", "dropped" (Δ was not
-    #: finite: nothing sent), "not acknowledged" (the server could not be reached in time;
-    #: kept in ``state_dir`` for a restart) or "" (nothing to push).
-    final_push: str = ""
-    #: τ of every applied push, in order.
-    staleness: list[int] = dataclasses.field(default_factory=list, repr=False)
-
-    @property
-    def mean_staleness(self) -> float:
-        return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
-
-
-@dataclasses.dataclass
-class _PendingPush:
-    """A pseudo-gradient push until the server acknowledged or refused it."""
-
-    payload: torch.Tensor | None  # uint8, from _encode_delta (None until overlap's background thread encodes it)
-    push_id: int
-    base_version: int
-    num_local_steps: int
-    num_tokens: int
-    compute_s: float
-    #: Sent while the worker closes: the server does not hold its reply for a group.
-    last: bool = False
-
-    def send(
-        self, client: ParameterServerClient, worker_id: int, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT
-    ) -> pb.PushReply:
-        """Push ``payload`` with this push's id, base version and counts (``client.push``,
-        with its exceptions); the blocking path and overlap's background thread both send
-        through here."""
-        assert self.payload is not None, "a push is encoded before it is sent"
-        return client.push(
-            self.payload,
-            worker_id=worker_id,
-            push_id=self.push_id,
-            base_version=self.base_version,
-            num_local_steps=self.num_local_steps,
-            num_tokens=self.num_tokens,
-            compute_s=self.compute_s,
-            kind=kind,
-            last=self.last,
-        )
-
-
-#: Why a push answered ``duplicate`` without ``applied`` is dropped: its id is at or below
-#: the highest one the server applied for this worker, and its outcome is no longer known.
-_NOT_APPLIED = (
-    "answered as a duplicate that was not applied (its id is at or below the newest one the server applied "
-    "for this worker)"
-)
-
-#: ``WorkerStats.drops`` keys of the drops without a refusal (a refusal's key is its reason).
-NOT_APPLIED = "not_applied"
-NOT_RESUMED = "not_resumed"
-
-#: What the user can change when every push is dropped, by drop reason.
-_FIXES = {
-    NON_FINITE: (
-        "the local model diverges every round: check the data and the loss for NaN/Inf, lower the inner "
-        "learning rate (--inner-lr) or clip the gradients"
-    ),
-    "invalid_payload": (
-        "the server refuses its values (not finite, or over --max-abs-value): lower the inner learning rate "
-        "(--inner-lr) or clip the gradients"
-    ),
-    "payload_too_large": "start the server with a larger --max-payload-bytes, or a smaller --wire-codec",
-    "stale_push": (
-        "every push arrives too stale: start the server with a larger --max-staleness, or lower H (--local-steps)"
-    ),
-    "unknown_version": "the server's version went back (a restart from an older checkpoint): check its checkpoints",
-}
-_FIX_OTHERWISE = "the server's log says why it refused them"
-
-
-def _payload_of(pending: PushToSend) -> torch.Tensor:
-    """The payload of a push that was sent (it was encoded before)."""
-    assert pending.payload is not None, "a sent push has its payload"
-    return pending.payload
-
-
-def _drop_words(push_id: int, reason: str, exc: BaseException) -> str:
-    """How a dropped push is named in the log and in the error after too many drops."""
-    if reason == NON_FINITE:
-        return str(exc)
-    return f"push {push_id} refused ({exc})"
+def _saved_fields(pending: PendingPush) -> dict[str, Any]:
+    """A pending push's fields a restart needs, but its payload (``PendingPush(**saved)``)."""
+    return {f.name: getattr(pending, f.name) for f in dataclasses.fields(pending) if f.name not in ("payload", "last")}
 
 
 class AsyncDiLoCoWorker(WorkerBase):
@@ -306,11 +107,10 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._scratch = self.flat.host_buffer()  # θ_local, then Δ, (N,) fp32
         self._carry_residual = False  # an acknowledged push left a quantisation residual for the next pull to keep
         self._next_push_id = 1
-        self._pending: _PendingPush | None = None
+        self._pending: PendingPush | None = None
+        self._link = SyncLink(self.client, self.manifest, encode=self.wire.encode, decode=self.wire.decode)
         if config.overlap:
-            link = SyncLink(self.client, self.manifest, encode=self._encode_delta, decode=self._decode_payload)
-            self._overlap = BackgroundSync(link, snapshot=self.flat.host_buffer())
-        self._closing = False
+            self._overlap = BackgroundSync(self._link, snapshot=self.flat.host_buffer())
         #: The push counter of a restored state (or, during a rejoin, of this registration)
         #: until the Join says whether the server resumed it (``_number_pushes``).
         self._restored_push_id: int | None = None
@@ -326,10 +126,10 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._resuming = self._number_pushes(self._register())
         if self._must_initialize:  # a retry after a failed attempt resends push_id 1: applied at most once
             payload = self.manifest.pack_flat(self.flat.copy_into(self._base))  # always raw, exact
-            self._send_payload(
-                _PendingPush(payload, push_id=1, base_version=0, num_local_steps=0, num_tokens=0, compute_s=0.0),
-                kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
+            self.client.push(
+                payload, worker_id=self.worker_id, push_id=1, base_version=0, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
             )
+            self.stats.bytes_pushed += payload.numel()
             self._must_initialize = False
             self.version = 0
             self._pending, self._resuming = None, False  # the model is the global one now
@@ -340,19 +140,18 @@ class AsyncDiLoCoWorker(WorkerBase):
         try:
             if self._resuming:
                 self._continue_unsent()
-            else:
-                self._pull_and_load()  # raises NotInitializedError until the initial parameters arrive
+            else:  # raises NotInitializedError until the initial parameters arrive
+                self._merge(push_then_pull(self._link, self._request(push=False)))
         except NotInitializedError:
             self._take_over_initialization_if_told()
             raise
 
     def _number_pushes(self, reply: pb.JoinReply) -> bool:
-        """Where this registration's push ids start (push_id 1 is the initial parameters'),
-        and whether it continues a restored state or the registration a rejoin left: only
-        when the server resumed this worker's id and holds no push past that counter. The
-        counter is then kept, so the push that may have been in flight (when the worker
-        died, or when its lease lapsed) is answered with its original outcome; otherwise
-        what the server had not acknowledged is dropped and ids go on after ``last_push_id``.
+        """Where this registration's push ids start (1 is the initial parameters'), and
+        whether it continues a restored state or a rejoined registration: only when the
+        server resumed this worker's id and holds no push past the saved counter (a push
+        then in flight is answered with its outcome); otherwise what the server had not
+        acknowledged is dropped and ids go on after ``last_push_id``.
 
         Returns:
             True when the join continues (``_continue_unsent``).
@@ -373,13 +172,10 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _continue_unsent(self) -> None:
         """The first sync of a restored worker, or of a rejoin, that the server resumed:
-        retry the unacknowledged push with its push id (a refused one is dropped with the
-        steps after it, as at any sync point), then pull keeping θ_base − θ_local, what
-        the server has not received, and count on from the steps since the last push."""
-        self._carry_residual = True  # a drop below clears it
-        if self._pending is not None:
-            self._push_round()
-        self._pull_and_load()
+        retry the unacknowledged push with its push id, then pull keeping θ_base − θ_local
+        (what the server has not received) and count on from the saved steps."""
+        self._carry_residual = True  # a drop clears it
+        self._merge(push_then_pull(self._link, self._request()))
         self._resuming = False
         self._save_state()
 
@@ -392,13 +188,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         """``close``: wait for and merge a sync in flight (overlap), push the steps since
         the last sync (if ``push_on_close``: an unacknowledged push first, then the
         residual), leave, release."""
-        rate = self.step_rate
-        self.stats.compute_s, self.stats.timed_steps, self.stats.steps_per_s = (
-            rate.compute_s,
-            rate.timed_steps,
-            rate.steps_per_s,
-        )
-        self.stats.local_steps_per_round = self.local_steps
+        rate, stats = self.step_rate, self.stats
+        stats.compute_s, stats.timed_steps, stats.steps_per_s = rate.compute_s, rate.timed_steps, rate.steps_per_s
+        stats.local_steps_per_round = self.local_steps
         if self._overlap is not None and self._overlap.in_flight:
             started = time.monotonic()
             try:
@@ -406,9 +198,8 @@ class AsyncDiLoCoWorker(WorkerBase):
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("the sync in flight at close failed: %s", exc)
             self.stats.blocked_s += time.monotonic() - started
-        if self.worker_id and not self._needs_rejoin and self.config.push_on_close:
-            self._closing = True  # the final pushes' replies are not held for a group
-            if self._pending is not None:
+        if self.worker_id and not self._lost and self.config.push_on_close:
+            if self._pending is not None:  # the final pushes' replies are not held for a group
                 self._pending.last = True
             for _ in range(2):  # a pending retry, then the steps taken since it was packed
                 if not (self._steps_since_sync > 0 or self._pending):
@@ -420,7 +211,7 @@ class AsyncDiLoCoWorker(WorkerBase):
                     kept = "kept in the state folder for a restart" if self.state_dir is not None else "not sent"
                     log.warning("final push not acknowledged (%s); its steps are %s", exc, kept)
                     break
-        if self.worker_id and not self._needs_rejoin:
+        if self.worker_id and not self._lost:
             self._save_state()  # the final pushes' ids (and one that failed, to retry) for a restart
         self._close_connection()
         if self._overlap is not None:
@@ -430,9 +221,7 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _final_push(self) -> None:
         """``_push_round`` at close, retried with backoff for up to ``join_timeout_s`` while
-        the server cannot answer (``errors.RETRY_LATER``; e.g. the call's deadline expired
-        during a wait on the server). A retry keeps the push id, so a push the server
-        applied meanwhile is answered as applied, never applied twice.
+        the server cannot answer (``errors.RETRY_LATER``), under the same push id.
 
         Raises:
             The last attempt's exception once the time is up; other refusals at once.
@@ -460,21 +249,19 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------------- sync
     def _sync_once(self) -> bool | None:
-        """Push the pseudo-gradient, then pull the global model (the model holds it after).
-        With overlap: merge the sync in flight (waiting for it), then start the next one
-        in the background and return None.
+        """Push the pseudo-gradient, then pull the global model, inline; with overlap, merge
+        the sync in flight (waiting for it), start the next one in the background, return None.
 
         Raises:
-            the newest drop's class (InvalidPayloadError, StalePushError, ...): the last
-            ``config.max_dropped_in_a_row`` pseudo-gradients were all dropped.
+            the newest drop's class after ``config.max_dropped_in_a_row`` drops in a row;
             PayloadCorruptedError: every resend of a push or pull arrived corrupted.
         """
         if self._overlap is not None:
             return self._overlapped_sync_point(self._overlap)
-        self._push_round()
-        self._pull_and_load()
+        self._pack_push()
+        merged = self._merge(push_then_pull(self._link, self._request()))
         self._raise_if_dropping_every_push()
-        return True
+        return merged
 
     # ------------------------------------------------------------- overlap
     def _overlapped_sync_point(self, overlap: BackgroundSync) -> bool | None:
@@ -493,25 +280,33 @@ class AsyncDiLoCoWorker(WorkerBase):
             else:
                 self.flat.copy_into(overlap.snapshot)  # a pull only
         # else: a retry: the snapshot still holds θ_local at the time the pending Δ was taken
-        overlap.submit(
-            SyncRequest(
-                worker_id=self.worker_id,
-                pending=self._pending,
-                base=self._base,
-                snapshot=overlap.snapshot,
-                theta_g=self._scratch,
-                pull_buffer=self._wire_buffer("pull"),
-                carry_residual=self.codec.name != "raw",
-            )
-        )
+        overlap.submit(self._request(overlap.snapshot))
         return None
 
-    def _events_due(self) -> bool:
-        return super()._events_due() or (self._overlap is not None and self._overlap.done())
+    def _request(self, snapshot: torch.Tensor | None = None, *, push: bool = True, pull: bool = True) -> SyncRequest:
+        """The push + pull of this sync point: the pending push (``push``), θ_base, and the
+        snapshot of θ_local (overlap; None inline: the model holds it)."""
+        return SyncRequest(
+            worker_id=self.worker_id,
+            pending=self._pending if push else None,
+            base=self._base,
+            snapshot=snapshot,
+            theta_g=self._scratch,
+            pull_buffer=self.wire.buffer("pull") if pull else None,
+            lossy=self.wire.codec.name != "raw",
+            keep_unsent=self._carry_residual or (snapshot is None and self._steps_since_sync > 0),
+            pull=pull,
+        )
 
-    def _after_step_events(self) -> None:
-        super()._after_step_events()  # the step is counted (it belongs to the next round); may sync
-        if self._overlap is not None and self._overlap.done():  # non-blocking check
+    def _events_due(self) -> bool:
+        return self._sync_due() or (self._overlap is not None and self._overlap.done())
+
+    def _step_events(self) -> None:
+        """The sync point when due (the step is counted: it belongs to the next round), then
+        the merge of a background sync that finished (a non-blocking check)."""
+        if self._sync_due():
+            self._sync_point()
+        if self._overlap is not None and self._overlap.done():
             started = time.monotonic()
             try:
                 self._guarded(self._wait_and_merge)
@@ -519,78 +314,78 @@ class AsyncDiLoCoWorker(WorkerBase):
                 self.stats.blocked_s += time.monotonic() - started
 
     def _wait_and_merge(self) -> bool:
+        """Adopt the background sync in flight, waiting for it."""
         assert self._overlap is not None, "merging needs overlap"
-        return self._merge(self._overlap.wait(), self._overlap.snapshot)
-
-    def _merge(self, out: SyncOutcome, correction: torch.Tensor) -> bool:
-        """Training thread: apply a finished background sync (rule in overlap.py).
-
-        Args:
-            out: the sync's outcome.
-            correction: c = θ_g' − θ_local(t0), fp32 (N,) (the overlap's snapshot buffer).
-        Raises:
-            whatever ended the sync early (ServerUnavailableError, UnknownWorkerError,
-            NotInitializedError, PayloadCorruptedError, ...), after recording what the
-            server acknowledged before it; the newest drop's class after
-            ``config.max_dropped_in_a_row`` drops in a row (``_sync_once``).
-        """
+        out = self._overlap.wait()
         self.stats.comm_s += out.comm_s
+        merged = self._merge(out, background=True)
+        self._backoff_s = self.config.initial_backoff_s
+        self._raise_if_dropping_every_push()
+        return merged
+
+    def _merge(self, out: SyncOutcome, *, background: bool = False) -> bool:
+        """Training thread: adopt a finished ``push_then_pull`` (docs/worker.md, "The sync
+        path"): record the push's outcome, then load the new global model keeping
+        what the server has not received, θ_local ← θ_local(now) + c (or θ_g' itself).
+        Returns whether the model now holds it (False: a push only).
+
+        Raises:
+            whatever ended the sync early, after recording what the server acknowledged.
+        """
         self.stats.corrupted_transfers = self.client.corrupted_transfers
         dropped = self._record_push_outcome(out)
         if out.error is not None:
             raise out.error
-        assert out.run_config is not None and out.version is not None, "a sync without error pulled"
-        theta_g = self._scratch  # θ_g', decoded by the background thread
+        if not out.pulled:
+            return False
+        assert out.run_config is not None and out.version is not None, "a pull's outcome"
+        theta_g = self._scratch  # θ_g', decoded by push_then_pull
         self.local_steps = out.run_config.local_steps or self.local_steps
-        if dropped:  # restart from the global model, as without overlap
+        if dropped or out.correction is None:  # restart from the global model
             self.flat.load(theta_g)
         else:
-            self.flat.add(correction)  # θ_local ← θ_local(now) + (θ_g' − θ_local(t0))
-            self._extend_round_by_held_steps(out)
+            self.flat.add(out.correction)  # θ_local ← θ_local(now) + c
+            if background:
+                self._extend_round_by_held_steps(out)
         self._base, self._scratch = theta_g, self._base  # θ_base ← θ_g'
-        self._carry_residual = False  # the correction already kept it (overlap.py)
-        self._set_codec(out.run_config)
+        self._carry_residual = False  # the correction kept it
+        self.wire.adopt(out.run_config)
         self.version = out.version
+        if not background and self._steps_since_sync == 0:
+            self._start_round()
         self.stats.pulls += 1
         self.stats.bytes_pulled += out.bytes_pulled
-        self._backoff_s = self.config.initial_backoff_s
-        self._save_after_sync()  # adopted, on the training thread, before the next sync starts
-        self._raise_if_dropping_every_push()
+        if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
+            self._save_after_sync()  # adopted, on the training thread, before the next sync starts
         return True
 
     def _record_push_outcome(self, out: SyncOutcome) -> bool:
-        """What the server did with the push a background sync carried: acknowledged
-        (θ_base lowered unless the pull completed), dropped (refused, answered as never
-        applied, or not finite: ``_drop_unsent``), or not known yet (kept for a retry;
-        after UnknownWorkerError for the rejoin, which retries it if the server resumes
-        this worker).
-
-        Returns:
-            True when it was dropped: the merge restarts from θ_g'.
-        """
+        """What the server did with the push a sync carried: acknowledged, dropped (refused,
+        never applied, or not finite: ``_drop_unsent``; returns True: the merge restarts from
+        θ_g'), or not known yet (kept for a retry, or for the rejoin to retry)."""
         pending = out.pending
         if pending is None:
             return False
         if out.push_reply is not None:
-            self.stats.bytes_pushed += _payload_of(pending).numel()
+            assert pending.payload is not None, "a sent push has its payload"
+            self.stats.bytes_pushed += pending.payload.numel()
             if out.push_reply.applied:
-                self._push_acknowledged(out.push_reply, pending, lower_base=not out.pulled)
+                self._push_acknowledged(out.push_reply)
                 return False
             self.stats.pushes_refused += 1
-            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
+            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {NOT_APPLIED_WORDS}")
             return True
         if out.refused is not None:
             if out.drop_reason != NON_FINITE:
                 self.stats.pushes_refused += 1
-            self._drop_unsent(out.drop_reason, _drop_words(pending.push_id, out.drop_reason, out.refused))
+            self._drop_unsent(out.drop_reason, drop_words(pending.push_id, out.drop_reason, out.refused))
             return True
         return False
 
     def _extend_round_by_held_steps(self, out: SyncOutcome) -> None:
         """The reply was held while the push's group formed and this worker trained on: the
         steps of that wait come on top of H_w, so its next push lands with the group's next
-        one (counted from the snapshot, every round would end earlier by the wait and the
-        workers would drift out of their groups)."""
+        one (else the workers would drift out of their groups)."""
         held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
         pending = out.pending
         if held_s > 0 and pending is not None and pending.compute_s > 0:
@@ -620,56 +415,41 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ------------------------------------------------------------- internals
     def _push_round(self) -> None:
-        """Send the pending push (a retry) or a new one with Δ = θ_base − θ_local. A Δ
-        that is not finite, a refusal in ``errors.DROP_AND_REPULL`` and a retry answered
-        as never applied drop it (``_drop_unsent``); an outcome not known yet keeps it
-        for a later sync point (an UnknownWorkerError: for the rejoin)."""
-        pending = self._pending
-        if pending is None:
-            if self._steps_since_sync == 0:
-                return
-            try:
-                pending = self._new_pending(self._scratch)
-            except InvalidPayloadError as exc:  # Δ is not finite (nothing was sent, no push id taken)
-                self._drop_unsent(NON_FINITE, str(exc))
-                return
-            self._save_before_sending()
+        """Push without a pull (the final pushes at close): the pending push (a retry) or a
+        new one with Δ = θ_base − θ_local."""
+        self._pack_push(last=True)
+        self._merge(push_then_pull(self._link, self._request(pull=False)))
+
+    def _pack_push(self, *, last: bool = False) -> None:
+        """Inline: pack a new push with Δ = θ_base − θ_local unless one is pending or no
+        step ran; a Δ that is not finite is dropped (nothing sent, no push id taken)."""
+        if self._pending is not None or self._steps_since_sync == 0:
+            return
         try:
-            reply = self._send_payload(pending)
-        except PayloadCorruptedError:
-            raise  # every resend arrived corrupted (client.py): kept, retried at a later sync point
-        except DROP_AND_REPULL as exc:
-            self.stats.pushes_refused += 1
-            self._drop_unsent(exc.reason, _drop_words(pending.push_id, exc.reason, exc))
+            self._new_pending(self._scratch, last=last)
+        except InvalidPayloadError as exc:
+            self._drop_unsent(NON_FINITE, str(exc))
             return
-        if not reply.applied:
-            self.stats.pushes_refused += 1
-            self._drop_unsent(NOT_APPLIED, f"push {pending.push_id} {_NOT_APPLIED}")
-            return
-        self._push_acknowledged(reply, pending, lower_base=True)
+        self._save_before_sending()
 
-    def _new_pending(self, local: torch.Tensor, *, encode: bool = True) -> _PendingPush:
-        """θ_local into ``local`` (N,) fp32 CPU, Δ = θ_base − θ_local packed into a new
-        pending push carrying the steps and tokens since the last one (with ``encode``
-        False, Δ and its payload are left to overlap's background thread).
-
-        Returns:
-            The new pending push (also ``self._pending``).
-        """
+    def _new_pending(self, local: torch.Tensor, *, encode: bool = True, last: bool = False) -> PendingPush:
+        """θ_local into ``local`` (N,) fp32 CPU and a new pending push (``self._pending``)
+        with the steps and tokens since the last one, and (``encode``) Δ = θ_base − θ_local
+        encoded; without, Δ is left to overlap's background thread."""
         self.flat.copy_into(local)  # θ_local, (N,) fp32
         payload = None
         if encode:
             delta = torch.sub(self._base, local, out=self._scratch)  # Δ = θ_base − θ_local, (N,)
             check_finite_delta(delta, self.worker_id, self._steps_since_sync)
-            payload = self._encode_delta(delta)
-        self._pending = _PendingPush(
+            payload = self.wire.encode(delta)
+        self._pending = PendingPush(
             payload=payload,
             push_id=self._next_push_id,
             base_version=self.version,
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
             compute_s=self._round_compute_s(self._steps_since_sync),
-            last=self._closing,
+            last=last,
         )
         self._next_push_id += 1
         self._start_round()
@@ -681,17 +461,13 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._tokens_since_sync = 0
         self._round_steps = None
 
-    def _push_acknowledged(self, reply: pb.PushReply, pending: PushToSend, *, lower_base: bool) -> None:
+    def _push_acknowledged(self, reply: pb.PushReply) -> None:
+        """The server applied the pending push (``push_then_pull`` lowered θ_base by what it
+        received unless the pull completed; a lossy codec's residual is then kept)."""
         self._pending = None
-        if lower_base:
-            # The server now holds this Δ: lower θ_base by exactly what it received, so
-            # steps taken before the next successful pull are pushed later as a residual.
-            self._base.sub_(self._decode_payload(_payload_of(pending), self._scratch))
-            self._carry_residual = self.codec.name != "raw"
-        self._note_applied()
-        self.stats.pushes_applied += 1
-        self.stats.held_s += reply.held_s
-        self.stats.staleness.append(reply.staleness)
+        self._carry_residual = self.wire.codec.name != "raw"
+        self.drops.applied()
+        self.stats.count_applied(reply.held_s, reply.staleness)
         self.local_steps = reply.local_steps or self.local_steps
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
@@ -707,15 +483,11 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._carry_residual = False
         self.flat.load(self._base)
         self._start_round()
-        stats = self.stats
         if reason == NON_FINITE:
-            stats.optimizer_states_cleared += self._reset_diverged_optimizer_state()
-        stats.pseudo_gradients_dropped += 1
-        stats.steps_dropped += steps
-        stats.tokens_dropped += tokens
-        stats.drops[reason] = stats.drops.get(reason, 0) + 1
+            self.stats.optimizer_states_cleared += reset_diverged_state(self.inner_optimizer, self.worker_id)
+        self.stats.count_drop(reason, steps, tokens)
         error = InvalidPayloadError if reason == NON_FINITE else error_for_reason(reason) or AsyncDiLoCoError
-        self._note_drop(error, what, _FIXES.get(reason, _FIX_OTHERWISE))
+        self.drops.note(error, what, FIXES.get(reason, FIX_OTHERWISE))
         log.warning(
             "worker %d: %s; dropped, with its %d inner steps (reason %s); restarting from the global model",
             self.worker_id,
@@ -723,36 +495,6 @@ class AsyncDiLoCoWorker(WorkerBase):
             steps,
             reason,
         )
-
-    def _send_payload(self, pending: _PendingPush, kind: pb.PushKind = pb.PUSH_KIND_PSEUDO_GRADIENT) -> pb.PushReply:
-        reply = pending.send(self.client, self.worker_id, kind)
-        self.stats.bytes_pushed += _payload_of(pending).numel()
-        return reply
-
-    def _pull_and_load(self) -> None:
-        """Pull the global model into θ_base and the model, keeping on top of it what the
-        server has not received, θ_base − θ_local: the codec's residual of an acknowledged
-        push, and the inner steps trained since the pending push was packed (a retry), whose
-        step and token counts then stay for the next push."""
-        pulled = self.client.pull(self.manifest, self.worker_id, buffer=self._wire_buffer("pull"))
-        self._set_codec(pulled.run_config)  # the same unless a restarted server uses another
-        keep = self._carry_residual or self._steps_since_sync > 0
-        if keep:  # keep what the server has not received (θ_base − θ_local)
-            torch.sub(self._base, self.flat.copy_into(self._scratch), out=self._scratch)  # unsent, (N,)
-        self._decode_payload(pulled.payload, self._base)
-        if keep:
-            self.flat.load(torch.sub(self._base, self._scratch, out=self._scratch))  # θ_pulled − unsent
-        else:
-            self.flat.load(self._base)
-        self._carry_residual = False
-        self.version = pulled.version
-        self.local_steps = pulled.run_config.local_steps or self.local_steps
-        if self._steps_since_sync == 0:
-            self._start_round()
-        self.stats.pulls += 1
-        self.stats.bytes_pulled += pulled.payload.numel()
-        if not self._resuming:  # a resumed first pull saves once it is done (``_continue_unsent``)
-            self._save_after_sync()
 
     def _before_rejoin(self) -> None:
         """Keep what the server has not acknowledged for the Join to decide: a resumed
@@ -770,22 +512,15 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------- saved state
     def _save_before_sending(self) -> None:
-        """Write-ahead: a new push is in the state folder before any byte of it is sent,
-        with the model, counters and the caller's data position as they are when it was
-        packed. A process that dies at any point after this restarts with that push and
-        retries exactly its bytes under its id (the server answers it once: applied, or
-        with its first outcome). Were only the sync before saved, the restarted worker
-        would train the same steps again into another Δ under the same id, and the
-        server's "duplicate, applied" (the first Δ's outcome) would lose or double-count
-        steps."""
+        """Write-ahead: a new push is in the state folder before any byte of it is sent, so
+        a restart retries exactly its bytes under its id (docs/operations.md, "Restarting a
+        worker", says why)."""
         self._save_state()
         self._push_saved = self.state_dir is not None
 
     def _save_after_sync(self) -> None:
-        """The save after an adopted sync, skipped when that sync's push was saved before
-        it was sent (``_save_before_sending``): a restart from that save retries the push
-        (answered with its outcome) and pulls, which leads where this save would stand, so
-        one save per sync is enough."""
+        """The save after an adopted sync, skipped when its push was saved before it was
+        sent (a restart from that save leads to where this one would stand)."""
         if self._push_saved:
             self._push_saved = False
             return
@@ -806,7 +541,8 @@ class AsyncDiLoCoWorker(WorkerBase):
             push (``push_id``, ``base_version``, ``num_local_steps``, ``num_tokens``,
             ``compute_s`` and its ``payload``, uint8 as sent) or None.
         """
-        self._check_group_state_dict()  # before the merge below
+        if self.group is not None:  # before the merge below
+            self.group.check_state_dict(merge_in_flight=self._overlap is not None and self._overlap.in_flight)
         if self._overlap is not None and self._overlap.in_flight:
             self._guarded(self._wait_and_merge)  # θ_base and the pending push are the background's until then
         state = super().state_dict(extra)
@@ -824,22 +560,13 @@ class AsyncDiLoCoWorker(WorkerBase):
             tokens_since_sync=self._tokens_since_sync,
             pending=None
             if pending is None or payload is None
-            else {
-                "payload": payload.clone(),
-                "push_id": pending.push_id,
-                "base_version": pending.base_version,
-                "num_local_steps": pending.num_local_steps,
-                "num_tokens": pending.num_tokens,
-                "compute_s": pending.compute_s,
-            },
+            else {**_saved_fields(pending), "payload": payload.clone()},
         )
         return state
 
-    def _encode_for_saving(self, pending: _PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
-        """Overlap packs a push on the training thread and leaves Δ = θ_base − θ_local(t0)
-        to its background thread, not started yet when the push is saved: encode it here
-        the same way, and the push then carries these bytes (the background sends them
-        instead of encoding Δ again).
+    def _encode_for_saving(self, pending: PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
+        """Overlap leaves Δ = θ_base − θ_local(t0) to its background thread, not started yet
+        when the push is saved: encode it here, and the push then carries these bytes.
 
         Returns:
             The payload, uint8; None when Δ is not finite (the background thread drops it).
@@ -849,12 +576,12 @@ class AsyncDiLoCoWorker(WorkerBase):
             check_finite_delta(delta, self.worker_id, pending.num_local_steps)
         except InvalidPayloadError:
             return None
-        return self._encode_delta(delta).clone()
+        return self.wire.encode(delta).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()`` before the worker joins: the model holds the saved
         θ_local, and the first join continues the saved round if the server resumes
-        this worker's registration (see the module docstring).
+        this worker's registration (docs/operations.md, "Restarting a worker").
 
         Raises:
             ConfigError: as ``WorkerBase.load_state_dict``.
@@ -869,4 +596,4 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._steps_since_sync = int(state["steps_since_sync"])  # counted on if the server resumes this worker
         self._tokens_since_sync = int(state["tokens_since_sync"])
         saved = state.get("pending")
-        self._pending = None if saved is None else _PendingPush(**saved)
+        self._pending = None if saved is None else PendingPush(**saved)

@@ -1,32 +1,20 @@
-"""What the asynchronous and the synchronous worker share.
+"""What the asynchronous and the synchronous worker share (``WorkerBase``).
 
-``WorkerBase`` owns the plumbing around the user's model and inner optimizer: joining
-with retries (and taking over initialization from an initializer that vanished), the
-post-step hook that counts inner steps and calls ``sync()`` every H of them, the
-heartbeat thread, the wire codec the server dictates (``_encode_delta`` /
-``_decode_payload``, wire/codec.py), and the context manager. Copies between the model
-and flat fp32 vectors are flat.py's (``self.flat``). ``AsyncDiLoCoWorker``
-(async_worker.py) and ``SyncDiLoCoWorker`` (sync_worker.py) add what a sync point does.
-
-With ``WorkerConfig.state_dir`` the base also owns the worker's state folder
-(state_dir.py): its name, the common part of ``state_dict`` (name, model layout, inner
-optimizer, the caller's ``extra``) and the save (``_save_state``, at the sync points each
-subclass chooses); the subclasses add their own part.
-
-The step hook is installed by ``join``, once the server has said what H is: before it a
-step would count towards a sync point of a registration that does not exist yet. A worker
-used without ``with`` and never joined joins from a pre-step hook before its first inner
-step, so that step already trains the global model.
+It owns the worker's life (``WorkerState``: join with retries, rejoin, close), the hooks on
+the inner optimizer (count inner steps, sync every H of them), the heartbeat, the wire
+codec the server dictates, the state folder's common part, and the torchrun group it may
+train in (group.py). async_worker.py and sync_worker.py add what a sync point does;
+docs/architecture.md ("worker/") and docs/operations.md describe the behaviour.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -44,41 +32,45 @@ from asyncdiloco.errors import (
     WorkerSupersededError,
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
-from asyncdiloco.wire.codec import WireCodec, codec_for, make_codec
 from asyncdiloco.wire.tensors import Manifest
-from asyncdiloco.worker.client import ParameterServerClient
 from asyncdiloco.worker.config import WorkerConfig
+from asyncdiloco.worker.drops import DropStreak
 from asyncdiloco.worker.flat import FlatParams
 from asyncdiloco.worker.group import LocalGroup, resolve_group, unwrap_model
-from asyncdiloco.worker.group_member import GroupMember
-from asyncdiloco.worker.sharded import ShardedClient, shard_addresses
-from asyncdiloco.worker.state_dir import STATE_FORMAT, WorkerStateDir, check_manifest, manifest_entries
+from asyncdiloco.worker.sharded import connect
+from asyncdiloco.worker.state_dir import STATE_FORMAT, check_state, manifest_entries, open_for_worker
+from asyncdiloco.worker.stats import WorkerCounters
+from asyncdiloco.worker.wire_buffers import WorkerWire
 
 log = logging.getLogger(__name__)
 
 _Worker = TypeVar("_Worker", bound="WorkerBase")
 
 
-class WorkerCounters(Protocol):
-    """The counters every worker's ``stats`` has (units in the names)."""
+class WorkerState(enum.Enum):
+    """Where a worker is in its life (``WorkerBase.state``): NEW -> JOINING -> TRAINING ->
+    CLOSED, and TRAINING -> LOST -> REJOINING -> TRAINING when the server forgot it."""
 
-    inner_steps: int
-    tokens: int
-    sync_failures: int
-    corrupted_transfers: int
-    comm_s: float
-    blocked_s: float
+    #: Built; joins at ``join()`` (``with``), or before its first inner step.
+    NEW = "new"
+    #: ``join()`` runs: registering, then initializing, resuming or pulling the global model.
+    JOINING = "joining"
+    #: Joined: syncs every H inner steps.
+    TRAINING = "training"
+    #: The server forgot this worker (its lease lapsed, or the server restarted without it):
+    #: the next sync point rejoins.
+    LOST = "lost"
+    #: A rejoin runs; cut short by an outage, the next sync point goes on with it.
+    REJOINING = "rejoining"
+    #: ``close()`` ran.
+    CLOSED = "closed"
 
 
-class WorkerBase(GroupMember):
-    """Base of the workers; see the subclasses for the algorithms.
-
-    Subclasses set ``mode`` ("async" or "sync": the server mode they need), give
-    ``self.stats`` the ``WorkerCounters``, and implement ``_join_once`` (register,
-    initialize or load the global model), ``_sync_once`` and ``close``; with a state
-    folder they extend ``state_dict`` / ``load_state_dict`` and call
-    ``_restore_saved_state`` at the end of their ``__init__`` and ``_save_state`` after
-    every sync they adopt.
+class WorkerBase:
+    """Base of the workers. Subclasses set ``mode`` ("async" or "sync": the server mode
+    they need) and ``self.stats`` (``WorkerCounters``), implement ``_join_once``,
+    ``_sync_once`` and ``_close_worker``, extend ``state_dict`` / ``load_state_dict``, and
+    call ``_restore_saved_state`` at the end of their ``__init__``.
 
     Raises:
         ConfigError: ``config.state_dir`` is in use by another worker, holds the state
@@ -97,15 +89,29 @@ class WorkerBase(GroupMember):
         tokens_per_step: int,
         process_group: Any = "auto",
     ) -> None:
-        self.model = model
-        self.inner_optimizer = inner_optimizer
-        self.config = config
+        self.model, self.inner_optimizer, self.config = model, inner_optimizer, config
         self.tokens_per_step = tokens_per_step
         #: The torchrun group this process trains in as one worker (group.py; None: alone).
         self.group: LocalGroup | None = resolve_group(process_group)
         #: A rank > 0 of a group: it mirrors rank 0 and never contacts the server.
         self.follower = self.group is not None and not self.group.is_leader
-        core = unwrap_model(model)  # DDP's module: the same parameters, named without "module."
+        core = self._unwrap(model)
+        self.manifest = Manifest.from_module(core)
+        #: The model's parameters as one flat fp32 vector: every copy to and from it.
+        self.flat = FlatParams(core)
+        self._open_state_dir()
+        #: The server's wire codec for pushes and pulls, and their payload buffers.
+        self.wire = WorkerWire(self.manifest, self.flat)
+        if not self.follower:  # a follower has no client: it never contacts the server
+            self.client = connect(config, self.mode)
+        self.state = WorkerState.NEW
+        self._registration_defaults()
+        self._round_defaults()
+        self._install_hooks(core)
+
+    def _unwrap(self, model: nn.Module) -> nn.Module:
+        """DDP's module (the same parameters, named without "module."); warns for a group without DDP."""
+        core = unwrap_model(model)
         if self.group is not None and core is model:
             log.warning(
                 "rank %d: the model is not DistributedDataParallel; the %d ranks train apart between syncs and only "
@@ -113,110 +119,64 @@ class WorkerBase(GroupMember):
                 self.group.rank,
                 self.group.world_size,
             )
-        self.manifest = Manifest.from_module(core)
-        #: The name this worker joins under: ``config.worker_name``, else the one saved in
-        #: ``config.state_dir``, else (with a state folder) a new unique one saved there.
-        self.worker_name = config.worker_name
-        #: The worker's state folder (None: ``config.state_dir`` unset, or a follower), locked while it runs.
-        self.state_dir = WorkerStateDir(config.state_dir) if config.state_dir and not self.follower else None
-        if self.state_dir is not None:
-            try:
-                self.state_dir.check_manifest(self.manifest)
-                self.worker_name = self.state_dir.resolve_name(config.worker_name)
-            except ConfigError:
-                self.state_dir.close()
-                raise
+        return core
+
+    def _open_state_dir(self) -> None:
+        """The state folder (``open_for_worker``; None for a follower) and the caller's part."""
+        config = self.config
+        folder = None if self.follower else config.state_dir
+        self.state_dir, self.worker_name = open_for_worker(folder, config.worker_name, self.manifest)
         #: Called at every save: the caller's own state to keep with the worker's, a dict
         #: of ``torch.save``-able values (the CLI keeps its data position and LR schedule).
         self.extra_state: Callable[[], dict[str, Any]] | None = None
         #: ``extra`` of the state this worker was restored from ({} when none was).
         self.restored_extra: dict[str, Any] = {}
         self._saves = 0
-        #: The model's parameters as one flat fp32 vector: every copy to and from it.
-        self.flat = FlatParams(core)
-        #: The server's wire codec for pushes and pulls (RunConfig.wire_codec from Join/Pull).
-        self.codec: WireCodec = make_codec("raw", self.manifest)
-        self._push_wire: torch.Tensor | None = None  # (codec.wire_bytes,) uint8, pinned on CUDA; made on first use
-        self._pull_wire: torch.Tensor | None = None
-        if not self.follower:  # a follower has no client: it never contacts the server
-            addresses = shard_addresses(config.server)
-            if len(addresses) == 1:
-                self.client = ParameterServerClient(
-                    addresses[0],
-                    rpc_timeout_s=config.rpc_timeout_s,
-                    timeout_s_per_mib=config.timeout_s_per_mib,
-                    security=config.security,
-                    bulk_channel=config.bulk_channel,
-                )
-            else:  # a sharded server (async mode): the same calls over every shard (sharded.py)
-                if self.mode != "async":
-                    raise ConfigError(
-                        f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
-                        f"runs async mode only; give one server address for --mode {self.mode}"
-                    )
-                sharded = ShardedClient(
-                    addresses,
-                    rpc_timeout_s=config.rpc_timeout_s,
-                    timeout_s_per_mib=config.timeout_s_per_mib,
-                    security=config.security,
-                )
-                self.client = cast(ParameterServerClient, sharded)  # the async worker's subset of its calls
-        self._stop_requested = False  # request_stop() was called on this rank
-        self._group_stopping = False  # some rank's request arrived with a step's exchange
-        self._group_joined = False  # the group's join completed on every rank
-        self._group_broken = False  # an exception or a failed collective: no more group collectives
-        self._in_shared = False  # rank 0 runs a step whose outcome the group shares
+
+    def _registration_defaults(self) -> None:
+        """What the server tells at Join (``_register``) and the heartbeat learns."""
         self.worker_id = 0
         self.local_steps = 1  # H (H_w under DyLU), set by the server
-        #: Overlap under a grouping server: the step count (since the last push) at which this
-        #: round's sync point falls, H_w after the merge (None: ``local_steps``).
-        self._round_steps: int | None = None
-        #: The server groups push replies (RunConfig.grouping): overlap trains on while a
-        #: reply is held, up to a round more, instead of blocking at the next sync point.
-        self._grouped = False
         self._lease_s = 60.0
+        self._grouped = False  # the server groups push replies: overlap trains on while one is held
+        self._must_initialize = False  # this registration pushes the initial parameters
+        #: Another process joined under this worker's name: the next sync point raises it.
+        self._superseded: WorkerSupersededError | None = None
+        self._stop = threading.Event()  # close() began (wakes the heartbeat)
+        self._stop_requested = False  # request_stop() was called on this rank
+        self._heartbeat: threading.Thread | None = None
+
+    def _round_defaults(self) -> None:
+        """The counters of the current round, the backoff, and the drops in a row."""
         self._steps_since_sync = 0
         self._tokens_since_sync = 0
-        self._backoff_s = config.initial_backoff_s
+        #: Overlap under grouping: the step count of this round's sync point (None: H_w).
+        self._round_steps: int | None = None
+        self._backoff_s = self.config.initial_backoff_s
         self._next_attempt = 0.0
-        self._needs_rejoin = False
-        #: Set when the server said another process joined under this worker's name since:
-        #: the next sync point raises it (this process must stop; nothing is retried).
-        self._superseded: WorkerSupersededError | None = None
-        self._rejoining = False
-        #: Pseudo-gradients dropped in a row (refused, or not finite) since one was applied,
-        #: and the newest drop's (exception class, what happened, the fix) for the error
-        #: ``_raise_if_dropping_every_push`` raises at ``config.max_dropped_in_a_row``.
-        self._dropped_in_a_row = 0
-        self._last_drop: tuple[type[AsyncDiLoCoError], str, str] | None = None
-        self._must_initialize = False
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        #: v_w, this worker's inner steps per second of compute (algo/rates.py): each step
-        #: is timed from its first forward pass with gradients (a pre-hook on the model) to
-        #: the end of the inner optimizer's step (the step hook, before any sync), so held
-        #: replies, transfers, saves, evaluation and the caller's work between steps are
-        #: not in it. Reported before the first push (``_report_rate``) and with every push.
+        #: Pseudo-gradients dropped in a row, and the error raised at the limit.
+        self.drops = DropStreak(self.config.max_dropped_in_a_row)
+        #: v_w, inner steps per second of compute (algo/rates.py; ``_report_rate``).
         self.step_rate = InnerStepRate()
-        # DyLU from the first round: the rate is reported until the first push's reply takes over.
-        self._rate_known = True  # until ``_register`` says whether the server wants it
+        self._rate_known = True  # until ``_register`` says whether the server wants it (DyLU)
         self._rate_reported_at = 0  # step_rate.timed_steps at the last report
-        #: Counts inner steps and syncs every H of them; installed by ``join``.
+
+    def _install_hooks(self, core: nn.Module) -> None:
+        """The pre-step hook that joins a worker nobody joined and the forward pre-hook that times
+        a step (rank 0 or alone); the post-step hook comes with ``join``."""
         self._step_hook: RemovableHandle | None = None
-        #: Marks the start of an inner step's compute (rank 0 or alone: followers report nothing).
         self._forward_hook: RemovableHandle | None = (
             None if self.follower else core.register_forward_pre_hook(self._step_begins)
         )
-        #: Joins before the first inner step when nobody called ``join`` (no ``with``).
-        self._join_hook: RemovableHandle | None = inner_optimizer.register_step_pre_hook(
-            lambda *_: self._join_before_first_step()
+        self._join_hook: RemovableHandle | None = self.inner_optimizer.register_step_pre_hook(
+            self._join_before_first_step
         )
 
     # ------------------------------------------------------------ lifecycle
     def join(self) -> None:
-        """Register with the server, then initialize the global model (first worker of
-        a fresh server) or load it into ``model``. Retries until ``join_timeout_s``
-        (plus one lease while waiting for another worker's initial parameters).
+        """Register, then initialize the global model (first worker of a fresh server) or
+        load it into ``model``; retries until ``join_timeout_s`` (plus one lease while
+        waiting for another worker's initial parameters).
 
         Raises:
             ServerUnavailableError: no server, or no initial parameters, in time.
@@ -228,23 +188,25 @@ class WorkerBase(GroupMember):
                 f"join() after close(): this worker has left the server at {self.config.server} and closed its "
                 f"channel; create a new {type(self).__name__} (with the same model and inner optimizer) to join again"
             )
-        if self.group is not None and not self.follower:
+        self.state = WorkerState.JOINING
+        group = self.group
+        if group is not None and not self.follower:
             try:
-                with self.group.leading():  # the followers wait through keep-alives while it retries
+                with group.leading():  # the followers wait through keep-alives while it retries
                     self._join_with_retries()
             except BaseException as exc:  # every rank raises it: no follower waits for a join that failed
-                self._share_join(error=exc)
+                group.share_join(self.flat, self.inner_optimizer, self.restored_extra, exc)
                 raise
-            self._share_join()
-        elif self.group is not None:
-            self._share_join()
+        if group is not None:
+            self.restored_extra = group.share_join(self.flat, self.inner_optimizer, self.restored_extra, None)
         else:
             self._join_with_retries()
+        self.state = WorkerState.TRAINING
         if self._heartbeat is None and not self.follower:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="asyncdiloco-heartbeat", daemon=True)
             self._heartbeat.start()
         if self._step_hook is None:  # H is known now: count inner steps from here on
-            self._step_hook = self.inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+            self._step_hook = self.inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     def _join_with_retries(self) -> None:
         """``join``'s retry loop around ``_join_once`` (rank 0 of a group, or a worker alone)."""
@@ -255,8 +217,7 @@ class WorkerBase(GroupMember):
                 self._join_once()
                 break
             except RETRY_LATER as exc:
-                # The initial parameters are a push away: poll for them quickly. Waiting for
-                # them may take a lease longer (until a dead initializer's lease lapses).
+                # the initial parameters are a push away (or a lease, if their pusher died): poll quickly
                 waiting = isinstance(exc, NotInitializedError)
                 wait_s = 0.1 if waiting else delay
                 limit = self.config.join_timeout_s + (self._lease_s if waiting else 0.0)
@@ -272,9 +233,9 @@ class WorkerBase(GroupMember):
                 if wait_s == delay:
                     delay = min(2 * delay, self.config.max_backoff_s)
 
-    def _join_before_first_step(self) -> None:
-        """Pre-step hook: a worker nobody joined (no ``with``, no ``join()``) joins now, so
-        the step about to run trains the global model and counts towards the first sync."""
+    def _join_before_first_step(self, *_: object) -> None:
+        """Pre-step hook: a worker nobody joined joins now, so the step about to run trains the
+        global model and counts towards the first sync."""
         if self._step_hook is None and not self._stop.is_set():
             self.join()
 
@@ -289,19 +250,22 @@ class WorkerBase(GroupMember):
         raise NotImplementedError
 
     def sync(self) -> bool:
-        """Sync with the server now (normally called by the inner optimizer hook every H
-        steps): ``_sync_once``, or a rejoin after the server forgot this worker. In a
-        group every rank calls it (rank 0 syncs, the others take its outcome).
+        """Sync with the server now (the step hook calls it every H steps): ``_sync_once``,
+        or a rejoin after the server forgot this worker. In a group every rank calls it.
 
         Returns:
-            True when the model now holds a new global model; False when the sync did
-            not complete (see the subclass), runs on in the background (overlap), or
-            the server was unreachable: training goes on locally and a later sync point
-            retries, with exponential backoff.
+            True when the model now holds a new global model; False when the sync did not
+            complete, runs on in the background (overlap), or the server was unreachable
+            (training goes on; a later sync point retries, with exponential backoff).
         """
         if self.group is None:
             return self._sync_point()
-        return self._shared(self._sync_point)
+        return self.group.shared(self.flat, self._sync_point)
+
+    @property
+    def _lost(self) -> bool:
+        """The server forgot this worker: the next sync point rejoins (or goes on rejoining)."""
+        return self.state in (WorkerState.LOST, WorkerState.REJOINING)
 
     def _sync_point(self) -> bool:
         """``sync`` on this process: rank 0 of a group, or a worker alone."""
@@ -311,19 +275,15 @@ class WorkerBase(GroupMember):
             return False
         started = time.monotonic()
         try:
-            return self._guarded(self._rejoin if self._needs_rejoin else self._sync_once)
+            return self._guarded(self._rejoin if self._lost else self._sync_once)
         finally:
             self._count_sync_time(time.monotonic() - started)
 
     def _guarded(self, step: Callable[[], bool | None]) -> bool:
-        """Run ``step`` (a sync, a rejoin, or an overlapped sync's merge) with the fault
-        policy: an unreachable server (or any refusal in ``errors.RETRY_LATER``) backs
-        off, a forgotten worker rejoins next time; the rest is raised (the subclasses
-        drop a refused pseudo-gradient themselves, so what reaches here is for the user).
-
-        ``step`` returns True/False (done or not: the backoff is reset) or None (a sync
-        now runs in the background: its outcome resets or grows the backoff later).
-        """
+        """Run ``step`` (a sync, a rejoin, or a merge) with the fault policy: an unreachable
+        server (``errors.RETRY_LATER``) backs off, a forgotten worker rejoins next time, the
+        rest is raised. ``step`` returns True/False (done or not: the backoff is reset) or
+        None (a sync runs in the background: its merge decides)."""
         try:
             done = step()
         except RETRY_LATER as exc:
@@ -334,7 +294,8 @@ class WorkerBase(GroupMember):
             return False
         except UnknownWorkerError as exc:
             log.warning("%s; rejoining", exc)
-            self._needs_rejoin = True
+            if self.state is not WorkerState.REJOINING:
+                self.state = WorkerState.LOST
             return False
         if done is None:
             return False
@@ -352,84 +313,24 @@ class WorkerBase(GroupMember):
         raise NotImplementedError
 
     def _rejoin(self) -> bool:
-        """Register again (the lease lapsed, or the server restarted without this worker)
-        and load the global model; what the server had not received is the subclass's
-        (``_before_rejoin``)."""
-        if not self._rejoining:  # a rejoin cut short by an outage resumes where it stopped
+        """Register again (the lease lapsed, or the server restarted without this worker) and
+        load the global model; a rejoin cut short by an outage resumes where it stopped."""
+        if self.state is WorkerState.LOST:
             self.worker_id = 0
             self._before_rejoin()
-            self._rejoining = True
+            self.state = WorkerState.REJOINING
         self._join_once()
-        self._rejoining = False
-        self._needs_rejoin = False
+        self.state = WorkerState.TRAINING
         log.info("rejoined as worker %d", self.worker_id)
         return True
 
     def _before_rejoin(self) -> None:
-        """What a rejoin does with what the old registration had not sent: dropped by
-        default (``_forget_unsent``); the async worker keeps it for a resumed registration."""
-        self._forget_unsent()
-
-    def _forget_unsent(self) -> None:
-        """Drop what was meant for the old registration (subclasses that keep some)."""
-
-    # ------------------------------------------------------------ dropped pushes
-    def _reset_diverged_optimizer_state(self) -> int:
-        """After a non-finite pseudo-gradient: clear the inner optimizer's per-parameter
-        state (AdamW's moments and step, SGD's momentum buffer) of every parameter whose
-        state holds a NaN or ±Inf. One NaN gradient is enough to poison it, and restarting
-        the model from the global one would not help: every later step would make θ_local
-        NaN again. A cleared state starts afresh at the next step, as for a new
-        parameter (``torch.optim.Optimizer`` creates it lazily).
-
-        Returns:
-            How many parameters' states were cleared.
-        """
-        cleared = 0
-        state = self.inner_optimizer.state
-        for param in list(state.keys()):
-            values = [v for v in state[param].values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-            if any(not bool(torch.isfinite(v).all()) for v in values):
-                state[param] = {}
-                cleared += 1
-        if cleared:
-            log.warning(
-                "worker %d: the inner optimizer's state of %d parameter(s) held NaN/Inf (e.g. from one NaN "
-                "gradient); cleared, they start afresh at the next step",
-                self.worker_id,
-                cleared,
-            )
-        return cleared
-
-    def _note_drop(self, error: type[AsyncDiLoCoError], what: str, fix: str) -> None:
-        """One more pseudo-gradient dropped in a row: ``what`` happened to it (a refusal
-        of class ``error``, or a local check), and ``fix`` is what the user can change."""
-        self._dropped_in_a_row += 1
-        self._last_drop = (error, what, fix)
-
-    def _note_applied(self) -> None:
-        """A pseudo-gradient was applied: the drops in a row start again from 0."""
-        self._dropped_in_a_row = 0
+        """What a rejoin does with what the old registration had not sent (nothing here;
+        the async worker keeps it for a resumed registration)."""
 
     def _raise_if_dropping_every_push(self) -> None:
-        """After ``config.max_dropped_in_a_row`` drops in a row, raise once (the count
-        starts again, so a caller who catches it and trains on is told again after as
-        many more): a worker whose every push is dropped does not spin silently.
-
-        Raises:
-            the newest drop's class (InvalidPayloadError for a diverged model,
-            StalePushError, PayloadTooLargeError, ...), naming the count, the limit,
-            the newest drop and the fix.
-        """
-        limit = self.config.max_dropped_in_a_row
-        if not limit or self._dropped_in_a_row < limit or self._last_drop is None:
-            return
-        error, what, fix = self._last_drop
-        count, self._dropped_in_a_row = self._dropped_in_a_row, 0
-        raise error(
-            f"worker {self.worker_id} ({self.worker_name or 'unnamed'}): the last {count} pseudo-gradients were all "
-            f"dropped, none applied (the limit is max_dropped_in_a_row={limit}); the newest: {what}; {fix}"
-        )
+        """``DropStreak.raise_at_limit`` for this worker."""
+        self.drops.raise_at_limit(f"worker {self.worker_id} ({self.worker_name or 'unnamed'})")
 
     def _register(self) -> pb.JoinReply:
         """Join: take the worker id, H and lease the server dictates; refuse a server
@@ -438,10 +339,14 @@ class WorkerBase(GroupMember):
         reply = self.client.join(self.manifest, self.worker_name, steps_per_s=self.step_rate.steps_per_s, ranks=ranks)
         if reply.run_config.mode != self.mode:
             self.client.leave(reply.worker_id)
-            raise ModeMismatchError(self._mode_mismatch_message(reply.run_config.mode))
+            server_mode = reply.run_config.mode
+            raise ModeMismatchError(
+                f"mode mismatch: the server at {self.config.server} runs --mode {server_mode} but this worker runs "
+                f"--mode {self.mode}; start the worker with --mode {server_mode}, or the server with --mode {self.mode}"
+            )
         self.worker_id = reply.worker_id
         self._must_initialize = reply.initialize
-        self._set_codec(reply.run_config)
+        self.wire.adopt(reply.run_config)
         self.local_steps = reply.run_config.local_steps
         self._lease_s = reply.run_config.lease_s
         self._grouped = reply.run_config.grouping not in ("", "off")
@@ -456,29 +361,19 @@ class WorkerBase(GroupMember):
         return reply
 
     def _wants_rate(self, run_config: pb.RunConfig) -> bool:
-        """Whether the server sizes H_w by this worker's rate, so it must time its first
-        inner steps and report them (``_report_rate``): async DyLU (``RunConfig.dylu``);
-        the sync worker overrides it."""
+        """Whether the server sizes H_w by this worker's rate (``_report_rate``): async DyLU."""
         return run_config.dylu
 
-    def _mode_mismatch_message(self, server_mode: str) -> str:
-        """Refusal of a server of the other mode, in the command line's words (both the
-        worker and the server take ``--mode``)."""
-        return (
-            f"mode mismatch: the server at {self.config.server} runs --mode {server_mode} but this worker runs "
-            f"--mode {self.mode}; start the worker with --mode {server_mode}, or the server with --mode {self.mode}"
-        )
-
     def _take_over_initialization_if_told(self) -> None:
-        """While the global model is missing: ask whether the chosen initializer is gone
-        and this worker must push its parameters instead (the next attempt does)."""
+        """While the global model is missing: whether this worker must push its parameters
+        instead of a vanished initializer (the next attempt does)."""
         if self.client.heartbeat(self.worker_id).initialize:
             self._must_initialize = True
             log.info("worker %d takes over initializing the global model", self.worker_id)
 
     def _close_connection(self) -> None:
         """Leave (best effort), stop the heartbeat, close the channel."""
-        if self.worker_id and not self._needs_rejoin:
+        if self.worker_id and not self._lost:
             try:
                 self.client.leave(self.worker_id)
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
@@ -492,18 +387,15 @@ class WorkerBase(GroupMember):
 
     # ---------------------------------------------------------- saved state
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What every worker saves (the subclasses add their own part).
+        """What every worker saves (the subclasses add their own part): ``format``, ``mode``,
+        ``worker_name``, ``worker_id`` (informational), ``manifest`` ([[name, shape, dtype]]),
+        ``inner_optimizer`` (its ``state_dict()``) and ``extra`` (the caller's, ``torch.save``-able).
 
-        Args:
-            extra: the caller's own state, ``torch.save``-able (default: none).
-        Returns:
-            ``format``, ``mode``, ``worker_name``, ``worker_id`` (informational: the
-            server gives the id back by name), ``manifest`` ([[name, shape, dtype]]),
-            ``inner_optimizer`` (its ``state_dict()``) and ``extra``.
         Raises:
             ConfigError: called on a follower (rank > 0) of a group: the group's state is rank 0's.
         """
-        self._check_group_state_dict()
+        if self.group is not None:
+            self.group.check_state_dict(merge_in_flight=False)
         return {
             "format": STATE_FORMAT,
             "mode": self.mode,
@@ -519,27 +411,16 @@ class WorkerBase(GroupMember):
         optimizer's state and ``extra`` (then ``restored_extra``).
 
         Raises:
-            ConfigError: the worker joined already, or the state is of another model,
-                mode or name (``config.worker_name`` set and different).
+            ConfigError: the worker joined already, or the state is of another model, mode or name.
         """
         if self.follower:
             return  # rank 0's state reaches the followers when the group joins
-        what = f"the state of worker {state.get('worker_name')!r}"
         if self.worker_id:
-            raise ConfigError(f"load_state_dict after join: {what} must be loaded before the worker joins")
-        check_manifest(state, self.manifest, what)
-        if state.get("mode") != self.mode:
             raise ConfigError(
-                f"{what} was saved by a {state.get('mode')}-mode worker; this one runs mode {self.mode!r}: "
-                f"run it with --mode {state.get('mode')}, or give another --state-dir"
+                f"load_state_dict after join: the state of worker {state.get('worker_name')!r} must be loaded "
+                f"before the worker joins"
             )
-        name = str(state["worker_name"])
-        if self.config.worker_name and self.config.worker_name != name:
-            raise ConfigError(
-                f"{what} was saved under another name than worker_name={self.config.worker_name!r}; "
-                f"give worker_name={name!r} (or none)"
-            )
-        self.worker_name = name
+        self.worker_name = check_state(state, self.manifest, self.mode, self.config.worker_name)
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.restored_extra = dict(state.get("extra", {}))
 
@@ -550,76 +431,63 @@ class WorkerBase(GroupMember):
             log.info("worker %s: state restored from %s", self.worker_name, self.state_dir.path)
 
     def _save_state(self) -> None:
-        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder:
-        at the sync points the subclass chooses, on the training thread. A later failed write
-        is logged and training goes on (a restart then resumes from the previous save).
-
-        Raises:
-            ConfigError: this process's first save failed (the folder is not writable).
-        """
+        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder
+        (``WorkerStateDir.save_worker_state``), on the training thread."""
         if self.state_dir is None:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
-        summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
-        summary.update(saves=self._saves + 1, pid=os.getpid(), extra=state["extra"])
-        try:
-            self.state_dir.save(state, summary)
-        except OSError as exc:
-            log.warning(
-                "worker %s: state not saved in %s (%s); training on", self.worker_name, self.state_dir.path, exc
-            )
-            return
-        self._saves += 1
+        self._saves += self.state_dir.save_worker_state(state, self._saves + 1)
 
     def __enter__(self: _Worker) -> _Worker:
         self.join()
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is not None:  # this rank leaves the loop alone: its close is no collective
-            self._group_broken = True
+        if exc_type is not None and self.group is not None:  # this rank leaves alone: its close is no collective
+            self.group.broken = True
         self.close()
 
     def close(self) -> None:
         """Close: the subclass's ``_close_worker`` (final push, Leave). In a group it is
-        collective when training ended in order (group.py): rank 0 closes, then every
-        rank takes its parameters, so the ranks stay identical; followers leave nothing."""
+        collective when training ended in order: rank 0 closes, every rank takes its parameters."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._remove_hooks()
-        if self.group is None:
+        group = self.group
+        if group is None:
             self._close_worker()
-            return
-        ordered = self._group_joined and not self._group_broken
-        self._group_broken = True  # no collective after this one
-        if not ordered:
+        elif not group.joined or group.broken:
+            group.broken = True  # no collective after this
             if not self.follower:
                 self._close_worker()
-            return
-        try:
-            self._shared(lambda: self._close_worker() if not self.follower else None, broken_ok=True)
-        except RuntimeError as exc:  # a rank that left alone exited: the collective fails, close goes on
-            log.warning("rank %d: the group's close exchange failed (%s)", self.group.rank, exc)
+        else:
+            group.broken = True  # no collective after this one
+            try:
+                group.shared(self.flat, lambda: self._close_worker() if not self.follower else None, broken_ok=True)
+            except RuntimeError as exc:  # a rank that left alone exited: the collective fails, close goes on
+                log.warning("rank %d: the group's close exchange failed (%s)", group.rank, exc)
+        self.state = WorkerState.CLOSED
 
     def _close_worker(self) -> None:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- steps
     def add_tokens(self, num_tokens: int) -> None:
-        """Count ``num_tokens`` more training tokens toward the next sync (in a group:
-        this rank's; the followers' reach rank 0 with their next inner step)."""
+        """Count ``num_tokens`` more training tokens toward the next sync (a follower's reach
+        rank 0 with its next inner step)."""
         self._tokens_since_sync += num_tokens
         self.stats.tokens += num_tokens
 
     @torch.compiler.disable  # a compiled model runs it as it is (no graph break warning)
     def _step_begins(self, *_: object) -> None:
-        """Forward pre-hook on the model: a forward pass with gradients enabled starts an
-        inner step's compute (a ``torch.no_grad()`` evaluation does not)."""
+        """Forward pre-hook: a forward pass with gradients starts an inner step's compute."""
         if torch.is_grad_enabled():
             self.step_rate.begin()
 
-    def _after_inner_step(self) -> None:
+    def _after_inner_step(self, *_: object) -> None:
+        """Post-step hook on the inner optimizer: count the step, then (rank 0 or alone)
+        the step's events: the sync point every H steps, a finished background sync's merge."""
         if not self.follower:
             self.step_rate.end()  # first: the sync below is not compute
         self.stats.inner_steps += 1
@@ -631,45 +499,73 @@ class WorkerBase(GroupMember):
             return
         try:
             if self.group is not None:
-                self._lead_step()  # the rate report (a heartbeat) is in its due step, as a sync is
-                return
-            if not self._rate_known:
-                self._report_rate()
-            self._after_step_events()
+                self._lead_step(self.group)
+            else:  # ``_due_step``, inline: one frame less on every push's path
+                if not self._rate_known:
+                    self._report_rate()
+                self._step_events()
         finally:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
+
+    def _lead_step(self, group: LocalGroup) -> None:
+        """Rank 0's step exchange (the followers' tokens arrive before the push), then a due
+        step, whose outcome every rank takes (under DyLU every step before the first push)."""
+        due = self._events_due() or not self._rate_known
+        totals = group.step_exchange(tokens=0, stop=self._stop_requested, due=due)
+        self._tokens_since_sync += totals.tokens
+        self.stats.tokens += totals.tokens
+        if due:
+            group.shared(self.flat, self._due_step)
+
+    def _due_step(self) -> None:
+        """Rank 0 or alone: the rate report before the first push, then the step's events."""
+        if not self._rate_known:
+            self._report_rate()
+        self._step_events()
+
+    def _follow_step(self) -> None:
+        """A follower's step: its tokens go to rank 0 with the exchange; a due step is mirrored."""
+        assert self.group is not None, "a follower is in a group"
+        tokens, self._tokens_since_sync, self._steps_since_sync = self._tokens_since_sync, 0, 0
+        self.stats.blocked_s += self.group.follow_step(self.flat, tokens, self._stop_requested)
+
+    def request_stop(self) -> None:
+        """Ask to stop training after the current inner step: ``should_stop`` turns True at
+        once alone, and on every rank of a group after the next inner step's exchange, so
+        every rank's loop ends after the same step."""
+        self._stop_requested = True
+
+    @property
+    def should_stop(self) -> bool:
+        """``request_stop`` was called (alone), or some rank's request reached every rank: end the loop now."""
+        return self._stop_requested if self.group is None else self.group.stopping
 
     def _sync_due(self) -> bool:
         return self._steps_since_sync >= (self._round_steps or self.local_steps)
 
     def _events_due(self) -> bool:
-        """Rank 0, before a step's exchange: whether ``_after_step_events`` may change the model."""
+        """Rank 0, before a step's exchange: whether ``_step_events`` may change the model."""
         return self._sync_due()
 
-    def _after_step_events(self) -> None:
+    def _step_events(self) -> None:
         """What the step hook does after counting (rank 0 or alone): the sync point when due."""
         if self._sync_due():
             self._sync_point()
 
-    #: Before the first push, the rate is reported every this many timed inner steps (the
-    #: first step is not timed: it carries one-off costs; of 3 the longest is left out,
-    #: so the first report is not a warm-up's).
+    #: Before the first push, the rate is reported every this many timed inner steps (of 3
+    #: the longest is left out, so the first report is not a warm-up's).
     RATE_PROBE_STEPS = 3
 
     def _round_compute_s(self, steps: int) -> float:
-        """A push's ``compute_s`` for ``steps`` inner steps: the seconds they take at v_w
-        (``step_rate``), so the rate the server derives, steps / compute_s, is this
-        worker's estimate (mean step without the longest, warm-up left out); 0.0 while no step was timed
-        (the server then falls back to the interval between pushes)."""
+        """A push's ``compute_s`` for ``steps`` inner steps at v_w (``step_rate``); 0.0
+        while no step was timed (the server then uses the interval between pushes)."""
         return self.step_rate.seconds_for(steps)
 
     def _report_rate(self) -> None:
-        """Before the first push of a registration: report v_w (``step_rate``, steps per
-        second of compute on this worker's clock) with a heartbeat every
-        ``RATE_PROBE_STEPS`` timed steps, taking H_w from its reply (DyLU, Liu et al.
-        2024, Eq. 6), so the first round is already balanced across workers of different
-        speeds; workers that join later change everybody's H_w. From the first push on,
-        each push carries the rate (``_round_compute_s``)."""
+        """Before the first push of a registration: report v_w (``step_rate``) with a
+        heartbeat every ``RATE_PROBE_STEPS`` timed steps and take H_w from its reply (DyLU,
+        Liu et al. 2024, Eq. 6), so the first round is already balanced; from the first
+        push on, each push carries the rate (``_round_compute_s``)."""
         timed = self.step_rate.timed_steps
         rate = self.step_rate.steps_per_s
         if not self.worker_id or rate <= 0 or timed - self._rate_reported_at < self.RATE_PROBE_STEPS:
@@ -686,67 +582,17 @@ class WorkerBase(GroupMember):
             )
             self.local_steps = reply.local_steps
 
-    # ---------------------------------------------------------- wire codec
-    def _set_codec(self, run_config: pb.RunConfig) -> None:
-        """Adopt the wire codec ``run_config`` dictates; the wire buffers follow its size."""
-        codec = codec_for(run_config, self.manifest)
-        if (codec.name, codec.wire_bytes) != (self.codec.name, self.codec.wire_bytes):
-            log.info(
-                "wire codec %s: %d bytes per push/pull (raw: %d)",
-                codec.describe(),
-                codec.wire_bytes,
-                self.manifest.total_bytes,
-            )
-            self.codec = codec
-            self._push_wire = self._pull_wire = None
-
-    def _wire_buffer(self, which: str) -> torch.Tensor:
-        """The reusable ``"push"`` or ``"pull"`` payload buffer: uint8 (codec.wire_bytes,),
-        pinned when the model is on CUDA."""
-        name = f"_{which}_wire"
-        buf = getattr(self, name)
-        if buf is None:
-            buf = self.flat.host_buffer(self.codec.wire_bytes, dtype=torch.uint8)
-            setattr(self, name, buf)
-        return buf
-
-    def _encode_delta(self, delta: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Encode a pseudo-gradient for a push with the server's wire codec.
-
-        Args:
-            delta: Δ = θ_base − θ_local, float32 (N,) CPU.
-            out: uint8 (codec.wire_bytes,) to write; default the worker's push buffer
-                (which the next call overwrites).
-        Returns:
-            The payload (``out``).
-        Raises:
-            InvalidPayloadError: Δ holds non-finite values (or ones the codec cannot represent).
-        """
-        return self.codec.encode(delta, self._wire_buffer("push") if out is None else out)
-
-    def _decode_payload(self, payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Decode a push payload (exactly what the server received) or a pulled one.
-
-        Args:
-            payload: uint8 (codec.wire_bytes,) CPU.
-            out: float32 (N,) CPU to write.
-        Returns:
-            ``out``.
-        """
-        return self.codec.decode(payload, out)
-
-    # ------------------------------------------------------------ heartbeat
     def _heartbeat_loop(self) -> None:
         period = self.config.heartbeat_s or self._lease_s / 3
         while not self._stop.wait(period):
             worker_id = self.worker_id
-            if not worker_id or self._needs_rejoin:
+            if not worker_id or self._lost:
                 continue
             try:
                 self.client.heartbeat(worker_id)
             except UnknownWorkerError:
-                if worker_id == self.worker_id:
-                    self._needs_rejoin = True
+                if worker_id == self.worker_id and self.state is WorkerState.TRAINING:
+                    self.state = WorkerState.LOST
             except WorkerSupersededError as exc:  # the next sync point raises it
                 self._superseded = exc
                 return

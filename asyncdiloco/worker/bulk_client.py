@@ -1,26 +1,6 @@
-"""The client side of the optional bulk data channel: one persistent TCP (or TLS)
-connection that carries Push and Pull payloads as raw bytes beside gRPC.
-
-The wire format is in ``proto/asyncdiloco/v1/parameter_server.proto`` (BulkRequest /
-BulkReply); the server is ps/bulk.py. ``ParameterServerClient`` (client.py) uses a
-``BulkChannel`` after Join when the server offers one (``RunConfig.bulk_port``) and the
-worker allows it (``WorkerConfig.bulk_channel``):
-
-- A push sends the header frame, then the payload with ``sendall`` of a memoryview of
-  the caller's tensor (no copy); a pull receives the payload with ``recv_into`` straight
-  into the caller's buffer, checking size and CRC-32 as the gRPC path does.
-- A refusal from the server (a status code) raises the same library exception the gRPC
-  call would (``errors.from_rpc_error``). A connection failure (refused, reset,
-  timeout, garbled reply) returns None: the caller makes that call over gRPC, and the
-  channel stays off for a backoff (1 s doubling to 60 s) before it connects again; the
-  first failure of an outage is logged as a warning. A retried push is safe: the server
-  applies a ``(worker_id, push_id)`` at most once.
-- A kept-alive connection the server has since closed (idle longer than its lease) is
-  replaced by a fresh one once, within the same call, before falling back.
-- One call at a time uses the connection; a concurrent call uses gRPC.
-
-Deadlines: each call's deadline (``rpc_timeout_s`` + ``timeout_s_per_mib`` per MiB, as
-for gRPC) becomes the socket timeout of every send and receive, shrinking as it runs.
+"""The client side of the optional bulk data channel: one persistent TCP (or TLS) connection
+that carries Push and Pull payloads as raw bytes beside gRPC (docs/worker.md, "The bulk
+channel's client"; docs/protocol.md, "The bulk data channel").
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
-"""Typed gRPC client for the parameter server: deadlines, streaming, errors mapped back.
+"""Typed gRPC client of the parameter server: deadlines, the push transports, resends,
+errors mapped back to the library's exceptions (errors.py).
 
-Every call has a deadline (``rpc_timeout_s``, plus ``timeout_s_per_mib`` per MiB of
-payload for Push and Pull). A push's deadline also covers the longest the server may hold
-its reply for its group: the ``group_max_wait_s`` the server announced (JoinReply,
-PushReply, HeartbeatReply, PullHeader). The server holds a reply at most as long as its
-worker's previous PushReply (or JoinReply) said, and waits for nothing else longer than
-a call's deadline allows, so a deadline expires only when the server or the network
-fails (then a retry with the same push id is answered with the push's outcome).
-A push whose payload fits in one chunk travels over gRPC as one PushOne message (header
-and payload together); a larger one, or any push to a server that answered PushOne
-UNIMPLEMENTED (from before it), as a Push stream.
-A ``grpc.RpcError`` is re-raised as the library exception
-for its status code (errors.py), with the server's message. Retrying is the caller's
-policy (the Worker retries with backoff), with one exception: a payload or header
-corrupted in transit (``PayloadCorruptedError``: the payload's CRC-32 or the header's
-``header_crc32`` differs, on either side; wire/header_crc.py) is sent again here, a push
-with the same header and push id (the refusal applied nothing), a pull from the start,
-up to ``corrupted_resends`` times with a backoff from ``resend_backoff_s`` doubling. When
-every one of those tries went over the bulk channel, the channel is marked unusable (as
-when it is down) and the transfer gets as many tries over gRPC; only when the last of
-them arrived corrupted too is it raised.
-
-With a ``ClientSecurityConfig`` every call carries the shared token as metadata and the
-channel uses TLS (optionally with a client certificate), see wire/security.py.
-
-When the server offers a bulk data channel (``RunConfig.bulk_port`` > 0, learnt on Join)
-and ``bulk_channel`` is on, push and pull payloads travel over it (bulk_client.py) and
-fall back to gRPC per call when it cannot be used.
+One function picks a push's transport (``_send_push``): the bulk data channel when the server
+offers one (bulk_client.py), else one PushOne message when the payload fits one chunk, else a
+Push stream. docs/protocol.md ("One-message pushes", "Corrupted transfers", "The bulk data
+channel") and docs/operations.md (deadlines, security) describe the behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-from collections.abc import Callable
-from typing import TypeVar
 
 import grpc
 import torch
@@ -71,13 +48,11 @@ from asyncdiloco.wire.security import (
 from asyncdiloco.wire.tensors import DEFAULT_CHUNK_BYTES, Manifest, PayloadAssembler, crc32_of, num_chunks_for
 from asyncdiloco.worker import long_poll
 from asyncdiloco.worker.bulk_client import BulkChannel, PayloadSize, expected_payload
-from asyncdiloco.worker.resend import over_bulk, resending_corrupted
+from asyncdiloco.worker.resend import CorruptedResends, over_bulk
 
 log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
-
-_T = TypeVar("_T")
 
 #: Times a push or pull whose payload arrived corrupted is sent again before the client
 #: raises ``PayloadCorruptedError`` (one flipped bit is resent; a link that corrupts
@@ -98,6 +73,25 @@ class Pulled:
     run_config: pb.RunConfig
 
 
+def _open_channel(address: str, security: ClientSecurityConfig | None) -> grpc.Channel:
+    """The gRPC channel to ``address``: TLS when ``security`` asks for it. Its limits follow
+    the largest chunk the library allows (a server with any valid chunk_bytes can be talked
+    to before its RunConfig is known); gRPC's reconnect backoff, 120 s by default, is capped
+    at 2 s so that a restarted server is found again within seconds."""
+    options: list[tuple[str, int | str]] = [
+        *grpc_channel_options(64 * _MIB),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+    creds = channel_credentials(security)
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    if security is not None and security.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", security.tls_server_name))
+    return grpc.secure_channel(address, creds, options=options)
+
+
 class ParameterServerClient:
     """One channel to the parameter server at ``address`` ("HOST:PORT").
 
@@ -108,10 +102,10 @@ class ParameterServerClient:
         chunk_bytes: chunk size for pushes (the server's ``RunConfig.chunk_bytes``).
         security: token and TLS settings; None = plaintext, no token.
         bulk_channel: use the server's bulk data channel for push/pull when it offers one.
-        corrupted_resends: times a corrupted push or pull is sent again (module docstring).
+        corrupted_resends: times a corrupted push or pull is sent again (resend.py).
         resend_backoff_s: seconds before the first such resend; doubles with each.
         one_message_pushes: send a push whose payload fits in one chunk as one PushOne
-            message (False: always a Push stream, as for a server without PushOne).
+            message (False: always a Push stream; the perf suite compares the two).
     Raises:
         ConfigError: a token or PEM file cannot be read, or a token would go over
             plaintext to a server beyond the loopback without
@@ -147,16 +141,6 @@ class ParameterServerClient:
         #: Worker id → ``group_max_wait_s`` of its newest JoinReply or PushReply: the longest
         #: the server holds that worker's next push reply (ps/registry.py ``told_wait_s``).
         self._push_wait_s: dict[int, float] = {}
-        # Channel limits follow the largest chunk the library allows, so a server with
-        # any valid chunk_bytes can be talked to before its RunConfig is known.
-        # gRPC's reconnect backoff grows to 120 s by default; capped at 2 s so that a
-        # restarted server is found again within seconds.
-        options: list[tuple[str, int | str]] = [
-            *grpc_channel_options(64 * _MIB),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
         self._token = client_token(security)
         self._metadata = auth_metadata(self._token)
         self._security = security
@@ -166,19 +150,13 @@ class ParameterServerClient:
         self._sessions: dict[int, int] = {}
         self.parent_averages_regions = False  # set by a regional join (``join``)
         self._bulk: BulkChannel | None = None
-        creds = channel_credentials(security)
-        if creds is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            if security is not None and security.tls_server_name:
-                options.append(("grpc.ssl_target_name_override", security.tls_server_name))
-            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._channel = _open_channel(address, security)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         # Push and Pull carry the payload: their chunk messages are (de)serialised by
         # hand with one copy each (wire/grpc_chunks.py); the other calls use the generated stub.
         self._push = push_callable(self._channel)
         #: PushOne, for a push whose payload fits in one chunk (header and payload in one
-        #: message); None once the server answered it UNIMPLEMENTED (an older server).
+        #: message); None: every push is a stream.
         self._push_one: grpc.UnaryUnaryMultiCallable | None = (
             push_one_callable(self._channel) if one_message_pushes else None
         )
@@ -230,7 +208,7 @@ class ParameterServerClient:
     def _told(self, wait_s: float, worker_id: int = 0) -> None:
         """A reply announced ``group_max_wait_s`` = ``wait_s``; ``worker_id``: it was that
         worker's JoinReply or PushReply (its next push may be held that long)."""
-        self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off, or a server without the field
+        self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off
         if worker_id:
             self._push_wait_s[worker_id] = wait_s
 
@@ -283,9 +261,7 @@ class ParameterServerClient:
         """
         total = manifest.numel * 4 * (2 if with_momentum else 1)
         request = pb.PullRequest(worker_id=worker_id, sync_state=True)
-        return self._resending_corrupted(
-            lambda bulk: self._pull(request, total, None, total, bulk), f"the sync-state pull of worker {worker_id}"
-        )
+        return self._pull_with_resends(request, total, None, total, f"the sync-state pull of worker {worker_id}")
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
         """Stream the newest global parameters, encoded with the server's wire codec (the
@@ -302,9 +278,18 @@ class ParameterServerClient:
 
         deadline_bytes = max(manifest.total_bytes, 4 * manifest.numel)  # ≥ any codec's size, about
         request = pb.PullRequest(worker_id=worker_id)
-        return self._resending_corrupted(
-            lambda bulk: self._pull(request, size, buffer, deadline_bytes, bulk), f"the pull of worker {worker_id}"
-        )
+        return self._pull_with_resends(request, size, buffer, deadline_bytes, f"the pull of worker {worker_id}")
+
+    def _pull_with_resends(
+        self, request: pb.PullRequest, size: PayloadSize, buffer: torch.Tensor | None, deadline_bytes: int, what: str
+    ) -> Pulled:
+        """``_pull``, made again while it arrives corrupted (resend.py)."""
+        tries = self._tries(what)
+        while True:
+            try:
+                return self._pull(request, size, buffer, deadline_bytes, tries.bulk)
+            except PayloadCorruptedError as exc:
+                tries.failed(exc)
 
     def _pull(
         self,
@@ -382,17 +367,13 @@ class ParameterServerClient:
         last: bool = False,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> pb.PushReply:
-        """Send one payload (pseudo-gradient or initial parameters): over the bulk channel
-        when there is one, else one PushOne message when it fits one chunk, else a Push stream.
+        """Send one payload (``_send_push`` picks the transport), again while it arrives corrupted.
 
         Args:
             payload: 1-D uint8 CPU tensor in the manifest's layout.
-            metadata: extra gRPC metadata pairs (a sharded server's order, ps/shard_order.py);
-                such a push goes over gRPC, never the bulk channel. The reply's trailing
-                metadata is then in ``last_push_trailer``.
+            metadata: extra gRPC metadata (a sharded server's order; reply's in ``last_push_trailer``).
         Raises:
-            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError,
-            WorkerSupersededError (another process joined under this worker's name),
+            StalePushError, InvalidPayloadError, UnknownWorkerError, PayloadTooLargeError, WorkerSupersededError,
             ServerUnavailableError (outcome unknown: retry with the same push_id).
         """
         header = pb.PushHeader(
@@ -409,37 +390,57 @@ class ParameterServerClient:
             last=last,
             session_id=self._sessions.get(worker_id, 0),
         )
-        return self._resending_corrupted(
-            lambda bulk: self._push_in_server_chunks(payload, header, metadata, bulk),
-            f"push {push_id} of worker {worker_id}",
-        )
+        tries = self._tries(f"push {push_id} of worker {worker_id}")
+        rechunked = False
+        while True:
+            try:
+                return self._send_push(payload, header, metadata, tries.bulk)
+            except PayloadCorruptedError as exc:  # the chunking was right (the payload arrived whole)
+                tries.failed(exc)
+            except (InvalidPayloadError, PayloadTooLargeError):
+                if rechunked or not self._adopt_server_chunking():
+                    raise
+                rechunked = True  # the refusal applied nothing: the same push id, cut anew
+                log.info("the server's chunks are %d bytes now; resending push %d", self.chunk_bytes, push_id)
 
-    def _push_in_server_chunks(
+    def _send_push(
         self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
     ) -> pb.PushReply:
-        """``_push_once``; refused, once more cut with the server's chunk size if it changed."""
-        try:
-            return self._push_with(payload, header, metadata, bulk)
-        except PayloadCorruptedError:
-            raise  # the chunking was right (the payload arrived whole): resent as it is
-        except (InvalidPayloadError, PayloadTooLargeError):
-            if not self._adopt_server_chunking():
-                raise
-            log.info(
-                "the server cuts payloads in chunks of %d bytes now; resending push %d",
-                self.chunk_bytes,
-                header.push_id,
-            )
-            return self._push_with(payload, header, metadata, bulk)  # the refusal applied nothing: the same push id
+        """One try of ``push``, cut in chunks of the current ``chunk_bytes``: over the bulk
+        channel when ``bulk`` and it can carry it, else one PushOne message when the payload
+        fits one chunk, else a Push stream."""
+        total = payload.numel()
+        header.num_chunks = num_chunks_for(total, self.chunk_bytes)
+        seal(header)  # header_crc32 over the final fields (wire/header_crc.py)
+        timeout_s = self._push_timeout(total, header.worker_id)
+        reply = None
+        if bulk and self._bulk is not None and payload.is_contiguous() and not metadata:
+            with over_bulk():
+                reply = self._bulk.push(header, payload, timeout_s)
+        if reply is None:
+            metadata = self._metadata_with(metadata)
+            try:
+                if header.num_chunks <= 1 and self._push_one is not None:
+                    request = push_request_bytes(header, payload)
+                    reply, call = self._push_one.with_call(request, timeout=timeout_s, metadata=metadata)
+                else:
+                    messages = itertools.chain(
+                        (pb.PushMessage(header=header),), chunk_messages(payload, self.chunk_bytes)
+                    )
+                    reply, call = self._push.with_call(messages, timeout=timeout_s, metadata=metadata)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+            self.last_push_trailer = tuple(call.trailing_metadata() or ())
+        self._told(reply.group_max_wait_s, header.worker_id)
+        return reply
 
-    def _resending_corrupted(self, call: Callable[[bool], _T], what: str) -> _T:
-        """``call(bulk)``, made again while it arrives corrupted (resend.py)."""
+    def _tries(self, what: str) -> CorruptedResends:
+        """The tries of one push or pull while it arrives corrupted (resend.py)."""
 
         def count() -> None:
             self.corrupted_transfers += 1
 
-        return resending_corrupted(
-            call,
+        return CorruptedResends(
             what,
             channel=lambda: self._bulk,
             resends=self.corrupted_resends,
@@ -460,63 +461,6 @@ class ParameterServerClient:
             return False
         self.chunk_bytes = chunk_bytes
         return True
-
-    def _push_with(
-        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple, bulk: bool = True
-    ) -> pb.PushReply:
-        """``_push_once``, with the extra metadata only when there is some."""
-        if not bulk and self._bulk is not None:
-            return self._push_once(payload, header, metadata, bulk=False)
-        return self._push_once(payload, header, metadata) if metadata else self._push_once(payload, header)
-
-    def _push_once(
-        self, payload: torch.Tensor, header: pb.PushHeader, metadata: tuple = (), bulk: bool = True
-    ) -> pb.PushReply:
-        """``push`` cut in chunks of the current ``chunk_bytes`` (``bulk`` False: gRPC only)."""
-        total = payload.numel()
-        header.num_chunks = num_chunks_for(total, self.chunk_bytes)
-        seal(header)  # header_crc32 over the final fields (wire/header_crc.py)
-        timeout_s = self._push_timeout(total, header.worker_id)
-        if bulk and self._bulk is not None and payload.is_contiguous() and not metadata:
-            with over_bulk():
-                reply = self._bulk.push(header, payload, timeout_s)
-            if reply is not None:
-                self._told(reply.group_max_wait_s, header.worker_id)
-                return reply
-
-        answered = self._push_in_one(payload, header, timeout_s, metadata) if header.num_chunks <= 1 else None
-        if answered is not None:
-            reply, call = answered
-        else:  # more than one chunk, or a server without PushOne
-
-            def messages():
-                yield pb.PushMessage(header=header)
-                yield from chunk_messages(payload, self.chunk_bytes)
-
-            reply, call = self._call(self._push.with_call, messages(), timeout_s, metadata)
-        self.last_push_trailer = tuple(call.trailing_metadata() or ())
-        self._told(reply.group_max_wait_s, header.worker_id)
-        return reply
-
-    def _push_in_one(
-        self, payload: torch.Tensor, header: pb.PushHeader, timeout_s: float, metadata: tuple
-    ) -> tuple[pb.PushReply, grpc.Call] | None:
-        """The push as one PushOne message: ``(reply, call)``, or None when the server has
-        no PushOne (UNIMPLEMENTED: a server from before it), which this client then never
-        asks again."""
-        push_one = self._push_one
-        if push_one is None:
-            return None
-        try:
-            return push_one.with_call(
-                push_request_bytes(header, payload), timeout=timeout_s, metadata=self._metadata_with(metadata)
-            )
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise from_rpc_error(err) from None
-        log.info("the server at %s has no PushOne (an older server); pushing as a stream from now on", self.address)
-        self._push_one = None
-        return None
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
         """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker

@@ -1,47 +1,8 @@
-"""One torch.distributed process group per quorum membership, for sync mode's allreduce.
-
-Each quorum rendezvouses over its own store (``QuorumGroup.store``: for sync workers the
-server's, over the authenticated gRPC channel, rendezvous.py), under the prefix
-``q<quorum_id>``, and builds a new group with ``torch.distributed``'s backend classes
-directly, never touching the default process group, so successive quorums of different
-members (3, 3, then 2) never interfere. The store is kept until the next quorum's group
-is opened or ``end_round`` closes it (a C++ group must not outlive its Python store). A
-member that dies fails the collective on the others at once
-("Connection closed by peer"); one that hangs fails it after exactly ``timeout_s``,
-which also bounds the rendezvous.
-
-Backend: gloo for CPU tensors, on the address ``collective_host`` (127.0.0.1 when the
-server is reached on loopback, else torch's default: ``GLOO_SOCKET_IFNAME`` or the host
-name). NCCL when the model is on CUDA (``device``): the pinned host buffer is copied
-into one device buffer on the model's device (allocated once, reused by every quorum of
-that size), summed there, and copied back into the host buffer once the sum is done.
-Every CUDA call runs under ``torch.cuda.device(device)``, so a worker on cuda:1 never
-touches cuda:0. A wait past ``timeout_s`` aborts that quorum's NCCL communicator and
-raises, as gloo does; and the group is built with torch's NCCL error handling set to
-"abort the communicator only" (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the caller
-set it), because torch's default tears down the whole process when a peer dies, which
-would turn one lost member into a lost quorum. NCCL refuses two ranks on one GPU
-("Duplicate GPU detected"): each member of a quorum needs its own device. The NCCL
-branch has not run on a GPU (the project's machines have none); the test suite runs its
-host-side logic (buffer reuse, the copies, the deadline) with a stand-in group on the CPU.
-
-``start_allreduce_sum`` launches the collective and returns it in flight; the sum is in
-the buffer once ``InFlightAllreduce.wait`` returns. ``allreduce_sum`` is both. ``open``
-builds a quorum's group once for several collectives: the sync worker first agrees with
-the others on a few numbers (``QuorumProcessGroup.all_max``: the buffer sizes and each
-member's ‖Δ‖∞, docs/protocol.md "The sync round"), then sums the buffer in the same group.
-
-Reuse: a quorum whose members (``QuorumGroup.members``, worker ids in rank order) equal
-those of the quorum before it, when that quorum's round committed (``keep``), reuses its
-group instead of building one: no rendezvous, no new connections (building a gloo group
-of 4 over the server's store is most of a round's collective time,
-docs/performance.md "Sync mode end to end"). Every member learns the same decision from
-the server, so every member reuses or rebuilds alike; after an abort (``drop``), or
-with other members, every member builds a fresh group. A member that alone saw a round
-differently (a vote the server refused after a restart) makes at most one round fail on
-a rendezvous or collective timeout, and that failure drops the group everywhere. This is
-the protocol's rule for every member, not an optimisation of this one: docs/protocol.md
-states it ("Group reuse, the one rule") for members written from the document.
+"""One torch.distributed process group per quorum membership, for sync mode's allreduce:
+built over the quorum's rendezvous store (rendezvous.py), gloo on the CPU or NCCL on CUDA,
+reused by the next quorum of the same members after a commit, and the agreement and sum
+checks before the sum (docs/worker.md, "The quorum's collectives"; docs/protocol.md, "The
+sync round").
 """
 
 from __future__ import annotations
@@ -49,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import time
 from typing import Any
 
 import torch
 
+from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.flat import synchronize
 
 #: Seconds between the host's checks of an NCCL allreduce in flight.
@@ -76,7 +39,7 @@ class QuorumGroup:
     #: ``ServerStore`` for sync workers; any store, e.g. a ``TCPStore``, in benchmarks).
     store: Any
     #: The members' worker ids in rank order (``QuorumReply.members``); empty: never
-    #: reuse a group for this quorum (module docstring, "Reuse").
+    #: reuse a group for this quorum (docs/worker.md, "The quorum's collectives").
     members: tuple[int, ...] = ()
 
 
@@ -148,7 +111,7 @@ class QuorumProcessGroup:
 
     def __init__(self, collectives: QuorumCollectives, process_group: Any, timeout_s: float, store: Any = None) -> None:
         self._collectives, self._pg, self._timeout_s = collectives, process_group, timeout_s
-        self._store = store  # outlives the group (module docstring)
+        self._store = store  # outlives the group (docs/worker.md)
 
     def all_max(self, values: torch.Tensor) -> None:
         """Element-wise max of ``values`` over the members, in place (blocking; a no-op
@@ -197,7 +160,7 @@ class QuorumCollectives:
 
     Args:
         server_host: host of the server address (to pick loopback for gloo).
-        collective_host: address gloo binds and advertises; None: see the module docstring.
+        collective_host: address gloo binds and advertises; None: 127.0.0.1 for a loopback server, else torch's default.
         device: where the model lives (``FlatParams.device``): a CUDA device sums over
             NCCL on that device, the CPU over gloo.
     """
@@ -346,3 +309,93 @@ class QuorumCollectives:
             else:
                 self._device = dist.ProcessGroupGloo.create_default_device()
         return self._device
+
+
+class RoundFailed(Exception):
+    """A phase of this member's round failed; the message is the reason it votes failure with."""
+
+
+#: The largest finite float32, the sum's overflow threshold.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
+    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
+    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
+    finite, or the agreement would have skipped the round) and Σ w.
+
+    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
+    below float32's overflow threshold (half of it leaves room for the rounding of the
+    float32 products and sums), members whose contributions are what they announced cannot
+    make the sum overflow: a contribution did not match its announcement (a faulty or
+    altered member, memory corrupted between the agreement and the sum), and no honest
+    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
+    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
+    mismatch too: the weights are finite by construction.
+    """
+    largest = max(announced, default=0.0)
+    rank = announced.index(largest) if announced else 0
+    bound = total_weight * largest
+    if not math.isfinite(total_weight) or bound <= _FLOAT32_MAX / 2:
+        return (
+            f"the round's sum is not finite although every member announced a finite pseudo-gradient (Σw = "
+            f"{total_weight:.6g}, largest ‖Δ‖∞ announced {largest:.3g}, so the sum is at most {bound:.3g}, far from "
+            f"float32's overflow at {_FLOAT32_MAX:.3g}): a member's contribution did not match its announcement; "
+            f"every member skips the round and restarts from round {q.round}. Check that every member runs the same "
+            f"asyncdiloco version, and the members' memory and hardware"
+        )
+    who = f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {largest:.3g})" if announced else "unknown"
+    return (
+        f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
+        f"pseudo-gradient was {who}: lower that worker's inner learning rate"
+    )
+
+
+def largest_magnitude(x: torch.Tensor) -> float:
+    """max |x| of a 1-D float tensor; inf when it holds a NaN or ±inf (0 when empty)."""
+    if not x.numel():
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x))
+    return math.inf if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def agree(pg: QuorumProcessGroup, q: pb.QuorumReply, n: int, largest: float) -> list[float]:
+    """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one small
+    MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)); member r sets a_r, the
+    others 0. Every member then decides alike: a size mismatch (a gloo sum of unequal
+    buffers aborts the process) or a non-finite Δ anywhere fails the round on every member,
+    naming the member, and the sum is not run.
+
+    Args:
+        n: this member's allreduce buffer size, floats.
+        largest: this member's ‖Δ‖∞ (inf when not finite, never NaN: max with NaN depends
+            on the order).
+    Returns:
+        Every member's ‖Δ‖∞, by rank.
+    Raises:
+        RoundFailed: the sizes differ, or a member's Δ is not finite.
+        RuntimeError (from torch.distributed): a peer died or hung.
+    """
+    facts = torch.zeros(2 + q.world_size, dtype=torch.float64)
+    facts[0], facts[1] = n, -n
+    facts[2 + q.rank] = largest
+    pg.all_max(facts)
+    most, least = int(facts[0]), -int(facts[1])
+    if most != least:
+        raise RoundFailed(
+            f"the members' allreduce buffers differ in size ({least} to {most} floats; this member's "
+            f"is {n}): the sum is not run; every member must run the same asyncdiloco version on the same model"
+        )
+    by_rank = facts[2:].tolist()
+    bad = [int(q.members[r]) for r, a in enumerate(by_rank) if not math.isfinite(a)]
+    if bad:
+        who = (
+            f"worker {bad[0]} sent a non-finite pseudo-gradient"
+            if len(bad) == 1
+            else f"workers {bad} sent non-finite pseudo-gradients"
+        )
+        raise RoundFailed(
+            f"{who} (NaN/Inf): every member skips the round and restarts from round {q.round}; "
+            f"lower that worker's inner learning rate or clip its gradients"
+        )
+    return by_rank

@@ -42,7 +42,7 @@ class WorkerConfig:
     push_on_close: bool = True
     #: Overlap the push and the next pull with the next inner steps (async worker only):
     #: the sync runs in a background thread and its result is merged when it arrives,
-    #: keeping the local progress made meanwhile (worker/overlap.py; Streaming DiLoCo, arXiv
+    #: keeping the local progress made meanwhile (worker/push_pull.py; Streaming DiLoCo, arXiv
     #: 2501.18512; eager updates, arXiv 2502.12996). The sync worker refuses it.
     overlap: bool = False
     #: Token and TLS; None talks plaintext without a token.

@@ -1,23 +1,5 @@
-"""Copies between a model's parameters and flat fp32 vectors, and the host buffers they use.
-
-The workers keep θ_base, Δ and their wire payloads as flat CPU vectors in manifest order
-(every parameter's elements, C order, one after the other: the layout of
-``wire.tensors.Manifest``), while the model's parameters stay on their own device and in
-their own dtype. ``FlatParams`` owns every copy between the two; ``host_buffer`` makes
-the CPU buffers, pinned when the model is on CUDA so that the copies to and from the
-device can run asynchronously (``non_blocking``) and are waited for once per copy.
-
-CUDA rules kept here (the workers allocate their host buffers once, at construction or
-when the wire codec's size changes, and reuse them for every sync):
-
-- device → host (``copy_into``): ``non_blocking`` only when the destination is pinned
-  (into pageable memory CUDA copies synchronously anyway), then one ``synchronize`` of
-  every device the parameters live on before the host reads the bytes;
-- host → device (``load``, ``add``): ``non_blocking`` from the host buffer, then the same
-  ``synchronize`` before returning, so the caller may overwrite the buffer at once and
-  the next inner step runs on the loaded parameters;
-- ``synchronize`` names the parameters' devices: a model on cuda:1 is waited for on
-  cuda:1, whatever ``torch.cuda.current_device()`` is.
+"""Copies between a model's parameters and flat fp32 vectors, and the host buffers they use
+(pinned on CUDA; docs/worker.md, "Host copies").
 """
 
 from __future__ import annotations

@@ -1,57 +1,11 @@
-"""A torch.distributed process group (a torchrun group) trained as ONE worker.
+"""A torch.distributed process group (a torchrun group, usually DDP) trained as ONE worker.
 
-A machine with several GPUs usually trains one replica with DistributedDataParallel
-(DDP): every rank holds the same parameters and DDP averages the gradients at every
-inner step. To the parameter server that group is one worker. ``LocalGroup`` is how the
-workers (base.py) keep it one:
-
-- **Rank 0 is the worker the server sees.** It alone has the gRPC client, joins (with
-  ``JoinRequest.ranks`` = the group's world size), heartbeats, pushes, pulls, votes in
-  sync rounds and saves the state folder. Every decision is rank 0's: H_w (which DyLU
-  changes between syncs), overlap merges, retries and backoff, stale restarts, rejoins.
-- **The other ranks ("followers") never contact the server.** They install the same
-  inner-optimizer hooks and mirror rank 0.
-- **Every inner step** ends with one small collective, ``exchange``: an all_reduce
-  (SUM) of three int64 on the control device: the followers' tokens of the step, the
-  ranks' stop requests, and rank 0's "due" flag: whether rank 0 is about to run a sync
-  point or merge a finished background sync, i.e. may change the model. On a due step
-  rank 0 then runs its sync and tells every rank the outcome with ``share_outcome`` (a
-  broadcast of one int64): unchanged; changed, followed by a ``dist.broadcast`` of every
-  parameter from rank 0; or raised, followed by the exception (``broadcast_object``),
-  which every follower raises too, so no rank is left waiting in a collective.
-- **Waits on the server** (a push reply the grouping window holds, retries with
-  backoff, a restarting server, a sync round's quorum, the join's retries, the DyLU
-  rate report before the first push) may outlast the group's collective timeout. Rank 0
-  runs them inside ``leading``: a thread broadcasts a ``WAITING`` code every
-  ``keep_alive_s`` = min(timeout / 4, 5 s) (the timeout read from the process group),
-  and the followers loop on that broadcast until the outcome's code arrives.
-- **Join**: rank 0 joins (pull, initialize, or resume from the state folder), then
-  broadcasts the parameters, the inner optimizer's ``state_dict()`` (restored Adam
-  moments must reach the followers, or the ranks drift apart) and its
-  ``restored_extra``; a failed join reaches every follower as the same exception.
-- **Close** is collective when training ended in order on every rank (no exception
-  left the ``with`` block): rank 0 does its final merge, push and Leave, then shares
-  the outcome like a due step, so the ranks still hold identical parameters after
-  close. A rank whose ``with`` block raised closes alone (no collective); the others'
-  final exchange then fails once its process exits (gloo: "Connection closed by
-  peer"), is logged, and their close goes on.
-
-Tokens: followers send the tokens counted since their previous exchange with every
-step's exchange, before rank 0's sync point, so each push carries the whole group's
-tokens of its steps and the server's total is the sum over ranks, exactly.
-
-Cost: one all_reduce of 24 bytes per inner step (DDP's gradient allreduce of the whole
-model runs in the same step), plus on a due step (every H_w steps; every step before the
-first push under DyLU) a broadcast of one int64, rank 0's keep-alive thread (started and
-joined: 0.1-0.25 ms), one more int64 broadcast per ``keep_alive_s`` of waiting, and,
-when the model changed, one broadcast per parameter. docs/operations.md ("A
-torchrun group as one worker") has the measured step-time ratio and its command
-(benchmarks/group_step_cost.py).
-
-Models: DDP is unwrapped for the manifest (the names without "module.", so a DDP group
-and a single-process worker of the same model share one server; the parameters are
-the same tensors). FSDP (FSDP1's ``FullyShardedDataParallel`` or FSDP2's
-``fully_shard``, DTensor parameters) is refused (``unwrap_model``).
+``LocalGroup`` owns the group's side of a worker (base.py holds one as ``worker.group``):
+rank 0 is the worker the server sees, the other ranks ("followers") mirror it through one
+small collective per inner step (``step_exchange``), rank 0's outcome of a due step
+(``shared``), its keep-alives while it waits on the server (``leading``), and the join's
+broadcast of rank 0's state (``share_join``). docs/operations.md ("A torchrun group as one
+worker") has the protocol, its failures and its measured cost.
 """
 
 from __future__ import annotations
@@ -62,13 +16,15 @@ import datetime
 import logging
 import pickle
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncdiloco.errors import AsyncDiLoCoError, ConfigError
+from asyncdiloco.worker.flat import FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +154,14 @@ class LocalGroup:
         )
         #: Keep-alives rank 0 sent (``leading``), and those a follower received (``await_code``).
         self.keep_alives = 0
+        #: The group's join completed on every rank (``share_join``).
+        self.joined = False
+        #: An exception or a failed collective: no more group collectives.
+        self.broken = False
+        #: Some rank's stop request arrived with a step's exchange (``step_exchange``).
+        self.stopping = False
+        #: Rank 0 runs a step whose outcome the group shares (``shared``).
+        self.in_shared = False
 
     @property
     def close_wait_s(self) -> float:
@@ -221,6 +185,121 @@ class LocalGroup:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
         total_tokens, stops, dues = (int(v) for v in t.tolist())
         return StepTotals(tokens=total_tokens, stop=stops > 0, due=dues > 0)
+
+    def step_exchange(self, *, tokens: int, stop: bool, due: bool) -> StepTotals:
+        """``exchange``; a failed collective ends the group's training here.
+
+        Raises:
+            AsyncDiLoCoError: the exchange failed (a rank died, or the group timed out).
+        """
+        try:
+            totals = self.exchange(tokens=tokens, stop=stop, due=due)
+        except RuntimeError as exc:
+            self.broken = True
+            raise AsyncDiLoCoError(
+                f"rank {self.rank}: the group's step exchange failed ({exc}); a rank of the torchrun group died "
+                f"or stalled past the group's timeout; restart the group (its state folder resumes it)"
+            ) from exc
+        self.stopping = self.stopping or totals.stop
+        return totals
+
+    def follow_step(self, flat: FlatParams, tokens: int, stop: bool) -> float:
+        """A follower's step: send its ``tokens`` since the last exchange and its ``stop``
+        request; mirror a due step.
+
+        Returns:
+            Seconds spent mirroring a due step (blocked time; 0 when none was due).
+        """
+        if not self.step_exchange(tokens=tokens, stop=stop, due=False).due:
+            return 0.0
+        started = time.monotonic()
+        try:
+            self.shared(flat, lambda: None)
+        finally:
+            blocked_s = time.monotonic() - started
+        return blocked_s
+
+    def shared(self, flat: FlatParams, action: Callable[[], Any], *, broken_ok: bool = False) -> Any:
+        """Run ``action`` on rank 0 and share its outcome (``share_outcome``): the model
+        changed (every rank takes rank 0's parameters), or it raised (every rank raises it).
+        Followers pass a no-op. While ``action`` runs (it may wait on the server for long),
+        rank 0 keeps the followers' collective alive (``leading``).
+
+        Returns:
+            ``action()``'s result on rank 0; on a follower, True when the model changed.
+        """
+        assert broken_ok or not self.broken, "a live group shares outcomes"
+        if not self.is_leader:
+            try:
+                return self.share_outcome(flat.params)
+            except BaseException:
+                self.broken = True
+                raise
+        writes = flat.writes
+        self.in_shared = True
+        try:
+            with self.leading(closing=broken_ok):  # the followers wait through keep-alives, however long
+                result = action()
+        except BaseException as exc:
+            self.broken = True
+            with contextlib.suppress(RuntimeError):  # a dead group: rank 0 raises its own error
+                self.share_outcome(flat.params, error=exc)
+            raise
+        finally:
+            self.in_shared = False
+        self.share_outcome(flat.params, changed=flat.writes != writes, closing=broken_ok)
+        return result
+
+    def share_join(
+        self, flat: FlatParams, inner_optimizer: torch.optim.Optimizer, extra: dict, error: BaseException | None
+    ) -> dict:
+        """Every rank, at join: rank 0's outcome (its exception, raised on the followers
+        too), then its inner optimizer's state, its restored ``extra`` and its parameters.
+        Rank 0 joined inside ``leading``: the followers wait through the keep-alives.
+
+        Returns:
+            ``extra`` as rank 0 restored it (the followers take it).
+        """
+        joined: dict[str, Any] | None = None
+        if self.is_leader:
+            joined = {"error": portable(error)} if error is not None else {}
+            if error is None:
+                joined.update(inner_optimizer=to_cpu(inner_optimizer.state_dict()), extra=extra)
+        try:
+            if self.is_leader:
+                self.send_code(UNCHANGED)
+            else:
+                self.await_code()  # rank 0's keep-alives while it joins (``leading``)
+            joined = self.broadcast_object(joined)
+        except Exception:
+            if error is not None:
+                return extra  # the join's own error is what rank 0 raises
+            raise
+        assert joined is not None, "rank 0 broadcasts its join"
+        if "error" in joined:
+            if not self.is_leader:
+                raise noted(joined["error"], f"raised by rank 0's join; rank {self.rank} raises it too")
+            return extra
+        if not self.is_leader:
+            inner_optimizer.load_state_dict(joined["inner_optimizer"])
+            extra = dict(joined["extra"])
+        self.broadcast_params(flat.params)
+        self.joined = True
+        return extra
+
+    def check_state_dict(self, merge_in_flight: bool) -> None:
+        """``state_dict`` is rank 0's, and on rank 0 it may not merge a background sync
+        outside a step (the merge would change rank 0's model alone)."""
+        if not self.is_leader:
+            raise ConfigError(
+                f"state_dict() on rank {self.rank} of the group: the group's state is rank 0's (it saves it in "
+                f"state_dir after every sync); call it on rank 0"
+            )
+        if merge_in_flight and not self.in_shared and not self.broken:
+            raise ConfigError(
+                "state_dict() on rank 0 while an overlapped sync is in flight: merging it now would change rank 0's "
+                "model alone; let the worker save its state (state_dir), or call it after close()"
+            )
 
     def broadcast_params(self, params: Sequence[torch.Tensor]) -> None:
         """Every rank: ``params`` ← rank 0's, each tensor on its own device, in place."""

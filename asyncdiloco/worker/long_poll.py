@@ -4,8 +4,7 @@ A Quorum or Commit call with ``poll`` set is held by the server at most about a 
 (ps/long_poll.py), then answered "pending" (Quorum) or "not decided" (Commit); the
 client asks again after a pause that grows from ``POLL_MIN_S`` by ``POLL_GROWTH`` up to
 ``POLL_MAX_S`` (each drawn in [½, 1] of the step, so that hundreds of members do not
-poll in step), until the answer is final or its own wait is over. A server from before
-``poll`` ignores it and blocks for the whole wait: its answer is final at once.
+poll in step), until the answer is final or its own wait is over.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """A quorum's rendezvous store as a ``torch.distributed.Store``, served by the parameter
-server over the worker's own gRPC channel (the ``Store`` RPC: the token and TLS of every
-other call; ps/rendezvous.py is the server's side).
-
-gloo's rendezvous calls ``set``, ``get``, ``wait`` and ``check`` (measured:
-``ProcessGroupGloo`` over a recording store, torch 2.13); NCCL's calls ``set`` and
-``get`` (rank 0 publishes the communicator's unique id) and its heartbeat monitor
-``check`` (the flight-recorder dump flag) from a C++ thread, which is why ``check``
-answers False without a call once the store is closed. Every method is one or more
-short calls that the server answers at once: a blocking ``get`` or ``wait`` asks again
-with a short backoff (2 ms doubling to 50 ms) until the key is there or the store's
-timeout (``allreduce_timeout_s``) passes, so no server thread waits for a rank.
-
-Errors: a timeout, a closed store and any refused call (the round ended, e.g. after a
-server restart; a wrong token) raise ``torch.distributed.DistStoreError`` naming the
-quorum and the cause, which fails the collective being built and so the round (the
-member votes failure, sync_worker.py).
-
-The Python object must outlive every process group built on it (a C++ group holding a
-store whose Python side is gone fails with "Not implemented"): collectives.py keeps it.
+server over the worker's own gRPC channel (the ``Store`` RPC; ps/rendezvous.py is the
+server's side). docs/worker.md, "The rendezvous store".
 """
 
 from __future__ import annotations

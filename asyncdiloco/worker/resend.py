@@ -1,11 +1,6 @@
-"""Resending what arrived corrupted in transit (``PayloadCorruptedError``), for client.py.
-
-A push or pull whose payload CRC-32 or header CRC-32 (wire/header_crc.py) differs is made
-again: a push with the same header and push id (the refusal applied nothing), a pull from
-the start, up to ``resends`` more times with a backoff from ``backoff_s`` doubling. When
-every try went over the bulk data channel, the channel is marked unusable as when it is
-down (``BulkChannel.suspect``: gRPC until its backoff passes) and the transfer gets as many
-tries over gRPC; only when the last of those arrived corrupted too is it raised.
+"""The tries of one push or pull while it arrives corrupted (``PayloadCorruptedError``),
+for client.py: how many, the backoff between them, and the move from the bulk data channel
+to gRPC (docs/protocol.md, "Corrupted transfers").
 """
 
 from __future__ import annotations
@@ -14,19 +9,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 from asyncdiloco.errors import PayloadCorruptedError
 from asyncdiloco.worker.bulk_client import BulkChannel
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
 
 class BulkCorrupted(PayloadCorruptedError):
     """A ``PayloadCorruptedError`` of a try over the bulk channel (it travels as its parent:
-    it declares no reason of its own); ``resending_corrupted`` then goes on over gRPC."""
+    it declares no reason of its own); ``CorruptedResends`` then goes on over gRPC."""
 
 
 @contextlib.contextmanager
@@ -41,71 +33,63 @@ def over_bulk() -> Iterator[None]:
         raise BulkCorrupted(str(exc)) from exc
 
 
-def resending_corrupted(
-    call: Callable[[bool], _T],
-    what: str,
-    *,
-    channel: Callable[[], BulkChannel | None],
-    resends: int,
-    backoff_s: float,
-    address: str,
-    on_corrupted: Callable[[], None],
-) -> _T:
-    """``call(bulk)``, made again while it arrives corrupted (module docstring).
+class CorruptedResends:
+    """The tries of one transfer: a try that arrived corrupted is made again (a push with
+    the same header and push id: the refusal applied nothing; a pull from the start) up to
+    ``resends`` more times, with a backoff from ``backoff_s`` doubling. When every try went
+    over the bulk channel, the channel is marked unusable as when it is down
+    (``BulkChannel.suspect``) and the transfer gets as many tries over gRPC.
 
     Args:
-        call: one try; ``bulk`` False: over gRPC only. Its bulk-channel part runs inside
-            ``over_bulk``.
         what: names the transfer in messages ("push 6 of worker 2").
         channel: the client's bulk channel now (None: none).
         resends: tries after the first of each round (``corrupted_resends``).
         backoff_s: seconds before the first resend; doubles with each.
         address: the server's gRPC address, for the message.
         on_corrupted: called once per corrupted try (the client's count).
-    Raises:
-        PayloadCorruptedError: every one of the ``1 + resends`` tries (over gRPC, after the
-            bulk channel's round) was corrupted; the message names the count and what to check.
-        Whatever else ``call`` raises.
     """
-    bulk = channel() is not None
-    while True:
-        try:
-            return _round(call, what, bulk, resends, backoff_s, address, on_corrupted)
-        except BulkCorrupted as exc:  # the last try of the round went over the bulk channel
-            now = channel()
-            if not bulk or now is None:  # closed meanwhile: nothing to fall back from
-                raise PayloadCorruptedError(str(exc)) from exc.__cause__
-            now.suspect(exc)
-            log.warning("%s arrived corrupted over the bulk data channel every time; sending it over gRPC", what)
-            bulk = False
 
+    def __init__(
+        self,
+        what: str,
+        *,
+        channel: Callable[[], BulkChannel | None],
+        resends: int,
+        backoff_s: float,
+        address: str,
+        on_corrupted: Callable[[], None],
+    ) -> None:
+        self.what, self._channel, self._resends, self._backoff_s = what, channel, resends, backoff_s
+        self._address, self._on_corrupted = address, on_corrupted
+        #: The next try may go over the bulk channel (False: gRPC only).
+        self.bulk = channel() is not None
+        self._tries, self._delay_s = 0, backoff_s
 
-def _round(
-    call: Callable[[bool], _T],
-    what: str,
-    bulk: bool,
-    resends: int,
-    backoff_s: float,
-    address: str,
-    on_corrupted: Callable[[], None],
-) -> _T:
-    """Up to ``1 + resends`` tries of ``call(bulk)`` while it arrives corrupted."""
-    delay_s = backoff_s
-    for attempt in range(1, resends + 2):
-        try:
-            return call(bulk)
-        except PayloadCorruptedError as exc:
-            on_corrupted()
-            if attempt > resends:
-                over = isinstance(exc, BulkCorrupted)
-                error = BulkCorrupted if over else PayloadCorruptedError
-                where = "over the bulk data channel" if over else "over gRPC"
-                raise error(
-                    f"{what} arrived corrupted {attempt} times in a row {where}"
-                    f" (the limit is 1 + corrupted_resends={resends}; last: {exc}); the network path to {address} "
-                    f"corrupts data: check its links, NICs and proxies"
-                ) from exc
-            log.warning("%s arrived corrupted (%s); sending it again in %.2f s", what, exc, delay_s)
-            time.sleep(delay_s)
-            delay_s *= 2
-    raise AssertionError("unreachable")  # pragma: no cover
+    def failed(self, exc: PayloadCorruptedError) -> None:
+        """A try arrived corrupted: wait before the next one, or move to gRPC.
+
+        Raises:
+            PayloadCorruptedError: every one of the ``1 + resends`` tries (over gRPC, after
+                the bulk channel's round) was corrupted; the message names the count and
+                what to check.
+        """
+        self._on_corrupted()
+        self._tries += 1
+        if self._tries <= self._resends:
+            log.warning("%s arrived corrupted (%s); sending it again in %.2f s", self.what, exc, self._delay_s)
+            time.sleep(self._delay_s)
+            self._delay_s *= 2
+            return
+        over = isinstance(exc, BulkCorrupted)
+        message = (
+            f"{self.what} arrived corrupted {self._tries} times in a row "
+            f"{'over the bulk data channel' if over else 'over gRPC'} (the limit is 1 + corrupted_resends="
+            f"{self._resends}; last: {exc}); the network path to {self._address} corrupts data: check its links, "
+            f"NICs and proxies"
+        )
+        channel = self._channel()
+        if not (over and self.bulk and channel is not None):  # nothing to fall back from
+            raise PayloadCorruptedError(message) from exc
+        channel.suspect(BulkCorrupted(message))
+        log.warning("%s arrived corrupted over the bulk data channel every time; sending it over gRPC", self.what)
+        self.bulk, self._tries, self._delay_s = False, 0, self._backoff_s

@@ -1,30 +1,6 @@
-"""A client of a sharded parameter server: one ``ParameterServerClient`` per shard, behind
-the same methods, so the workers (base.py, async_worker.py) use it unchanged.
-
-The model's flat vector is split by the shard map (wire/shards.py); with the raw or bf16
-wire codec the payload of shard i is one contiguous byte range of the whole payload, so
-a push is cut and a pull assembled by slicing, with no copy on the push side. Calls:
-
-* ``join``: joins every shard (in parallel) with its sub-manifest; the worker goes on with
-  shard 0's reply and id (the per-shard ids are kept here).
-* ``push``: the part for shard 0 first: shard 0 decides (accept or refuse, τ, s(τ), N, the
-  version) and returns the decision in its trailing metadata; then the other parts in
-  parallel, each carrying the decision (ps/shard_order.py). A refusal by shard 0 changes no
-  shard. A follower's transient failure raises: the worker's retry of the same push id is
-  answered by shard 0 as a duplicate with the same decision and resent to the followers,
-  which apply it once. A part a follower refuses as too late (filled with zeros there
-  after its ``shard_fill_timeout_s``) is logged and dropped. Initial parameters go to the
-  followers only once shard 0 took them.
-* ``pull``: every shard in parallel; a shard behind the others (a push applied on shard 0
-  and not yet on it) is pulled again until all report one version, within ``rpc_timeout_s``.
-* ``heartbeat`` / ``leave``: every shard; shard 0's reply.
-* ``status`` / ``report_eval``: shard 0 (it sequences every push: its version, pushes,
-  tokens, staleness and workers are the run's; the dashboard is its). ``combined_status``
-  adds the other shards' bytes and the whole model's manifest, for reports.
-
-Source: parameter-server sharding, Li et al. 2014 (OSDI, "Scaling distributed machine
-learning with the parameter server", Sec. 3–4); the outer step per shard, as fragments in
-Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512, Sec. 2.2).
+"""A client of a sharded parameter server: one ``ParameterServerClient`` per shard behind the
+same methods, shard 0 sequencing every push (docs/worker.md, "The sharded client";
+docs/operations.md, "A sharded server"), and ``connect``, which builds a worker's client.
 """
 
 from __future__ import annotations
@@ -33,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -42,6 +18,7 @@ from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.wire.shards import ShardMap
 from asyncdiloco.wire.tensors import Manifest
 from asyncdiloco.worker.client import ParameterServerClient, Pulled
+from asyncdiloco.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +37,7 @@ def shard_addresses(server: str) -> list[str]:
 
 
 class ShardedClient:
-    """The calls of ``ParameterServerClient`` over S shards (see the module docstring).
+    """The calls of ``ParameterServerClient`` over S shards (docs/worker.md, "The sharded client").
 
     Args:
         addresses: "HOST:PORT" of every shard, shard 0 first.
@@ -180,16 +157,7 @@ class ShardedClient:
         first = self.clients[0].push(parts[0], worker_id=ids[0], last=last, **common)  # type: ignore[arg-type]
         if self.num_shards == 1 or not first.applied:
             return first
-        metadata: tuple[tuple[str, str], ...] = ()
-        if kind == pb.PUSH_KIND_PSEUDO_GRADIENT:
-            order = dict(self.clients[0].last_push_trailer).get(ORDER_KEY)
-            if order is None:
-                raise ConfigError(
-                    f"shard 0 at {self.address} applied push {push_id} without a shard order: it was not started "
-                    f"as shard 0 of {self.num_shards} (asyncdiloco server --shards {self.num_shards}, or "
-                    f"--shard-index 0 --shard-map FILE)"
-                )
-            metadata = ((ORDER_KEY, order),)
+        metadata = self._shard_order(push_id) if kind == pb.PUSH_KIND_PSEUDO_GRADIENT else ()
 
         def follow(i: int, client: ParameterServerClient) -> None:
             try:
@@ -203,6 +171,22 @@ class ShardedClient:
 
         self._on_all(follow, start=1)[1:]
         return first
+
+    def _shard_order(self, push_id: int) -> tuple[tuple[str, str], ...]:
+        """Shard 0's decision on the push it applied (its reply's trailing metadata), as the
+        metadata the other shards' parts carry.
+
+        Raises:
+            ConfigError: shard 0 sent none: it was not started as shard 0 of this many.
+        """
+        order = dict(self.clients[0].last_push_trailer).get(ORDER_KEY)
+        if order is None:
+            raise ConfigError(
+                f"shard 0 at {self.address} applied push {push_id} without a shard order: it was not started "
+                f"as shard 0 of {self.num_shards} (asyncdiloco server --shards {self.num_shards}, or "
+                f"--shard-index 0 --shard-map FILE)"
+            )
+        return ((ORDER_KEY, order),)
 
     def _manifest_of(self, payload: torch.Tensor) -> Manifest:
         """The manifest this payload belongs to (the one joined with)."""
@@ -296,3 +280,32 @@ class ShardedClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def connect(config: WorkerConfig, mode: str) -> ParameterServerClient:
+    """A worker's client: one server, or every shard of a sharded one (async mode).
+
+    Raises:
+        ConfigError: ``config.server`` lists several shards for a sync-mode worker.
+    """
+    addresses = shard_addresses(config.server)
+    if len(addresses) == 1:
+        return ParameterServerClient(
+            addresses[0],
+            rpc_timeout_s=config.rpc_timeout_s,
+            timeout_s_per_mib=config.timeout_s_per_mib,
+            security=config.security,
+            bulk_channel=config.bulk_channel,
+        )
+    if mode != "async":
+        raise ConfigError(
+            f"server lists {len(addresses)} shards ({config.server!r}) but a sharded parameter server "
+            f"runs async mode only; give one server address for --mode {mode}"
+        )
+    sharded = ShardedClient(
+        addresses,
+        rpc_timeout_s=config.rpc_timeout_s,
+        timeout_s_per_mib=config.timeout_s_per_mib,
+        security=config.security,
+    )
+    return cast(ParameterServerClient, sharded)  # the async worker's subset of its calls

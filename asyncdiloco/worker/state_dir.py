@@ -1,37 +1,6 @@
 """A worker's own state on disk (``WorkerConfig.state_dir``), so that a restarted worker
-continues where it stopped: under its name, with its inner optimizer, θ_base and what it
-had not sent yet, its push counter and whatever its caller keeps there (``extra``).
-
-The folder holds:
-
-* ``state.pt``: the worker's ``state_dict()`` (async_worker.py, sync_worker.py), saved
-  with ``torch.save`` behind a header with its CRC-32 (state_file.py, verified at load)
-  at its sync points (an async worker: before each push is sent, and after a sync
-  without one; a sync member: after each round): written to ``state.pt.tmp``,
-  fsynced, renamed onto ``state.pt``, the folder fsynced. A reader (a restarted worker)
-  sees the previous save or the new one, never a torn file. Read back with
-  ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, no
-  pickled code.
-* ``state.json``: a summary of the newest save for people and scripts (name, worker id,
-  syncs saved, version, next push id, wall-clock time, the caller's ``extra`` where it is
-  plain JSON); written after ``state.pt``. The worker reads back only its name, and only
-  when ``state.pt`` is unusable (below).
-* ``state.pt.corrupt-<UTC time>``: a ``state.pt`` that failed its checksum, could not be
-  parsed, or held non-finite values in θ_base, θ_local or the inner optimizer's state (a
-  worker that had diverged). It is set aside at open, with one warning naming it and what
-  was wrong, and the worker starts afresh under its name (from ``state.json``, else from
-  the still-readable part of the file): the server gives it its id back and it trains on
-  from the global model with a fresh inner optimizer, its data position and anything it
-  had not sent lost. Loading such a file would train on garbage, or make every restart
-  diverge again.
-* ``LOCK``: held (``flock``) while a worker uses the folder, so two processes never share
-  one state, and with it one name. The kernel releases it when the process dies.
-
-Why one ``torch.save`` file and not safetensors plus JSON: the inner optimizer's and an
-LR scheduler's state are nested structures of tensors, numbers and lists; safetensors
-holds a flat map of tensors only, so they would be flattened into it and the rest kept in
-a second file, and two files need a commit protocol to change together. One file is one
-atomic rename.
+continues where it stopped: ``state.pt``, ``state.json``, the lock, a corrupt state set
+aside (docs/worker.md, "The state folder"; docs/operations.md, "Restarting a worker").
 """
 
 from __future__ import annotations
@@ -71,7 +40,7 @@ def manifest_entries(manifest: Manifest) -> list[list]:
 
 
 class WorkerStateDir:
-    """The state folder of one worker process (see the module docstring): locked while
+    """The state folder of one worker process (docs/worker.md, "The state folder"): locked while
     the worker uses it, its newest state loaded at open.
 
     Args:
@@ -80,7 +49,7 @@ class WorkerStateDir:
         ConfigError: the folder cannot be created or written, another process uses it,
             or its state file cannot be opened or is of a newer format (each message names
             the folder and the fix). A state file whose bytes are damaged or that holds
-            non-finite values is set aside instead (the module docstring).
+            non-finite values is set aside instead (docs/worker.md).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -188,6 +157,25 @@ class WorkerStateDir:
         if self.state is not None:
             check_manifest(self.state, manifest, f"the state in state_dir {str(self.path)!r}")
 
+    def save_worker_state(self, state: dict[str, Any], saves: int) -> bool:
+        """``save`` a worker's ``state_dict()`` with its summary (its plain values, the
+        ``saves`` count, the pid, ``extra``). A failed write after the first is logged and
+        training goes on (a restart then resumes from the previous save).
+
+        Returns:
+            Whether it was saved.
+        Raises:
+            ConfigError: this process's first save failed (the folder is not writable).
+        """
+        summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
+        summary.update(saves=saves, pid=os.getpid(), extra=state["extra"])
+        try:
+            self.save(state, summary)
+        except OSError as exc:
+            log.warning("worker %s: state not saved in %s (%s); training on", state["worker_name"], self.path, exc)
+            return False
+        return True
+
     def save(self, state: dict[str, Any], summary: dict[str, Any]) -> None:
         """Write ``state`` atomically as ``state.pt`` (then ``summary`` as ``state.json``).
 
@@ -271,10 +259,10 @@ def _read_state(file: pathlib.Path, folder: str | os.PathLike[str]) -> dict[str,
             f"state_dir {str(folder)!r}: {STATE_FILE} {exc}: run the version that wrote it, or delete {file} "
             f"to start this worker afresh"
         ) from None
-    if state.get("format") not in (1, STATE_FORMAT):
+    if state.get("format") != STATE_FORMAT:
         raise ConfigError(
             f"state_dir {str(folder)!r}: {STATE_FILE} has format {state.get('format')!r}; this worker reads "
-            f"formats 1 and {STATE_FORMAT}: delete {file} to start this worker afresh"
+            f"format {STATE_FORMAT}: delete {file} to start this worker afresh"
         )
     if not isinstance(state.get("worker_name"), str):
         raise CorruptStateError("holds no worker name")
@@ -309,3 +297,48 @@ def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None
         f"{what} belongs to a model of another layout ({diff}); start the worker with the model it was saved "
         f"with, or give another (or an empty) --state-dir for this one"
     )
+
+
+def check_state(state: dict[str, Any], manifest: Manifest, mode: str, worker_name: str) -> str:
+    """Whether a worker's ``state_dict()`` may be loaded into this worker: the same model
+    layout and mode, and the same name when ``worker_name`` is set.
+
+    Returns:
+        The saved worker name.
+    Raises:
+        ConfigError: it is of another model, mode or name, naming the fix.
+    """
+    what = f"the state of worker {state.get('worker_name')!r}"
+    check_manifest(state, manifest, what)
+    if state.get("mode") != mode:
+        raise ConfigError(
+            f"{what} was saved by a {state.get('mode')}-mode worker; this one runs mode {mode!r}: "
+            f"run it with --mode {state.get('mode')}, or give another --state-dir"
+        )
+    name = str(state["worker_name"])
+    if worker_name and worker_name != name:
+        raise ConfigError(
+            f"{what} was saved under another name than worker_name={worker_name!r}; give worker_name={name!r} (or none)"
+        )
+    return name
+
+
+def open_for_worker(
+    folder: str | os.PathLike[str] | None, worker_name: str, manifest: Manifest
+) -> tuple[WorkerStateDir | None, str]:
+    """A worker's state folder, locked while it runs (None: no ``folder``), and the name the
+    worker joins under: ``worker_name``, else the one saved there, else (with a folder) a
+    new unique one saved there.
+
+    Raises:
+        ConfigError: the folder is in use, or holds the state of another model.
+    """
+    if not folder:
+        return None, worker_name
+    state_dir = WorkerStateDir(folder)
+    try:
+        state_dir.check_manifest(manifest)
+        return state_dir, state_dir.resolve_name(worker_name)
+    except ConfigError:
+        state_dir.close()
+        raise

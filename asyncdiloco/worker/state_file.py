@@ -1,27 +1,5 @@
 """The bytes of a worker's ``state.pt`` (state_dir.py): ``torch.save``'s output behind a
-header with its CRC-32, so that a flipped bit anywhere in the file is found at load
-instead of being trained on.
-
-Format 2 (what this version writes), one file, so that the state folder's single atomic
-rename still covers header and contents together:
-
-* 24 bytes of header: ``b"ADLSTATE"``, the format (uint32, little-endian), the number of
-  payload bytes that follow (uint64) and the CRC-32 (uint32; zlib's, the polynomial of
-  zip and Ethernet) of the payload followed by those two numbers as stored (so a flip in
-  the header is found as well);
-* the payload: ``torch.save(state)``'s bytes, read back with
-  ``torch.load(weights_only=True)`` (tensors, numbers, strings and containers, no pickled
-  code).
-
-Format 1 (versions before this one) is the bare ``torch.save`` zip (it begins with
-``PK\\x03\\x04``): still read, without a checksum to verify.
-
-Why CRC-32: the checksum guards against damage (a bit flipped on disk or in memory, a
-torn or cut file), not against forgery. CRC-32 finds every single flipped bit and every
-burst of up to 32 bits, and misses other random damage with odds of 2^-32; it costs once
-per save on the training thread, and ``zlib.crc32`` (standard library) runs about 2.6x
-faster than ``hashlib.sha256`` here (docs/operations.md, "the state folder", has the
-numbers and the command). CRC-32C would need a dependency for no better detection.
+header with its CRC-32 (docs/worker.md, "The state file").
 """
 
 from __future__ import annotations
@@ -40,7 +18,6 @@ FORMAT = 2
 MAGIC = b"ADLSTATE"
 _HEAD = struct.Struct("<8sIQI")  # magic, format, payload bytes, CRC-32
 _COVERED = struct.Struct("<IQ")  # the header's numbers, hashed after the payload
-_ZIP = b"PK\x03\x04"  # format 1: a bare torch.save zip
 HEADER_BYTES = _HEAD.size
 _CHUNK = 1 << 20
 
@@ -108,7 +85,7 @@ class _Window(io.RawIOBase):
 
 
 def write_state(f: BinaryIO, state: dict[str, Any]) -> None:
-    """Write ``state`` to the open, empty file ``f`` in format 2 (the module docstring).
+    """Write ``state`` to the open, empty file ``f`` in format 2 (docs/worker.md, "The state file").
 
     Args:
         f: a seekable binary file opened for writing, positioned at 0.
@@ -139,30 +116,20 @@ def _name_in(f: _Window) -> str | None:
 
 
 def read_state(file: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a ``state.pt`` of format 2 (or read one of format 1).
+    """Read and verify a ``state.pt``.
 
     Returns:
         The saved dict (tensors on the CPU).
     Raises:
         OSError: the file cannot be opened (e.g. permissions).
         CorruptStateError: its bytes are not what was saved.
-        NewerFormatError: an intact file of a format other than 1 or 2.
+        NewerFormatError: an intact file of another format.
     """
     with open(pathlib.Path(file), "rb") as f:
         head = f.read(HEADER_BYTES)
-        if head.startswith(_ZIP):  # format 1: nothing to verify
-            f.seek(0)
-            try:
-                state = _load(f)
-            except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-                raise CorruptStateError(f"cannot be loaded ({exc})") from None
-            if not isinstance(state, dict):
-                raise CorruptStateError(f"holds a {type(state).__name__}, not a worker's state")
-            return state
         if len(head) < HEADER_BYTES or not head.startswith(MAGIC):
             raise CorruptStateError(
-                f"does not begin with a state header ({len(head)} bytes, {head[:8]!r}; expected {MAGIC!r} "
-                f"or a format-1 zip)"
+                f"does not begin with a state header ({len(head)} bytes, {head[:8]!r}; expected {MAGIC!r})"
             )
         _, fmt, size, saved = _HEAD.unpack(head)
         found = os.fstat(f.fileno()).st_size - HEADER_BYTES
@@ -183,7 +150,7 @@ def read_state(file: str | os.PathLike[str]) -> dict[str, Any]:
                 _name_in(window),
             )
         if fmt != FORMAT:
-            raise NewerFormatError(f"has format {fmt}; this worker reads formats 1 and {FORMAT}")
+            raise NewerFormatError(f"has format {fmt}; this worker reads format {FORMAT}")
         state = _load(window)
     if not isinstance(state, dict):
         raise CorruptStateError(f"holds a {type(state).__name__}, not a worker's state")

@@ -1,58 +1,14 @@
-"""The synchronous worker: LocalSGD and synchronous DiLoCo over quorum-gated allreduce.
+"""The synchronous worker (``SyncDiLoCoWorker``): LocalSGD and synchronous DiLoCo over a
+quorum-gated allreduce (DiLoCo, Douillard et al. 2023, arXiv 2311.08105, Alg. 1, with the
+outer step taken by every replica).
 
-Same user-facing shape as ``AsyncDiLoCoWorker``; the loop stays a plain PyTorch loop::
-
-    worker = SyncDiLoCoWorker(model, inner_opt, WorkerConfig(server="10.0.0.5:29500"),
-                              tokens_per_step=batch * context)
-    with worker:                       # join; pull the committed global state
-        for x, y in batches:
-            loss_fn(model(x), y).backward()
-            inner_opt.step()           # every H-th step also runs a round
-            inner_opt.zero_grad()
-
-Every H inner steps (H, the outer optimizer and the weighting come from the server,
-which must run ``--mode sync``) the worker runs one **round** (DiLoCo, Douillard et al.
-2023, arXiv 2311.08105, Alg. 1, with the outer step taken by every replica): Δ into a
-separate buffer, a quorum from the server (healing first when behind), a small
-agreement in a process group for that quorum (every member's buffer size and
-‖Δ‖∞: a size mismatch or a non-finite Δ anywhere fails the round on every member before
-the sum, naming the member), one allreduce of ``[w·Δ, w]`` in the same group (the group
-is reused by the next quorum of the same members after a commit, collectives.py), rank
-0's upload (checked by the server as an async push is) and every member's vote, then
-the same outer step on θ_base everywhere on commit (on abort the round's local steps
-are dropped so replicas never drift apart). docs/protocol.md, "The sync round",
-describes each step, its timeouts and its failures once, for both sides.
-
-``_round`` runs these as phases, one method each: ``_take_pseudo_gradient``,
-``_wait_for_quorum``, ``_contribute`` (heal, weigh, allreduce, upload), ``_vote`` and
-``_apply_decision``. A phase that fails raises ``_RoundFailed``
-with the reason this member votes failure with; the collectives themselves (agreement,
-then sum) are the ``_allreduce`` seam.
-
-Uneven machines: with a server started ``--sync-local-steps adaptive`` each member runs
-its own H_w (DyLU inside a round, Liu et al. 2024, arXiv 2401.09135, Eq. 6): it times its
-first inner steps and reports the rate by heartbeat (base.py ``_report_rate``) until its
-first vote, and every vote carries the round's steps and their compute seconds; the
-decision of each round hands each member its H_w for the next one, computed over that
-round's members, so the members of a round finish their steps about together and the
-fastest no longer waits for the slowest (docs/protocol.md, "The sync round").
-
-With ``WorkerConfig.state_dir`` the worker saves its name, inner optimizer and the
-caller's ``extra`` (base.py ``state_dict``) after its join and every decided round, and
-a worker built on that folder loads them; the model itself always comes from the server
-(the join heals), so a restart loses the steps since the last round.
-
-The inner optimizer's state is kept across rounds. If no quorum forms within
-``quorum_timeout_s`` or the server is unreachable, training goes on locally and the
-next sync point, H inner steps later, tries again (Δ then spans more steps, still
-against θ_base); the server's reason ("quorum not reached: have 1, need 2 ...") is
-logged. A worker the server queued for the running group's next round (a joiner) waits
-for that boundary instead, up to twice the time of its own last H inner steps. A member
-whose own Δ is not finite makes the round skip on every member and restarts from the
-committed θ_base like them (``SyncWorkerStats.non_finite_rounds``); after
-``WorkerConfig.max_dropped_in_a_row`` such rounds in a row it raises
-``InvalidPayloadError`` naming the count and the fix. A pull whose payload arrives
-corrupted is pulled again by the client (client.py).
+Every H inner steps ``_round`` runs one round in phases, one method each:
+``_take_pseudo_gradient``, ``_wait_for_quorum``, ``_contribute`` (heal, weigh, agree and
+allreduce, upload), ``_vote`` and ``_apply_decision``; a phase that fails raises
+``RoundFailed`` with the reason this member votes failure with. docs/protocol.md ("The
+sync round") describes each phase, its timeouts and failures, and per-member H_w
+(``--sync-local-steps adaptive``); docs/operations.md ("Sync mode", "Restarting a worker")
+what a member and its state folder do.
 """
 
 from __future__ import annotations
@@ -78,50 +34,21 @@ from asyncdiloco.errors import (
 )
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 from asyncdiloco.worker.base import WorkerBase
-from asyncdiloco.worker.collectives import InFlightAllreduce, QuorumCollectives, QuorumGroup, QuorumProcessGroup
+from asyncdiloco.worker.collectives import (
+    InFlightAllreduce,
+    QuorumCollectives,
+    QuorumGroup,
+    QuorumProcessGroup,
+    RoundFailed,
+    agree,
+    largest_magnitude,
+    non_finite_sum_reason,
+)
 from asyncdiloco.worker.config import SyncWorkerConfig, WorkerConfig
+from asyncdiloco.worker.drops import reset_diverged_state
+from asyncdiloco.worker.stats import SyncWorkerStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SyncWorkerStats:
-    """Counters of one sync worker (units in the names).
-
-    ``idle_s`` is the time spent waiting for the quorum, in the collective, uploading
-    and waiting for the commit decision (what a faster worker loses to a slower one).
-    ``rounds`` has one entry per quorum taken part in: ``round`` (committed rounds
-    after it), ``committed``, ``heal``, ``world_size``, ``local_steps`` (the inner steps
-    this member trained for it) and ``next_local_steps`` (its H_w after the decision), the
-    time parts in seconds and ``checksum`` (CRC-32 of θ_base's float32 bytes after it).
-    """
-
-    inner_steps: int = 0
-    tokens: int = 0
-    rounds_committed: int = 0
-    rounds_failed: int = 0
-    rounds_skipped: int = 0
-    heals: int = 0
-    #: Rounds this member's own Δ was not finite in (a diverged replica: every member
-    #: skipped the round), and the inner steps aborted rounds dropped here.
-    non_finite_rounds: int = 0
-    steps_dropped: int = 0
-    sync_failures: int = 0
-    #: Pulls and round results whose payload arrived corrupted and were sent again (client.py).
-    corrupted_transfers: int = 0
-    bytes_pushed: int = 0
-    bytes_pulled: int = 0
-    bytes_allreduced: int = 0
-    comm_s: float = 0.0
-    #: Seconds the training thread spent in sync points (equals ``comm_s`` here: no overlap).
-    blocked_s: float = 0.0
-    idle_s: float = 0.0
-    quorum_wait_s: float = 0.0
-    allreduce_s: float = 0.0
-    #: Quorum process groups built, and reused from the quorum before (same members, committed).
-    groups_built: int = 0
-    groups_reused: int = 0
-    rounds: list[dict] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +60,6 @@ class _Vote:
     total_weight: float = 0.0
     #: Why this member votes failure ("" on success).
     reason: str = ""
-
-
-class _RoundFailed(Exception):
-    """A phase of this member's round failed; the message is the reason it votes failure with."""
 
 
 class SyncDiLoCoWorker(WorkerBase):
@@ -183,8 +106,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self.sync_config = sync or SyncWorkerConfig()
         self.stats = SyncWorkerStats()
         self.round = -1  # committed rounds θ_base reflects; -1 before the first pull (rank 0's)
-        #: Seconds of the inner steps since the last decided round (every stretch of steps
-        #: before a sync point, the waits at sync points left out): the vote's ``compute_s``.
+        #: Seconds of inner steps since the last decided round (the vote's ``compute_s``).
         self._compute_s = 0.0
         #: A sync point since the last decided round asked for a round (a decision resets it).
         self._tried = False
@@ -193,10 +115,8 @@ class SyncDiLoCoWorker(WorkerBase):
         n = self._numel = self.manifest.numel
         self._base = self.flat.host_buffer()  # θ_base, (N,) fp32
         self._buf = self.flat.host_buffer(n + 1)  # [w·Δ, w], (N+1,) fp32
-        #: ‖Δ‖∞ of this member's Δ in the current round (inf when not finite; 0 when healing).
-        self._largest = 0.0
-        #: Every member's ‖Δ‖∞ in the current round, by rank (the agreement's result).
-        self._largest_by_rank: list[float] = []
+        self._largest = 0.0  # ‖Δ‖∞ of this member's Δ this round (inf: not finite; 0: healing)
+        self._largest_by_rank: list[float] = []  # every member's, by rank (the agreement's result)
         self._server_host = config.server.rpartition(":")[0].strip("[]")
         self.run_config: pb.RunConfig | None = None
         self.outer: OuterOptimizer | None = None
@@ -244,14 +164,12 @@ class SyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------------- rounds
     def _sync_due(self) -> bool:
-        """A sync point every H inner steps since the last round: one that got no round
-        (no quorum, or the server unreachable) is tried again H steps later, not at every
-        step after it. A rejoin is due at once (it drops the steps trained meanwhile), and
-        so is the first sync point of a round whose H_w was lowered below the steps
-        already trained (a rate report's reply, ``_report_rate``)."""
+        """A sync point every H inner steps since the last round (one that got no round is
+        tried again H steps later); a rejoin is due at once, and so is the first sync point
+        of a round whose H_w was lowered below the steps already trained."""
         h = self.local_steps
         steps = self._steps_since_sync
-        return steps >= h and (self._needs_rejoin or not self._tried or steps % h == 0)
+        return steps >= h and (self._lost or not self._tried or steps % h == 0)
 
     def _wants_rate(self, run_config: pb.RunConfig) -> bool:
         """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``):
@@ -270,20 +188,15 @@ class SyncDiLoCoWorker(WorkerBase):
             self._steps_began_at = time.monotonic()
 
     def _round_compute_s(self, steps: int) -> float:
-        """Seconds of this member's own compute over the ``steps`` inner steps of its round
-        (the vote's ``compute_s``; the server's rate v_w = steps / compute_s): steps / v_w
-        of the time in inner steps (base.py ``step_rate``, algo/rates.py), as an async
-        push's; while no step was timed, the stretches of training before each sync point
-        since the last decided round, without the waits at those sync points."""
+        """The vote's ``compute_s`` for the round's ``steps``: steps / v_w (``step_rate``), as
+        an async push's; while no step was timed, the stretches of training before each sync
+        point since the last decided round, without the waits at them."""
         return self.step_rate.seconds_for(steps) or self._compute_s
 
     def _round(self) -> bool:
-        """One round in four phases (module docstring): quorum → heal or weigh Δ →
-        allreduce and upload → commit vote, then the decision is applied.
-
-        A failing phase ends this member's contribution with ``_RoundFailed``; it still
-        votes (failure, with the reason), so the others are not left waiting.
-        """
+        """One round (module docstring): quorum → heal or weigh Δ → allreduce and upload →
+        commit vote → apply the decision. A failing phase still votes (failure, with the
+        reason), so the others are not left waiting."""
         steps, tokens = self._steps_since_sync, self._tokens_since_sync
         compute_s = self._round_compute_s(steps) if steps else 0.0
         delta = self._take_pseudo_gradient()
@@ -311,9 +224,8 @@ class SyncDiLoCoWorker(WorkerBase):
         return decision.committed
 
     def _count_dropped(self, q: pb.QuorumReply, committed: bool, steps: int) -> None:
-        """After a decided round: count the steps an abort dropped here, and the rounds
-        this member's own Δ was not finite in; after ``config.max_dropped_in_a_row`` of
-        those in a row, raise (the model restarted from the committed round each time).
+        """After a decided round: count the steps an abort dropped here, and the rounds this
+        member's own Δ was not finite in (raising after ``max_dropped_in_a_row`` in a row).
 
         Raises:
             InvalidPayloadError: this member diverged in that many rounds in a row.
@@ -323,11 +235,11 @@ class SyncDiLoCoWorker(WorkerBase):
         if not committed:
             self.stats.steps_dropped += steps
         if math.isfinite(self._largest):
-            self._note_applied()
+            self.drops.applied()
             return
         self.stats.non_finite_rounds += 1
-        self._reset_diverged_optimizer_state()
-        self._note_drop(
+        reset_diverged_state(self.inner_optimizer, self.worker_id)
+        self.drops.note(
             InvalidPayloadError,
             f"its pseudo-gradient of {steps} inner steps in quorum {q.quorum_id} was not finite (NaN/Inf)",
             "the local model diverges: lower the inner learning rate (--inner-lr) or clip the gradients",
@@ -377,12 +289,9 @@ class SyncDiLoCoWorker(WorkerBase):
         return torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, (N,)
 
     def _wait_for_quorum(self) -> pb.QuorumReply | None:
-        """Phase 1: ask for this round's quorum and wait for it (the wait is idle time).
-
-        A worker the server says is queued for the running group's next round (a joiner,
-        or a worker dropped from the last quorum) asks again until it gets in, up to twice
-        the time its own last H inner steps took: the group reaches its boundary about one
-        H-step time after its last round, and steps trained instead would be healed over.
+        """Phase 1: ask for this round's quorum and wait for it (the wait is idle time). A
+        worker the server queued for the running group's next round asks again, up to twice
+        the time its own last H inner steps took (docs/protocol.md, "The sync round").
 
         Returns:
             The quorum, or None when none formed in time (the round is skipped and the
@@ -413,7 +322,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 "worker %d: no quorum within %.1f s: %s; training on locally, next try in %d inner steps",
                 self.worker_id,
                 waited_s,
-                q.reason or "no reason given (a server from before QuorumReply.reason)",
+                q.reason,
                 self.local_steps,
             )
             return None
@@ -431,17 +340,18 @@ class SyncDiLoCoWorker(WorkerBase):
         try:
             if q.heal:
                 self._heal_for(q)
-            self._largest = 0.0 if q.heal or steps == 0 else _largest_magnitude(delta)
+            self._largest = 0.0 if q.heal or steps == 0 else largest_magnitude(delta)
             self._weigh(delta, 0.0 if q.heal else self._weight_of(steps, tokens))
             total_weight = self._allreduce_weighted(q, started)
             if not math.isfinite(total_weight):  # the weights' sum: finite weights never make it so
-                raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
+                raise RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
             if total_weight > 0:
                 delta.div_(total_weight)  # Δ̄ = Σ w_i Δ_i / Σ w_i
-                self._check_mean(q, delta, total_weight)
+                if not math.isfinite(largest_magnitude(delta)):  # the same bits on every member: all decide alike
+                    raise RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
                 if q.rank == 0:
                     self._upload(q, delta)
-        except _RoundFailed as exc:
+        except RoundFailed as exc:
             return _Vote(success=False, total_weight=total_weight, reason=str(exc))
         return _Vote(success=True, total_weight=total_weight)
 
@@ -449,15 +359,15 @@ class SyncDiLoCoWorker(WorkerBase):
         """Pull the committed state the quorum starts from (this θ_base is from another round).
 
         Raises:
-            _RoundFailed: the pull failed, or it gave another round than the quorum's.
+            RoundFailed: the pull failed, or it gave another round than the quorum's.
         """
         log.info("worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round)
         try:
             self._heal()
         except AsyncDiLoCoError as exc:  # vote failure rather than leave the others waiting
-            raise _RoundFailed(f"could not pull the committed state to heal: {exc}") from exc
+            raise RoundFailed(f"could not pull the committed state to heal: {exc}") from exc
         if self.round != q.round:
-            raise _RoundFailed(f"healed to round {self.round} but the quorum is at round {q.round}")
+            raise RoundFailed(f"healed to round {self.round} but the quorum is at round {q.round}")
 
     def _weight_of(self, steps: int, tokens: int) -> float:
         """w of this member's Δ: 1 (mean) or its tokens (token-weighted mean); 0 without
@@ -484,23 +394,20 @@ class SyncDiLoCoWorker(WorkerBase):
         self._buf[self._numel] = weight
 
     def _allreduce_weighted(self, q: pb.QuorumReply, started: float) -> float:
-        """Sum ``[w·Δ, w]`` over the quorum.
+        """Sum ``[w·Δ, w]`` over the quorum; returns Σ w.
 
-        Returns:
-            Σ w over the members.
         Raises:
-            _RoundFailed: the collective failed (a dead peer at once, a hung one after
-            ``allreduce_timeout_s``).
+            RoundFailed: the collective failed (a dead peer at once, a hung one after ``allreduce_timeout_s``).
         """
         try:
             self._allreduce(q)
-        except _RoundFailed as exc:  # the agreement refused the sum
+        except RoundFailed as exc:  # the agreement refused the sum
             log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, exc)
             raise
         except Exception as exc:  # noqa: BLE001 - any collective failure fails the round here
             reason = f"allreduce failed after {time.monotonic() - started:.2f} s: {exc}"
             log.warning("worker %d, quorum %d: %s", self.worker_id, q.quorum_id, reason)
-            raise _RoundFailed(reason) from exc
+            raise RoundFailed(reason) from exc
         self.stats.bytes_allreduced += self._buf.numel() * 4
         return float(self._buf[self._numel])
 
@@ -509,7 +416,7 @@ class SyncDiLoCoWorker(WorkerBase):
         process group.
 
         The collective seam: a subclass may wrap it (the fault-injection tests do).
-        Raises _RoundFailed (the agreement refused the sum) or whatever the collective raises."""
+        Raises RoundFailed (the agreement refused the sum) or whatever the collective raises."""
         self._start_allreduce(q).wait()
 
     def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
@@ -533,39 +440,9 @@ class SyncDiLoCoWorker(WorkerBase):
         )
 
     def _agree(self, pg: QuorumProcessGroup, q: pb.QuorumReply) -> None:
-        """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one
-        small MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)); member r sets
-        a_r, the others 0. Every member then decides alike: a size mismatch (a gloo sum
-        of unequal buffers aborts the process) or a non-finite Δ anywhere fails the round
-        on every member, naming the member, and the sum is not run.
-
-        Raises:
-            _RoundFailed: the sizes differ, or a member's Δ is not finite.
-            RuntimeError (from torch.distributed): a peer died or hung.
-        """
-        n = self._buf.numel()
-        facts = torch.zeros(2 + q.world_size, dtype=torch.float64)
-        facts[0], facts[1] = n, -n
-        facts[2 + q.rank] = self._largest  # inf, never NaN: max with NaN depends on the order
-        pg.all_max(facts)
-        largest, smallest = int(facts[0]), -int(facts[1])
-        if largest != smallest:
-            raise _RoundFailed(
-                f"the members' allreduce buffers differ in size ({smallest} to {largest} floats; this member's "
-                f"is {n}): the sum is not run; every member must run the same asyncdiloco version on the same model"
-            )
-        self._largest_by_rank = facts[2:].tolist()
-        bad = [int(q.members[r]) for r, a in enumerate(self._largest_by_rank) if not math.isfinite(a)]
-        if bad:
-            who = (
-                f"worker {bad[0]} sent a non-finite pseudo-gradient"
-                if len(bad) == 1
-                else f"workers {bad} sent non-finite pseudo-gradients"
-            )
-            raise _RoundFailed(
-                f"{who} (NaN/Inf): every member skips the round and restarts from round {q.round}; "
-                f"lower that worker's inner learning rate or clip its gradients"
-            )
+        """``collectives.agree`` on this member's buffer size and ‖Δ‖∞; every member's
+        ‖Δ‖∞ is kept for the messages (``_largest_member``)."""
+        self._largest_by_rank = agree(pg, q, self._buf.numel(), self._largest)
 
     def _largest_member(self, q: pb.QuorumReply) -> str:
         """ "worker 3's (‖Δ‖∞ = 1e+30)": the member with the largest ‖Δ‖∞ this round."""
@@ -574,21 +451,11 @@ class SyncDiLoCoWorker(WorkerBase):
         rank = max(range(len(self._largest_by_rank)), key=self._largest_by_rank.__getitem__)
         return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
 
-    def _check_mean(self, q: pb.QuorumReply, mean_delta: torch.Tensor, total_weight: float) -> None:
-        """Δ̄ must be finite; every member holds the same bits, so every member decides
-        alike (``non_finite_sum_reason`` says why it is not).
-
-        Raises:
-            _RoundFailed: Δ̄ holds a NaN or ±inf.
-        """
-        if not math.isfinite(_largest_magnitude(mean_delta)):
-            raise _RoundFailed(non_finite_sum_reason(self._largest_by_rank, total_weight, q))
-
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
         """Rank 0: send Δ̄ to the server (applied there only if the round commits).
 
         Raises:
-            _RoundFailed: the server refused it or could not be reached.
+            RoundFailed: the server refused it or could not be reached.
         """
         try:
             self.client.push(
@@ -600,7 +467,7 @@ class SyncDiLoCoWorker(WorkerBase):
                 quorum_id=q.quorum_id,
             )
         except AsyncDiLoCoError as exc:
-            raise _RoundFailed(
+            raise RoundFailed(
                 f"rank 0 could not upload the round result: {exc} (the largest pseudo-gradient was "
                 f"{self._largest_member(q)})"
             ) from exc
@@ -609,12 +476,9 @@ class SyncDiLoCoWorker(WorkerBase):
     def _vote(
         self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int, compute_s: float = 0.0
     ) -> pb.CommitReply:
-        """Phase 4: vote (with this member's steps and the seconds they took, its rate for
-        the server), and wait for the server's decision (commit or abort, with this
-        member's H_w for its next round). A vote the server refuses (it does not know the
-        quorum: it restarted mid-round) is an abort: the member restarts from θ_base and
-        keeps its H_w, and the next quorum tells it to heal if the server's committed
-        round differs."""
+        """Phase 4: vote (with this member's steps and their seconds), and wait for the
+        server's decision (commit or abort, with this member's next H_w). A vote the server
+        refuses (it restarted mid-round) is an abort: the member restarts from θ_base."""
         while True:
             try:
                 reply = self.client.commit(
@@ -721,50 +585,6 @@ class SyncDiLoCoWorker(WorkerBase):
     def checksum(self) -> int:
         """CRC-32 of θ_base's float32 bytes: equal on every member after each round."""
         return zlib.crc32(self._base.numpy().data.cast("B")) & 0xFFFFFFFF
-
-
-#: The largest finite float32, the sum's overflow threshold.
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
-    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
-    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
-    finite, or the agreement would have skipped the round) and Σ w.
-
-    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
-    below float32's overflow threshold (half of it leaves room for the rounding of the
-    float32 products and sums), members whose contributions are what they announced cannot
-    make the sum overflow: a contribution did not match its announcement (a faulty or
-    altered member, memory corrupted between the agreement and the sum), and no honest
-    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
-    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
-    mismatch too: the weights are finite by construction.
-    """
-    largest = max(announced, default=0.0)
-    rank = announced.index(largest) if announced else 0
-    bound = total_weight * largest
-    if not math.isfinite(total_weight) or bound <= _FLOAT32_MAX / 2:
-        return (
-            f"the round's sum is not finite although every member announced a finite pseudo-gradient (Σw = "
-            f"{total_weight:.6g}, largest ‖Δ‖∞ announced {largest:.3g}, so the sum is at most {bound:.3g}, far from "
-            f"float32's overflow at {_FLOAT32_MAX:.3g}): a member's contribution did not match its announcement; "
-            f"every member skips the round and restarts from round {q.round}. Check that every member runs the same "
-            f"asyncdiloco version, and the members' memory and hardware"
-        )
-    who = f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {largest:.3g})" if announced else "unknown"
-    return (
-        f"the round's mean pseudo-gradient is not finite (the sum overflowed float32); the largest "
-        f"pseudo-gradient was {who}: lower that worker's inner learning rate"
-    )
-
-
-def _largest_magnitude(x: torch.Tensor) -> float:
-    """max |x| of a 1-D float tensor; inf when it holds a NaN or ±inf (0 when empty)."""
-    if not x.numel():
-        return 0.0
-    lo, hi = (float(v) for v in torch.aminmax(x))
-    return math.inf if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def _outer_config(rc: pb.RunConfig) -> OuterConfig:

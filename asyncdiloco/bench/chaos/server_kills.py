@@ -209,7 +209,7 @@ def _acked_count(ack_files: list[pathlib.Path]) -> list[int]:
 # ---------------------------------------------------------------------- the checks
 def _read_archive(folder: pathlib.Path) -> tuple[dict[int, Any], list[str]]:
     """Records of every archived log segment by LSN, and conflicts (one LSN, two contents)."""
-    from asyncdiloco.ps.wal import read_segment
+    from asyncdiloco.ps.durable.wal import read_segment
 
     records: dict[int, Any] = {}
     conflicts = []
@@ -227,8 +227,8 @@ def _replay_identical(archive: pathlib.Path, state_dir: pathlib.Path, work: path
     final server's state (its newest checkpoint plus the log after it)."""
     import torch
 
+    from asyncdiloco.ps.durable.store import DurableStore, read_only_config
     from asyncdiloco.ps.state import ParameterServerState
-    from asyncdiloco.ps.store import DurableStore, read_only_config
     from asyncdiloco.tools.export import restore
 
     first = sorted(archive.glob("ckpt-*.json"))[0].stem  # ckpt-<LSN 0>
@@ -240,7 +240,7 @@ def _replay_identical(archive: pathlib.Path, state_dir: pathlib.Path, work: path
     config = read_only_config(work)
     replayed = ParameterServerState(config)
     assert config.durability is not None
-    DurableStore(config.durability, config).restore_read_only(replayed)
+    DurableStore(config.durability, config).restore_read_only(replayed.durability)
     final, _lsn = restore(state_dir)
     assert replayed.params is not None and final.params is not None, "a run that pushed is initialized"
     same = replayed.version == final.version and torch.equal(replayed.params, final.params)
@@ -255,7 +255,7 @@ def _replay_identical(archive: pathlib.Path, state_dir: pathlib.Path, work: path
 
 
 def check(out: pathlib.Path, archive: Archive, ack_files: list[pathlib.Path]) -> dict:
-    from asyncdiloco.ps.wal import PUSH
+    from asyncdiloco.ps.durable.wal import PUSH
     from asyncdiloco.wire._proto import parameter_server_pb2 as pb
 
     records, conflicts = _read_archive(archive.folder)

@@ -109,14 +109,14 @@ def in_process_pushes_per_s(numel: int, pushes: int = 50) -> float:
     state = ParameterServerState(ServerConfig(port=0, outer=OuterConfig(optimizer="nesterov")))
     manifest = Manifest.from_named_tensors([("w", torch.zeros(numel))])
     wid, _, _ = state.join(manifest, "bench")
-    state.push(
+    state.intake.push(
         torch.zeros(numel * 4, dtype=torch.uint8), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
     )
     payload = manifest.pack([torch.full((numel,), 1e-6)])
-    state.push(payload, worker_id=wid, push_id=2, base_version=0)  # warm: momentum, pooled buffer
+    state.intake.push(payload, worker_id=wid, push_id=2, base_version=0)  # warm: momentum, pooled buffer
     t0 = time.perf_counter()
     for i in range(pushes):
-        state.push(payload, worker_id=wid, push_id=3 + i, base_version=state.version)
+        state.intake.push(payload, worker_id=wid, push_id=3 + i, base_version=state.version)
     return pushes / (time.perf_counter() - t0)
 
 

@@ -140,12 +140,12 @@ def server_work_s(n: int, repeats: int) -> float:
     manifest = Manifest.from_named_tensors([("w", torch.zeros(n // 4))])
     wid, _, _ = state.join(manifest, "bench")
     payload = torch.zeros(n, dtype=torch.uint8)
-    state.push(payload, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
+    state.intake.push(payload, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     push_ids = itertools.count(2)
 
     def push_and_pull() -> None:
-        state.push(payload, worker_id=wid, push_id=next(push_ids), base_version=state.version)
-        state.release_snapshot(state.acquire_snapshot())
+        state.intake.push(payload, worker_id=wid, push_id=next(push_ids), base_version=state.version)
+        state.snapshots.release(state.snapshots.acquire())
 
     return median_seconds(push_and_pull, repeats)
 

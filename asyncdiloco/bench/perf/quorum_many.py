@@ -15,7 +15,6 @@ import json
 import threading
 import time
 import urllib.request
-from typing import Any
 
 import torch
 
@@ -71,8 +70,9 @@ def main() -> None:
             kind=pb.PUSH_KIND_INITIAL_PARAMETERS,
         )  # fmt: skip
         replies: dict[int, pb.QuorumReply] = {}
-        mode: Any = srv.state.mode  # the sync mode's rounds and held waits
-        rounds = mode.rounds
+        sync = srv.state.rounds
+        assert sync is not None  # a sync-mode server
+        rounds = sync.quorum
 
         def ask(i: int) -> None:
             replies[i] = clients[i % len(clients)].quorum(
@@ -112,7 +112,7 @@ def main() -> None:
             "votes_s": round(voted_s, 3),
             "quorum_calls": _calls(srv.metrics_port, "Quorum"),
             "commit_calls": _calls(srv.metrics_port, "Commit"),
-            "peak_held_calls": mode.peak_held_waits,
+            "peak_held_calls": sync.peak_held_waits,
         }
         print(json.dumps(result))
     finally:

@@ -6,6 +6,7 @@ docs/performance.md, "Durability"."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -18,12 +19,18 @@ import torch
 from asyncdiloco.algo.config import OuterConfig
 from asyncdiloco.ps import ParameterServer, ParameterServerState
 from asyncdiloco.ps.config import DurabilityConfig, ServerConfig
-from asyncdiloco.ps.store import DurableStore
+from asyncdiloco.ps.durable.store import DurableStore
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest, PayloadAssembler, crc32_of, iter_chunks, num_chunks_for
 from asyncdiloco.worker.client import ParameterServerClient
 
 MODES = {"memory": None, "wal": False, "wal+fsync": True}
+
+
+def _fill(assembler: PayloadAssembler, chunks: list) -> None:
+    for chunk in chunks:
+        assembler.add(chunk)
 
 
 def _config(mode: str, folder: str) -> ServerConfig:
@@ -37,30 +44,26 @@ def bench_state(manifest: Manifest, mode: str, pushes: int, folder: str) -> floa
     state = ParameterServerState(cfg)
     store = DurableStore(cfg.durability, cfg) if cfg.durability else None
     if store:
-        store.open(state)
+        store.open(state.durability)
     wid = state.join(manifest, "bench")[0]
     init = manifest.pack([torch.zeros(manifest.numel)])
-    state.apply_push(
-        pb.PushHeader(worker_id=wid, push_id=1, total_bytes=init.numel(), kind=pb.PUSH_KIND_INITIAL_PARAMETERS), init
-    )
+    state.intake.push(init, worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS)
     payload = manifest.pack([torch.full((manifest.numel,), 0.01)])
     chunks = list(iter_chunks(payload, cfg.chunk_bytes))
     started = time.perf_counter()
     for k in range(pushes):
-        header = pb.PushHeader(
-            worker_id=wid,
-            push_id=k + 2,
-            base_version=state.version,
-            total_bytes=payload.numel(),
-            num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes),
-            crc32=crc32_of(payload),
-            kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+        header = seal(
+            pb.PushHeader(
+                worker_id=wid,
+                push_id=k + 2,
+                base_version=state.version,
+                total_bytes=payload.numel(),
+                num_chunks=num_chunks_for(payload.numel(), cfg.chunk_bytes),
+                crc32=crc32_of(payload),
+                kind=pb.PUSH_KIND_PSEUDO_GRADIENT,
+            )
         )
-        assembler = state.begin_push(header)
-        assert isinstance(assembler, PayloadAssembler), assembler  # a fresh push id: never an early outcome
-        for c in chunks:
-            assembler.add(c)
-        state.apply_push(header, assembler.finish())
+        state.intake.receive(header, fill=functools.partial(_fill, chunks=chunks), drain=lambda: None)
     elapsed = time.perf_counter() - started
     if store:
         store.close()
