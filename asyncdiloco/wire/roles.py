@@ -1,11 +1,11 @@
-"""The gRPC metadata of a tier's Join: a regional server (ps/upstream.py) joins its
-parent with ``adl-role: region``; a parent that averages regions' pseudo-gradients in
-(θ ← θ − s(τ)·Δ/R over the R live regions, ps/apply.py) answers with the trailing
-``adl-role: region-averaged``, so a regional server knows whether its parent does."""
+"""The gRPC metadata of a tier's Join: a regional server (ps/tier/upstream.py) joins its
+parent with ``adl-role: region``, and the parent averages that region's pseudo-gradients
+in (θ ← θ − s(τ)·Δ/R over the R live regions, ps/push/apply.py)."""
 
-#: The metadata key of a Join's role (request) and of the parent's answer (trailing).
+#: The metadata key of a Join's role.
 ROLE_KEY = "adl-role"
 #: The Join is a regional server's.
 ROLE_REGION = "region"
-#: The parent averages this region's pushes in.
+#: No server sends it any more (every parent averages regions in); worker/client.py still
+#: reads it as a trailing Join answer (``parent_averages_regions``), which is now always False.
 REGION_AVERAGED = "region-averaged"
