@@ -433,13 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # the finally blocks reap the children
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=False)
+    with tempfile.TemporaryDirectory(prefix="chaos-server-") as tmp:
+        out = pathlib.Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=not args.out)  # --out: a fresh folder
         print(json.dumps(run(args, out)), flush=True)
-    else:
-        with tempfile.TemporaryDirectory(prefix="chaos-server-") as folder:
-            print(json.dumps(run(args, pathlib.Path(folder))), flush=True)
     return 0
 
 
