@@ -195,19 +195,6 @@ def test_a_push_logged_after_the_checkpoint_dates_its_worker(tmp_path):
         store2.close()
 
 
-def test_a_checkpoint_without_last_contacts_gives_a_full_lease():
-    state, mono, _ = _state(lease_s=10.0)
-    old = [
-        {"worker_id": 1, "name": "a", "alive": True, "applied_pushes": 0, "rejected_pushes": 0, "tokens": 0}
-        | {"local_steps": 0, "outcomes": [[1, True, 0, 0, 1.0, 5]]}
-    ]
-    with state.locks.books:
-        state.registry.load_meta(old, 2, 1, mono())
-    mono.advance(9.0)
-    assert state.live_worker_ids() == {1}
-    assert state.join_worker(MANIFEST, "a").last_push_id == 1  # old records resume by their name
-
-
 # ------------------------------------------------------------------- the worker's side
 def _model() -> nn.Module:
     torch.manual_seed(0)

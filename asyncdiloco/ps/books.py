@@ -112,19 +112,13 @@ class LoggedJoin:
     #: It was told to push the initial parameters.
     initialize: bool
     #: The manifest it brought, when that became the server's (the first Join); else None.
-    manifest: Manifest | None = None
-    #: The worker gave ``name`` (a later Join under it resumes this id); None in logs
-    #: older than the field: given unless it is "worker-<id>".
-    named: bool | None = None
-    #: When it joined, wall-clock seconds (None in older logs: at the replay).
-    seen_unix_s: float | None = None
+    manifest: Manifest | None
+    #: The worker gave ``name`` (a later Join under it resumes this id).
+    named: bool
+    #: When it joined, wall-clock seconds.
+    seen_unix_s: float
     #: It joined as a regional server (a lower tier's ``UpstreamLink``).
     region: bool = False
-
-    @property
-    def gave_name(self) -> bool:
-        """``named``, or for older logs: the name is not the server's "worker-<id>"."""
-        return self.named if self.named is not None else self.name != f"worker-{self.worker_id}"
 
 
 @dataclasses.dataclass
@@ -155,7 +149,7 @@ class WorkerRecord:
     #: resumes this record. False for the "worker-<id>" a nameless worker is given.
     named: bool = False
     #: Joins of this id so far: the current session (``JoinReply.session_id``); calls of
-    #: an older one are refused. 0: unknown (a checkpoint from before sessions).
+    #: an older one are refused.
     session: int = 0
     #: Processes of the current session's torchrun group (``JoinRequest.ranks``; 1 alone).
     ranks: int = 1
@@ -241,9 +235,7 @@ class Journal(Protocol):
     def log_join(self, join: LoggedJoin) -> None:
         """Log a Join (books lock held), before the worker learns its id."""
 
-    def log_push(
-        self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float) -> None:
         """Log a push about to be applied (books lock held), with what its outer step
         depends on and when it arrived (wall clock, seconds)."""
 

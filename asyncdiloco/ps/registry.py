@@ -212,8 +212,8 @@ class WorkerRegistry:
             self.initializer = worker_id
 
     def replay_join(self, join: LoggedJoin) -> None:
-        """Redo a logged Join; ``join.seen_unix_s`` (wall clock, None: unknown) dates it,
-        so a worker that joined before the restart keeps only the rest of its lease."""
+        """Redo a logged Join; ``join.seen_unix_s`` (wall clock) dates it, so a worker
+        that joined before the restart keeps only the rest of its lease."""
         silent_s = self.silent_s(join.seen_unix_s)
         self.register(
             join.worker_id,
@@ -221,7 +221,7 @@ class WorkerRegistry:
             join.initialize,
             join.manifest,
             self.clock(),
-            named=join.gave_name,
+            named=join.named,
             silent_s=silent_s,
             region=join.region,
         )
@@ -232,10 +232,9 @@ class WorkerRegistry:
         if rec is not None:
             rec.last_seen = max(rec.last_seen, self.clock() - self.silent_s(seen_unix_s))
 
-    def silent_s(self, seen_unix_s: float | None) -> float:
-        """Seconds from ``seen_unix_s`` (wall clock) to now; 0 when unknown, or when the
-        wall clock went back."""
-        return 0.0 if seen_unix_s is None else max(0.0, self.wall_clock() - seen_unix_s)
+    def silent_s(self, seen_unix_s: float) -> float:
+        """Seconds from ``seen_unix_s`` (wall clock) to now; 0 when the wall clock went back."""
+        return max(0.0, self.wall_clock() - seen_unix_s)
 
     def begin_call(self, worker_id: int) -> None:
         """A push of ``worker_id`` is in progress (received, applied or held): its lease
@@ -275,7 +274,7 @@ class WorkerRegistry:
             WorkerSupersededError: a later Join under the worker's name started a newer session.
         """
         rec = self.workers.get(worker_id)
-        if rec is not None and session_id and rec.session and session_id != rec.session:
+        if rec is not None and session_id and session_id != rec.session:
             raise WorkerSupersededError(
                 f"worker {worker_id} ({rec.name!r}): session {session_id} was superseded by a later Join under the "
                 f"same name (session {rec.session}); two processes must not share a worker name: stop this one, "
@@ -308,7 +307,7 @@ class WorkerRegistry:
         """The worker left cleanly: its lease ends now. The Leave of a superseded session
         (``session_id`` not the newest; 0: not checked) ends nothing. True when it ended a lease."""
         rec = self.workers.get(worker_id)
-        if rec is not None and session_id and rec.session and session_id != rec.session:
+        if rec is not None and session_id and session_id != rec.session:
             log.warning("worker %d (%r): Leave of superseded session %d ignored", worker_id, rec.name, session_id)
             return False
         if rec is not None:
@@ -525,7 +524,7 @@ class WorkerRegistry:
                 "worker_id": r.worker_id,
                 "name": r.name,
                 "named": r.named,
-                **({"region": True} if r.region else {}),  # a regional server (older checkpoints: none)
+                **({"region": True} if r.region else {}),
                 "alive": r.alive,
                 "last_seen_unix_s": wall_now - (now - r.last_seen),
                 "applied_pushes": r.applied_pushes,
@@ -548,28 +547,21 @@ class WorkerRegistry:
         """Restore the table of a checkpoint. A worker registered then keeps the rest of
         its lease, counted from ``last_seen_unix_s``: one silent for longer than
         ``lease_s`` by now expires at the next lease check (at start-up), and is not
-        handed a new lease. Checkpoints without the field give a full lease."""
+        handed a new lease."""
         self.next_worker_id = next_worker_id
         self.initializer = initializer
         self.workers, self.names = {}, {}
         self.rates = StepRateMeter()
         for w in workers:
-            seen = now - self.silent_s(w.get("last_seen_unix_s"))
-            named = w.get("named", w["name"] != f"worker-{w['worker_id']}")  # older checkpoints: by the name
-            rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=named)
+            seen = now - self.silent_s(w["last_seen_unix_s"])
+            rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=w["named"])
             rec.rejected_pushes, rec.tokens, rec.local_steps = w["rejected_pushes"], w["tokens"], w["local_steps"]
-            rec.left, rec.session = (
-                w.get("left", False),
-                w.get("session", 0),
-            )  # older checkpoints: a stopped worker shows as "expired"
-            rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
-            for pid, applied, version, tau, weight, steps, *n in w["outcomes"]:  # older: no N
-                rec.outcomes[pid] = PushOutcome(
-                    applied, False, version, tau, weight, steps, num_workers=n[0] if n else 0
-                )
-            rec.push_high_water = w.get("push_high_water", rec.last_push_id)  # older: the newest remembered
+            rec.left, rec.session, rec.push_high_water = w["left"], w["session"], w["push_high_water"]
+            rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w["staleness"]
+            for pid, applied, version, tau, weight, steps, n in w["outcomes"]:
+                rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps, num_workers=n)
             rec.region = w.get("region", False)
             self.workers[rec.worker_id] = rec
-            if named:
+            if rec.named:
                 self.names[rec.name] = rec.worker_id
             self.rates.start(rec.worker_id, now)

@@ -133,7 +133,7 @@ class Durability:
 
     def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (start-up replay): a resumed one keeps the record's counters
-        and outcomes; ``join.seen_unix_s`` (wall clock; None in older logs: now) dates it."""
+        and outcomes; ``join.seen_unix_s`` (wall clock) dates it."""
         with self.locks.books:
             self.registry.replay_join(join)
 
@@ -214,15 +214,13 @@ class Durability:
             now = self.clock()
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
-                source = f"checkpoint tensors {meta.get('tensor_file', '(unnamed)')}"
-                self._load_tensors(
-                    tensors, int(meta.get("outer_arrivals", 0)), source, int(meta.get("outer_last_n", 0))
-                )
+                source = f"checkpoint tensors {meta['tensor_file']}"
+                self._load_tensors(tensors, meta["outer_arrivals"], source, meta["outer_last_n"])
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
             if self.rounds is not None:
-                self.rounds.load_meta(meta.get("sync"))
+                self.rounds.load_meta(meta["sync"])
             self.snapshots.clear()
         if self.rounds is not None:
             self.rounds.resume()
