@@ -92,8 +92,8 @@ class DurableRounds(Protocol):
     def to_meta(self) -> dict:
         """The rounds' part of a checkpoint (called with the state's locks held)."""
 
-    def load_meta(self, meta: dict | None) -> None:
-        """Take a checkpoint's part (None: the checkpoint has none; both locks held)."""
+    def load_meta(self, meta: dict) -> None:
+        """Take a checkpoint's part (both locks held)."""
 
     def resume(self) -> None:
         """The restore so far is done: go on at the restored version (no lock held)."""
