@@ -50,7 +50,7 @@ def push_past_the_memory(state, wid) -> int:
     last = PUSH_MEMORY + 11
     for push_id in range(2, last + 1):
         assert push(state, wid, push_id).applied
-    assert 2 not in state.registry.get(wid).outcomes
+    assert 2 not in state.registry.workers.get(wid).outcomes
     return last
 
 
@@ -88,7 +88,7 @@ def test_a_resumed_worker_is_told_the_mark():
     state = ParameterServerState(config())
     wid = initialized(state)
     last = push_past_the_memory(state, wid)
-    state.registry.get(wid).outcomes.clear()  # whatever the memory holds, the mark stays
+    state.registry.workers.get(wid).outcomes.clear()  # whatever the memory holds, the mark stays
     joined = state.join_worker(MANIFEST, "a")
     assert joined.resumed and joined.last_push_id == last
 

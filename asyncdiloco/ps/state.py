@@ -147,7 +147,7 @@ class ParameterServerState:
         """A rate v_w (inner steps/s) the worker measured on its own compute (DyLU; ignored if ≤ 0)."""
         if steps_per_s > 0:
             with self.locks.books:
-                if self.registry.get(worker_id) is not None:
+                if self.registry.workers.get(worker_id) is not None:
                     self.registry.report_rate(worker_id, steps_per_s)
 
     # ------------------------------------------------------------- workers
@@ -228,7 +228,7 @@ class ParameterServerState:
         """A pull of ``num_bytes`` payload bytes completed (it renews a live worker's lease)."""
         with self.locks.books:
             self.counters.count_pull(num_bytes)
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None and rec.alive:
                 rec.last_seen = self.clock()
 

@@ -255,7 +255,7 @@ class Durability:
         initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
         delta = self._decode_logged(header, payload) if model.manifest is not None else None
         with self.locks.apply, self.locks.books:
-            rec = self.registry.get(header.worker_id)
+            rec = self.registry.workers.get(header.worker_id)
             expected = model.version if initial else model.version + 1
             if rec is None or delta is None or expected != applied.version_after or initial == model.initialized:
                 raise CheckpointError(

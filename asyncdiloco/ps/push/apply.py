@@ -38,7 +38,7 @@ ZERO_FILL_PUSH_ID = 0
 def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcome:
     """The worker's record, its lease renewed; or the answer to a replay: a concurrent
     retry that won the race, or an id at or below the high-water mark (books lock held)."""
-    rec = parts.registry.get(header.worker_id)
+    rec = parts.registry.workers.get(header.worker_id)
     if rec is not None:
         retried = rec.answer_retry(header.push_id, parts.model.version, parts.config.local_steps)
         if retried is not None:

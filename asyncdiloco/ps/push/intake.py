@@ -170,7 +170,7 @@ class PushIntake:
     def _retried(self, header: pb.PushHeader) -> PushOutcome | None:
         """The answer to a replayed push id (books lock held; ``WorkerRecord.answer_retry``),
         else None."""
-        rec = self.registry.get(header.worker_id)
+        rec = self.registry.workers.get(header.worker_id)
         if rec is None or header.kind in _NOT_DEDUPLICATED:
             return None
         retried = rec.answer_retry(header.push_id, self.registry.model.version, self.config.local_steps)
@@ -387,6 +387,6 @@ class PushIntake:
         with self.locks.books:
             self.counters.rejected_pushes += 1
             self.counters.note_refusal(reason)
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None:
                 rec.rejected_pushes += 1

@@ -156,7 +156,7 @@ class SyncRounds:
         with self.locks.books:
             for worker_id, vote in votes.items():
                 measured = vote.num_local_steps > 0 and math.isfinite(vote.compute_s) and vote.compute_s > 0
-                if measured and self.registry.get(worker_id) is not None:  # else none: not measured
+                if measured and self.registry.workers.get(worker_id) is not None:  # else none: not measured
                     self.registry.rates.record(worker_id, vote.num_local_steps, now, vote.compute_s)
             return self.registry.plan_sync_round(members)
 
@@ -222,7 +222,7 @@ class SyncRounds:
                 continue
             tokens = done.tokens_by_worker.get(worker_id, 0)
             self.counters.count_applied(0, tokens)  # synchronous: τ = 0 by construction
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None:
                 rec.applied_pushes += 1
                 rec.tokens += tokens
