@@ -413,7 +413,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             base_version=self.version,
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
-            compute_s=self._round_compute_s(self._steps_since_sync),
+            compute_s=self.step_rate.seconds_for(self._steps_since_sync),
             last=last,
         )
         self._next_push_id += 1
