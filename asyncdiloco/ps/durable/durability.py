@@ -1,15 +1,8 @@
-"""The durable part of the state: a consistent copy of it for checkpoints, its restore,
-and the replay of logged pushes at start-up (store.py writes and reads them).
-
-A checkpoint's tensors are θ and the outer optimizer's vectors keyed by parameter name
-(``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``: float32, the parameter's
-shape); its JSON part holds the version, the manifest, the worker table with the
-applied push ids and outcomes, the counters and, in sync mode, the rounds' quorum ids and
-failed-round count (``"sync"``). Replaying a logged push redoes it with
-the τ, s(τ) and live-worker count N it was applied with, so θ and the outer optimizer's
-state come back bit for bit. A committed sync round is logged as a push of kind
-``ROUND_RESULT`` (Δ̄ as float32 bytes, whatever the parameters' dtypes) and replayed by
-rounds.py; after the restore the rounds go on at the restored version (``DurableRounds.resume``).
+"""The durable part of the state: a consistent copy for checkpoints (tensors ``param/<name>``,
+``momentum/<name>``, ``dn_delta/<name>``, fp32), its restore, and the replay of logged
+pushes with the τ, s(τ) and N they were applied with, so θ and the outer optimizer come
+back bit for bit (store.py writes and reads them). docs/operations.md, "Checkpoints,
+and what a crash loses".
 """
 
 from __future__ import annotations

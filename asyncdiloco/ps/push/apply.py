@@ -1,9 +1,6 @@
-"""Applying pushes to the global model (both modes' initial parameters; async mode's
-pseudo-gradients with the outer optimizer weighted by their staleness, Liu et al. 2024,
-arXiv 2401.09135, Sec. 3). Each apply: decode (outside the locks), check the values,
-then under the ``apply`` lock admit (lease, τ, s(τ), N; logged), the outer step (pulls
-hook in per block: pull/snapshots.py ``before_step``), then the books. The semantics:
-docs/algorithms.md; the path: docs/architecture.md, "One push".
+"""Applying pushes to the global model: the initial parameters, and async pseudo-gradients
+through the outer optimizer weighted by their staleness (Liu et al. 2024, arXiv
+2401.09135, Sec. 3). docs/architecture.md, "One push"; docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Sync-mode rounds without tensors or sockets: quorum formation (the running group, the
-queue, healing), commit votes, long-polled waits, the round counter; the role torchft's
-lighthouse plays, for synchronous DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
-LocalSGD. rounds.py applies the committed result. The round, both sides:
-docs/protocol.md, "The sync round" and "Long-polled waits".
-
-Locking: one condition variable guards everything here. ``live_workers`` and
-``on_commit`` are called with it held; they may take the state's lock (order: quorum,
-then state), and the state never calls in here while holding its own lock.
+"""Sync-mode rounds without tensors or sockets (the role of torchft's lighthouse): quorum
+formation, commit votes, long-polled waits, the round counter; rounds.py applies the
+result. One condition variable guards it all (lock order: quorum, then state).
+docs/protocol.md, "The sync round".
 """
 
 from __future__ import annotations

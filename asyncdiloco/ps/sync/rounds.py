@@ -1,11 +1,7 @@
 """Sync mode on the server's state (synchronous DiLoCo, Douillard et al. 2023, arXiv
-2311.08105, Alg. 1; LocalSGD with the plain SGD outer step): the round result rank 0
-uploads (staged until the vote), the committed round's outer step, the quorum, commit
-and store calls, per-member H_w, durable rounds and the healing pull. The rounds
-themselves are run by quorum.py's ``QuorumManager``. docs/algorithms.md, "Synchronous
-DiLoCo"; docs/architecture.md.
-
-Lock order: the quorum's condition, then the state's locks (books.py ``StateLocks``).
+2311.08105, Alg. 1): the staged round result, the committed round's outer step, the
+Quorum, Commit and Store calls, per-member H_w, durable rounds and the healing pull;
+quorum.py runs the rounds. Lock order: the quorum's condition, then the state's locks.
 """
 
 from __future__ import annotations
