@@ -207,7 +207,7 @@ class Durability:
             now = self.clock()
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
-                source = f"checkpoint tensors {meta['tensor_file']}"
+                source = f"checkpoint tensors {meta.get('tensor_file', '(unnamed)')}"
                 self._load_tensors(tensors, meta["outer_arrivals"], source, meta["outer_last_n"])
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
