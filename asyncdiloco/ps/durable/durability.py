@@ -30,16 +30,9 @@ def check_checkpoint_tensors(
     tensors: Mapping[str, torch.Tensor], manifest: Manifest, kinds: tuple[str, ...], source: str
 ) -> None:
     """Refuse a checkpoint whose tensors are not exactly the model's: for each of ``kinds``
-    (``param`` and the configured outer optimizer's vectors) one float32 tensor
-    ``"<kind>/<name>"`` of each manifest tensor's shape, and nothing else. A tensor the
-    model lacks is refused like a missing one: a checkpoint restores only the model it
-    was written for, and silently dropping state is as wrong as inventing it.
+    (``param`` and the outer optimizer's vectors) one float32 ``"<kind>/<name>"`` of each
+    manifest tensor's shape, and nothing else; ``source`` names the file in the message.
 
-    Args:
-        tensors: the checkpoint's tensors by key.
-        manifest: the model (the checkpoint's own manifest).
-        kinds: the vectors the configured outer optimizer keeps, with ``param``.
-        source: the checkpoint's file, for the message.
     Raises:
         CheckpointError: naming every extra, missing, reshaped and re-typed tensor, and
             the documented way to convert a checkpoint (``CONVERT_DOC``).

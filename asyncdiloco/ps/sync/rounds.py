@@ -246,12 +246,8 @@ class SyncRounds:
         call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum (a ``QuorumMiss``,
-        saying why, when none formed). With ``poll`` (a long poll, long_poll.py) block at
-        most ``HOLD_S`` seconds, and none when every hold is taken: a ``QuorumMiss`` with
-        ``pending`` then says the request stays registered (``KEEP_S``); when
-        ``timeout_s`` ≤ ``HOLD_S`` the caller's wait ends here and the answer is final.
-        ``call`` is the RPC's watch: the wait ends when the call does, and never lasts
-        past its deadline.
+        saying why, when none formed); with ``poll``, a long poll's hold (long_poll.py;
+        ``pending``: ask again). ``call``: the RPC's watch, which ends the wait with it.
 
         Raises:
             UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash

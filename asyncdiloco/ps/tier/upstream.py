@@ -57,12 +57,8 @@ class UpstreamLink:
         client: builds the client to the parent (tests inject one); default
             ``ParameterServerClient(config.parent, ...)``.
 
-    Counters (read any time): ``syncs`` (the parent initialized with θ_base, or a rebase
-    onto a pulled global model), ``rebases`` (the regional versions they added: the
-    regional version = its pushes applied + ``rebases``),
-    ``pushes`` (pushes upward applied by the parent), ``bytes_up``/``bytes_down``
-    (payload bytes to and from the parent), ``parent_version`` (the version θ_base was
-    pulled at), ``failures`` (calls that found the parent unreachable).
+    Counters: ``syncs``, ``rebases`` (regional versions they added), ``pushes`` (applied
+    by the parent), ``bytes_up``/``bytes_down``, ``parent_version``, ``failures``.
     """
 
     def __init__(
