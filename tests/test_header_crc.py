@@ -149,7 +149,7 @@ def test_a_flipped_push_id_is_resent_and_the_worker_goes_on(start_server, monkey
     with worker:
         assert (worker.client.bulk_port > 0) == bulk
         _steps(model, opt, 4 * H)
-        rec = srv.state.registry.get(worker.worker_id)
+        rec = srv.state.registry.workers.get(worker.worker_id)
         mark, applied = rec.last_push_id, worker.stats.pushes_applied
         left["n"] = 1
         _steps(model, opt, 4 * H)
@@ -223,7 +223,7 @@ def test_a_push_id_below_1_is_refused_with_nothing_changed(start_server, push_id
     srv, model, opt, worker = _worker(start_server, bulk=False)
     with worker:
         _steps(model, opt, 2 * H)
-        rec = srv.state.registry.get(worker.worker_id)
+        rec = srv.state.registry.workers.get(worker.worker_id)
         mark, version, theta = rec.last_push_id, srv.state.version, srv.state.params.clone()
         payload = worker.manifest.pack_flat(torch.zeros(worker.manifest.numel))
         with pytest.raises(InvalidPayloadError, match=f"push_id is {push_id}; the smallest is 1") as info:
@@ -262,7 +262,7 @@ def test_the_push_after_a_refused_one_is_applied_though_the_mark_did_not_move(st
     srv, model, opt, worker = _worker(start_server, bulk=False)
     with worker:
         _steps(model, opt, H)
-        rec = srv.state.registry.get(worker.worker_id)
+        rec = srv.state.registry.workers.get(worker.worker_id)
         mark, version = rec.last_push_id, srv.state.version
         payload = worker.manifest.pack_flat(torch.zeros(worker.manifest.numel))
         with pytest.raises(UnknownVersionError):  # a base version from the future

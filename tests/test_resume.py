@@ -76,7 +76,7 @@ def test_a_join_under_a_known_name_gets_the_id_back_with_its_outcomes():
     assert [w.worker_id for w in state.status().workers] == [a, b]
     retry = _push(state, a, 2, value=9.0)  # the push that was in flight: its original outcome, not applied again
     assert retry.duplicate and (retry.version, retry.staleness) == (first.version, first.staleness)
-    rec = state.registry.get(a)
+    rec = state.registry.workers.get(a)
     assert (rec.applied_pushes, rec.tokens, rec.local_steps) == (1, 10, 3)
     assert state.registry.next_worker_id == 3
     assert state.join_worker(MANIFEST, "c").last_push_id == 0  # a new worker
@@ -90,7 +90,7 @@ def test_the_old_session_ends_at_once_and_the_new_one_is_a_fresh_join():
     mono.advance(40.0)  # a is silent for 16 of its rounds: no group waits for it any more
     assert a not in state.registry.expected(mono())
     again = state.join_worker(MANIFEST, "a")
-    rec = state.registry.get(a)
+    rec = state.registry.workers.get(a)
     assert again.resumed and rec.alive and rec.joined_at == rec.last_seen == mono()
     assert a not in state.registry.rates.rates  # its rate is measured afresh
     assert a in state.registry.expected(mono())  # the new session has just joined
@@ -106,7 +106,7 @@ def test_a_left_or_expired_worker_resumes_and_an_empty_name_never_does():
     assert state.join_worker(MANIFEST, "a").worker_id == a
     x, y = state.join_worker(MANIFEST, ""), state.join_worker(MANIFEST, "")
     assert not x.resumed and not y.resumed and x.worker_id != y.worker_id
-    auto = state.registry.get(x.worker_id).name  # "worker-<id>", given by the server
+    auto = state.registry.workers.get(x.worker_id).name  # "worker-<id>", given by the server
     z = state.join_worker(MANIFEST, auto)  # a worker that calls itself that is someone else
     assert not z.resumed and z.worker_id not in (x.worker_id, y.worker_id)
 
@@ -151,7 +151,7 @@ def test_the_log_replays_a_resumed_join_without_wiping_its_outcomes(tmp_path):
     again, store2, _, _ = _restart(tmp_path / "ckpt", wall())
     try:
         assert_same(fingerprint(again), before)
-        assert sorted(again.registry.get(a).outcomes) == [1, 2, 3]
+        assert sorted(again.registry.workers.get(a).outcomes) == [1, 2, 3]
         assert again.join_worker(MANIFEST, "a").last_push_id == 3  # its id, after the restart too
         assert _push(again, a, 3).duplicate
     finally:
@@ -193,19 +193,6 @@ def test_a_push_logged_after_the_checkpoint_dates_its_worker(tmp_path):
         assert a in again.registry.workers
     finally:
         store2.close()
-
-
-def test_a_checkpoint_without_last_contacts_gives_a_full_lease():
-    state, mono, _ = _state(lease_s=10.0)
-    old = [
-        {"worker_id": 1, "name": "a", "alive": True, "applied_pushes": 0, "rejected_pushes": 0, "tokens": 0}
-        | {"local_steps": 0, "outcomes": [[1, True, 0, 0, 1.0, 5]]}
-    ]
-    with state.locks.books:
-        state.registry.load_meta(old, 2, 1, mono())
-    mono.advance(9.0)
-    assert state.live_worker_ids() == {1}
-    assert state.join_worker(MANIFEST, "a").last_push_id == 1  # old records resume by their name
 
 
 # ------------------------------------------------------------------- the worker's side
@@ -273,15 +260,15 @@ def test_a_push_in_flight_when_the_worker_died_is_applied_once(start_server, tmp
     _train(worker, model, opt, 2)  # push 2, saved before it was sent
     with pytest.raises(KeyboardInterrupt):
         _train(worker, model, opt, 2, seed=1)  # push 3: saved, sent, applied, reply never read
-    applied = srv.state.registry.get(worker.worker_id).applied_pushes
+    applied = srv.state.registry.workers.get(worker.worker_id).applied_pushes
     params = srv.state.params.clone()
     again, model2, opt2 = _worker(srv, folder)
     with again:
         assert srv.state.counters.duplicate_pushes == 1  # push 3 retried from the folder: answered as before
-        assert srv.state.registry.get(again.worker_id).applied_pushes == applied
+        assert srv.state.registry.workers.get(again.worker_id).applied_pushes == applied
         assert torch.equal(srv.state.params, params)
         _train(again, model2, opt2, 2, seed=2)  # push 4: new
-        assert srv.state.registry.get(again.worker_id).applied_pushes == applied + 1
+        assert srv.state.registry.workers.get(again.worker_id).applied_pushes == applied + 1
 
 
 def test_a_folder_older_than_the_servers_newest_push_never_resends_that_id(start_server, tmp_path, caplog):
@@ -300,7 +287,7 @@ def test_a_folder_older_than_the_servers_newest_push_never_resends_that_id(start
 
     worker.state_dir.save = disk_full
     _train(worker, model, opt, 2, seed=1)  # push 3 applied; neither save reached the folder
-    applied = srv.state.registry.get(worker.worker_id).applied_pushes
+    applied = srv.state.registry.workers.get(worker.worker_id).applied_pushes
     params = srv.state.params.clone()
     worker.state_dir.close()  # the process dies
     again, model2, opt2 = _worker(srv, folder)
@@ -312,7 +299,7 @@ def test_a_folder_older_than_the_servers_newest_push_never_resends_that_id(start
         local = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
         assert torch.equal(local, params)  # the global model, nothing of the old folder on top
         _train(again, model2, opt2, 2, seed=2)
-        assert srv.state.registry.get(again.worker_id).applied_pushes == applied + 1
+        assert srv.state.registry.workers.get(again.worker_id).applied_pushes == applied + 1
 
 
 def test_a_state_folder_refuses_another_model_another_name_and_a_second_process(start_server, tmp_path):
@@ -450,7 +437,7 @@ def test_a_push_applied_just_before_the_worker_died_is_never_taken_for_a_retrain
         worker._overlap.wait()  # noqa: SLF001 - push 3 reaches the server; its outcome is never merged
     assert at_kill.exists()
     wid = worker.worker_id
-    assert srv.state.registry.get(wid).local_steps == 2 + 2
+    assert srv.state.registry.workers.get(wid).local_steps == 2 + 2
     worker.state_dir.close()  # the process is gone: no reply read, nothing more saved
     worker.client.close()
     srv.state.leave(wid)
@@ -462,7 +449,7 @@ def test_a_push_applied_just_before_the_worker_died_is_never_taken_for_a_retrain
         assert again.worker_id == wid
         train(again, model2, opt2, 3)  # new steps only
     assert srv.state.counters.duplicate_pushes == 1  # push 3, retried with its own bytes
-    assert srv.state.registry.get(wid).local_steps == 4 + 3  # every step trained once, counted once
+    assert srv.state.registry.workers.get(wid).local_steps == 4 + 3  # every step trained once, counted once
     assert again.stats.pushes_refused == 0 and again.stats.pseudo_gradients_dropped == 0
 
 

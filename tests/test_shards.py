@@ -272,7 +272,7 @@ def test_a_zero_fill_is_in_the_followers_log_and_replayed_after_a_crash(start_se
         assert (
             torch.equal(restored.model.outer.momentum_buffer, before[2]) and restored.model.outer.arrivals == before[3]
         )
-        assert restored.registry.get(client._ids_of(a.worker_id)[1]).applied_pushes == 1  # the fill is nobody's
+        assert restored.registry.workers.get(client._ids_of(a.worker_id)[1]).applied_pushes == 1  # the fill is nobody's
     finally:
         store.close()
 

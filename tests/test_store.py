@@ -375,7 +375,7 @@ def test_regional_pushes_averaged_in_survive_a_crash(tmp_path, checkpoint_every)
     crash(store)
     state2, store2 = open_server(tmp_path, every=checkpoint_every)
     assert_same(before, fingerprint(state2))
-    assert state2.registry.get(a).region and state2.registry.get(b).region
+    assert state2.registry.workers.get(a).region and state2.registry.workers.get(b).region
     push(state2, a, 6, rand_tensors(9), base_version=state2.version)
     assert not state2.model.outer.momentum_buffer.any()
     store2.close()

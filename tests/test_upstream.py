@@ -102,7 +102,7 @@ def test_two_regions_average_in_every_pseudo_gradient_once(servers):
         assert r.upstream.sync_now(STUCK_S)  # the left-over push goes up
     expected = THETA0 - (workers[0].pushed + workers[1].pushed) / 2
     assert torch.equal(top.state.params, expected)
-    assert all(top.state.registry.get(r.upstream.worker_id).region for r in regions)
+    assert all(top.state.registry.workers.get(r.upstream.worker_id).region for r in regions)
     assert top.state.model.outer.momentum_buffer is None or not top.state.model.outer.momentum_buffer.any()
     assert top.state.counters.applied_pushes == sum(r.upstream.pushes for r in regions)
     # a sync with nothing applied meanwhile: the region's model is now the global one
@@ -175,7 +175,7 @@ def test_stop_pushes_the_rest_and_leaves_the_parent(servers):
     region.stop(None)
     assert region.upstream is None
     assert torch.equal(top.state.params, THETA0 - w.pushed)
-    assert not top.state.registry.get(worker_id).alive  # it left
+    assert not top.state.registry.workers.get(worker_id).alive  # it left
     w.close()
 
 

@@ -1,8 +1,6 @@
-"""What the state keeps in its books, guarded by the ``books`` lock: push outcomes
-(answered again to retries), worker rows, logged Joins, round votes, the status counters
-(``Counters``, part of every checkpoint), the state's two locks, and the typed interface
-of the write-ahead log (``Journal``; durable/store.py implements it). Light to import
-(no torch): the status command reads its helpers. docs/architecture.md, "The server's rooms".
+"""What the state keeps in its books (``books`` lock): push outcomes, worker rows, logged
+Joins, votes, the counters, the state's two locks and the write-ahead log's interface
+(``Journal``). Light to import (no torch). docs/architecture.md, "The server's rooms".
 """
 
 from __future__ import annotations
@@ -36,18 +34,15 @@ class PushOutcome:
     Attributes:
         applied: the push changed the global model (or staged a round result); for a
             duplicate, the original push is known to have been applied.
-        duplicate: a retry of a push id at or below the worker's high-water mark: not
-            applied now; its original outcome when remembered, else ``applied`` False and
-            the current version (``WorkerRecord.answer_retry``).
+        duplicate: a retry of a push id at or below the worker's high-water mark, not
+            applied now (``WorkerRecord.answer_retry``).
         version: the global version after the push.
         staleness: τ = V − v, versions applied since the push's base version.
         staleness_weight: s(τ), the factor the pseudo-gradient was scaled by.
         local_steps: H, the inner steps of the worker's next round.
         group_id: the push group whose release the reply waits for (0: none).
-        num_workers: N, the live-worker count the outer step used (0: not a pseudo-gradient);
-            shard 0 of a sharded server sends it to the workers (ps/push/shard_order.py).
-        closing: a worker's closing push, applied as the direct term alone (outer.py
-            ``step_closing``); shard 0 sends it to the other shards with N.
+        num_workers: N, the live-worker count the outer step used (0: not a pseudo-gradient).
+        closing: a worker's closing push, applied as the direct term alone (outer.py ``step_closing``).
     """
 
     applied: bool
@@ -112,19 +107,13 @@ class LoggedJoin:
     #: It was told to push the initial parameters.
     initialize: bool
     #: The manifest it brought, when that became the server's (the first Join); else None.
-    manifest: Manifest | None = None
-    #: The worker gave ``name`` (a later Join under it resumes this id); None in logs
-    #: older than the field: given unless it is "worker-<id>".
-    named: bool | None = None
-    #: When it joined, wall-clock seconds (None in older logs: at the replay).
-    seen_unix_s: float | None = None
+    manifest: Manifest | None
+    #: The worker gave ``name`` (a later Join under it resumes this id).
+    named: bool
+    #: When it joined, wall-clock seconds.
+    seen_unix_s: float
     #: It joined as a regional server (a lower tier's ``UpstreamLink``).
     region: bool = False
-
-    @property
-    def gave_name(self) -> bool:
-        """``named``, or for older logs: the name is not the server's "worker-<id>"."""
-        return self.named if self.named is not None else self.name != f"worker-{self.worker_id}"
 
 
 @dataclasses.dataclass
@@ -155,7 +144,7 @@ class WorkerRecord:
     #: resumes this record. False for the "worker-<id>" a nameless worker is given.
     named: bool = False
     #: Joins of this id so far: the current session (``JoinReply.session_id``); calls of
-    #: an older one are refused. 0: unknown (a checkpoint from before sessions).
+    #: an older one are refused.
     session: int = 0
     #: Processes of the current session's torchrun group (``JoinRequest.ranks``; 1 alone).
     ranks: int = 1
@@ -181,11 +170,9 @@ class WorkerRecord:
             self.outcomes.popitem(last=False)
 
     def answer_retry(self, push_id: int, version: int, local_steps: int) -> PushOutcome | None:
-        """The answer to a push that must not be applied: a remembered id's original
-        outcome; an id at or below the high-water mark whose outcome is forgotten (or that
-        was never applied: refused, or skipped) gets ``applied=False`` at the current
-        ``version``. None for an id above the mark (a new push, or a retry of a refused one).
-        Both are ``duplicate``."""
+        """The ``duplicate`` answer to a push that must not be applied: a remembered id's
+        outcome, else for an id at or below the high-water mark ``applied=False`` at the
+        current ``version``; None for an id above the mark."""
         remembered = self.outcomes.get(push_id)
         if remembered is not None:
             return dataclasses.replace(remembered, duplicate=True)
@@ -241,9 +228,7 @@ class Journal(Protocol):
     def log_join(self, join: LoggedJoin) -> None:
         """Log a Join (books lock held), before the worker learns its id."""
 
-    def log_push(
-        self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float) -> None:
         """Log a push about to be applied (books lock held), with what its outer step
         depends on and when it arrived (wall clock, seconds)."""
 

@@ -93,18 +93,8 @@ class Observer:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoreParts:
-    """What every part built on the core may read and change (under ``locks``).
-
-    Attributes:
-        config: the server configuration.
-        clock: the server's monotonic clock, seconds.
-        locks: the state's two locks (books.py).
-        model: θ, the outer optimizer, the version, the manifest (model.py).
-        registry: the worker table, leases, DyLU (registry.py).
-        counters: the status numbers (core.py).
-        journal: where Joins and pushes are logged, if anywhere (books.py).
-        observer: the hot path's timings and the initialization event (core.py).
-    """
+    """What every part built on the core may read and change (under ``locks``); ``clock``:
+    the server's monotonic clock, seconds; ``observer``: the hot path's timings."""
 
     config: ServerConfig
     clock: Callable[[], float]

@@ -1,13 +1,6 @@
-"""The global model on the server: fp32 parameters θ, the outer optimizer, the version.
-
-Owns θ (float32, (N,), manifest order), the outer optimizer and its state (momentum m;
-Delayed Nesterov's buffer; outer.py), the global version V, the manifest the workers
-train, and the run's wire codec for that manifest (codec.py) with its decode buffers.
-θ, m and every outer step stay fp32 whatever the codec: pseudo-gradients are decoded to
-an fp32 Δ before they are applied, and θ is encoded once per version for pulls.
-
-Locks (books.py ``StateLocks``): θ and the outer optimizer change under ``apply``;
-``version`` and ``manifest`` under ``books``. This class takes neither: its callers do.
+"""The global model on the server: θ (float32, (N,), manifest order), the outer optimizer and
+its state, the version V, the manifest and the run's wire codec. θ changes under the
+``apply`` lock, ``version`` and ``manifest`` under ``books``; callers take them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The worker table (``WorkerRegistry``): Joins and resumed names, leases on the server's
-monotonic clock (a push in progress keeps its worker's lease), the initializer choice,
-DyLU's rates and H_w (Liu et al. 2024, arXiv 2401.09135, Eq. 6), the grouping window and
-the barrier's cap (Alg. 2), the expected-workers rule, the ``RunConfig``. Every method is
-called with the state's books lock held. docs/algorithms.md; docs/protocol.md, "Names
-and resumed joins".
+"""The worker table (``WorkerRegistry``): Joins, leases, the initializer, DyLU's H_w
+(Liu et al. 2024, arXiv 2401.09135, Eq. 6), the grouping window (Alg. 2) and the
+``RunConfig``; called with the books lock held. docs/algorithms.md, docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -39,11 +36,7 @@ def worker_state(rec: WorkerRecord, expected: set[int]) -> str:
 
 
 def check_rate(steps_per_s: float) -> None:
-    """Refuse a reported inner-step rate that is NaN, infinite or negative (0: none).
-
-    Raises:
-        InvalidPayloadError: naming the value and the fix.
-    """
+    """Raise InvalidPayloadError for an inner-step rate that is NaN, infinite or negative (0: none)."""
     if not (math.isfinite(steps_per_s) and steps_per_s >= 0):
         raise InvalidPayloadError(
             f"steps_per_s is {steps_per_s}; a reported inner-step rate must be a finite number of steps per "
@@ -55,15 +48,10 @@ class WorkerRegistry:
     """Registered workers and their leases (see the module docstring).
 
     Args:
-        config: ``lease_s``, H (``local_steps``), ``dylu``, ``grace_s``, ``group_max_wait_s``,
-            ``max_payload_bytes``.
         clock: the server's monotonic clock, seconds.
-        grouping: the push replies' grouping mode in effect ("off", "window" or
-            "barrier"; always "off" in sync mode).
-        model: the global model (a Join checks, or brings, its manifest).
+        grouping: "off", "window" or "barrier" (always "off" in sync mode).
         journal: where each Join is logged before the worker learns its id.
-        wall_clock: wall-clock seconds (``time.time``), for last contacts that outlive
-            a restart (checkpoints and log records).
+        wall_clock: wall-clock seconds, for last contacts that outlive a restart.
     """
 
     def __init__(
@@ -88,11 +76,9 @@ class WorkerRegistry:
         #: The worker told to push the initial parameters (None: none chosen yet).
         self.initializer: int | None = None
         self.rates = StepRateMeter()
-        #: Worker id → the ``group_max_wait_s`` the server told it in its newest JoinReply
-        #: or PushReply (``told_wait_s``), seconds.
+        #: Worker id → the ``group_max_wait_s`` its newest reply told it (``told_wait_s``).
         self._told_wait_s: dict[int, float] = {}
-        #: Sync mode: member id → the H_w its newest round's decision handed it
-        #: (``plan_sync_round``), until its session ends.
+        #: Sync mode: member id → the H_w its newest round handed it (``plan_sync_round``).
         self._sync_steps: dict[int, int] = {}
         #: Worker id → its pushes in progress (``begin_call``): no lease lapses during one.
         self._in_call: dict[int, int] = {}
@@ -106,8 +92,6 @@ class WorkerRegistry:
         ``worker_name`` that a registered worker gave (alive, left or expired) resumes
         it: same id, counters and remembered push outcomes; the old session's lease ends.
 
-        Returns:
-            Its id, whether it initializes, the version, and whether (from which push id) it resumed.
         Raises:
             ManifestMismatchError: the manifest differs from the server's.
             PayloadTooLargeError: the model exceeds ``max_payload_bytes``.
@@ -150,9 +134,8 @@ class WorkerRegistry:
         )
 
     def _takes_manifest(self, manifest: Manifest, old: WorkerRecord | None) -> bool:
-        """Whether a Join's ``manifest`` becomes the server's. The manifest is provisional
-        until the initial parameters arrive: if every worker that brought it is gone, the
-        next join may bring another model; else it must match (ManifestMismatchError)."""
+        """Whether a Join's ``manifest`` becomes the server's (provisional until the initial
+        parameters arrive, while a worker that brought it lives); else ManifestMismatchError."""
         known = self.model.manifest
         others_alive = any(r.alive for r in self.workers.values() if r is not old)
         replace = known is None or (not self.model.initialized and not others_alive)
@@ -161,15 +144,9 @@ class WorkerRegistry:
         return replace
 
     def by_name(self, name: str) -> WorkerRecord | None:
-        """The registered worker (alive or not) that gave ``name`` when it joined; None
-        for an empty name, or a name no worker gave ("worker-<id>" names given by the
-        server do not count)."""
+        """The registered worker (alive or not) that gave ``name``; None for an empty or unknown name."""
         worker_id = self.names.get(name) if name else None
         return self.workers.get(worker_id) if worker_id is not None else None
-
-    def get(self, worker_id: int) -> WorkerRecord | None:
-        """The worker's record, alive or not (None: never registered)."""
-        return self.workers.get(worker_id)
 
     def register(
         self,
@@ -184,15 +161,8 @@ class WorkerRegistry:
         region: bool = False,
     ) -> None:
         """Start a session of a worker (a Join, or its replay): a new record, or a new
-        session of a known id (a resumed Join: its counters and outcomes stay).
-
-        Args:
-            now: the server clock, seconds.
-            named: the worker gave ``name`` (a later Join under it resumes this id).
-            silent_s: seconds since the worker was last seen (a replayed Join: its age);
-                0 for a live Join, whose lease is fresh.
-            initialize, manifest: it becomes the initializer; the server's manifest.
-        """
+        session of a known id (its counters and outcomes stay). ``silent_s``: seconds
+        since it was last seen (a replayed Join's age; 0 for a live Join)."""
         if manifest is not None:
             self.model.manifest = manifest
         self.next_worker_id = max(self.next_worker_id, worker_id + 1)
@@ -212,8 +182,8 @@ class WorkerRegistry:
             self.initializer = worker_id
 
     def replay_join(self, join: LoggedJoin) -> None:
-        """Redo a logged Join; ``join.seen_unix_s`` (wall clock, None: unknown) dates it,
-        so a worker that joined before the restart keeps only the rest of its lease."""
+        """Redo a logged Join; ``join.seen_unix_s`` (wall clock) dates it, so a worker
+        that joined before the restart keeps only the rest of its lease."""
         silent_s = self.silent_s(join.seen_unix_s)
         self.register(
             join.worker_id,
@@ -221,7 +191,7 @@ class WorkerRegistry:
             join.initialize,
             join.manifest,
             self.clock(),
-            named=join.gave_name,
+            named=join.named,
             silent_s=silent_s,
             region=join.region,
         )
@@ -232,19 +202,16 @@ class WorkerRegistry:
         if rec is not None:
             rec.last_seen = max(rec.last_seen, self.clock() - self.silent_s(seen_unix_s))
 
-    def silent_s(self, seen_unix_s: float | None) -> float:
-        """Seconds from ``seen_unix_s`` (wall clock) to now; 0 when unknown, or when the
-        wall clock went back."""
-        return 0.0 if seen_unix_s is None else max(0.0, self.wall_clock() - seen_unix_s)
+    def silent_s(self, seen_unix_s: float) -> float:
+        """Seconds from ``seen_unix_s`` (wall clock) to now; 0 when the wall clock went back."""
+        return max(0.0, self.wall_clock() - seen_unix_s)
 
     def begin_call(self, worker_id: int) -> None:
-        """A push of ``worker_id`` is in progress (received, applied or held): its lease
-        does not lapse until the matching ``end_call``."""
+        """A push of ``worker_id`` is in progress: its lease does not lapse until ``end_call``."""
         self._in_call[worker_id] = self._in_call.get(worker_id, 0) + 1
 
     def end_call(self, worker_id: int) -> None:
-        """A push that ``begin_call`` announced ended (whatever its outcome): a live
-        worker's lease runs afresh from now."""
+        """A push that ``begin_call`` announced ended: a live worker's lease runs afresh."""
         left = self._in_call.get(worker_id, 0) - 1
         if left > 0:
             self._in_call[worker_id] = left
@@ -260,22 +227,13 @@ class WorkerRegistry:
         for rec in self.workers.values():
             if rec.alive and now - rec.last_seen > self.config.lease_s and rec.worker_id not in self._in_call:
                 rec.alive = False
-                log.warning(
-                    "worker %d (%s): lease expired after %.1f s of silence",
-                    rec.worker_id,
-                    rec.name,
-                    now - rec.last_seen,
-                )
+                silent_s = now - rec.last_seen
+                log.warning("worker %d (%s): lease expired after %.1f s of silence", rec.worker_id, rec.name, silent_s)
 
     def check_session(self, worker_id: int, session_id: int) -> None:
-        """Refuse a call of a superseded session of ``worker_id`` (``session_id`` 0, or
-        an unknown id or session: not checked here).
-
-        Raises:
-            WorkerSupersededError: a later Join under the worker's name started a newer session.
-        """
+        """Raise WorkerSupersededError for a call of a superseded session (0: not checked)."""
         rec = self.workers.get(worker_id)
-        if rec is not None and session_id and rec.session and session_id != rec.session:
+        if rec is not None and session_id and session_id != rec.session:
             raise WorkerSupersededError(
                 f"worker {worker_id} ({rec.name!r}): session {session_id} was superseded by a later Join under the "
                 f"same name (session {rec.session}); two processes must not share a worker name: stop this one, "
@@ -308,7 +266,7 @@ class WorkerRegistry:
         """The worker left cleanly: its lease ends now. The Leave of a superseded session
         (``session_id`` not the newest; 0: not checked) ends nothing. True when it ended a lease."""
         rec = self.workers.get(worker_id)
-        if rec is not None and session_id and rec.session and session_id != rec.session:
+        if rec is not None and session_id and session_id != rec.session:
             log.warning("worker %d (%r): Leave of superseded session %d ignored", worker_id, rec.name, session_id)
             return False
         if rec is not None:
@@ -344,13 +302,8 @@ class WorkerRegistry:
 
     # ------------------------------------------------------- DyLU and grouping
     def report_rate(self, worker_id: int, steps_per_s: float) -> None:
-        """A rate v_w (inner steps/s) the worker measured itself; 0: none. Clamped to
-        ``RATE_RANGE`` and to within ``RATE_SPREAD`` of the other workers' median
-        (schedule.py ``StepRateMeter``).
-
-        Raises:
-            InvalidPayloadError: NaN, infinite or negative (``check_rate``); nothing recorded.
-        """
+        """A rate v_w (inner steps/s) the worker measured itself (0: none), clamped by
+        schedule.py ``StepRateMeter``. Raises InvalidPayloadError as ``check_rate``."""
         check_rate(steps_per_s)
         self.rates.report(worker_id, steps_per_s)
 
@@ -375,13 +328,9 @@ class WorkerRegistry:
         return dylu_local_steps(self.live_rates(), self.config.local_steps).get(worker_id, self.config.local_steps)
 
     def plan_sync_round(self, members: tuple[int, ...]) -> dict[int, int]:
-        """Sync mode, at a round's decision: each member's H_w for its next round, and
-        remember it (``local_steps``, Status). ``fixed``: H. ``adaptive``: DyLU inside the
-        round, H_w = max(1, ⌊v_w / max v · H⌋) with the maximum over the members whose
-        lease is current and whose rate is known (Liu et al. 2024, Eq. 6, the rule the
-        simulator's ``sync_diloco_adaptive`` uses); a member whose rate is unknown runs H.
-        So the members of a round, which start it together, finish their steps about
-        together, and every member's H_w comes from one computation."""
+        """Sync mode, at a round's decision: each member's H_w for its next round,
+        remembered. ``fixed``: H. ``adaptive``: H_w = max(1, ⌊v_w / max v · H⌋) over the
+        live members with a known rate (Liu et al. 2024, Eq. 6); H when unknown."""
         local_steps = self.config.local_steps
         if self.config.sync.local_steps != "adaptive":
             planned = dict.fromkeys(members, local_steps)
@@ -428,24 +377,15 @@ class WorkerRegistry:
 
     def told_wait_s(self, worker_id: int) -> float:
         """The longest the server may hold ``worker_id``'s next push reply, seconds: the
-        ``group_max_wait_s`` of its newest JoinReply or PushReply (the current one when it
-        got neither, e.g. from a server before a restart).
-
-        A worker's pushes and Joins follow each other (one push in flight at a time), so
-        the worker has that reply when it starts its next push, and its push deadline
-        (the client adds the wait to it) covers the hold. Heartbeat and Pull replies
-        announce it too but are not remembered: one may still be on its way when the
-        push starts.
-        """
+        ``group_max_wait_s`` of its newest JoinReply or PushReply (which its push deadline
+        covers; one push in flight at a time), else the current one."""
         told = self._told_wait_s.get(worker_id)
         return self.group_max_wait_s() if told is None else told
 
     def expected(self, now: float) -> set[int]:
         """The live workers a group waits for (and Delayed Nesterov's N, with dn_buffer=0):
-        those that pushed within two of their own rounds (H_w / v_w) plus the window, or
-        joined since. A worker that stopped pushing without leaving (killed, hung) stops
-        holding groups after that, long before its lease lapses. Sync mode has no push
-        groups (its quorums wait for their members themselves): every live worker."""
+        those that pushed within two of their rounds (H_w / v_w) plus the window, or
+        joined since; every live worker in sync mode."""
         if self.config.mode == "sync":
             return {w for w, rec in self.workers.items() if rec.alive}
         window = self.group_window_s()
@@ -515,9 +455,7 @@ class WorkerRegistry:
         ]
 
     def to_meta(self) -> list[dict]:
-        """The worker table for a checkpoint, with each worker's remembered push outcomes
-        and when it was last seen on the wall clock (``last_seen_unix_s``: the monotonic
-        clock does not survive a restart)."""
+        """The worker table for a checkpoint (last contacts on the wall clock)."""
         now, wall_now = self.clock(), self.wall_clock()
         self.expire(now)
         return [
@@ -525,7 +463,7 @@ class WorkerRegistry:
                 "worker_id": r.worker_id,
                 "name": r.name,
                 "named": r.named,
-                **({"region": True} if r.region else {}),  # a regional server (older checkpoints: none)
+                **({"region": True} if r.region else {}),
                 "alive": r.alive,
                 "last_seen_unix_s": wall_now - (now - r.last_seen),
                 "applied_pushes": r.applied_pushes,
@@ -545,31 +483,22 @@ class WorkerRegistry:
         ]
 
     def load_meta(self, workers: list[dict], next_worker_id: int, initializer: int | None, now: float) -> None:
-        """Restore the table of a checkpoint. A worker registered then keeps the rest of
-        its lease, counted from ``last_seen_unix_s``: one silent for longer than
-        ``lease_s`` by now expires at the next lease check (at start-up), and is not
-        handed a new lease. Checkpoints without the field give a full lease."""
+        """Restore the table of a checkpoint; each worker keeps the rest of its lease,
+        counted from ``last_seen_unix_s``."""
         self.next_worker_id = next_worker_id
         self.initializer = initializer
         self.workers, self.names = {}, {}
         self.rates = StepRateMeter()
         for w in workers:
-            seen = now - self.silent_s(w.get("last_seen_unix_s"))
-            named = w.get("named", w["name"] != f"worker-{w['worker_id']}")  # older checkpoints: by the name
-            rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=named)
+            seen = now - self.silent_s(w["last_seen_unix_s"])
+            rec = WorkerRecord(w["worker_id"], w["name"], now, seen, w["alive"], w["applied_pushes"], named=w["named"])
             rec.rejected_pushes, rec.tokens, rec.local_steps = w["rejected_pushes"], w["tokens"], w["local_steps"]
-            rec.left, rec.session = (
-                w.get("left", False),
-                w.get("session", 0),
-            )  # older checkpoints: a stopped worker shows as "expired"
-            rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w.get("staleness", (0, 0, 0))
-            for pid, applied, version, tau, weight, steps, *n in w["outcomes"]:  # older: no N
-                rec.outcomes[pid] = PushOutcome(
-                    applied, False, version, tau, weight, steps, num_workers=n[0] if n else 0
-                )
-            rec.push_high_water = w.get("push_high_water", rec.last_push_id)  # older: the newest remembered
+            rec.left, rec.session, rec.push_high_water = w["left"], w["session"], w["push_high_water"]
+            rec.staleness_sum, rec.staleness_pushes, rec.last_staleness = w["staleness"]
+            for pid, applied, version, tau, weight, steps, n in w["outcomes"]:
+                rec.outcomes[pid] = PushOutcome(applied, False, version, tau, weight, steps, num_workers=n)
             rec.region = w.get("region", False)
             self.workers[rec.worker_id] = rec
-            if named:
+            if rec.named:
                 self.names[rec.name] = rec.worker_id
             self.rates.start(rec.worker_id, now)

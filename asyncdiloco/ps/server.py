@@ -82,12 +82,8 @@ class ParameterServer:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> ParameterServer:
-        """Restore the durable state, bind the port(s) and start serving.
-
-        Each resource is registered for undoing as soon as it is acquired (the checkpoint
-        folder's lock, the gRPC server and its port, the bulk channel, the metrics
-        endpoint), so a start that fails at any step gives all of them back, in reverse
-        order, and the next start on the same folder and ports works.
+        """Restore the durable state, bind the port(s) and start serving; a start that fails
+        at any step gives back every resource it acquired, in reverse order.
 
         Returns:
             self, serving (``port`` is the bound port).

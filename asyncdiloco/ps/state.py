@@ -1,8 +1,6 @@
-"""The parameter server's state, free of any network code: it builds the parts (model,
-worker table, intake, snapshots, sync rounds, durability; each owns its thing and
-callers use it directly) and adds what spans several of them: Join, Heartbeat, Leave,
-Status, ReportEval, the pull's header and the mode check of the sync-mode calls.
-docs/architecture.md, "The server's rooms".
+"""The parameter server's state, free of network code: it builds the parts (callers use
+them directly) and adds what spans several: Join, Heartbeat, Leave, Status, ReportEval,
+the pull's header, the sync-mode calls' mode check. docs/architecture.md, "The server's rooms".
 """
 
 from __future__ import annotations
@@ -147,7 +145,7 @@ class ParameterServerState:
         """A rate v_w (inner steps/s) the worker measured on its own compute (DyLU; ignored if ≤ 0)."""
         if steps_per_s > 0:
             with self.locks.books:
-                if self.registry.get(worker_id) is not None:
+                if self.registry.workers.get(worker_id) is not None:
                     self.registry.report_rate(worker_id, steps_per_s)
 
     # ------------------------------------------------------------- workers
@@ -159,13 +157,9 @@ class ParameterServerState:
     def join_worker(
         self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
     ) -> Joined:
-        """``join`` with everything ``JoinReply`` says: a non-empty ``worker_name`` of a
-        registered worker (alive, left or expired) resumes it under its old id, with its
-        counters and remembered push outcomes; the old session ends at once (the groups,
-        Delayed Nesterov's N and sync mode's rounds stop waiting for it) and the new one
-        is a fresh join (rate, grouping). ``ranks``: the processes of its torchrun group
-        (informational, shown by Status). ``region``: a regional server joins (its pushes
-        are averaged in over the live regions: apply.py). Raises as ``join``."""
+        """``join`` with everything ``JoinReply`` says (registry.py ``WorkerRegistry.join``); a
+        resumed worker's old session ends at once (groups and rounds stop waiting for it).
+        ``ranks``: its torchrun group's size; ``region``: a regional server joins."""
         with self.locks.books:
             joined = self.registry.join(manifest, worker_name, steps_per_s, ranks, region)
             expected = self.registry.expected(self.clock()) if joined.resumed else set()
@@ -175,12 +169,9 @@ class ParameterServerState:
         return joined
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0, session_id: int = 0) -> tuple[int, float, bool]:
-        """Renew the lease (and take the worker's measured inner-step rate, steps/s, if > 0);
-        ``session_id``: the caller's session (``JoinReply.session_id``; 0: not checked).
+        """Renew the lease (and take the measured inner-step rate, steps/s, if > 0); returns
+        (version, lease seconds, whether this worker must now push the initial parameters).
 
-        Returns:
-            (version, seconds until the lease expires, whether this worker must now push
-            the initial parameters).
         Raises:
             UnknownWorkerError: the worker left or its lease lapsed.
             WorkerSupersededError: a later Join under the worker's name started a newer session.
@@ -228,7 +219,7 @@ class ParameterServerState:
         """A pull of ``num_bytes`` payload bytes completed (it renews a live worker's lease)."""
         with self.locks.books:
             self.counters.count_pull(num_bytes)
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None and rec.alive:
                 rec.last_seen = self.clock()
 
@@ -261,19 +252,9 @@ class ParameterServerState:
             )
 
     def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> pb.EvalPoint:
-        """Keep an evaluator's held-out loss of the global model (ReportEval); nothing
-        else changes.
-
-        Args:
-            version: the global version evaluated, 0 <= version <= the current one.
-            loss: mean held-out loss, nats per token; in [0, books.py ``MAX_EVAL_LOSS``].
-            num_tokens: tokens it was measured over, >= 1.
-            evaluator: a name for the dashboard (books.py ``MAX_EVALUATOR_CHARS`` at most).
-        Returns:
-            The point kept (``StatusReply.evals``), stamped with the seconds since start.
-        Raises:
-            InvalidPayloadError: a value out of those ranges; nothing is kept.
-        """
+        """Keep an evaluator's held-out ``loss`` (nats per token, over ``num_tokens``) of the
+        global model at ``version`` (ReportEval); returns the point kept, stamped with the
+        seconds since start. Raises InvalidPayloadError as books.py ``Counters.record_eval``."""
         with self.locks.books:
             at_s = self.clock() - self.started
             point = pb.EvalPoint(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator, at_s=at_s)
@@ -292,9 +273,7 @@ class ParameterServerState:
         poll: bool = False,
         call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
-        """Sync mode: block up to ``timeout_s`` seconds for the next round's quorum (a
-        ``QuorumMiss`` when none formed; with ``poll`` a long poll's short hold, a
-        pending ``QuorumMiss`` meaning "ask again"; sync/rounds.py ``SyncRounds.request_quorum``).
+        """Sync mode: sync/rounds.py ``SyncRounds.request_quorum``.
 
         Raises:
             ModeMismatchError (async server), UnknownWorkerError, NotInitializedError,

@@ -1,12 +1,7 @@
-"""The asynchronous DiLoCo worker (``AsyncDiLoCoWorker``): wraps a model and its inner optimizer.
-
-Every H inner steps it pushes the pseudo-gradient Δ = θ_base − θ_local against the version
-θ_base was pulled at, then pulls the new global model (DiLoCo, Douillard et al. 2023, arXiv
-2311.08105, Alg. 1; asynchronous as in Liu et al. 2024, arXiv 2401.09135, Sec. 3). The push
-and pull are push_pull.py's ``push_then_pull``, run inline or, with ``WorkerConfig.overlap``,
-on a background thread; ``_merge`` adopts the outcome either way. docs/worker.md ("The sync
-path") has the rules (faults, error feedback, the overlap merge), docs/operations.md ("When
-a sync fails", "Restarting a worker") what each fault and a restart do.
+"""The asynchronous DiLoCo worker (``AsyncDiLoCoWorker``): every H inner steps it pushes
+Δ = θ_base − θ_local and pulls the global model (Douillard et al. 2023, arXiv 2311.08105,
+Alg. 1; asynchronous as in Liu et al. 2024, arXiv 2401.09135), inline or with ``overlap``
+in the background; ``_merge`` adopts the outcome. docs/worker.md, "The sync path".
 """
 
 from __future__ import annotations
@@ -70,9 +65,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         config: server address, deadlines, backoff, ``overlap``.
         tokens_per_step: tokens consumed per inner step, reported to the server (0 if
             unknown); ``add_tokens`` adds more.
-        process_group: the torchrun group this process trains in as ONE worker (group.py):
-            "auto" (torch.distributed's default group when initialized with more than
-            one rank), a ``torch.distributed.ProcessGroup``, or "off" (a worker alone).
+        process_group: "auto", a ``torch.distributed.ProcessGroup`` or "off": the group
+            this process trains in as ONE worker (group.py ``resolve_group``).
 
     ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
     first inner step, and ``join``'s exceptions then come from that ``step()``.
@@ -147,15 +141,9 @@ class AsyncDiLoCoWorker(WorkerBase):
             raise
 
     def _number_pushes(self, reply: pb.JoinReply) -> bool:
-        """Where this registration's push ids start (1 is the initial parameters'), and
-        whether it continues a restored state or a rejoined registration: only when the
-        server resumed this worker's id and holds no push past the saved counter (a push
-        then in flight is answered with its outcome); otherwise what the server had not
-        acknowledged is dropped and ids go on after ``last_push_id``.
-
-        Returns:
-            True when the join continues (``_continue_unsent``).
-        """
+        """Where this registration's push ids start; True when it continues a restored
+        state or rejoin (the server resumed the id and holds no push past the saved
+        counter); otherwise the unacknowledged steps are dropped."""
         restored, self._restored_push_id = self._restored_push_id, None
         if restored is not None and reply.resumed and restored > reply.last_push_id:
             self._next_push_id = restored
@@ -171,9 +159,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         return False
 
     def _continue_unsent(self) -> None:
-        """The first sync of a restored worker, or of a rejoin, that the server resumed:
-        retry the unacknowledged push with its push id, then pull keeping θ_base − θ_local
-        (what the server has not received) and count on from the saved steps."""
+        """The first sync of a resumed worker: retry the unacknowledged push under its id,
+        then pull keeping θ_base − θ_local (what the server has not received)."""
         self._carry_residual = True  # a drop clears it
         self._merge(push_then_pull(self._link, self._request()))
         self._resuming = False
@@ -185,9 +172,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             self._joined_at = time.monotonic()
 
     def _close_worker(self) -> None:
-        """``close``: wait for and merge a sync in flight (overlap), push the steps since
-        the last sync (if ``push_on_close``: an unacknowledged push first, then the
-        residual), leave, release."""
+        """``close``: merge a sync in flight, push what is unsent (``push_on_close``), leave."""
         rate, stats = self.step_rate, self.stats
         stats.compute_s, stats.timed_steps, stats.steps_per_s = rate.compute_s, rate.timed_steps, rate.steps_per_s
         stats.local_steps_per_round = self.local_steps
@@ -221,11 +206,7 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     def _final_push(self) -> None:
         """``_push_round`` at close, retried with backoff for up to ``join_timeout_s`` while
-        the server cannot answer (``errors.RETRY_LATER``), under the same push id.
-
-        Raises:
-            The last attempt's exception once the time is up; other refusals at once.
-        """
+        the server cannot answer (``errors.RETRY_LATER``); other refusals raise at once."""
         give_up_at = time.monotonic() + self.config.join_timeout_s
         delay_s = self.config.initial_backoff_s
         while True:
@@ -249,13 +230,8 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ---------------------------------------------------------------- sync
     def _sync_once(self) -> bool | None:
-        """Push the pseudo-gradient, then pull the global model, inline; with overlap, merge
-        the sync in flight (waiting for it), start the next one in the background, return None.
-
-        Raises:
-            the newest drop's class after ``config.max_dropped_in_a_row`` drops in a row;
-            PayloadCorruptedError: every resend of a push or pull arrived corrupted.
-        """
+        """Push Δ, then pull, inline; with overlap, merge the sync in flight and start the
+        next one in the background (None). Raises after ``max_dropped_in_a_row`` drops."""
         if self._overlap is not None:
             return self._overlapped_sync_point(self._overlap)
         self._pack_push()
@@ -284,8 +260,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         return None
 
     def _request(self, snapshot: torch.Tensor | None = None, *, push: bool = True, pull: bool = True) -> SyncRequest:
-        """The push + pull of this sync point: the pending push (``push``), θ_base, and the
-        snapshot of θ_local (overlap; None inline: the model holds it)."""
+        """This sync point's push + pull; ``snapshot``: θ_local's copy (overlap; None inline)."""
         return SyncRequest(
             worker_id=self.worker_id,
             pending=self._pending if push else None,
@@ -302,8 +277,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         return self._sync_due() or (self._overlap is not None and self._overlap.done())
 
     def _step_events(self) -> None:
-        """The sync point when due (the step is counted: it belongs to the next round), then
-        the merge of a background sync that finished (a non-blocking check)."""
+        """The sync point when due, then the merge of a background sync that finished."""
         if self._sync_due():
             self._sync_point()
         if self._overlap is not None and self._overlap.done():
@@ -324,14 +298,9 @@ class AsyncDiLoCoWorker(WorkerBase):
         return merged
 
     def _merge(self, out: SyncOutcome, *, background: bool = False) -> bool:
-        """Training thread: adopt a finished ``push_then_pull`` (docs/worker.md, "The sync
-        path"): record the push's outcome, then load the new global model keeping
-        what the server has not received, θ_local ← θ_local(now) + c (or θ_g' itself).
-        Returns whether the model now holds it (False: a push only).
-
-        Raises:
-            whatever ended the sync early, after recording what the server acknowledged.
-        """
+        """Adopt a finished ``push_then_pull`` (docs/worker.md, "The sync path"): record
+        the push's outcome, then θ_local ← θ_local(now) + c (or θ_g'). True when the model
+        now holds the pull; raises what ended the sync early, after the recording."""
         self.stats.corrupted_transfers = self.client.corrupted_transfers
         dropped = self._record_push_outcome(out)
         if out.error is not None:
@@ -360,9 +329,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         return True
 
     def _record_push_outcome(self, out: SyncOutcome) -> bool:
-        """What the server did with the push a sync carried: acknowledged, dropped (refused,
-        never applied, or not finite: ``_drop_unsent``; returns True: the merge restarts from
-        θ_g'), or not known yet (kept for a retry, or for the rejoin to retry)."""
+        """Record what the server did with the sync's push; True when it was dropped (the
+        merge restarts from θ_g'); an unknown outcome keeps it for a retry."""
         pending = out.pending
         if pending is None:
             return False
@@ -383,9 +351,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         return False
 
     def _extend_round_by_held_steps(self, out: SyncOutcome) -> None:
-        """The reply was held while the push's group formed and this worker trained on: the
-        steps of that wait come on top of H_w, so its next push lands with the group's next
-        one (else the workers would drift out of their groups)."""
+        """The steps trained while the reply was held for a group come on top of H_w, so the
+        next push lands with the group's next one."""
         held_s = out.push_reply.held_s if out.push_reply is not None else 0.0
         pending = out.pending
         if held_s > 0 and pending is not None and pending.compute_s > 0:
@@ -415,8 +382,7 @@ class AsyncDiLoCoWorker(WorkerBase):
 
     # ------------------------------------------------------------- internals
     def _push_round(self) -> None:
-        """Push without a pull (the final pushes at close): the pending push (a retry) or a
-        new one with Δ = θ_base − θ_local."""
+        """Push without a pull (at close): the pending push, or a new one."""
         self._pack_push(last=True)
         self._merge(push_then_pull(self._link, self._request(pull=False)))
 
@@ -433,9 +399,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._save_before_sending()
 
     def _new_pending(self, local: torch.Tensor, *, encode: bool = True, last: bool = False) -> PendingPush:
-        """θ_local into ``local`` (N,) fp32 CPU and a new pending push (``self._pending``)
-        with the steps and tokens since the last one, and (``encode``) Δ = θ_base − θ_local
-        encoded; without, Δ is left to overlap's background thread."""
+        """θ_local into ``local`` (N,) fp32 and a new ``self._pending`` with the round's steps
+        and tokens; ``encode``: Δ = θ_base − θ_local encoded now (else by overlap's thread)."""
         self.flat.copy_into(local)  # θ_local, (N,) fp32
         payload = None
         if encode:
@@ -448,7 +413,7 @@ class AsyncDiLoCoWorker(WorkerBase):
             base_version=self.version,
             num_local_steps=self._steps_since_sync,
             num_tokens=self._tokens_since_sync,
-            compute_s=self._round_compute_s(self._steps_since_sync),
+            compute_s=self.step_rate.seconds_for(self._steps_since_sync),
             last=last,
         )
         self._next_push_id += 1
@@ -462,8 +427,7 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._round_steps = None
 
     def _push_acknowledged(self, reply: pb.PushReply) -> None:
-        """The server applied the pending push (``push_then_pull`` lowered θ_base by what it
-        received unless the pull completed; a lossy codec's residual is then kept)."""
+        """The server applied the pending push (a lossy codec's residual is kept)."""
         self._pending = None
         self._carry_residual = self.wire.codec.name != "raw"
         self.drops.applied()
@@ -472,10 +436,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         self._rate_known = True  # from now on each push's compute_s carries the rate
 
     def _drop_unsent(self, reason: str, what: str) -> None:
-        """Drop everything the server has not received (the pending push, if any, and
-        the steps since: θ_base − θ_local): the model restarts from θ_base now and from
-        the global model at the next pull, so nothing is sent twice or half. Counted in
-        ``stats`` (``drops[reason]``, the steps and tokens) and logged with ``what``."""
+        """Drop what the server has not received (the pending push and the steps since):
+        the model restarts from θ_base, then the next pull; counted and logged."""
         pending = self._pending
         steps = self._steps_since_sync + (pending.num_local_steps if pending is not None else 0)
         tokens = self._tokens_since_sync + (pending.num_tokens if pending is not None else 0)
@@ -497,30 +459,23 @@ class AsyncDiLoCoWorker(WorkerBase):
         )
 
     def _before_rejoin(self) -> None:
-        """Keep what the server has not acknowledged for the Join to decide: a resumed
-        registration retries the pending push with its id (applied at most once) and keeps
-        the steps since (``_continue_unsent``); a new one drops them (``_forget_unsent``)."""
+        """Keep what the server has not acknowledged for the Join to decide (``_number_pushes``)."""
         self._restored_push_id = self._next_push_id
 
     def _forget_unsent(self) -> None:
-        """The server did not resume this worker's registration: an unacknowledged push may
-        or may not have been applied, so it is dropped with the steps since (never counted
-        twice)."""
+        """Not resumed: an unacknowledged push may have been applied; drop it and the steps since."""
         if self._pending is not None or self._steps_since_sync > 0:
             self._drop_unsent(NOT_RESUMED, "the server did not resume this worker's registration")
         self._carry_residual = False
 
     # ---------------------------------------------------------- saved state
     def _save_before_sending(self) -> None:
-        """Write-ahead: a new push is in the state folder before any byte of it is sent, so
-        a restart retries exactly its bytes under its id (docs/operations.md, "Restarting a
-        worker", says why)."""
+        """Write-ahead: a new push is saved before any byte of it is sent (docs/operations.md)."""
         self._save_state()
         self._push_saved = self.state_dir is not None
 
     def _save_after_sync(self) -> None:
-        """The save after an adopted sync, skipped when its push was saved before it was
-        sent (a restart from that save leads to where this one would stand)."""
+        """The save after an adopted sync, skipped when its push was saved before sending."""
         if self._push_saved:
             self._push_saved = False
             return
@@ -565,12 +520,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         return state
 
     def _encode_for_saving(self, pending: PendingPush, snapshot: torch.Tensor) -> torch.Tensor | None:
-        """Overlap leaves Δ = θ_base − θ_local(t0) to its background thread, not started yet
-        when the push is saved: encode it here, and the push then carries these bytes.
-
-        Returns:
-            The payload, uint8; None when Δ is not finite (the background thread drops it).
-        """
+        """Encode overlap's Δ = θ_base − θ_local(t0) for saving (the push then sends these
+        bytes); uint8, or None when Δ is not finite."""
         delta = torch.sub(self._base, snapshot)
         try:
             check_finite_delta(delta, self.worker_id, pending.num_local_steps)
@@ -579,13 +530,8 @@ class AsyncDiLoCoWorker(WorkerBase):
         return self.wire.encode(delta).clone()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` before the worker joins: the model holds the saved
-        θ_local, and the first join continues the saved round if the server resumes
-        this worker's registration (docs/operations.md, "Restarting a worker").
-
-        Raises:
-            ConfigError: as ``WorkerBase.load_state_dict``.
-        """
+        """Restore a ``state_dict()`` before the worker joins; the first join continues the
+        saved round if the server resumes it. Raises ConfigError as ``WorkerBase``'s."""
         if self.follower:
             return  # rank 0's state reaches the followers when the group joins
         super().load_state_dict(state)

@@ -1,10 +1,6 @@
-"""What the asynchronous and the synchronous worker share (``WorkerBase``).
-
-It owns the worker's life (``WorkerState``: join with retries, rejoin, close), the hooks on
-the inner optimizer (count inner steps, sync every H of them), the heartbeat, the wire
-codec the server dictates, the state folder's common part, and the torchrun group it may
-train in (group.py). async_worker.py and sync_worker.py add what a sync point does;
-docs/architecture.md ("worker/") and docs/operations.md describe the behaviour.
+"""What the asynchronous and the synchronous worker share (``WorkerBase``): its life
+(``WorkerState``), the inner optimizer's hooks, the heartbeat, the wire codec, the state
+folder's common part and the torchrun group (group.py). docs/worker.md.
 """
 
 from __future__ import annotations
@@ -67,15 +63,12 @@ class WorkerState(enum.Enum):
 
 
 class WorkerBase:
-    """Base of the workers. Subclasses set ``mode`` ("async" or "sync": the server mode
-    they need) and ``self.stats`` (``WorkerCounters``), implement ``_join_once``,
-    ``_sync_once`` and ``_close_worker``, extend ``state_dict`` / ``load_state_dict``, and
-    call ``_restore_saved_state`` at the end of their ``__init__``.
+    """Base of the workers. Subclasses set ``mode`` and ``self.stats``, implement
+    ``_join_once``, ``_sync_once`` and ``_close_worker``, extend ``state_dict`` /
+    ``load_state_dict``, and call ``_restore_saved_state`` at the end of ``__init__``.
 
     Raises:
-        ConfigError: ``config.state_dir`` is in use by another worker, holds the state
-            of another model or mode, or was saved under another name than
-            ``config.worker_name``.
+        ConfigError: ``config.state_dir`` is in use, or holds another model's, mode's or name's state.
     """
 
     mode = "async"
@@ -126,8 +119,7 @@ class WorkerBase:
         config = self.config
         folder = None if self.follower else config.state_dir
         self.state_dir, self.worker_name = open_for_worker(folder, config.worker_name, self.manifest)
-        #: Called at every save: the caller's own state to keep with the worker's, a dict
-        #: of ``torch.save``-able values (the CLI keeps its data position and LR schedule).
+        #: Called at every save: the caller's own ``torch.save``-able state to keep with the worker's.
         self.extra_state: Callable[[], dict[str, Any]] | None = None
         #: ``extra`` of the state this worker was restored from ({} when none was).
         self.restored_extra: dict[str, Any] = {}
@@ -162,8 +154,7 @@ class WorkerBase:
         self._rate_reported_at = 0  # step_rate.timed_steps at the last report
 
     def _install_hooks(self, core: nn.Module) -> None:
-        """The pre-step hook that joins a worker nobody joined and the forward pre-hook that times
-        a step (rank 0 or alone); the post-step hook comes with ``join``."""
+        """The pre-step hook that joins, the forward pre-hook that times a step; ``join`` adds the post-step hook."""
         self._step_hook: RemovableHandle | None = None
         self._forward_hook: RemovableHandle | None = (
             None if self.follower else core.register_forward_pre_hook(self._step_begins)
@@ -174,9 +165,8 @@ class WorkerBase:
 
     # ------------------------------------------------------------ lifecycle
     def join(self) -> None:
-        """Register, then initialize the global model (first worker of a fresh server) or
-        load it into ``model``; retries until ``join_timeout_s`` (plus one lease while
-        waiting for another worker's initial parameters).
+        """Register, then initialize or load the global model; retries until ``join_timeout_s``
+        (plus one lease while waiting for another worker's initial parameters).
 
         Raises:
             ServerUnavailableError: no server, or no initial parameters, in time.
@@ -234,8 +224,7 @@ class WorkerBase:
                     delay = min(2 * delay, self.config.max_backoff_s)
 
     def _join_before_first_step(self, *_: object) -> None:
-        """Pre-step hook: a worker nobody joined joins now, so the step about to run trains the
-        global model and counts towards the first sync."""
+        """Pre-step hook: a worker nobody joined joins now."""
         if self._step_hook is None and not self._stop.is_set():
             self.join()
 
@@ -250,14 +239,9 @@ class WorkerBase:
         raise NotImplementedError
 
     def sync(self) -> bool:
-        """Sync with the server now (the step hook calls it every H steps): ``_sync_once``,
-        or a rejoin after the server forgot this worker. In a group every rank calls it.
-
-        Returns:
-            True when the model now holds a new global model; False when the sync did not
-            complete, runs on in the background (overlap), or the server was unreachable
-            (training goes on; a later sync point retries, with exponential backoff).
-        """
+        """Sync with the server now (the step hook calls it every H steps); in a group every
+        rank calls it. True when the model now holds a new global model; False when the
+        sync did not complete, runs in the background, or the server was unreachable."""
         if self.group is None:
             return self._sync_point()
         return self.group.shared(self.flat, self._sync_point)
@@ -280,10 +264,8 @@ class WorkerBase:
             self._count_sync_time(time.monotonic() - started)
 
     def _guarded(self, step: Callable[[], bool | None]) -> bool:
-        """Run ``step`` (a sync, a rejoin, or a merge) with the fault policy: an unreachable
-        server (``errors.RETRY_LATER``) backs off, a forgotten worker rejoins next time, the
-        rest is raised. ``step`` returns True/False (done or not: the backoff is reset) or
-        None (a sync runs in the background: its merge decides)."""
+        """Run ``step`` with the fault policy: ``errors.RETRY_LATER`` backs off, a forgotten
+        worker rejoins next time, the rest is raised; None from ``step``: in the background."""
         try:
             done = step()
         except RETRY_LATER as exc:
@@ -303,8 +285,7 @@ class WorkerBase:
         return done
 
     def _count_sync_time(self, elapsed_s: float) -> None:
-        """Seconds the training thread spent in ``sync``: without overlap all of it is
-        communication (``comm_s``) and all of it keeps training waiting (``blocked_s``)."""
+        """Seconds the training thread spent in ``sync``: all ``comm_s`` and ``blocked_s``."""
         self.stats.comm_s += elapsed_s
         self.stats.blocked_s += elapsed_s
         self.stats.corrupted_transfers = self.client.corrupted_transfers
@@ -313,8 +294,7 @@ class WorkerBase:
         raise NotImplementedError
 
     def _rejoin(self) -> bool:
-        """Register again (the lease lapsed, or the server restarted without this worker) and
-        load the global model; a rejoin cut short by an outage resumes where it stopped."""
+        """Register again and load the global model; one cut short resumes where it stopped."""
         if self.state is WorkerState.LOST:
             self.worker_id = 0
             self._before_rejoin()
@@ -325,16 +305,14 @@ class WorkerBase:
         return True
 
     def _before_rejoin(self) -> None:
-        """What a rejoin does with what the old registration had not sent (nothing here;
-        the async worker keeps it for a resumed registration)."""
+        """What a rejoin does with what the old registration had not sent (nothing here)."""
 
     def _raise_if_dropping_every_push(self) -> None:
         """``DropStreak.raise_at_limit`` for this worker."""
         self.drops.raise_at_limit(f"worker {self.worker_id} ({self.worker_name or 'unnamed'})")
 
     def _register(self) -> pb.JoinReply:
-        """Join: take the worker id, H and lease the server dictates; refuse a server
-        of the other mode (and leave it again)."""
+        """Join: take the id, H and lease; refuse (and leave) a server of the other mode."""
         ranks = 1 if self.group is None else self.group.world_size
         reply = self.client.join(self.manifest, self.worker_name, steps_per_s=self.step_rate.steps_per_s, ranks=ranks)
         if reply.run_config.mode != self.mode:
@@ -365,8 +343,7 @@ class WorkerBase:
         return run_config.dylu
 
     def _take_over_initialization_if_told(self) -> None:
-        """While the global model is missing: whether this worker must push its parameters
-        instead of a vanished initializer (the next attempt does)."""
+        """While the global model is missing: take over from a vanished initializer if told to."""
         if self.client.heartbeat(self.worker_id).initialize:
             self._must_initialize = True
             log.info("worker %d takes over initializing the global model", self.worker_id)
@@ -387,13 +364,9 @@ class WorkerBase:
 
     # ---------------------------------------------------------- saved state
     def state_dict(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What every worker saves (the subclasses add their own part): ``format``, ``mode``,
-        ``worker_name``, ``worker_id`` (informational), ``manifest`` ([[name, shape, dtype]]),
-        ``inner_optimizer`` (its ``state_dict()``) and ``extra`` (the caller's, ``torch.save``-able).
-
-        Raises:
-            ConfigError: called on a follower (rank > 0) of a group: the group's state is rank 0's.
-        """
+        """What every worker saves: ``format``, ``mode``, ``worker_name``, ``worker_id``,
+        ``manifest`` ([[name, shape, dtype]]), ``inner_optimizer`` and ``extra`` (the caller's).
+        Raises ConfigError on a follower (rank > 0): the group's state is rank 0's."""
         if self.group is not None:
             self.group.check_state_dict(merge_in_flight=False)
         return {
@@ -407,12 +380,8 @@ class WorkerBase:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()`` before the worker joins: its name, the inner
-        optimizer's state and ``extra`` (then ``restored_extra``).
-
-        Raises:
-            ConfigError: the worker joined already, or the state is of another model, mode or name.
-        """
+        """Restore a ``state_dict()`` before the worker joins (``extra`` → ``restored_extra``).
+        Raises ConfigError: joined already, or another model's, mode's or name's state."""
         if self.follower:
             return  # rank 0's state reaches the followers when the group joins
         if self.worker_id:
@@ -431,8 +400,7 @@ class WorkerBase:
             log.info("worker %s: state restored from %s", self.worker_name, self.state_dir.path)
 
     def _save_state(self) -> None:
-        """Save ``state_dict`` (with the caller's ``extra_state()``) into the state folder
-        (``WorkerStateDir.save_worker_state``), on the training thread."""
+        """Save ``state_dict`` (with ``extra_state()``) into the state folder, on the training thread."""
         if self.state_dir is None:
             return
         state = self.state_dict(self.extra_state() if self.extra_state is not None else None)
@@ -448,8 +416,7 @@ class WorkerBase:
         self.close()
 
     def close(self) -> None:
-        """Close: the subclass's ``_close_worker`` (final push, Leave). In a group it is
-        collective when training ended in order: rank 0 closes, every rank takes its parameters."""
+        """Close: ``_close_worker`` (final push, Leave); in a group that ended in order, collective."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -486,8 +453,7 @@ class WorkerBase:
             self.step_rate.begin()
 
     def _after_inner_step(self, *_: object) -> None:
-        """Post-step hook on the inner optimizer: count the step, then (rank 0 or alone)
-        the step's events: the sync point every H steps, a finished background sync's merge."""
+        """Post-step hook on the inner optimizer: count the step, then the step's events."""
         if not self.follower:
             self.step_rate.end()  # first: the sync below is not compute
         self.stats.inner_steps += 1
@@ -508,8 +474,7 @@ class WorkerBase:
             self.step_rate.resume()  # a step without a forward pre-hook is timed from here
 
     def _lead_step(self, group: LocalGroup) -> None:
-        """Rank 0's step exchange (the followers' tokens arrive before the push), then a due
-        step, whose outcome every rank takes (under DyLU every step before the first push)."""
+        """Rank 0's step exchange (the followers' tokens), then a due step every rank takes."""
         due = self._events_due() or not self._rate_known
         totals = group.step_exchange(tokens=0, stop=self._stop_requested, due=due)
         self._tokens_since_sync += totals.tokens
@@ -530,9 +495,7 @@ class WorkerBase:
         self.stats.blocked_s += self.group.follow_step(self.flat, tokens, self._stop_requested)
 
     def request_stop(self) -> None:
-        """Ask to stop training after the current inner step: ``should_stop`` turns True at
-        once alone, and on every rank of a group after the next inner step's exchange, so
-        every rank's loop ends after the same step."""
+        """Ask to stop after the current inner step (in a group, every rank stops after the same step)."""
         self._stop_requested = True
 
     @property
@@ -552,20 +515,12 @@ class WorkerBase:
         if self._sync_due():
             self._sync_point()
 
-    #: Before the first push, the rate is reported every this many timed inner steps (of 3
-    #: the longest is left out, so the first report is not a warm-up's).
+    #: Before the first push, the rate is reported every this many timed inner steps.
     RATE_PROBE_STEPS = 3
 
-    def _round_compute_s(self, steps: int) -> float:
-        """A push's ``compute_s`` for ``steps`` inner steps at v_w (``step_rate``); 0.0
-        while no step was timed (the server then uses the interval between pushes)."""
-        return self.step_rate.seconds_for(steps)
-
     def _report_rate(self) -> None:
-        """Before the first push of a registration: report v_w (``step_rate``) with a
-        heartbeat every ``RATE_PROBE_STEPS`` timed steps and take H_w from its reply (DyLU,
-        Liu et al. 2024, Eq. 6), so the first round is already balanced; from the first
-        push on, each push carries the rate (``_round_compute_s``)."""
+        """Before the first push: report v_w with a heartbeat every ``RATE_PROBE_STEPS`` timed
+        steps and take H_w from its reply (DyLU, Liu et al. 2024, Eq. 6); pushes carry it after."""
         timed = self.step_rate.timed_steps
         rate = self.step_rate.steps_per_s
         if not self.worker_id or rate <= 0 or timed - self._rate_reported_at < self.RATE_PROBE_STEPS:

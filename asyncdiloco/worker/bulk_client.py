@@ -87,17 +87,9 @@ class BulkChannel:
 
     # -------------------------------------------------------------- calls
     def push(self, header: pb.PushHeader, payload: torch.Tensor, timeout_s: float) -> pb.PushReply | None:
-        """Send one push (header + raw payload) and return the server's reply.
-
-        Args:
-            header: the PushHeader, exactly as the gRPC Push would send it.
-            payload: 1-D contiguous uint8 CPU tensor of ``header.total_bytes``.
-            timeout_s: deadline of the whole call, seconds.
-        Returns:
-            The reply, or None when the channel could not be used (make the call over gRPC).
-        Raises:
-            The library exception for a refusal (StalePushError, InvalidPayloadError, ...).
-        """
+        """Send one push (``header`` as gRPC would, ``payload`` 1-D contiguous uint8 CPU)
+        within ``timeout_s`` seconds; the reply, or None when the channel could not be used.
+        A refusal raises the library's exception."""
         view = payload.numpy().data
         return self._run(lambda sock, deadline: self._push(sock, deadline, header, view), timeout_s)
 

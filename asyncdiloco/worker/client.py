@@ -1,10 +1,5 @@
-"""Typed gRPC client of the parameter server: deadlines, the push transports, resends,
-errors mapped back to the library's exceptions (errors.py).
-
-One function picks a push's transport (``_send_push``): the bulk data channel when the server
-offers one (bulk_client.py), else one PushOne message when the payload fits one chunk, else a
-Push stream. docs/protocol.md ("One-message pushes", "Corrupted transfers", "The bulk data
-channel") and docs/operations.md (deadlines, security) describe the behaviour.
+"""Typed gRPC client of the parameter server: deadlines, the push transports (picked in
+``_send_push``), resends, errors mapped to errors.py's exceptions. docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -54,9 +49,8 @@ log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
 
-#: Times a push or pull whose payload arrived corrupted is sent again before the client
-#: raises ``PayloadCorruptedError`` (one flipped bit is resent; a link that corrupts
-#: every transfer is reported).
+#: Times a push or pull whose payload arrived corrupted is sent again before
+#: ``PayloadCorruptedError`` is raised.
 CORRUPTED_RESENDS = 3
 #: Seconds before the first resend of a corrupted payload; doubles with every resend.
 RESEND_BACKOFF_S = 0.05
@@ -74,10 +68,8 @@ class Pulled:
 
 
 def _open_channel(address: str, security: ClientSecurityConfig | None) -> grpc.Channel:
-    """The gRPC channel to ``address``: TLS when ``security`` asks for it. Its limits follow
-    the largest chunk the library allows (a server with any valid chunk_bytes can be talked
-    to before its RunConfig is known); gRPC's reconnect backoff, 120 s by default, is capped
-    at 2 s so that a restarted server is found again within seconds."""
+    """The gRPC channel to ``address`` (TLS when ``security`` asks), sized for the largest
+    chunk allowed; reconnect backoff capped at 2 s, so a restarted server is found fast."""
     options: list[tuple[str, int | str]] = [
         *grpc_channel_options(64 * _MIB),
         ("grpc.initial_reconnect_backoff_ms", 100),
@@ -104,12 +96,10 @@ class ParameterServerClient:
         bulk_channel: use the server's bulk data channel for push/pull when it offers one.
         corrupted_resends: times a corrupted push or pull is sent again (resend.py).
         resend_backoff_s: seconds before the first such resend; doubles with each.
-        one_message_pushes: send a push whose payload fits in one chunk as one PushOne
-            message (False: always a Push stream; the perf suite compares the two).
+        one_message_pushes: send a push that fits one chunk as one PushOne message.
     Raises:
-        ConfigError: a token or PEM file cannot be read, or a token would go over
-            plaintext to a server beyond the loopback without
-            ``security.insecure_trusted_network`` (security.py ``check_client_transport``).
+        ConfigError: a token or PEM file cannot be read, or a token would go in clear
+            beyond the loopback (security.py ``check_client_transport``).
     """
 
     def __init__(
@@ -138,25 +128,21 @@ class ParameterServerClient:
         self.chunk_bytes = chunk_bytes
         #: The newest ``group_max_wait_s`` the server announced (any reply), seconds.
         self.group_wait_s = 0.0
-        #: Worker id → ``group_max_wait_s`` of its newest JoinReply or PushReply: the longest
-        #: the server holds that worker's next push reply (ps/registry.py ``told_wait_s``).
+        #: Worker id → ``group_max_wait_s`` of its newest JoinReply or PushReply (registry.py ``told_wait_s``).
         self._push_wait_s: dict[int, float] = {}
         self._token = client_token(security)
         self._metadata = auth_metadata(self._token)
         self._security = security
         self._bulk_allowed = bulk_channel
-        #: JoinReply.session_id per worker id joined through this client: sent with its
-        #: pushes, heartbeats and Leave (the server refuses a superseded session's calls).
+        #: JoinReply.session_id per worker id joined through this client, sent with its calls.
         self._sessions: dict[int, int] = {}
         self.parent_averages_regions = False  # set by a regional join (``join``)
         self._bulk: BulkChannel | None = None
         self._channel = _open_channel(address, security)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
-        # Push and Pull carry the payload: their chunk messages are (de)serialised by
-        # hand with one copy each (wire/grpc_chunks.py); the other calls use the generated stub.
+        # Push and Pull (de)serialise their chunks by hand, one copy each (wire/grpc_chunks.py).
         self._push = push_callable(self._channel)
-        #: PushOne, for a push whose payload fits in one chunk (header and payload in one
-        #: message); None: every push is a stream.
+        #: PushOne, for a push that fits one chunk; None: every push is a stream.
         self._push_one: grpc.UnaryUnaryMultiCallable | None = (
             push_one_callable(self._channel) if one_message_pushes else None
         )
@@ -199,15 +185,13 @@ class ParameterServerClient:
         return self.rpc_timeout_s + self.timeout_s_per_mib * num_bytes / _MIB
 
     def _push_timeout(self, num_bytes: int, worker_id: int) -> float:
-        """Deadline of a push of ``num_bytes`` by ``worker_id``, seconds: the payload's, plus
-        the longest the server may hold its reply (told in the worker's previous PushReply
-        or its JoinReply; a newer, longer announcement counts too)."""
+        """Deadline of a push of ``num_bytes`` by ``worker_id``, seconds: the payload's plus
+        the longest hold the server announced."""
         held_s = max(self._push_wait_s.get(worker_id, 0.0), self.group_wait_s)
         return self._payload_timeout(num_bytes) + held_s
 
     def _told(self, wait_s: float, worker_id: int = 0) -> None:
-        """A reply announced ``group_max_wait_s`` = ``wait_s``; ``worker_id``: it was that
-        worker's JoinReply or PushReply (its next push may be held that long)."""
+        """A reply announced ``group_max_wait_s``; ``worker_id``: that worker's Join or Push reply."""
         self.group_wait_s = wait_s or self.group_wait_s  # 0: grouping off
         if worker_id:
             self._push_wait_s[worker_id] = wait_s
@@ -231,11 +215,8 @@ class ParameterServerClient:
     def join(
         self, manifest: Manifest, worker_name: str = "", steps_per_s: float = 0.0, ranks: int = 1, region: bool = False
     ) -> pb.JoinReply:
-        """Register (``ranks``: processes training this replica together, a torchrun
-        group's world size); raises ManifestMismatchError, ServerUnavailableError, ...;
-        the reply's session goes with this worker id's later calls through this client.
-        ``region``: a regional server joins its parent (wire/roles.py); whether the
-        parent averages its pushes in is then ``parent_averages_regions``."""
+        """Register (``ranks``: a torchrun group's world size; ``region``: a regional server
+        joins its parent, wire/roles.py); raises ManifestMismatchError, ServerUnavailableError."""
         request = pb.JoinRequest(
             manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s, ranks=ranks
         )
@@ -264,14 +245,9 @@ class ParameterServerClient:
         return self._pull_with_resends(request, total, None, total, f"the sync-state pull of worker {worker_id}")
 
     def pull(self, manifest: Manifest, worker_id: int = 0, buffer: torch.Tensor | None = None) -> Pulled:
-        """Stream the newest global parameters, encoded with the server's wire codec (the
-        header's RunConfig), into ``buffer`` (or a new uint8 tensor when ``buffer`` is
-        None or not of the encoded size).
-
-        Raises:
-            NotInitializedError: no initial parameters yet. InvalidPayloadError: the
-            stream was malformed or corrupted. ServerUnavailableError: connection lost.
-        """
+        """Stream the newest global parameters, encoded with the server's wire codec, into
+        ``buffer`` (or a new uint8 tensor). Raises NotInitializedError, InvalidPayloadError,
+        ServerUnavailableError."""
 
         def size(header: pb.PullHeader) -> int:
             return wire_bytes_for(header.run_config, manifest)
@@ -299,13 +275,8 @@ class ParameterServerClient:
         deadline_bytes: int,
         bulk: bool = True,
     ) -> Pulled:
-        """One pull over the bulk channel, or gRPC when it cannot be used.
-
-        Args:
-            size: the payload's size in bytes, or a function of the header giving it.
-            deadline_bytes: the payload size the call's deadline allows for.
-            bulk: the bulk channel may carry it (False: gRPC only).
-        """
+        """One pull over the bulk channel if ``bulk`` and it can, else gRPC; ``size``: bytes,
+        or a function of the header; ``deadline_bytes``: the size the deadline allows for."""
         timeout_s = self._payload_timeout(deadline_bytes)
         got = None
         if bulk and self._bulk is not None:
@@ -450,9 +421,7 @@ class ParameterServerClient:
         )
 
     def _adopt_server_chunking(self) -> bool:
-        """After a refused push: whether the server's chunk size (its Status's RunConfig)
-        differs from the one the push was cut with (a server restarted with another
-        ``--chunk-bytes``); if so it is adopted for every later push and pull."""
+        """After a refused push: adopt the server's chunk size (Status) if it changed; True if so."""
         try:
             chunk_bytes = self.status().run_config.chunk_bytes
         except AsyncDiLoCoError:
@@ -463,8 +432,7 @@ class ParameterServerClient:
         return True
 
     def heartbeat(self, worker_id: int, steps_per_s: float = 0.0) -> pb.HeartbeatReply:
-        """Renew the lease; ``steps_per_s`` > 0 reports the inner-step rate this worker
-        measured (DyLU). The reply's ``local_steps`` is H_w for the current round."""
+        """Renew the lease; ``steps_per_s`` > 0 reports the measured inner-step rate (DyLU)."""
         request = pb.HeartbeatRequest(
             worker_id=worker_id, steps_per_s=steps_per_s, session_id=self._sessions.get(worker_id, 0)
         )
@@ -476,9 +444,8 @@ class ParameterServerClient:
         self._call(self._stub.Leave, pb.LeaveRequest(worker_id=worker_id, session_id=self._sessions.get(worker_id, 0)))
 
     def quorum(self, *, worker_id: int, round: int, manifest_hash: str, timeout_s: float) -> pb.QuorumReply:
-        """Sync mode: ask to join the next round; waits up to ``timeout_s`` seconds
-        (``formed`` is False when no quorum formed by then). A long poll (long_poll.py):
-        no server thread is held while this worker waits."""
+        """Sync mode: ask to join the next round, a long poll of up to ``timeout_s`` seconds
+        (``formed`` False when none formed)."""
 
         def ask(left_s: float) -> pb.QuorumReply:
             request = pb.QuorumRequest(
@@ -501,11 +468,8 @@ class ParameterServerClient:
         timeout_s: float = 10.0,
         compute_s: float = 0.0,
     ) -> pb.CommitReply:
-        """Sync mode: vote on a round and wait up to ``timeout_s`` seconds for the
-        decision (``decided`` is False when it is not there yet; ``local_steps``, once
-        decided, is this member's H_w for its next round). ``compute_s``: seconds of this
-        member's own compute over its ``num_local_steps`` (0: not measured). A long poll
-        (long_poll.py): the same vote is sent again until decided; it counts once."""
+        """Sync mode: vote on a round, a long poll of up to ``timeout_s`` seconds for the
+        decision (``decided`` False when not there yet); ``compute_s``: seconds of own compute."""
 
         def ask(left_s: float) -> pb.CommitReply:
             request = pb.CommitRequest(
@@ -525,27 +489,15 @@ class ParameterServerClient:
         return long_poll.poll(ask, lambda reply: not reply.decided, timeout_s)
 
     def store(self, request: pb.StoreRequest, timeout_s: float | None = None) -> pb.StoreReply:
-        """Sync mode: one rendezvous-store operation (answered at once; worker/rendezvous.py
-        builds torch's blocking Store API on it). ``timeout_s``: the call's deadline
-        (default ``rpc_timeout_s``).
-
-        Raises:
-            RoundRefusedError: not a member of ``request.quorum_id``, or its round ended.
-            ServerUnavailableError, UnauthenticatedError (wrong token), InvalidPayloadError,
-            PayloadTooLargeError.
-        """
+        """Sync mode: one rendezvous-store operation (worker/rendezvous.py). Raises
+        RoundRefusedError (not a member, or the round ended), ServerUnavailableError, ..."""
         return self._call(self._stub.Store, request, timeout_s)
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())
 
     def report_eval(self, version: int, loss: float, num_tokens: int, evaluator: str = "") -> None:
-        """Report the held-out ``loss`` (nats per token, over ``num_tokens`` tokens) of the
-        global model at ``version`` (ReportEval), for the server's status, dashboard and metrics.
-
-        Raises:
-            InvalidPayloadError: a non-finite loss, num_tokens < 1 or a version the server
-                has not reached. ServerUnavailableError: the server cannot be reached.
-        """
+        """Report the held-out ``loss`` (nats per token, over ``num_tokens``) of the global
+        model at ``version``. Raises InvalidPayloadError, ServerUnavailableError."""
         report = pb.EvalReport(version=version, loss=loss, num_tokens=num_tokens, evaluator=evaluator)
         self._call(self._stub.ReportEval, report)

@@ -1,8 +1,6 @@
-"""One torch.distributed process group per quorum membership, for sync mode's allreduce:
-built over the quorum's rendezvous store (rendezvous.py), gloo on the CPU or NCCL on CUDA,
-reused by the next quorum of the same members after a commit, and the agreement and sum
-checks before the sum (docs/worker.md, "The quorum's collectives"; docs/protocol.md, "The
-sync round").
+"""Sync mode's allreduce: one process group per quorum membership (gloo or NCCL, over the
+quorum's rendezvous store, reused after a commit) and the agreement before the sum.
+docs/worker.md, "The quorum's collectives".
 """
 
 from __future__ import annotations
@@ -35,45 +33,30 @@ class QuorumGroup:
     quorum_id: int
     rank: int
     world_size: int
-    #: The ``torch.distributed.Store`` the members rendezvous over (rendezvous.py
-    #: ``ServerStore`` for sync workers; any store, e.g. a ``TCPStore``, in benchmarks).
+    #: The ``torch.distributed.Store`` the members rendezvous over (rendezvous.py ``ServerStore``).
     store: Any
-    #: The members' worker ids in rank order (``QuorumReply.members``); empty: never
-    #: reuse a group for this quorum (docs/worker.md, "The quorum's collectives").
+    #: The members' worker ids in rank order (``QuorumReply.members``); empty: never reuse a group.
     members: tuple[int, ...] = ()
 
 
 class InFlightAllreduce:
-    """A launched allreduce; ``wait`` blocks until the sum is in the caller's buffer.
-
-    Holds the process group until then (it must outlive its collective)."""
+    """A launched allreduce (holding its process group); ``wait`` blocks until the sum is in the buffer."""
 
     def __init__(self, work: Any = None, process_group: Any = None, store: Any = None) -> None:
         self._work, self._process_group = work, process_group
         self._store = store  # the group's rendezvous store lives as long as the group
 
     def wait(self) -> None:
-        """Raises:
-        RuntimeError (from torch.distributed): a peer died, hung past the timeout, or
-            the rendezvous failed. The buffer then holds no meaningful result.
-        """
+        """Raises RuntimeError (torch.distributed) when a peer died or hung; the buffer is then garbage."""
         if self._work is None:  # one member: nothing to reduce
             return
         self._work.wait()
 
 
 class InFlightDeviceAllreduce(InFlightAllreduce):
-    """An allreduce running on a device buffer (NCCL): ``wait`` polls the collective from
-    the host until ``timeout_s`` after its launch (aborting the group past it), then
-    copies the sum from ``device_buf`` back into the pinned host buffer ``buf`` and waits
-    for that copy, so the host reads finished bytes.
-
-    Args:
-        work, process_group: the launched collective and its group.
-        buf: 1-D float32 host buffer (pinned), the caller's.
-        device_buf: the device buffer of the same shape the collective sums.
-        timeout_s: seconds from now the collective may take.
-    """
+    """An NCCL allreduce of ``device_buf``: ``wait`` polls it until ``timeout_s`` seconds
+    after launch (then aborts the group), and copies the sum into the pinned 1-D float32
+    host buffer ``buf``."""
 
     def __init__(
         self, work: Any, process_group: Any, buf: torch.Tensor, device_buf: torch.Tensor, timeout_s: float
@@ -83,10 +66,7 @@ class InFlightDeviceAllreduce(InFlightAllreduce):
         self._deadline = time.monotonic() + timeout_s
 
     def wait(self) -> None:
-        """Raises:
-        RuntimeError: the collective did not finish within ``timeout_s`` (its group is
-            aborted), or torch.distributed's error (a peer died).
-        """
+        """Raises RuntimeError: not finished within ``timeout_s`` (group aborted), or a peer died."""
         while not self._work.is_completed():
             if time.monotonic() >= self._deadline:
                 self._process_group.abort()
@@ -114,16 +94,8 @@ class QuorumProcessGroup:
         self._store = store  # outlives the group (docs/worker.md)
 
     def all_max(self, values: torch.Tensor) -> None:
-        """Element-wise max of ``values`` over the members, in place (blocking; a no-op
-        for one member). Every member's ``values`` must have the same length: give it a
-        length they all know (e.g. from the quorum reply).
-
-        Args:
-            values: 1-D float64 CPU tensor, a few elements (NaN must not be in it: max
-                with NaN depends on the order).
-        Raises:
-            RuntimeError (from torch.distributed): a peer died or hung past the timeout.
-        """
+        """Element-wise max of ``values`` (1-D float64 CPU, same length on every member, no
+        NaN) over the members, in place. Raises RuntimeError when a peer died or hung."""
         if self._pg is None:
             return
         import torch.distributed as dist
@@ -161,8 +133,7 @@ class QuorumCollectives:
     Args:
         server_host: host of the server address (to pick loopback for gloo).
         collective_host: address gloo binds and advertises; None: 127.0.0.1 for a loopback server, else torch's default.
-        device: where the model lives (``FlatParams.device``): a CUDA device sums over
-            NCCL on that device, the CPU over gloo.
+        device: where the model lives: CUDA sums over NCCL, the CPU over gloo.
     """
 
     def __init__(self, server_host: str, collective_host: str | None, device: torch.device) -> None:
@@ -182,31 +153,17 @@ class QuorumCollectives:
         self.groups_reused = 0
 
     def allreduce_sum(self, buf: torch.Tensor, group: QuorumGroup, timeout_s: float) -> None:
-        """Sum ``buf`` in place over the quorum's members (a no-op for one member).
+        """Sum ``buf`` (1-D float32 CPU, pinned for NCCL, same shape on every member) in place
+        over the quorum, within ``timeout_s`` seconds for the rendezvous and the sum.
 
-        Args:
-            buf: 1-D float32 CPU tensor (pinned for NCCL), identical shape on every member.
-            group: the quorum.
-            timeout_s: bound on the rendezvous and on the collective, seconds.
         Raises:
-            RuntimeError (from torch.distributed): a peer died, hung past ``timeout_s``,
-            or the rendezvous failed. ``buf`` then holds no meaningful result.
+            RuntimeError (from torch.distributed): a peer died, hung or the rendezvous failed.
         """
-        self.start_allreduce_sum(buf, group, timeout_s).wait()
-
-    def start_allreduce_sum(self, buf: torch.Tensor, group: QuorumGroup, timeout_s: float) -> InFlightAllreduce:
-        """Build the quorum's process group and launch the sum of ``buf``; ``wait`` on the
-        result for it (arguments and errors as ``allreduce_sum``)."""
-        return self.open(group, timeout_s).start_allreduce_sum(buf)
+        self.open(group, timeout_s).start_allreduce_sum(buf).wait()
 
     def open(self, group: QuorumGroup, timeout_s: float) -> QuorumProcessGroup:
-        """The quorum's process group, for ``all_max`` and ``start_allreduce_sum`` in that
-        order on every member: the kept one when its members are this quorum's (``keep``),
-        else a new one (its rendezvous keys are the quorum's).
-
-        Raises:
-            RuntimeError (from torch.distributed): the rendezvous failed within ``timeout_s``.
-        """
+        """The quorum's process group: the kept one when its members are this quorum's
+        (``keep``), else a new one. Raises RuntimeError when the rendezvous failed."""
         self._current = None
         if group.world_size == 1:
             self._kept = None
@@ -225,9 +182,7 @@ class QuorumCollectives:
         return pg
 
     def keep(self) -> None:
-        """The round of the quorum opened last committed (every member's collectives
-        succeeded, and every member learns so): keep its group for the next quorum of
-        the same members."""
+        """The round of the quorum opened last committed: keep its group for the same members."""
         self._kept = self._current
 
     def drop(self) -> None:
@@ -252,8 +207,7 @@ class QuorumCollectives:
         )
 
     def _start_on_device(self, buf: torch.Tensor, pg: Any, timeout_s: float) -> InFlightDeviceAllreduce:
-        """Copy the host buffer into the reused device buffer and launch the sum there (the
-        collective's stream waits for the copy: both are queued on ``device``)."""
+        """Copy the host buffer into the reused device buffer and launch the sum there."""
         if self._device_buf is None or self._device_buf.shape != buf.shape:
             self._device_buf = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
         device_buf = self._device_buf
@@ -263,8 +217,8 @@ class QuorumCollectives:
         return InFlightDeviceAllreduce(work, pg, buf, device_buf, timeout_s)
 
     def _nccl_group(self, store: Any, group: QuorumGroup, timeout: datetime.timedelta) -> Any:
-        """A new NCCL group for the quorum whose errors abort its communicator only (module
-        docstring); the caller's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` wins."""
+        """A new NCCL group whose errors abort its communicator only (unless the caller set
+        ``TORCH_NCCL_ASYNC_ERROR_HANDLING``)."""
         import torch.distributed as dist
 
         opts = dist.ProcessGroupNCCL.Options()
@@ -279,15 +233,11 @@ class QuorumCollectives:
                 del os.environ[key]
 
     def end_round(self) -> None:
-        """The quorum's round is over: close its rendezvous store (later calls on it, e.g.
-        NCCL's monitor thread checking its dump flag, are answered without the server).
-        The object itself is kept until the next quorum's group is opened."""
+        """The quorum's round is over: close its rendezvous store (later calls on it are
+        answered without the server); the object is kept until the next quorum's."""
         close = getattr(self._store, "close", None)
         if close is not None:
             close()
-
-    def close(self) -> None:
-        self.end_round()
 
     def _rendezvous_store(self, group: QuorumGroup, timeout: datetime.timedelta) -> Any:
         """The quorum's store (kept: see ``end_round``), its timeout set to ``timeout``."""
@@ -320,18 +270,10 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def non_finite_sum_reason(announced: list[float], total_weight: float, q: pb.QuorumReply) -> str:
-    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, from what the members
-    announced in the agreement (``announced[r]``: ‖Δ‖∞ of the member of rank r, all
-    finite, or the agreement would have skipped the round) and Σ w.
-
-    Every |Σ_r w_r Δ_r,i| ≤ Σ_r w_r ‖Δ_r‖∞ ≤ Σ w · max_r ‖Δ_r‖∞. While that bound is well
-    below float32's overflow threshold (half of it leaves room for the rounding of the
-    float32 products and sums), members whose contributions are what they announced cannot
-    make the sum overflow: a contribution did not match its announcement (a faulty or
-    altered member, memory corrupted between the agreement and the sum), and no honest
-    member is blamed. Above it, finite Δs may have overflowed float32: the member with the
-    largest ‖Δ‖∞ is named, and its inner learning rate is the knob. A non-finite Σ w is a
-    mismatch too: the weights are finite by construction.
+    """Why a round's sum ``[Σ w·Δ, Σ w]`` came out non-finite, given each rank's announced
+    finite ‖Δ‖∞ (``announced``). Every |Σ_r w_r Δ_r,i| ≤ Σ w · max_r ‖Δ_r‖∞: below half of
+    float32's maximum, a contribution did not match its announcement (no member blamed);
+    above it, the sum overflowed and the member with the largest ‖Δ‖∞ is named.
     """
     largest = max(announced, default=0.0)
     rank = announced.index(largest) if announced else 0
@@ -360,16 +302,12 @@ def largest_magnitude(x: torch.Tensor) -> float:
 
 
 def agree(pg: QuorumProcessGroup, q: pb.QuorumReply, n: int, largest: float) -> list[float]:
-    """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one small
-    MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)); member r sets a_r, the
-    others 0. Every member then decides alike: a size mismatch (a gloo sum of unequal
-    buffers aborts the process) or a non-finite Δ anywhere fails the round on every member,
-    naming the member, and the sum is not run.
+    """Before the sum, every member learns every member's buffer size and ‖Δ‖∞ in one
+    MAX-allreduce of ``[n, −n, a_0 … a_{W−1}]`` (float64, (2+W,)), and all decide alike.
 
     Args:
         n: this member's allreduce buffer size, floats.
-        largest: this member's ‖Δ‖∞ (inf when not finite, never NaN: max with NaN depends
-            on the order).
+        largest: this member's ‖Δ‖∞ (inf when not finite, never NaN).
     Returns:
         Every member's ‖Δ‖∞, by rank.
     Raises:

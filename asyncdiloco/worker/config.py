@@ -1,9 +1,5 @@
-"""A worker's configuration: how it talks to the server (``WorkerConfig``) and, in sync
-mode, its collectives (``SyncWorkerConfig``). The run itself (H, codec, mode) comes from
-the server on Join.
-
-Frozen, keyword-only dataclasses validated in ``__post_init__``: a bad value raises
-``ConfigError`` naming the field, the value, the allowed range and the fix.
+"""A worker's configuration: ``WorkerConfig`` (how it talks to the server) and
+``SyncWorkerConfig`` (sync mode's collectives); frozen, validated in ``__post_init__``.
 """
 
 from __future__ import annotations

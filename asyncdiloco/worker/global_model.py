@@ -1,13 +1,6 @@
-"""The live global model θ of a running server, loaded into an ``nn.Module``.
-
-``load_global_model(model, "HOST:PORT")`` is the library's way to get the model out of a
-run while it trains (``asyncdiloco export`` writes it from a checkpoint folder instead,
-tools/export.py). It pulls as an observer (worker id 0: no Join, no lease, nothing the
-run waits for), the way the evaluator does (``pull_into``).
-
-The server sends θ encoded with the run's wire codec (``RunConfig.wire_codec``): with
-``raw`` (the default) the module gets θ exactly, in each parameter's dtype; with ``bf16``
-or ``int8`` it gets the decoded approximation the workers get too.
+"""The live global model θ of a running server, loaded into an ``nn.Module``
+(``load_global_model``): pulled as an observer (worker id 0, no Join, no lease), decoded
+with the run's wire codec. docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""A torch.distributed process group (a torchrun group, usually DDP) trained as ONE worker.
-
-``LocalGroup`` owns the group's side of a worker (base.py holds one as ``worker.group``):
-rank 0 is the worker the server sees, the other ranks ("followers") mirror it through one
-small collective per inner step (``step_exchange``), rank 0's outcome of a due step
-(``shared``), its keep-alives while it waits on the server (``leading``), and the join's
-broadcast of rank 0's state (``share_join``). docs/operations.md ("A torchrun group as one
-worker") has the protocol, its failures and its measured cost.
+"""A torch.distributed process group (a torchrun group, usually DDP) trained as ONE worker
+(``LocalGroup``): rank 0 is the worker the server sees; the followers mirror it.
+docs/operations.md, "A torchrun group as one worker".
 """
 
 from __future__ import annotations
@@ -37,23 +32,15 @@ KEEP_ALIVE_MAX_S = 5.0
 #: The pause when the group's timeout cannot be read (a backend without ``options``).
 KEEP_ALIVE_UNKNOWN_TIMEOUT_S = 1.0
 #: At close, the longest rank 0 waits for the followers to take its outcome, seconds (or
-#: the group's timeout, if shorter). A follower that ended in order is already waiting for
-#: it; one whose ``with`` block raised never takes it, and a gloo or NCCL send to a rank
-#: that posts no receive waits for the group's whole timeout (30 min by default) while
-#: that rank may itself be waiting in its teardown.
+#: the group's timeout, if shorter): a follower whose ``with`` raised never takes it.
 CLOSE_SHARE_TIMEOUT_S = 30.0
 
 
 def resolve_group(process_group: Any) -> LocalGroup | None:
-    """The group a worker trains as, from the workers' ``process_group`` argument.
+    """The ``LocalGroup`` a worker trains as (None: alone), from ``process_group``: "auto"
+    (torch.distributed's default group when initialized with more than one rank), a
+    ``torch.distributed.ProcessGroup``, or "off".
 
-    Args:
-        process_group: "auto" (torch.distributed's default group when it is initialized
-            with more than one rank, else none), a ``torch.distributed.ProcessGroup``
-            (of any size), or "off" (no group: this process is a worker on its own, as
-            when every rank of a job is meant to be an independent replica).
-    Returns:
-        The ``LocalGroup``, or None (the worker trains alone).
     Raises:
         ConfigError: another value, or a process group while torch.distributed is not
             initialized.
@@ -83,13 +70,10 @@ def _initialized() -> bool:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module whose parameters a worker syncs: ``model`` itself, or the module a
-    ``DistributedDataParallel`` wraps (the same parameter tensors, named without
-    "module.").
+    """The module whose parameters a worker syncs: ``model``, or the one DDP wraps.
 
     Raises:
-        ConfigError: the model is sharded (FSDP1, FSDP2 or any DTensor parameter): a
-            worker syncs every parameter in full from one rank.
+        ConfigError: the model is sharded (FSDP1, FSDP2 or any DTensor parameter).
     """
     if not torch.distributed.is_available():
         return model
@@ -124,14 +108,8 @@ class StepTotals:
 
 
 class LocalGroup:
-    """One worker's ranks: the collectives that keep them one replica (module docstring).
-
-    Args:
-        process_group: the group (None: torch.distributed's default group).
-
-    The control tensors live on the current CUDA device when the group's backend is
-    NCCL, else on the CPU (gloo).
-    """
+    """One worker's ranks and the collectives that keep them one replica; ``process_group``
+    None: the default group. Control tensors live on the CUDA device under NCCL."""
 
     def __init__(self, process_group: Any) -> None:
         import torch.distributed as dist
@@ -174,11 +152,7 @@ class LocalGroup:
         return self.rank == 0
 
     def exchange(self, *, tokens: int, stop: bool, due: bool) -> StepTotals:
-        """Every rank, once per inner step: sum [tokens, stop, due] over the group.
-
-        Raises:
-            RuntimeError (from torch.distributed): a rank died or the group's timeout passed.
-        """
+        """Every rank, once per inner step: sum [tokens, stop, due] over the group (RuntimeError: a rank died)."""
         import torch.distributed as dist
 
         t = torch.tensor([tokens, int(stop), int(due)], dtype=torch.int64, device=self.device)  # (3,)
@@ -187,11 +161,7 @@ class LocalGroup:
         return StepTotals(tokens=total_tokens, stop=stops > 0, due=dues > 0)
 
     def step_exchange(self, *, tokens: int, stop: bool, due: bool) -> StepTotals:
-        """``exchange``; a failed collective ends the group's training here.
-
-        Raises:
-            AsyncDiLoCoError: the exchange failed (a rank died, or the group timed out).
-        """
+        """``exchange``; a failure ends the group's training (AsyncDiLoCoError)."""
         try:
             totals = self.exchange(tokens=tokens, stop=stop, due=due)
         except RuntimeError as exc:
@@ -204,12 +174,8 @@ class LocalGroup:
         return totals
 
     def follow_step(self, flat: FlatParams, tokens: int, stop: bool) -> float:
-        """A follower's step: send its ``tokens`` since the last exchange and its ``stop``
-        request; mirror a due step.
-
-        Returns:
-            Seconds spent mirroring a due step (blocked time; 0 when none was due).
-        """
+        """A follower's step: send its ``tokens`` and ``stop``; mirror a due step. Returns the
+        seconds spent mirroring (0 when none was due)."""
         if not self.step_exchange(tokens=tokens, stop=stop, due=False).due:
             return 0.0
         started = time.monotonic()
@@ -220,14 +186,9 @@ class LocalGroup:
         return blocked_s
 
     def shared(self, flat: FlatParams, action: Callable[[], Any], *, broken_ok: bool = False) -> Any:
-        """Run ``action`` on rank 0 and share its outcome (``share_outcome``): the model
-        changed (every rank takes rank 0's parameters), or it raised (every rank raises it).
-        Followers pass a no-op. While ``action`` runs (it may wait on the server for long),
-        rank 0 keeps the followers' collective alive (``leading``).
-
-        Returns:
-            ``action()``'s result on rank 0; on a follower, True when the model changed.
-        """
+        """Run ``action`` on rank 0 (inside ``leading``) and share its outcome: every rank
+        takes rank 0's parameters, or raises its exception. Returns ``action()``'s result on
+        rank 0; on a follower, True when the model changed."""
         assert broken_ok or not self.broken, "a live group shares outcomes"
         if not self.is_leader:
             try:
@@ -253,13 +214,8 @@ class LocalGroup:
     def share_join(
         self, flat: FlatParams, inner_optimizer: torch.optim.Optimizer, extra: dict, error: BaseException | None
     ) -> dict:
-        """Every rank, at join: rank 0's outcome (its exception, raised on the followers
-        too), then its inner optimizer's state, its restored ``extra`` and its parameters.
-        Rank 0 joined inside ``leading``: the followers wait through the keep-alives.
-
-        Returns:
-            ``extra`` as rank 0 restored it (the followers take it).
-        """
+        """Every rank, at join: rank 0's outcome (its exception raised everywhere), its inner
+        optimizer's state, parameters and ``extra`` (returned as rank 0 restored it)."""
         joined: dict[str, Any] | None = None
         if self.is_leader:
             joined = {"error": portable(error)} if error is not None else {}
@@ -288,8 +244,7 @@ class LocalGroup:
         return extra
 
     def check_state_dict(self, merge_in_flight: bool) -> None:
-        """``state_dict`` is rank 0's, and on rank 0 it may not merge a background sync
-        outside a step (the merge would change rank 0's model alone)."""
+        """``state_dict`` is rank 0's, and may not merge a background sync outside a step."""
         if not self.is_leader:
             raise ConfigError(
                 f"state_dict() on rank {self.rank} of the group: the group's state is rank 0's (it saves it in "
@@ -321,14 +276,9 @@ class LocalGroup:
 
     @contextlib.contextmanager
     def leading(self, closing: bool = False) -> Iterator[None]:
-        """Rank 0, around a call that may wait on the server (a held push reply, retries
-        with backoff, a server restart, a sync round's quorum) while the followers wait
-        for its outcome: a thread broadcasts ``WAITING`` every ``keep_alive_s``, so no
-        follower's collective outlives the group's timeout, however long the call takes.
-        On exit the thread has stopped: the next collective on the group is the caller's
-        (``send_code``, ``share_outcome``). A failed keep-alive (a follower died) ends the
-        thread; the caller's next collective raises it. ``closing``: each keep-alive waits
-        at most ``close_wait_s`` for the followers (one may have left alone)."""
+        """Rank 0, around a call that may wait on the server: a thread broadcasts ``WAITING``
+        every ``keep_alive_s`` so no follower's collective times out; stopped on exit.
+        ``closing``: each keep-alive waits at most ``close_wait_s``."""
         stop = threading.Event()
         wait_s = self.close_wait_s if closing else None
         thread = threading.Thread(
@@ -354,14 +304,8 @@ class LocalGroup:
                 self.keep_alives += 1
 
     def send_code(self, code: int, timeout_s: float | None = None) -> None:
-        """Rank 0: broadcast one int64 ``code`` (``await_code`` takes it).
-
-        Args:
-            timeout_s: wait at most this long for the followers to take it (None: the
-                group's own timeout).
-        Raises:
-            RuntimeError (from torch.distributed): a rank died, or the wait timed out.
-        """
+        """Rank 0: broadcast one int64 ``code``, waiting at most ``timeout_s`` (None: the
+        group's timeout); RuntimeError when a rank died or the wait timed out."""
         import torch.distributed as dist
 
         t = torch.tensor([code], dtype=torch.int64, device=self.device)
@@ -373,12 +317,7 @@ class LocalGroup:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
     def await_code(self) -> int:
-        """A follower: rank 0's next code other than ``WAITING`` (``send_code``); each
-        keep-alive is one broadcast, well inside the group's timeout.
-
-        Raises:
-            RuntimeError (from torch.distributed): a rank died or the group timed out.
-        """
+        """A follower: rank 0's next code other than ``WAITING``; RuntimeError when a rank died."""
         import torch.distributed as dist
 
         t = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -397,22 +336,11 @@ class LocalGroup:
         error: BaseException | None = None,
         closing: bool = False,
     ) -> bool:
-        """Every rank, after a due step (or at close): rank 0 passes what happened (after
-        running it inside ``leading``); the followers pass nothing, wait for it through
-        rank 0's keep-alives and mirror it: the parameters are rank 0's afterwards.
-
-        ``closing`` (rank 0, at close): its code waits at most ``close_wait_s`` for the
-        followers, since one may have left alone.
-
-        Returns:
-            True when rank 0's parameters changed (and were broadcast).
-        Raises:
-            rank 0's exception (on the followers; rank 0 raises its own itself).
-            RuntimeError (from torch.distributed): a rank died or the group timed out.
-        """
+        """Every rank, after a due step (or at close, ``closing``): rank 0 sends what happened,
+        the followers mirror it. True when rank 0's parameters changed (and were broadcast).
+        Raises rank 0's exception on the followers, or RuntimeError when a rank died."""
         if self.is_leader:
             code = RAISED if error is not None else CHANGED if changed else UNCHANGED
-            # at close a follower may have left alone (its ``with`` raised): wait a bounded time
             self.send_code(code, timeout_s=self.close_wait_s if closing else None)
         else:
             code = self.await_code()
@@ -427,9 +355,7 @@ class LocalGroup:
 
 
 def group_timeout_s(process_group: Any, device: torch.device) -> float | None:
-    """The collective timeout of ``process_group`` (None: the default group) on
-    ``device``'s backend, seconds; None when the backend does not expose it (torch keeps
-    it in the backend's private ``options._timeout``)."""
+    """The collective timeout of ``process_group`` on ``device``'s backend, seconds (None: unknown)."""
     import torch.distributed as dist
 
     group: Any = process_group if process_group is not None else dist.group.WORLD
@@ -459,8 +385,7 @@ def portable(exc: BaseException | None) -> BaseException:
 
 
 def to_cpu(obj: Any) -> Any:
-    """``obj`` (dicts, lists, tuples, tensors, scalars) with every tensor copied to the CPU:
-    what rank 0 broadcasts (an optimizer's state) then unpickles on the CPU of every rank."""
+    """``obj`` (dicts, lists, tuples, tensors, scalars) with every tensor copied to the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu")
     if isinstance(obj, dict):

@@ -1,10 +1,5 @@
-"""The client side of long-polled sync waits (docs/protocol.md, "Long-polled waits").
-
-A Quorum or Commit call with ``poll`` set is held by the server at most about a second
-(ps/long_poll.py), then answered "pending" (Quorum) or "not decided" (Commit); the
-client asks again after a pause that grows from ``POLL_MIN_S`` by ``POLL_GROWTH`` up to
-``POLL_MAX_S`` (each drawn in [½, 1] of the step, so that hundreds of members do not
-poll in step), until the answer is final or its own wait is over.
+"""The client side of long-polled sync waits: ask again after a jittered pause growing from
+``POLL_MIN_S`` to ``POLL_MAX_S`` until the answer is final. docs/protocol.md, "Long-polled waits".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The async worker's one push-then-pull (``push_then_pull``): inline at a sync point, or on
-one background thread with ``WorkerConfig.overlap`` (``BackgroundSync``); the training thread
-adopts its outcome with ``AsyncDiLoCoWorker._merge`` either way.
-
-It touches only the client and CPU buffers, never the model or the inner optimizer.
-docs/worker.md ("The sync path") has the merge rule and its sources, docs/operations.md
-("When a sync fails") what each outcome does.
+"""The async worker's one push-then-pull (``push_then_pull``), inline or on a background
+thread (``BackgroundSync``); it touches only the client and CPU buffers.
+docs/worker.md, "The sync path".
 """
 
 from __future__ import annotations

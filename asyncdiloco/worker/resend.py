@@ -34,19 +34,10 @@ def over_bulk() -> Iterator[None]:
 
 
 class CorruptedResends:
-    """The tries of one transfer: a try that arrived corrupted is made again (a push with
-    the same header and push id: the refusal applied nothing; a pull from the start) up to
-    ``resends`` more times, with a backoff from ``backoff_s`` doubling. When every try went
-    over the bulk channel, the channel is marked unusable as when it is down
-    (``BulkChannel.suspect``) and the transfer gets as many tries over gRPC.
-
-    Args:
-        what: names the transfer in messages ("push 6 of worker 2").
-        channel: the client's bulk channel now (None: none).
-        resends: tries after the first of each round (``corrupted_resends``).
-        backoff_s: seconds before the first resend; doubles with each.
-        address: the server's gRPC address, for the message.
-        on_corrupted: called once per corrupted try (the client's count).
+    """The tries of one transfer: one that arrived corrupted is made again up to ``resends``
+    more times, backing off from ``backoff_s`` seconds, doubling; when every try went over
+    the bulk channel, it is marked unusable and as many tries go over gRPC.
+    ``what`` names the transfer; ``on_corrupted`` is called once per corrupted try.
     """
 
     def __init__(

@@ -23,7 +23,7 @@ from asyncdiloco.worker.state_file import CorruptStateError, NewerFormatError, n
 
 log = logging.getLogger(__name__)
 
-#: ``state.pt``'s ``format``: what this version writes (it reads 1 as well; state_file.py).
+#: ``state.pt``'s ``format``: what this version writes and reads (state_file.py).
 STATE_FORMAT = state_file.FORMAT
 STATE_FILE, SUMMARY_FILE, LOCK_FILE = "state.pt", "state.json", "LOCK"
 
@@ -144,29 +144,12 @@ class WorkerStateDir:
     @property
     def saved_name(self) -> str | None:
         """The worker name of the saved state, or of one set aside as unusable, or
-        ``state.json``'s when ``state.pt`` is missing (None: no state saved yet, or the
-        unusable one's name could not be read)."""
+        ``state.json``'s when ``state.pt`` is missing (None: none known)."""
         return self.recovered_name if self.state is None else str(self.state["worker_name"])
 
-    def resolve_name(self, given: str) -> str:
-        """The worker's name (``resolve_worker_name`` with the saved state's)."""
-        return resolve_worker_name(given, self.saved_name, self.path)
-
-    def check_manifest(self, manifest: Manifest) -> None:
-        """Raise ConfigError when the saved state belongs to a model of another layout."""
-        if self.state is not None:
-            check_manifest(self.state, manifest, f"the state in state_dir {str(self.path)!r}")
-
     def save_worker_state(self, state: dict[str, Any], saves: int) -> bool:
-        """``save`` a worker's ``state_dict()`` with its summary (its plain values, the
-        ``saves`` count, the pid, ``extra``). A failed write after the first is logged and
-        training goes on (a restart then resumes from the previous save).
-
-        Returns:
-            Whether it was saved.
-        Raises:
-            ConfigError: this process's first save failed (the folder is not writable).
-        """
+        """``save`` a worker's ``state_dict()`` with its summary; True when saved. A failed
+        write after the first is logged and training goes on (ConfigError for the first)."""
         summary = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
         summary.update(saves=saves, pid=os.getpid(), extra=state["extra"])
         try:
@@ -177,14 +160,11 @@ class WorkerStateDir:
         return True
 
     def save(self, state: dict[str, Any], summary: dict[str, Any]) -> None:
-        """Write ``state`` atomically as ``state.pt`` (then ``summary`` as ``state.json``).
+        """Write ``state`` (tensors on the CPU) atomically as ``state.pt``, then ``summary``
+        (plain JSON values) as ``state.json``.
 
-        Args:
-            state: a worker's ``state_dict()`` (tensors on the CPU).
-            summary: plain JSON values describing it (non-JSON values are dropped).
         Raises:
-            ConfigError: this process's first save failed: the folder is not usable
-                (permissions, a read-only or full disk), and a restart could not resume.
+            ConfigError: this process's first save failed: the folder is not usable.
             OSError: a later save failed (the previous one is intact).
         """
         try:
@@ -222,11 +202,8 @@ def resolve_worker_name(given: str, saved: str | None, folder: str | os.PathLike
 
 
 def saved_worker_name(folder: str | os.PathLike[str]) -> str | None:
-    """The name saved in a state folder, read without taking its lock (the CLI checks
-    its flags with it before the worker opens the folder); None: no state saved there.
-    For an unusable ``state.pt`` (which the worker sets aside when it opens the folder),
-    the name in ``state.json``, else in the file's still-readable part; for a missing one
-    (set aside by a run that died before its next save), ``state.json``'s.
+    """The name saved in a state folder, read without its lock (None: none saved); for an
+    unusable or missing ``state.pt``, ``state.json``'s (or the file's readable part).
 
     Raises:
         ConfigError: the state file cannot be opened, or is of a newer format.
@@ -279,13 +256,8 @@ def _name_from_summary(folder: str | os.PathLike[str]) -> str | None:
 
 
 def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None:
-    """Raise ConfigError naming the first parameter where ``state``'s model differs.
-
-    Args:
-        state: a worker's ``state_dict()``.
-        manifest: the layout of the model it is loaded into.
-        what: names the state in the message (e.g. its folder).
-    """
+    """Raise ConfigError naming the first parameter where ``state``'s model differs from
+    ``manifest``; ``what`` names the state in the message."""
     saved, mine = state.get("manifest", []), manifest_entries(manifest)
     if saved == mine:
         return
@@ -300,14 +272,8 @@ def check_manifest(state: dict[str, Any], manifest: Manifest, what: str) -> None
 
 
 def check_state(state: dict[str, Any], manifest: Manifest, mode: str, worker_name: str) -> str:
-    """Whether a worker's ``state_dict()`` may be loaded into this worker: the same model
-    layout and mode, and the same name when ``worker_name`` is set.
-
-    Returns:
-        The saved worker name.
-    Raises:
-        ConfigError: it is of another model, mode or name, naming the fix.
-    """
+    """The saved worker name, once a worker's ``state_dict()`` is found to be of this
+    model, mode and (when set) ``worker_name``; else ConfigError naming the fix."""
     what = f"the state of worker {state.get('worker_name')!r}"
     check_manifest(state, manifest, what)
     if state.get("mode") != mode:
@@ -337,8 +303,9 @@ def open_for_worker(
         return None, worker_name
     state_dir = WorkerStateDir(folder)
     try:
-        state_dir.check_manifest(manifest)
-        return state_dir, state_dir.resolve_name(worker_name)
+        if state_dir.state is not None:
+            check_manifest(state_dir.state, manifest, f"the state in state_dir {str(state_dir.path)!r}")
+        return state_dir, resolve_worker_name(worker_name, state_dir.saved_name, state_dir.path)
     except ConfigError:
         state_dir.close()
         raise

@@ -1,14 +1,7 @@
 """The synchronous worker (``SyncDiLoCoWorker``): LocalSGD and synchronous DiLoCo over a
-quorum-gated allreduce (DiLoCo, Douillard et al. 2023, arXiv 2311.08105, Alg. 1, with the
-outer step taken by every replica).
-
-Every H inner steps ``_round`` runs one round in phases, one method each:
-``_take_pseudo_gradient``, ``_wait_for_quorum``, ``_contribute`` (heal, weigh, agree and
-allreduce, upload), ``_vote`` and ``_apply_decision``; a phase that fails raises
-``RoundFailed`` with the reason this member votes failure with. docs/protocol.md ("The
-sync round") describes each phase, its timeouts and failures, and per-member H_w
-(``--sync-local-steps adaptive``); docs/operations.md ("Sync mode", "Restarting a worker")
-what a member and its state folder do.
+quorum-gated allreduce (Douillard et al. 2023, arXiv 2311.08105, Alg. 1, the outer step
+taken by every replica). ``_round`` runs one round, a method per phase; a failing phase
+raises ``RoundFailed`` with the reason it votes. docs/protocol.md, "The sync round".
 """
 
 from __future__ import annotations
@@ -66,17 +59,14 @@ class SyncDiLoCoWorker(WorkerBase):
     """Synchronous DiLoCo / LocalSGD around ``model`` and ``inner_optimizer``.
 
     Args:
-        model: any ``nn.Module`` with float32/bfloat16/float16 parameters; every member
-            must have the same manifest (names, shapes, dtypes).
+        model: any ``nn.Module`` with float32/bfloat16/float16 parameters, the same on every member.
         inner_optimizer: the optimizer the user steps (e.g. AdamW); its ``step`` is hooked.
         config: server address, deadlines, backoff.
         sync: collective timeout, quorum wait, bind address.
         tokens_per_step: tokens per inner step (the "tokens" weighting uses them).
-        process_group: "auto", a ``torch.distributed.ProcessGroup`` or "off", as for
-            ``AsyncDiLoCoWorker``: rank 0 is the quorum member, the ranks take its result.
+        process_group: as for ``AsyncDiLoCoWorker`` (rank 0 is the quorum member).
 
-    ``with worker:`` joins (or call ``join()``); a worker nobody joined joins before its
-    first inner step, and ``join``'s exceptions then come from that ``step()``.
+    ``with worker:`` joins (or call ``join()``), else the first inner step does.
 
     Raises:
         ModeMismatchError (from ``join``): the server does not run ``--mode sync``.
@@ -157,29 +147,23 @@ class SyncDiLoCoWorker(WorkerBase):
         self._steps_began_at = time.monotonic()
 
     def _close_worker(self) -> None:
-        """``close``: leave (so that no quorum waits for this worker) and release
-        resources. Steps taken since the last round are not synchronized."""
+        """``close``: leave and release; steps since the last round are not synchronized."""
         self._close_connection()
-        self._collectives.close()
+        self._collectives.end_round()
 
     # ---------------------------------------------------------------- rounds
     def _sync_due(self) -> bool:
-        """A sync point every H inner steps since the last round (one that got no round is
-        tried again H steps later); a rejoin is due at once, and so is the first sync point
-        of a round whose H_w was lowered below the steps already trained."""
+        """A sync point every H inner steps since the last round; a rejoin at once."""
         h = self.local_steps
         steps = self._steps_since_sync
         return steps >= h and (self._lost or not self._tried or steps % h == 0)
 
     def _wants_rate(self, run_config: pb.RunConfig) -> bool:
-        """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``):
-        time the first inner steps and report them until the first vote carries a rate."""
+        """The server sizes each member's H_w by its rate (``--sync-local-steps adaptive``)."""
         return run_config.sync_local_steps == "adaptive"
 
     def _sync_once(self) -> bool:
-        """One round: quorum, allreduce, commit vote. True when it committed; False when
-        it was aborted (the model restarts from the last committed θ_base) or no quorum
-        formed (training goes on; the next sync point, H steps on, asks again)."""
+        """One round; True when it committed, False when aborted or no quorum formed."""
         self._compute_s += time.monotonic() - self._steps_began_at
         self._tried = True
         try:
@@ -188,15 +172,13 @@ class SyncDiLoCoWorker(WorkerBase):
             self._steps_began_at = time.monotonic()
 
     def _round_compute_s(self, steps: int) -> float:
-        """The vote's ``compute_s`` for the round's ``steps``: steps / v_w (``step_rate``), as
-        an async push's; while no step was timed, the stretches of training before each sync
-        point since the last decided round, without the waits at them."""
+        """The vote's ``compute_s`` for ``steps``: steps / v_w, or (none timed) the training
+        time since the last decided round."""
         return self.step_rate.seconds_for(steps) or self._compute_s
 
     def _round(self) -> bool:
-        """One round (module docstring): quorum → heal or weigh Δ → allreduce and upload →
-        commit vote → apply the decision. A failing phase still votes (failure, with the
-        reason), so the others are not left waiting."""
+        """Quorum → heal or weigh Δ → allreduce and upload → vote → apply the decision; a
+        failing phase still votes, so the others are not left waiting."""
         steps, tokens = self._steps_since_sync, self._tokens_since_sync
         compute_s = self._round_compute_s(steps) if steps else 0.0
         delta = self._take_pseudo_gradient()
@@ -224,12 +206,7 @@ class SyncDiLoCoWorker(WorkerBase):
         return decision.committed
 
     def _count_dropped(self, q: pb.QuorumReply, committed: bool, steps: int) -> None:
-        """After a decided round: count the steps an abort dropped here, and the rounds this
-        member's own Δ was not finite in (raising after ``max_dropped_in_a_row`` in a row).
-
-        Raises:
-            InvalidPayloadError: this member diverged in that many rounds in a row.
-        """
+        """After a decided round: count the steps an abort dropped, and a non-finite Δ."""
         if q.heal or steps == 0:
             return
         if not committed:
@@ -279,11 +256,7 @@ class SyncDiLoCoWorker(WorkerBase):
         )
 
     def _take_pseudo_gradient(self) -> torch.Tensor:
-        """Δ = θ_base − θ_local into the allreduce buffer (a copy: θ_local stays in the model).
-
-        Returns:
-            Δ, the (N,) fp32 view of ``[w·Δ, w]``'s first N elements.
-        """
+        """Δ = θ_base − θ_local, the (N,) fp32 view of the allreduce buffer's first N floats."""
         delta = self._buf[: self._numel]
         self.flat.copy_into(delta)
         return torch.sub(self._base, delta, out=delta)  # Δ = θ_base − θ_local, (N,)
@@ -329,12 +302,8 @@ class SyncDiLoCoWorker(WorkerBase):
         return q
 
     def _contribute(self, q: pb.QuorumReply, delta: torch.Tensor, steps: int, tokens: int, started: float) -> _Vote:
-        """Phases 2 and 3: heal when told to, weigh Δ, allreduce ``[w·Δ, w]``, take the
-        mean Δ̄ = Σ w_i Δ_i / Σ w_i, and (rank 0) upload it.
-
-        Returns:
-            This member's vote: success with Σ w, or failure with the reason.
-        """
+        """Heal when told to, weigh Δ, allreduce ``[w·Δ, w]``, Δ̄ = Σ w_i Δ_i / Σ w_i, and
+        (rank 0) upload it; returns this member's vote."""
         total_weight = 0.0
         self._largest_by_rank = []
         try:
@@ -356,11 +325,7 @@ class SyncDiLoCoWorker(WorkerBase):
         return _Vote(success=True, total_weight=total_weight)
 
     def _heal_for(self, q: pb.QuorumReply) -> None:
-        """Pull the committed state the quorum starts from (this θ_base is from another round).
-
-        Raises:
-            RoundFailed: the pull failed, or it gave another round than the quorum's.
-        """
+        """Pull the committed state the quorum starts from; RoundFailed when that fails."""
         log.info("worker %d heals before quorum %d: round %d -> %d", self.worker_id, q.quorum_id, self.round, q.round)
         try:
             self._heal()
@@ -370,9 +335,7 @@ class SyncDiLoCoWorker(WorkerBase):
             raise RoundFailed(f"healed to round {self.round} but the quorum is at round {q.round}")
 
     def _weight_of(self, steps: int, tokens: int) -> float:
-        """w of this member's Δ: 1 (mean) or its tokens (token-weighted mean); 0 without
-        steps, or when Δ is not finite (the agreement then skips the round on every
-        member, and this diverged replica restarts from the global model)."""
+        """w of this member's Δ: 1 (mean) or its tokens; 0 without steps or for a non-finite Δ."""
         if steps == 0:
             return 0.0
         if not math.isfinite(self._largest):
@@ -394,11 +357,7 @@ class SyncDiLoCoWorker(WorkerBase):
         self._buf[self._numel] = weight
 
     def _allreduce_weighted(self, q: pb.QuorumReply, started: float) -> float:
-        """Sum ``[w·Δ, w]`` over the quorum; returns Σ w.
-
-        Raises:
-            RoundFailed: the collective failed (a dead peer at once, a hung one after ``allreduce_timeout_s``).
-        """
+        """Sum ``[w·Δ, w]`` over the quorum; returns Σ w; RoundFailed when the collective failed."""
         try:
             self._allreduce(q)
         except RoundFailed as exc:  # the agreement refused the sum
@@ -412,11 +371,7 @@ class SyncDiLoCoWorker(WorkerBase):
         return float(self._buf[self._numel])
 
     def _allreduce(self, q: pb.QuorumReply) -> None:
-        """Agree, then sum ``[w·Δ, w]`` in place over the quorum's members, in the
-        process group.
-
-        The collective seam: a subclass may wrap it (the fault-injection tests do).
-        Raises RoundFailed (the agreement refused the sum) or whatever the collective raises."""
+        """Agree, then sum ``[w·Δ, w]`` in place (the seam the fault-injection tests wrap)."""
         self._start_allreduce(q).wait()
 
     def _start_allreduce(self, q: pb.QuorumReply) -> InFlightAllreduce:
@@ -440,8 +395,7 @@ class SyncDiLoCoWorker(WorkerBase):
         )
 
     def _agree(self, pg: QuorumProcessGroup, q: pb.QuorumReply) -> None:
-        """``collectives.agree`` on this member's buffer size and ‖Δ‖∞; every member's
-        ‖Δ‖∞ is kept for the messages (``_largest_member``)."""
+        """``collectives.agree``; every member's ‖Δ‖∞ is kept for the messages."""
         self._largest_by_rank = agree(pg, q, self._buf.numel(), self._largest)
 
     def _largest_member(self, q: pb.QuorumReply) -> str:
@@ -452,11 +406,7 @@ class SyncDiLoCoWorker(WorkerBase):
         return f"worker {int(q.members[rank])}'s (‖Δ‖∞ = {self._largest_by_rank[rank]:.3g})"
 
     def _upload(self, q: pb.QuorumReply, mean_delta: torch.Tensor) -> None:
-        """Rank 0: send Δ̄ to the server (applied there only if the round commits).
-
-        Raises:
-            RoundFailed: the server refused it or could not be reached.
-        """
+        """Rank 0: send Δ̄ to the server (applied if the round commits); else RoundFailed."""
         try:
             self.client.push(
                 mean_delta.view(torch.uint8),
@@ -476,9 +426,7 @@ class SyncDiLoCoWorker(WorkerBase):
     def _vote(
         self, q: pb.QuorumReply, vote: _Vote, *, tokens: int, steps: int, compute_s: float = 0.0
     ) -> pb.CommitReply:
-        """Phase 4: vote (with this member's steps and their seconds), and wait for the
-        server's decision (commit or abort, with this member's next H_w). A vote the server
-        refuses (it restarted mid-round) is an abort: the member restarts from θ_base."""
+        """Vote and wait for the decision; a refused vote (the server restarted) is an abort."""
         while True:
             try:
                 reply = self.client.commit(
@@ -502,8 +450,7 @@ class SyncDiLoCoWorker(WorkerBase):
     def _apply_decision(
         self, q: pb.QuorumReply, decision: pb.CommitReply, mean_delta: torch.Tensor, total_weight: float
     ) -> None:
-        """Commit: the outer step on θ_base; abort: θ_base stays. Either way the model
-        restarts from θ_base (the new global model, or the last committed one)."""
+        """Commit: the outer step on θ_base; abort: θ_base stays; the model restarts from θ_base."""
         if decision.committed:
             self._collectives.keep()  # the next quorum of the same members reuses its group
             if total_weight > 0:

@@ -1,15 +1,8 @@
-"""The durable part of the state: a consistent copy of it for checkpoints, its restore,
-and the replay of logged pushes at start-up (store.py writes and reads them).
-
-A checkpoint's tensors are θ and the outer optimizer's vectors keyed by parameter name
-(``param/<name>``, ``momentum/<name>``, ``dn_delta/<name>``: float32, the parameter's
-shape); its JSON part holds the version, the manifest, the worker table with the
-applied push ids and outcomes, the counters and, in sync mode, the rounds' quorum ids and
-failed-round count (``"sync"``). Replaying a logged push redoes it with
-the τ, s(τ) and live-worker count N it was applied with, so θ and the outer optimizer's
-state come back bit for bit. A committed sync round is logged as a push of kind
-``ROUND_RESULT`` (Δ̄ as float32 bytes, whatever the parameters' dtypes) and replayed by
-rounds.py; after the restore the rounds go on at the restored version (``DurableRounds.resume``).
+"""The durable part of the state: a consistent copy for checkpoints (tensors ``param/<name>``,
+``momentum/<name>``, ``dn_delta/<name>``, fp32), its restore, and the replay of logged
+pushes with the τ, s(τ) and N they were applied with, so θ and the outer optimizer come
+back bit for bit (store.py writes and reads them). docs/operations.md, "Checkpoints,
+and what a crash loses".
 """
 
 from __future__ import annotations
@@ -37,16 +30,9 @@ def check_checkpoint_tensors(
     tensors: Mapping[str, torch.Tensor], manifest: Manifest, kinds: tuple[str, ...], source: str
 ) -> None:
     """Refuse a checkpoint whose tensors are not exactly the model's: for each of ``kinds``
-    (``param`` and the configured outer optimizer's vectors) one float32 tensor
-    ``"<kind>/<name>"`` of each manifest tensor's shape, and nothing else. A tensor the
-    model lacks is refused like a missing one: a checkpoint restores only the model it
-    was written for, and silently dropping state is as wrong as inventing it.
+    (``param`` and the outer optimizer's vectors) one float32 ``"<kind>/<name>"`` of each
+    manifest tensor's shape, and nothing else; ``source`` names the file in the message.
 
-    Args:
-        tensors: the checkpoint's tensors by key.
-        manifest: the model (the checkpoint's own manifest).
-        kinds: the vectors the configured outer optimizer keeps, with ``param``.
-        source: the checkpoint's file, for the message.
     Raises:
         CheckpointError: naming every extra, missing, reshaped and re-typed tensor, and
             the documented way to convert a checkpoint (``CONVERT_DOC``).
@@ -92,8 +78,8 @@ class DurableRounds(Protocol):
     def to_meta(self) -> dict:
         """The rounds' part of a checkpoint (called with the state's locks held)."""
 
-    def load_meta(self, meta: dict | None) -> None:
-        """Take a checkpoint's part (None: the checkpoint has none; both locks held)."""
+    def load_meta(self, meta: dict) -> None:
+        """Take a checkpoint's part (both locks held)."""
 
     def resume(self) -> None:
         """The restore so far is done: go on at the restored version (no lock held)."""
@@ -133,7 +119,7 @@ class Durability:
 
     def replay_join(self, join: LoggedJoin) -> None:
         """Redo a logged Join (start-up replay): a resumed one keeps the record's counters
-        and outcomes; ``join.seen_unix_s`` (wall clock; None in older logs: now) dates it."""
+        and outcomes; ``join.seen_unix_s`` (wall clock) dates it."""
         with self.locks.books:
             self.registry.replay_join(join)
 
@@ -215,14 +201,12 @@ class Durability:
             model.manifest = manifest_from_json(meta["manifest"]) if meta["manifest"] is not None else None
             if meta["initialized"]:
                 source = f"checkpoint tensors {meta.get('tensor_file', '(unnamed)')}"
-                self._load_tensors(
-                    tensors, int(meta.get("outer_arrivals", 0)), source, int(meta.get("outer_last_n", 0))
-                )
+                self._load_tensors(tensors, meta["outer_arrivals"], source, meta["outer_last_n"])
             model.version = meta["version"]
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
             if self.rounds is not None:
-                self.rounds.load_meta(meta.get("sync"))
+                self.rounds.load_meta(meta["sync"])
             self.snapshots.clear()
         if self.rounds is not None:
             self.rounds.resume()
@@ -257,7 +241,7 @@ class Durability:
         initial = header.kind == pb.PUSH_KIND_INITIAL_PARAMETERS
         delta = self._decode_logged(header, payload) if model.manifest is not None else None
         with self.locks.apply, self.locks.books:
-            rec = self.registry.get(header.worker_id)
+            rec = self.registry.workers.get(header.worker_id)
             expected = model.version if initial else model.version + 1
             if rec is None or delta is None or expected != applied.version_after or initial == model.initialized:
                 raise CheckpointError(

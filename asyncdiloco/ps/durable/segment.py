@@ -1,13 +1,6 @@
-"""The open write-ahead-log segment the server appends to (store.py decides when a new
-one starts; wal.py says what a record holds).
-
-An append is all or nothing, and a failed one never makes the log unusable: the segment
-is written unbuffered (no bytes of a failed record linger in a buffer, to be written
-later behind the next record), and a failed append is cut off again at once. When even
-that cut fails (the disk still refuses), the segment remembers where its last good
-record ends and cuts there before the next append, refusing appends until it can; so
-once the disk takes writes again (space freed), the log goes on with no torn record in
-its middle.
+"""The open write-ahead-log segment the server appends to (store.py starts new ones; wal.py
+says what a record holds). An append is all or nothing: the file is unbuffered and a
+failed append is cut off again (or, when that fails too, before the next append).
 """
 
 from __future__ import annotations

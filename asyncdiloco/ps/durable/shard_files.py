@@ -1,15 +1,7 @@
-"""A sharded server's files: each shard's identity in its checkpoint folder, and the
-manifest naming every shard's version.
-
-Each shard keeps its own checkpoints and write-ahead log (store.py) in its own folder,
-with ``shard.json`` = ``{"shard_index": i, "shard_count": S}`` beside them. A folder
-written by a run with another S (or another index) cannot be resumed: its θ range and
-momentum belong to a different split of the parameter vector (wire/shards.py), so the
-start is refused naming both counts. A folder without ``shard.json`` that already holds
-a checkpoint or log is an unsharded run's (shard 0 of 1).
-
-``asyncdiloco server --shards S`` (one host) keeps the shards under ``ROOT/shard-i`` and
-writes ``ROOT/shards.json``: the count, and per shard its address, folder and version.
+"""A sharded server's files: ``shard.json`` (``{"shard_index": i, "shard_count": S}``) in each
+shard's checkpoint folder, so a folder of another split is refused at start (a folder
+without it that holds state is shard 0 of 1), and ``ROOT/shards.json`` of ``--shards S``
+on one host (per shard its address, folder and version). docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -254,23 +254,18 @@ class DurableStore:
         meta: dict = {"worker_id": join.worker_id, "name": join.name, "initialize": join.initialize}
         if join.manifest is not None:
             meta["manifest"] = manifest_to_json(join.manifest)
-        if join.named is not None:
-            meta["named"] = join.named
+        meta["named"] = join.named
         if join.region:
             meta["region"] = True
-        if join.seen_unix_s is not None:
-            meta["seen_unix_s"] = join.seen_unix_s
+        meta["seen_unix_s"] = join.seen_unix_s
         self._append(JOIN, meta)
 
-    def log_push(
-        self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float | None = None
-    ) -> None:
+    def log_push(self, header: pb.PushHeader, payload: torch.Tensor, applied: AppliedAs, *, seen_unix_s: float) -> None:
         """Journal a push before it is applied and acknowledged (state lock held), with
         everything its outer step depends on: τ, s(τ) and the live worker count (and
         ``seen_unix_s``, when it arrived on the wall clock: the worker's last contact)."""
         meta = push_meta(header, applied, self.server_config.wire_codec)
-        if seen_unix_s is not None:
-            meta["seen_unix_s"] = seen_unix_s
+        meta["seen_unix_s"] = seen_unix_s
         self._append(PUSH, meta, payload.numpy().data)
         self._pushes_since_checkpoint += 1
 

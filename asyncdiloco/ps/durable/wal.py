@@ -10,9 +10,7 @@ A record is a fixed head, a JSON meta and a payload::
 payload). ``JOIN`` records hold the worker id, name, whether it initializes and, for the
 first Join, the manifest; ``PUSH`` records hold the push header's fields, τ, s(τ), the
 version it produced, the live-worker count N and the wire codec, and the payload exactly
-as received. Newer records add ``named`` (JOIN: the worker gave its name) and
-``seen_unix_s`` (both: the wall-clock time, the worker's last contact); records without
-them replay as before (a full lease). The format is fixed: old logs must replay.
+as received, with ``seen_unix_s`` (the wall-clock time: the worker's last contact).
 """
 
 from __future__ import annotations
@@ -192,8 +190,8 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
                 m["name"],
                 m["initialize"],
                 manifest,
-                m.get("named"),
-                m.get("seen_unix_s"),
+                m["named"],
+                m["seen_unix_s"],
                 m.get("region", False),
             )
         )
@@ -202,7 +200,7 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
         raise CheckpointError(f"write-ahead log record {rec.lsn} has unknown kind {rec.kind}; restore from a backup")
     fields = ("worker_id", "push_id", "base_version", "num_local_steps", "num_tokens", "total_bytes", "kind")
     header = pb.PushHeader(**{f: m[f] for f in fields})
-    codec = m.get("codec", "raw")  # records of pseudo-gradients say how they are encoded
+    codec = m["codec"]
     if m["kind"] == pb.PUSH_KIND_PSEUDO_GRADIENT and codec != wire_codec:
         raise CheckpointError(
             f"write-ahead log record {rec.lsn} holds a pseudo-gradient encoded with wire codec {codec!r} but "
@@ -219,5 +217,4 @@ def replay_record(state: JournaledState, rec: LogRecord, wire_codec: str) -> Non
         closing=m.get("closing", False),
     )
     state.replay_push(header, payload, applied)
-    if "seen_unix_s" in m:
-        state.replay_seen(m["worker_id"], m["seen_unix_s"])
+    state.replay_seen(m["worker_id"], m["seen_unix_s"])

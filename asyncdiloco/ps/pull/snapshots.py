@@ -1,8 +1,6 @@
-"""What pulls are served (``Snapshots``): θ read in place for a raw fp32 model
-(live_view.py), else snapshots of one version encoded once and shared by every pull of it
-(encoded.py); the hooks an outer step calls so that pulls during it are served the version
-it started from (``before_step``/``after_step``); ``open_pull``, what one pull sends.
-docs/architecture.md, "How a pull flows"; docs/performance.md.
+"""What pulls are served (``Snapshots``): θ read in place for a raw fp32 model (live_view.py),
+else one encoded snapshot per version (encoded.py); the outer step's hooks (``before_step``/
+``after_step``); ``open_pull``, what one pull sends. docs/architecture.md, "How a pull flows".
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ class Snapshots:
     Args:
         config: ``pull_snapshots`` (versions kept), ``lease_s`` (a pull older than that
             stops holding a slot), ``chunk_bytes``.
-        model: θ, its version and its wire codec.
-        locks: the state's locks (a snapshot is encoded under ``apply``).
         clock: the server's monotonic clock, seconds.
     """
 
@@ -78,20 +74,10 @@ class Snapshots:
             return self.model.version
 
     def acquire(self, max_wait_s: float = math.inf) -> Snapshot | LiveView:
-        """The newest global parameters for one pull: θ itself (``LiveView``) for a raw
-        fp32 model, else encoded once per version and shared by all pulls; pair every
-        call with ``release`` when the pull ends.
-
-        A live view is returned at once, also while an apply changes θ (the version it
-        started from); it waits for the apply lock only when no view of the current
-        version exists and an apply that found no pull coming is changing θ.
-
-        Returns at once while the applies build the snapshots; else encodes it here, or,
-        while an apply changes θ, serves the newest complete snapshot (the version that
-        apply started from; the pull header says which) instead of waiting for it. When
-        pulls of older versions fill every slot, waits up to ``wait_s`` seconds for them
-        (at most ``max_wait_s``, what the pull's deadline leaves), then serves the newest
-        snapshot there is (an older version).
+        """The newest global parameters for one pull (pair with ``release``): θ itself
+        (``LiveView``) for a raw fp32 model, else the version's encoded snapshot. During an
+        apply, the version it started from; when older pulls fill every slot, waits up to
+        ``wait_s`` (at most ``max_wait_s``) seconds, then serves the newest there is.
 
         Raises:
             NotInitializedError: no worker has pushed the initial parameters yet.
@@ -186,16 +172,11 @@ class Snapshots:
             self.slots.publish(self.encode(version), keep_wanted=True)
 
     def before_step(self, version: int, swap_into: torch.Tensor | None = None) -> BlockHook | None:
-        """An outer step that makes ``version`` is about to run (``apply`` lock held):
-        the hook it calls after each block of θ (None: none), and ``after_step`` must
-        follow it, however the step ends.
-
-        θ read in place (``serves_live``): the view of ``version − 1`` moves, block by
-        block as the step goes, into ``swap_into`` (the uint8 receive buffer Δ is read
-        from, held in the receive budget until its last pull ends; live_view.py
-        ``begin_swap``) when a pull reads it or pulls are coming, else it is closed; and
-        when pulls came since the last version, the new θ's CRC-32 is taken per block
-        while it is in cache. Otherwise (encoded snapshots): ``before_apply``."""
+        """An outer step that makes ``version`` is about to run (``apply`` lock held): the
+        hook it calls after each block of θ (None: none); ``after_step`` must follow. With
+        θ read in place, the view of ``version − 1`` moves block by block into ``swap_into``
+        (Δ's uint8 receive buffer; live_view.py ``begin_swap``) while pulls read it, and
+        the new θ's CRC-32 is taken per block; else ``before_apply``."""
         self._swapping, self._crc_of_new = None, None
         if not self.serves_live():
             self.before_apply(version - 1)
@@ -266,18 +247,13 @@ class Snapshots:
         sync_state: Callable[[], tuple[int, torch.Tensor]] | None = None,
         max_wait_s: float = math.inf,
     ) -> PullSource:
-        """What a Pull sends (over gRPC or the bulk channel): its header and payload.
-        Pair every call with ``close_pull`` when the pull ends, completed or not.
+        """What a Pull sends (gRPC or bulk): its header and payload; pair with ``close_pull``.
 
         Args:
-            request: the pull; ``sync_state`` asks for θ and m (sync mode's healing pull).
             run_config: the run config of a worker id, for the header.
             sync_state: sync mode's (round, θ and m as float32 bytes) for a healing pull
-                (sync/rounds.py); None on an async server, which refuses that pull.
-            max_wait_s: the longest the pull may wait for a snapshot slot (``acquire``), seconds.
-        Returns:
-            A ``PullSource``: the header (version, size, chunk count, CRC-32, run config)
-            and the newest snapshot, or for ``request.sync_state`` θ and m as float32 bytes.
+                (``request.sync_state``); None on an async server, which refuses that pull.
+            max_wait_s: the longest the pull may wait for a snapshot slot, seconds.
         Raises:
             NotInitializedError, ModeMismatchError (a sync-state pull of an async server).
         """

@@ -1,9 +1,6 @@
-"""Applying pushes to the global model (both modes' initial parameters; async mode's
-pseudo-gradients with the outer optimizer weighted by their staleness, Liu et al. 2024,
-arXiv 2401.09135, Sec. 3). Each apply: decode (outside the locks), check the values,
-then under the ``apply`` lock admit (lease, τ, s(τ), N; logged), the outer step (pulls
-hook in per block: pull/snapshots.py ``before_step``), then the books. The semantics:
-docs/algorithms.md; the path: docs/architecture.md, "One push".
+"""Applying pushes to the global model: the initial parameters, and async pseudo-gradients
+through the outer optimizer weighted by their staleness (Liu et al. 2024, arXiv
+2401.09135, Sec. 3). docs/architecture.md, "One push"; docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ ZERO_FILL_PUSH_ID = 0
 def _admit(parts: CoreParts, header: pb.PushHeader) -> WorkerRecord | PushOutcome:
     """The worker's record, its lease renewed; or the answer to a replay: a concurrent
     retry that won the race, or an id at or below the high-water mark (books lock held)."""
-    rec = parts.registry.get(header.worker_id)
+    rec = parts.registry.workers.get(header.worker_id)
     if rec is not None:
         retried = rec.answer_retry(header.push_id, parts.model.version, parts.config.local_steps)
         if retried is not None:

@@ -170,7 +170,7 @@ class PushIntake:
     def _retried(self, header: pb.PushHeader) -> PushOutcome | None:
         """The answer to a replayed push id (books lock held; ``WorkerRecord.answer_retry``),
         else None."""
-        rec = self.registry.get(header.worker_id)
+        rec = self.registry.workers.get(header.worker_id)
         if rec is None or header.kind in _NOT_DEDUPLICATED:
             return None
         retried = rec.answer_retry(header.push_id, self.registry.model.version, self.config.local_steps)
@@ -192,12 +192,9 @@ class PushIntake:
         is_active: Callable[[], bool] | None = None,
     ) -> PushOutcome:
         """One whole push, whatever carries it: ``refuse``, a receive buffer from the pool
-        (waiting while other pushes hold the budget, until ``is_active()`` turns False),
-        ``fill`` (the transport copies the payload into the assembler, which checks chunk
-        order and the CRC-32 and scans the values as they land), then the kind's apply;
-        the buffer goes back to the pool however that ends. A retry of an applied push is
-        answered with its original outcome after ``drain`` consumed its payload. The
-        worker's lease does not lapse meanwhile, however slow the upload.
+        (waiting while ``is_active()``), ``fill`` (the transport copies the payload into the
+        assembler, which checks it as it lands), then the kind's apply. A retry of an
+        applied push gets its original outcome after ``drain`` consumed its payload.
 
         Raises:
             The exceptions of ``refuse`` (before ``fill`` is called: nothing of the payload
@@ -333,25 +330,11 @@ class PushIntake:
     def reply(
         self, outcome: PushOutcome, worker_id: int = 0, hold: bool = True, max_wait_s: float = math.inf
     ) -> pb.PushReply:
-        """The reply to a push that was applied or answered as a retry (gRPC and bulk).
-
-        Counts a duplicate, or holds an applied push until its group is released
-        (schedule.py; Liu et al. 2024, Alg. 2), so that workers whose pushes landed
-        together pull the same model; not when ``hold`` is False (the worker's last
-        push, ``PushHeader.last``). H_w is taken after the wait, when the group's rates
-        are in. The hold never outlasts the wait the worker was told (registry.py
-        ``told_wait_s``), which its push deadline covers; the worker's lease does not
-        lapse while the reply is held.
-
-        Args:
-            outcome: what ``receive`` returned.
-            worker_id: the pusher (0: reply with the outcome's H).
-            hold: wait for the push's group.
-            max_wait_s: the wait ends by then in any case (the call's deadline), seconds.
-        Returns:
-            The ``PushReply``; its ``group_max_wait_s`` bounds the hold of the worker's
-            next push (and so its deadline).
-        """
+        """The reply to a push that was applied or answered as a retry (gRPC and bulk): with
+        ``hold``, an applied push waits until its group is released (schedule.py; Liu et
+        al. 2024, Alg. 2), at most the wait the worker was told (registry.py
+        ``told_wait_s``) and ``max_wait_s`` seconds; H_w is taken after the wait.
+        ``worker_id`` 0: reply with the outcome's H."""
         held_s = 0.0
         if outcome.duplicate:
             with self.locks.books:
@@ -387,6 +370,6 @@ class PushIntake:
         with self.locks.books:
             self.counters.rejected_pushes += 1
             self.counters.note_refusal(reason)
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None:
                 rec.rejected_pushes += 1

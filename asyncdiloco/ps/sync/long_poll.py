@@ -1,14 +1,6 @@
-"""Long-polled sync waits: how long, and how many at once, a Quorum or Commit call may
-hold one of the server's RPC threads.
-
-The gRPC server runs every call on a fixed pool of ``max_concurrent_rpcs`` threads
-(server.py). A Quorum or Commit call that blocked for its whole wait held one of them,
-so one server could not serve a quorum larger than its pool. With ``poll`` set in the
-request (docs/protocol.md, "Long-polled waits") a call is held at most ``HOLD_S``
-seconds, and only while fewer than ``max_held_waits(pool)`` calls are held: otherwise it
-is answered at once. The request stays registered between polls (quorum.py
-``poll_quorum``; a vote counts once), so a waiting member costs a registration, not a
-thread, and the rest of the pool keeps serving pushes, pulls, heartbeats and Status.
+"""Long-polled sync waits: a Quorum or Commit call with ``poll`` is held at most ``HOLD_S``
+seconds, and only while fewer than ``max_held_waits(pool)`` are held, so a waiting member
+costs a registration, not one of the server's RPC threads. docs/protocol.md, "Long-polled waits".
 """
 
 from __future__ import annotations

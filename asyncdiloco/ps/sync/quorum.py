@@ -1,12 +1,7 @@
-"""Sync-mode rounds without tensors or sockets: quorum formation (the running group, the
-queue, healing), commit votes, long-polled waits, the round counter; the role torchft's
-lighthouse plays, for synchronous DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and
-LocalSGD. rounds.py applies the committed result. The round, both sides:
-docs/protocol.md, "The sync round" and "Long-polled waits".
-
-Locking: one condition variable guards everything here. ``live_workers`` and
-``on_commit`` are called with it held; they may take the state's lock (order: quorum,
-then state), and the state never calls in here while holding its own lock.
+"""Sync-mode rounds without tensors or sockets (the role of torchft's lighthouse): quorum
+formation, commit votes, long-polled waits, the round counter; rounds.py applies the
+result. One condition variable guards it all (lock order: quorum, then state).
+docs/protocol.md, "The sync round".
 """
 
 from __future__ import annotations
@@ -249,22 +244,15 @@ class QuorumManager:
         final: bool,
         alive: Callable[[], bool] = _always,
     ) -> Assignment | QuorumMiss:
-        """A long poll: ``request``, and wait at most ``hold_s`` real seconds (0: answer
-        at once) for the quorum.
+        """A long poll: ``request``, and wait at most ``hold_s`` real seconds (0: answer at
+        once) for the quorum, while ``alive()`` and no newer call of the worker came.
 
         Args:
-            hold_s: seconds this call may wait, ≥ 0.
-            keep_s: clock seconds the request stays registered after this call without
-                another poll (then it is withdrawn, as a worker that gave up).
-            final: the caller's wait ends with this call: without a quorum the request
-                is withdrawn (as at the end of ``wait_quorum``).
-            alive: False once the caller's RPC ended: the hold ends (the request stays
-                for ``keep_s``, as after any hold). A newer call of the same worker ends
-                this hold too (as in ``wait_quorum``).
+            keep_s: clock seconds the request stays registered without another poll.
+            final: the caller's wait ends with this call: without a quorum it is withdrawn.
         Returns:
-            The assignment; or a ``QuorumMiss`` with ``pending`` True (the request is
-            kept: poll again within ``keep_s``), or False (withdrawn: final, or the
-            server is stopping).
+            The assignment, or a ``QuorumMiss`` with ``pending`` True (kept: poll again
+            within ``keep_s``) or False (withdrawn).
         """
         end = time.monotonic() + hold_s
         me = object()

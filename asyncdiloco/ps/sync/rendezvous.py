@@ -1,15 +1,7 @@
-"""Sync mode's rendezvous store on the server: the key-value store each quorum's members
-build their gloo/NCCL process group over (torch.distributed's c10d ``Store``), served
-through the authenticated ``Store`` RPC instead of an open ``TCPStore`` port.
-
-One namespace per quorum, opened when its quorum forms (with its members: nobody else
-may touch it) and dropped when its round is decided or the next quorum forms, so at most
-one or two exist at a time and each is capped (``MAX_KEYS`` keys of at most
-``MAX_KEY_BYTES``, values of at most ``MAX_VALUE_BYTES``, ``MAX_NAMESPACE_BYTES`` in all).
-Every operation answers at once: a blocking ``get`` or ``wait`` of torch's API is the
-client's loop of ``GET``/``CHECK`` calls (worker/rendezvous.py), so a rank waiting for
-its peers never holds one of the server's RPC threads. Network-free: rounds.py
-``SyncRounds`` checks who asks and calls in here; unit tests drive it directly.
+"""Sync mode's rendezvous store on the server: the c10d key-value store each quorum builds its
+process group over, served through the authenticated ``Store`` RPC. One capped namespace
+per quorum (its members only); every operation answers at once (a blocking ``get`` is the
+client's loop, worker/rendezvous.py). docs/protocol.md, "The sync round".
 """
 
 from __future__ import annotations

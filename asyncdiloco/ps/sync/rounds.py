@@ -1,11 +1,7 @@
 """Sync mode on the server's state (synchronous DiLoCo, Douillard et al. 2023, arXiv
-2311.08105, Alg. 1; LocalSGD with the plain SGD outer step): the round result rank 0
-uploads (staged until the vote), the committed round's outer step, the quorum, commit
-and store calls, per-member H_w, durable rounds and the healing pull. The rounds
-themselves are run by quorum.py's ``QuorumManager``. docs/algorithms.md, "Synchronous
-DiLoCo"; docs/architecture.md.
-
-Lock order: the quorum's condition, then the state's locks (books.py ``StateLocks``).
+2311.08105, Alg. 1): the staged round result, the committed round's outer step, the
+Quorum, Commit and Store calls, per-member H_w, durable rounds and the healing pull;
+quorum.py runs the rounds. Lock order: the quorum's condition, then the state's locks.
 """
 
 from __future__ import annotations
@@ -156,7 +152,7 @@ class SyncRounds:
         with self.locks.books:
             for worker_id, vote in votes.items():
                 measured = vote.num_local_steps > 0 and math.isfinite(vote.compute_s) and vote.compute_s > 0
-                if measured and self.registry.get(worker_id) is not None:  # else none: not measured
+                if measured and self.registry.workers.get(worker_id) is not None:  # else none: not measured
                     self.registry.rates.record(worker_id, vote.num_local_steps, now, vote.compute_s)
             return self.registry.plan_sync_round(members)
 
@@ -195,11 +191,10 @@ class SyncRounds:
         committed-round count is the version, saved with θ."""
         return {"next_quorum_id": self.quorum.next_quorum_id, "rounds_failed": self.quorum.rounds_failed}
 
-    def load_meta(self, meta: dict | None) -> None:
-        """Take a checkpoint's ``to_meta`` (None: a checkpoint without it)."""
-        meta = meta or {}
-        self._next_quorum_id = max(self._next_quorum_id, int(meta.get("next_quorum_id", 1)))
-        self._rounds_failed = int(meta.get("rounds_failed", 0))
+    def load_meta(self, meta: dict) -> None:
+        """Take a checkpoint's ``to_meta``."""
+        self._next_quorum_id = max(self._next_quorum_id, meta["next_quorum_id"])
+        self._rounds_failed = meta["rounds_failed"]
 
     def resume(self) -> None:
         """After the restore (no state lock held): the rounds go on at the restored
@@ -223,7 +218,7 @@ class SyncRounds:
                 continue
             tokens = done.tokens_by_worker.get(worker_id, 0)
             self.counters.count_applied(0, tokens)  # synchronous: τ = 0 by construction
-            rec = self.registry.get(worker_id)
+            rec = self.registry.workers.get(worker_id)
             if rec is not None:
                 rec.applied_pushes += 1
                 rec.tokens += tokens
@@ -251,12 +246,8 @@ class SyncRounds:
         call: CallWatch = NO_WATCH,
     ) -> Assignment | QuorumMiss:
         """Block up to ``timeout_s`` seconds for the next round's quorum (a ``QuorumMiss``,
-        saying why, when none formed). With ``poll`` (a long poll, long_poll.py) block at
-        most ``HOLD_S`` seconds, and none when every hold is taken: a ``QuorumMiss`` with
-        ``pending`` then says the request stays registered (``KEEP_S``); when
-        ``timeout_s`` ≤ ``HOLD_S`` the caller's wait ends here and the answer is final.
-        ``call`` is the RPC's watch: the wait ends when the call does, and never lasts
-        past its deadline.
+        saying why, when none formed); with ``poll``, a long poll's hold (long_poll.py;
+        ``pending``: ask again). ``call``: the RPC's watch, which ends the wait with it.
 
         Raises:
             UnknownWorkerError, NotInitializedError, ManifestMismatchError (the hash

@@ -1,9 +1,6 @@
-"""A hierarchical tier: this (regional) parameter server is itself a worker of a parent
-one (HALoS, Kim et al. 2025, arXiv 2506.04531, Sec. 3; Decoupled DiLoCo, arXiv
-2604.21428). ``UpstreamLink`` pushes Δ_region = θ_base − S upward every K regional pushes,
-pulls θ_g and rebases (rebase.py), retrying an unreachable parent with the same push id.
-The algorithm: docs/algorithms.md, "Hierarchical tier"; failures and limits:
-docs/operations.md, "A regional server (hierarchical tier)".
+"""A hierarchical tier: this regional server is a worker of a parent one (HALoS, Kim et al.
+2025, arXiv 2506.04531, Sec. 3): ``UpstreamLink`` pushes Δ_region upward every K regional
+pushes, pulls θ_g and rebases (rebase.py). docs/algorithms.md, "Hierarchical tier".
 """
 
 from __future__ import annotations
@@ -60,12 +57,8 @@ class UpstreamLink:
         client: builds the client to the parent (tests inject one); default
             ``ParameterServerClient(config.parent, ...)``.
 
-    Counters (read any time): ``syncs`` (the parent initialized with θ_base, or a rebase
-    onto a pulled global model), ``rebases`` (the regional versions they added: the
-    regional version = its pushes applied + ``rebases``),
-    ``pushes`` (pushes upward applied by the parent), ``bytes_up``/``bytes_down``
-    (payload bytes to and from the parent), ``parent_version`` (the version θ_base was
-    pulled at), ``failures`` (calls that found the parent unreachable).
+    Counters: ``syncs``, ``rebases`` (regional versions they added), ``pushes`` (applied
+    by the parent), ``bytes_up``/``bytes_down``, ``parent_version``, ``failures``.
     """
 
     def __init__(

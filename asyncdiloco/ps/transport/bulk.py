@@ -1,9 +1,6 @@
-"""The server side of the optional bulk data channel: Push and Pull as raw bytes over
-TCP beside the gRPC control plane (one kernel copy a side instead of protobuf chunk
-messages). A push goes to push/intake.py ``receive`` like a gRPC one; a pull sends
-state.py ``open_pull``'s header, then the payload. The wire format: the BulkRequest /
-BulkReply messages of proto/asyncdiloco/v1/parameter_server.proto; threads, limits,
-auth and TLS: ``BulkServer``; docs/architecture.md, "How a push flows".
+"""The server side of the optional bulk data channel: Push and Pull as raw bytes over TCP
+beside gRPC (BulkRequest / BulkReply in the proto); a push goes to push/intake.py
+``receive`` like a gRPC one. docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The run at a glance: one server-rendered HTML page with inline SVG charts, served at
-``/`` of the metrics port (monitor.py). No script, no external asset, no build step; the
-page reloads itself every ``REFRESH_S`` seconds (``<meta http-equiv=refresh>``).
-
-It shows the version over time (``RunHistory``, sampled by the monitor), the push rate
-and counters, the staleness histogram, the workers' table, the held-out loss by version
-when an evaluator reports it (ReportEval), and the run config. Every string that comes
-from outside the server (worker and evaluator names) is HTML-escaped.
+"""The run at a glance: one server-rendered HTML page with inline SVG charts at ``/`` of the
+metrics port (no script, no external asset; reloads every ``REFRESH_S`` seconds). Every
+string from outside the server is HTML-escaped.
 """
 
 from __future__ import annotations

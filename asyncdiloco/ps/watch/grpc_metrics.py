@@ -1,19 +1,7 @@
-"""Prometheus metrics of every RPC the gRPC server handles, by the conventions of the
-go-grpc-prometheus / py-grpc-prometheus exporters, so their dashboards and alerts work
-unchanged.
-
-``grpc_server_started_total`` counts calls that reached a handler,
-``grpc_server_handled_total{grpc_code}`` calls that ended (with their status code),
-``grpc_server_handling_seconds`` their duration (histogram), and
-``grpc_server_msg_received_total`` / ``grpc_server_msg_sent_total`` their stream
-messages; every series is labelled ``grpc_type`` (UNARY, CLIENT_STREAM, SERVER_STREAM,
-BIDI_STREAM), ``grpc_service`` and ``grpc_method``. A streaming call is measured until
-its stream ends: a Pull (server stream) when its last chunk went out, or with CANCELLED
-when the client went away; a Push (client stream) when its reply is sent. The code is the
-one the handler aborted with (a refusal's code, or UNAUTHENTICATED from the token check),
-UNKNOWN for an exception the handler did not turn into a status. A handler that answers
-through gRPC's non-blocking callback (the health service's Watch) is left unmeasured, so
-that it keeps holding no thread.
+"""Prometheus metrics of every RPC the gRPC server handles, named as the go-grpc-prometheus
+/ py-grpc-prometheus exporters name them (so their dashboards work unchanged); a stream is
+measured until it ends. A callback handler (health Watch) is left unmeasured, holding no
+thread. The series: docs/operations.md, "Watching a run".
 """
 
 from __future__ import annotations

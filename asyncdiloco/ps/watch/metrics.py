@@ -1,12 +1,7 @@
-"""The parameter server's Prometheus metrics, in one registry per server (two servers in
-one process never collide): the gRPC server conventions (grpc_metrics.py) and the
-domain's, prefixed ``asyncdiloco_``, units in the names as Prometheus asks.
-
-Most domain metrics are read from the state when they are scraped (``StateCollector``:
-one ``status()`` per scrape, under the books lock as any Status call), so the hot path
-pays nothing for them. Only three durations are recorded as they happen, through the
-state's ``Observer`` (core.py): the outer step, the write-ahead-log write and the
-checkpoint. docs/operations.md ("Watching a run") lists every metric with its unit.
+"""The parameter server's Prometheus metrics, one registry per server: the gRPC conventions
+(grpc_metrics.py) and the ``asyncdiloco_`` ones, read from ``status()`` at each scrape
+(three durations are observed as they happen: core.py ``Observer``).
+docs/operations.md, "Watching a run", lists them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The HTTP monitoring endpoint on ``ServerConfig.metrics_port``: one WSGI app served by a
-threading ``wsgiref`` server in a daemon thread, beside the gRPC port on the same host.
-
-    /             the dashboard (dashboard.py), text/html
-    /metrics      Prometheus text exposition of the server's registry (metrics.py), via
-                  prometheus_client's own WSGI app (gzip, ``name[]`` filters)
-    /status.json  the ``StatusReply`` as JSON (``google.protobuf.json_format``)
-
-A sampler thread records the version once a second for the dashboard's chart
-(``RunHistory``). The endpoint has no token and no TLS: bind it where only trusted
-scrapers reach it (docs/operations.md, "Watching a run").
+"""The HTTP monitoring endpoint on ``ServerConfig.metrics_port``: ``/`` the dashboard,
+``/metrics`` Prometheus, ``/status.json`` the ``StatusReply``; a sampler thread records the
+version for the dashboard's chart. No token, no TLS: docs/operations.md, "Watching a run".
 """
 
 from __future__ import annotations
