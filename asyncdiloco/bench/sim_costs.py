@@ -185,7 +185,7 @@ class WorkerRate:
     without the longest) fed each simulated step's duration (``step``); before the first
     push of a registration it reports the rate every ``RATE_PROBE_STEPS`` timed steps
     (worker/base.py ``_report_rate``), and every push carries ``compute_s`` = the pushed
-    steps at that rate (``_round_compute_s``), from which the server's ``StepRateMeter``
+    steps at that rate (``InnerStepRate.seconds_for``), from which the server's ``StepRateMeter``
     takes its sample.
     """
 

@@ -6,6 +6,3 @@ in (θ ← θ − s(τ)·Δ/R over the R live regions, ps/push/apply.py)."""
 ROLE_KEY = "adl-role"
 #: The Join is a regional server's.
 ROLE_REGION = "region"
-#: No server sends it any more (every parent averages regions in); worker/client.py still
-#: reads it as a trailing Join answer (``parent_averages_regions``), which is now always False.
-REGION_AVERAGED = "region-averaged"

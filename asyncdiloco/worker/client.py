@@ -31,7 +31,7 @@ from asyncdiloco.wire.grpc_chunks import (
     push_request_bytes,
 )
 from asyncdiloco.wire.header_crc import check_header, seal
-from asyncdiloco.wire.roles import REGION_AVERAGED, ROLE_KEY, ROLE_REGION
+from asyncdiloco.wire.roles import ROLE_KEY, ROLE_REGION
 from asyncdiloco.wire.security import (
     ClientSecurityConfig,
     auth_metadata,
@@ -136,7 +136,6 @@ class ParameterServerClient:
         self._bulk_allowed = bulk_channel
         #: JoinReply.session_id per worker id joined through this client, sent with its calls.
         self._sessions: dict[int, int] = {}
-        self.parent_averages_regions = False  # set by a regional join (``join``)
         self._bulk: BulkChannel | None = None
         self._channel = _open_channel(address, security)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
@@ -221,8 +220,7 @@ class ParameterServerClient:
             manifest=manifest.to_proto(), worker_name=worker_name, steps_per_s=steps_per_s, ranks=ranks
         )
         role = ((ROLE_KEY, ROLE_REGION),) if region else ()
-        reply, call = self._call(self._stub.Join.with_call, request, extra_metadata=role)
-        self.parent_averages_regions = (ROLE_KEY, REGION_AVERAGED) in tuple(call.trailing_metadata() or ())
+        reply, _call = self._call(self._stub.Join.with_call, request, extra_metadata=role)
         self._sessions[reply.worker_id] = reply.session_id
         self.chunk_bytes = reply.run_config.chunk_bytes or self.chunk_bytes
         self._told(reply.run_config.group_max_wait_s, reply.worker_id)
