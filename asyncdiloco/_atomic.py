@@ -1,4 +1,4 @@
-"""Durable file writes shared by the server's checkpoints (ps/checkpoints.py) and a
+"""Durable file writes shared by the server's checkpoints (ps/durable/checkpoints.py) and a
 worker's state folder (worker/state_dir.py): a reader after a crash sees the old file or
 the new one, never half of one."""
 

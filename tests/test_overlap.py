@@ -1,4 +1,4 @@
-"""Overlap mode of the asynchronous worker (WorkerConfig.overlap, asyncdiloco/overlap.py).
+"""Overlap mode of the asynchronous worker (WorkerConfig.overlap, asyncdiloco/worker/push_pull.py).
 
 The background push and pull are held at gates (events set by the test, never sleeps),
 so steps are known to happen while a sync is in flight. With the outer optimizer

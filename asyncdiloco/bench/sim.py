@@ -36,7 +36,7 @@ class Method:
     dylu: bool = False
     grouping: str = "off"
     #: Workers sync in the background and train on while their reply is held (the
-    #: worker's ``--overlap``; merge rule in overlap.py).
+    #: worker's ``--overlap``; merge rule in worker/push_pull.py).
     overlap: bool = False
     #: With ``overlap``: the next round's H_w counts from the push, the steps run while
     #: the group formed and the pull travelled included (instead of H_w more after the
@@ -289,7 +289,7 @@ class Replica:
         self.base_version = version
 
     def merge(self, theta_g: torch.Tensor, version: int, snapshot: torch.Tensor) -> None:
-        """Overlap's merge (overlap.py): θ ← θ_g' + (θ_now − θ_snapshot), θ_base ← θ_g'."""
+        """Overlap's merge (worker/push_pull.py): θ ← θ_g' + (θ_now − θ_snapshot), θ_base ← θ_g'."""
         self.load(theta_g + (self.flat() - snapshot), version)
         self.base.copy_(theta_g)
 

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_shard_flags(p)
     SERVER.add_to(p)
-    tier = p.add_argument_group("hierarchical tier (this server as a regional one; ps/upstream.py)")
+    tier = p.add_argument_group("hierarchical tier (this server as a regional one; ps/tier/upstream.py)")
     tier.add_argument(
         "--parent",
         metavar="HOST:PORT",

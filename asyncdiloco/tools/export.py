@@ -1,5 +1,5 @@
 """The global model of a checkpoint folder, written as a safetensors file: the newest
-durable state restored read-only (ps/store.py ``restore_read_only``; the folder is not
+durable state restored read-only (ps/durable/store.py ``restore_read_only``; the folder is not
 changed or locked, so it runs beside the server), one tensor per parameter with the
 metadata ``format``, ``asyncdiloco_export``, ``version``, ``manifest_hash``, ``dtype``
 and ``lsn`` (docs/operations.md "Getting the model out").

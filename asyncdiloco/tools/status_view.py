@@ -75,7 +75,7 @@ def _eval_dict(st: pb.StatusReply) -> dict[str, Any] | None:
 
 def status_dict(st: pb.StatusReply, *, address: str = "", all_workers: bool = False) -> dict[str, Any]:
     """The status as JSON-ready values: the run, its counters, the staleness summary, the
-    newest held-out loss (of the highest version, ps/counters.py ``newest_eval``; None
+    newest held-out loss (of the highest version, ps/books.py ``newest_eval``; None
     without one) and one entry per live worker (``all_workers``:
     also those that left or expired)."""
     workers = [worker_dict(w) for w in st.workers if all_workers or (w.alive and w.state not in GONE_STATES)]

@@ -1,4 +1,4 @@
-"""Framing of the bulk data channel, shared by its server (ps/bulk.py) and client (bulk_client.py).
+"""Framing of the bulk data channel, shared by its server (ps/transport/bulk.py) and client (bulk_client.py).
 
 The channel itself is described in ``proto/asyncdiloco/v1/parameter_server.proto``
 (BulkRequest / BulkReply): a frame is a 4-byte little-endian length followed by one

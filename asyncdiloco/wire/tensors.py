@@ -373,7 +373,7 @@ class PayloadAssembler:
         self._np = buffer.numpy()
         #: Optional ``(start, end) -> None``, called after bytes [start, end) of the buffer
         #: were filled, in order, while they are still in cache (the server's value scan:
-        #: ps/values.py). Whatever it raises ends the fill.
+        #: ps/push/value_scan.py). Whatever it raises ends the fill.
         self.watch: Callable[[int, int], None] | None = None
 
     @property

@@ -29,7 +29,7 @@ _SLICE_BYTES = 4 << 20
 _MIN_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 60.0
 #: A pull's payload size in bytes, or a function of its header giving it.
 PayloadSize = int | Callable[[pb.PullHeader], int]
-#: Codes after which the server closes the connection (ps/bulk.py).
+#: Codes after which the server closes the connection (ps/transport/bulk.py).
 _CLOSING_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 

@@ -1,5 +1,5 @@
 """A quorum's rendezvous store as a ``torch.distributed.Store``, served by the parameter
-server over the worker's own gRPC channel (the ``Store`` RPC; ps/rendezvous.py is the
+server over the worker's own gRPC channel (the ``Store`` RPC; ps/sync/rendezvous.py is the
 server's side). docs/worker.md, "The rendezvous store".
 """
 

@@ -22,7 +22,7 @@ from asyncdiloco.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
-#: gRPC metadata key of shard 0's decision (the server's ps/shard_order.py ``METADATA_KEY``).
+#: gRPC metadata key of shard 0's decision (the server's ps/push/shard_order.py ``METADATA_KEY``).
 ORDER_KEY = "adl-shard-order"
 #: Wire codecs whose payload is element-wise (a shard's part is a byte range of the whole).
 SLICEABLE_CODECS = ("raw", "bf16", "")
