@@ -264,3 +264,29 @@ def test_a_server_restarted_without_its_folder_says_so_and_the_members_heal_to_i
     assert "the server's committed round 0 is behind this worker's 2" in caplog.text
     assert [r["round"] for r in worker.stats.rounds] == [1, 2, 1, 2, 3, 4]  # the new server's rounds
     assert torch.equal(worker._base, srv.state.params)  # noqa: SLF001 - θ_base, the new server's model
+
+
+def test_a_sync_server_restores_an_async_runs_checkpoint_and_log(tmp_path):
+    """A folder an async server wrote (its checkpoint has no rounds part, its log holds
+    pseudo-gradients) restarts in sync mode at the async run's version and θ, rounds
+    starting there; no KeyError from the missing part."""
+    folder = str(tmp_path / "ckpt")
+    first = ParameterServer(
+        ServerConfig(port=0, mode="async", outer=NESTEROV, durability=DurabilityConfig(checkpoint_dir=folder))
+    ).start()
+    try:
+        wid = first.state.join(MANIFEST, "w")[0]
+        first.state.intake.push(
+            MANIFEST.pack_flat(torch.zeros(6)), worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS
+        )
+        first.state.intake.push(MANIFEST.pack_flat(torch.ones(6)), worker_id=wid, push_id=2, num_local_steps=1)
+        theta = first.state.params.clone()
+    finally:
+        first.stop(None)
+    second = ParameterServer(_config(folder)).start()
+    try:
+        assert second.state.version == 1
+        assert torch.equal(second.state.params, theta)
+        assert second.state.rounds is not None and second.state.rounds.sync_state()[0] == 1
+    finally:
+        second.stop(None)

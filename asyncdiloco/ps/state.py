@@ -87,16 +87,21 @@ class ParameterServerState:
         initial = InitialParameters(core)
         kinds: dict[int, PushKind]
         self.rounds: SyncRounds | None = None
+        pseudo = PseudoGradient(core, self.snapshots, self.groups, self.monitor)
+        #: what the log replays: every kind a server of either mode wrote (a sync server
+        #: restores an async run's checkpoint and log, and goes on in rounds from its version)
+        replayers: dict[int, PushKind] = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
         if config.mode == "async":
-            kinds = {INITIAL: initial, PSEUDO_GRADIENT: PseudoGradient(core, self.snapshots, self.groups, self.monitor)}
+            kinds = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
         else:
             self.rounds = SyncRounds(core, live_worker_ids=self.live_worker_ids, snapshots=self.snapshots)
             kinds = {INITIAL: initial, pb.PUSH_KIND_ROUND_RESULT: self.rounds.round_result}
+            replayers[pb.PUSH_KIND_ROUND_RESULT] = self.rounds.round_result
         #: Sync mode's rounds (None in async mode).
         self.quorum: QuorumManager | None = self.rounds.quorum if self.rounds is not None else None
         self.intake = PushIntake(config, self.locks, self.registry, self.counters, self.groups, kinds)
         self.snapshots.pool = self.intake.pool  # an apply's Δ buffer takes the version it replaces
-        self.durability = Durability(core, self.snapshots, replayers=kinds, rounds=self.rounds)
+        self.durability = Durability(core, self.snapshots, replayers=replayers, rounds=self.rounds)
         #: The bulk data channel's port (transport/bulk.py), set by server.py; 0 = none offered.
         self.bulk_port = 0
 

@@ -206,7 +206,7 @@ class Durability:
             self.counters.load_meta(meta["counters"], meta["staleness_histogram"])
             self.registry.load_meta(meta["workers"], meta["next_worker_id"], meta["initializer"], now)
             if self.rounds is not None:
-                self.rounds.load_meta(meta["sync"])
+                self.rounds.load_meta(meta.get("sync"))  # None: an async server's checkpoint
             self.snapshots.clear()
         if self.rounds is not None:
             self.rounds.resume()

@@ -191,10 +191,12 @@ class SyncRounds:
         committed-round count is the version, saved with θ."""
         return {"next_quorum_id": self.quorum.next_quorum_id, "rounds_failed": self.quorum.rounds_failed}
 
-    def load_meta(self, meta: dict) -> None:
-        """Take a checkpoint's ``to_meta``."""
-        self._next_quorum_id = max(self._next_quorum_id, meta["next_quorum_id"])
-        self._rounds_failed = meta["rounds_failed"]
+    def load_meta(self, meta: dict | None) -> None:
+        """Take a checkpoint's ``to_meta`` (None: an async server's checkpoint; the rounds
+        start at its version)."""
+        if meta is not None:
+            self._next_quorum_id = max(self._next_quorum_id, meta["next_quorum_id"])
+            self._rounds_failed = meta["rounds_failed"]
 
     def resume(self) -> None:
         """After the restore (no state lock held): the rounds go on at the restored
