@@ -78,7 +78,7 @@ class DurableRounds(Protocol):
     def to_meta(self) -> dict:
         """The rounds' part of a checkpoint (called with the state's locks held)."""
 
-    def load_meta(self, meta: dict) -> None:
+    def load_meta(self, meta: dict | None) -> None:
         """Take a checkpoint's part (both locks held)."""
 
     def resume(self) -> None:
