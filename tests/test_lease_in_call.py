@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import FakeClock
 
-from asyncdiloco.errors import UnknownWorkerError
+from asyncdiloco.errors import PayloadCorruptedError, UnknownWorkerError
 from asyncdiloco.ps.config import ServerConfig
 from asyncdiloco.ps.state import ParameterServerState
 from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+from asyncdiloco.wire.header_crc import seal
 from asyncdiloco.wire.tensors import Manifest
 
 LEASE_S = 60.0
@@ -96,3 +97,17 @@ def test_an_upload_longer_than_the_lease_keeps_the_pushers_lease(monkeypatch):
     clock.advance(LEASE_S + 1.0)  # a lease that lapsed before a push stays lapsed
     with pytest.raises(UnknownWorkerError, match="no longer registered"):
         _push(state, worker, 3, compute_s=1.0)
+
+
+def test_a_push_whose_header_is_corrupted_does_not_renew_the_lease_of_the_worker_it_names():
+    """The worker id of a header whose CRC fails is not trusted: its lease is not kept or
+    renewed by the refused call (every transport hands the header to ``intake.receive``)."""
+    state, clock = _state()
+    wid, _, _ = state.join(MANIFEST, "w")
+    clock.now = LEASE_S - 1.0
+    header = seal(pb.PushHeader(worker_id=wid, push_id=1, kind=pb.PUSH_KIND_INITIAL_PARAMETERS, total_bytes=16))
+    header.num_tokens = 7  # changed after the seal: corrupted in transit
+    with pytest.raises(PayloadCorruptedError):
+        state.intake.receive(header, fill=lambda _: None, drain=lambda: None)
+    clock.now = LEASE_S + 1.0
+    assert not _alive(state, wid)

@@ -119,7 +119,7 @@ class PushIntake:
             ModeMismatchError: a kind of the other mode.
             NotInitializedError, StalePushError: the kind's own checks.
         """
-        check_header(header, f"a push from worker {header.worker_id} (push_id {header.push_id} as received)")
+        _check_crc(header)
         if header.push_id < 1:  # before a retry's answer: 0 or -5 is no replay of anything
             raise InvalidPayloadError(
                 f"push_id is {header.push_id}; the smallest is 1: number a worker's pushes with a counter starting at 1"
@@ -201,6 +201,7 @@ class PushIntake:
             was read), ServerBusyError (no buffer within 30 s), those of ``fill`` and of
             the kind's apply.
         """
+        _check_crc(header)  # before its worker id is trusted with anything (a lease kept by _in_progress)
         with self._in_progress(header.worker_id):
             kind = self.refuse(header)
             if isinstance(kind, PushOutcome):
@@ -373,3 +374,8 @@ class PushIntake:
             rec = self.registry.workers.get(worker_id)
             if rec is not None:
                 rec.rejected_pushes += 1
+
+
+def _check_crc(header: pb.PushHeader) -> None:
+    """``check_header`` for a push: PayloadCorruptedError when its CRC is missing or wrong."""
+    check_header(header, f"a push from worker {header.worker_id} (push_id {header.push_id} as received)")
