@@ -456,3 +456,49 @@ def test_a_held_reply_does_not_block_training_and_nothing_is_lost(start_server):
     other.close()
     torch.testing.assert_close(srv.state.params, theta_init + disp.total - delta_o, rtol=0, atol=1e-5)
     assert srv.state.status().tokens == worker.stats.inner_steps * 16
+
+
+def test_an_acknowledged_push_lowers_theta_base_once_when_the_pull_cannot_be_decoded():
+    """``push_then_pull`` with a lossy codec: the acknowledged payload is taken out of
+    θ_base before the pull is decoded; a pull that then fails to decode must not take it
+    out a second time (what is left of θ_base − θ_local goes out later as a residual)."""
+    from asyncdiloco.wire._proto import parameter_server_pb2 as pb
+    from asyncdiloco.wire.codec import make_codec
+    from asyncdiloco.wire.tensors import Manifest
+    from asyncdiloco.worker.client import Pulled
+    from asyncdiloco.worker.push_pull import PendingPush, SyncLink, SyncRequest, push_then_pull
+
+    manifest = Manifest.from_named_tensors([("w", torch.zeros(8))])
+    codec = make_codec("bf16", manifest)
+
+    class Client:
+        def push(self, payload, **_):
+            return pb.PushReply(applied=True, version=1)
+
+        def pull(self, manifest, worker_id, buffer=None):
+            return Pulled(1, torch.zeros(3, dtype=torch.uint8), pb.RunConfig())  # not a bf16 payload of 8
+
+    link = SyncLink(
+        Client(),
+        manifest,
+        encode=lambda d: codec.encode(d, torch.empty(codec.wire_bytes, dtype=torch.uint8)),
+        decode=codec.decode,
+    )
+    base = torch.zeros(8)
+    delta = torch.full((8,), 0.25)  # exactly representable in bf16
+    pending = PendingPush(
+        payload=link.encode(delta), push_id=2, base_version=0, num_local_steps=1, num_tokens=0, compute_s=0.0
+    )
+    request = SyncRequest(
+        worker_id=1,
+        pending=pending,
+        base=base,
+        snapshot=None,
+        theta_g=torch.empty(8),
+        pull_buffer=None,
+        lossy=True,
+        keep_unsent=False,
+    )
+    out = push_then_pull(link, request)
+    assert out.acknowledged and not out.pulled and out.error is not None
+    assert torch.equal(base, -delta)  # lowered once

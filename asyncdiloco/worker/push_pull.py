@@ -100,6 +100,8 @@ class SyncOutcome:
     error: BaseException | None = None
     #: Seconds spent in push + pull + decode.
     comm_s: float = 0.0
+    #: θ_base was lowered by the acknowledged payload (at most once per sync).
+    base_lowered: bool = False
 
     @property
     def pulled(self) -> bool:
@@ -118,15 +120,14 @@ def push_then_pull(link: SyncLink, request: SyncRequest) -> SyncOutcome:
     """
     out = SyncOutcome(pending=request.pending)
     started = time.monotonic()
-    lowered = False
     try:
         _push(link, request, out)
         if request.pull:
-            lowered = _pull_and_correct(link, request, out)
+            _pull_and_correct(link, request, out)
     except Exception as exc:  # noqa: BLE001 - handed to the training thread, which re-raises it
         out.error = exc
-    if out.acknowledged and not lowered and not out.pulled:
-        _lower_base(link, request)  # the rest goes out later, as a residual
+    if out.acknowledged and not out.base_lowered and not out.pulled:
+        _lower_base(link, request, out)  # the rest goes out later, as a residual
     out.comm_s = time.monotonic() - started
     return out
 
@@ -164,27 +165,28 @@ def _push(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
         out.refused, out.drop_reason = exc, exc.reason  # dropped: pull and restart from the global model
 
 
-def _lower_base(link: SyncLink, request: SyncRequest) -> None:
+def _lower_base(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
     """θ_base −= decode(payload): the server now holds exactly that, so what is left of
     θ_base − θ_local is what it has not received."""
     assert request.pending is not None and request.pending.payload is not None, "a sent push"
     request.base.sub_(link.decode(request.pending.payload, request.theta_g))
+    out.base_lowered = True
 
 
-def _pull_and_correct(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> bool:
-    """Pull θ_g' into ``theta_g`` and compute the correction; returns whether θ_base was lowered."""
+def _pull_and_correct(link: SyncLink, request: SyncRequest, out: SyncOutcome) -> None:
+    """Pull θ_g' into ``theta_g`` and compute the correction (θ_base lowered first when the
+    unsent part is kept)."""
     pulled = link.client.pull(link.manifest, request.worker_id, buffer=request.pull_buffer)
     base, theta_g = request.base, request.theta_g
     keep = request.keep_unsent or (out.acknowledged and request.lossy)
     if keep and out.acknowledged:
-        _lower_base(link, request)
+        _lower_base(link, request, out)
     link.decode(pulled.payload, theta_g)  # θ_g', (N,) fp32
     if keep:
         out.correction = torch.sub(theta_g, base, out=base)  # c = θ_g' − θ_base, (N,)
     elif request.snapshot is not None:
         out.correction = torch.sub(theta_g, request.snapshot, out=request.snapshot)  # c = θ_g' − θ_local(t0)
     out.version, out.run_config, out.bytes_pulled = pulled.version, pulled.run_config, pulled.payload.numel()
-    return keep and out.acknowledged
 
 
 def check_finite_delta(delta: torch.Tensor, worker_id: int, num_local_steps: int) -> None:
