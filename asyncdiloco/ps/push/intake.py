@@ -101,10 +101,12 @@ class PushIntake:
 
     def refuse(self, header: pb.PushHeader) -> PushKind | PushOutcome:
         """Every check of a push before its payload is read, in the order they run; the
-        first that fails raises its typed error and nothing is changed. After the payload:
-        its size and CRC-32 (``PayloadAssembler.finish``), its values (value_check.py
-        ``check_values``, in the kind's apply), and under the apply lock its staleness and
-        lease (apply.py ``PseudoGradient.apply``).
+        first that fails raises its typed error and nothing is changed. Later, in
+        ``receive``: a follower shard's turn (``before_receive``: its order from shard 0,
+        or too late); after the payload its size and CRC-32 (``PayloadAssembler.finish``),
+        its values (value_check.py ``check_values``, in the kind's apply), and under the
+        apply lock its staleness, lease and "already initialized" again (apply.py), or a
+        sync round's upload refused by its round (``RoundRefusedError``).
 
         Returns:
             The push's kind, or for a retry of an applied push id its original outcome
