@@ -92,7 +92,7 @@ class ParameterServerState:
         #: restores an async run's checkpoint and log, and goes on in rounds from its version)
         replayers: dict[int, PushKind] = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
         if config.mode == "async":
-            kinds = {INITIAL: initial, PSEUDO_GRADIENT: pseudo}
+            kinds = dict(replayers)
         else:
             self.rounds = SyncRounds(core, live_worker_ids=self.live_worker_ids, snapshots=self.snapshots)
             kinds = {INITIAL: initial, pb.PUSH_KIND_ROUND_RESULT: self.rounds.round_result}

@@ -122,6 +122,10 @@ class PushIntake:
             NotInitializedError, StalePushError: the kind's own checks.
         """
         _check_crc(header)
+        return self._refuse_trusted(header)
+
+    def _refuse_trusted(self, header: pb.PushHeader) -> PushKind | PushOutcome:
+        """``refuse`` after the header's CRC passed."""
         if header.push_id < 1:  # before a retry's answer: 0 or -5 is no replay of anything
             raise InvalidPayloadError(
                 f"push_id is {header.push_id}; the smallest is 1: number a worker's pushes with a counter starting at 1"
@@ -205,7 +209,7 @@ class PushIntake:
         """
         _check_crc(header)  # before its worker id is trusted with anything (a lease kept by _in_progress)
         with self._in_progress(header.worker_id):
-            kind = self.refuse(header)
+            kind = self._refuse_trusted(header)
             if isinstance(kind, PushOutcome):
                 drain()
                 return kind
